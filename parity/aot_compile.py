@@ -1,0 +1,167 @@
+"""Ahead-of-time build of a fast/ file's Triton kernels for real GPUs, without a GPU.
+
+    python parity/aot_compile.py fast/paged_varlen_attention.py [--arch 80 90] [--json out.json]
+
+The file under test lists what it launches in a private ``_compile_cases()`` function, one
+dict per launch shape::
+
+    dict(kernel=<@triton.jit, or @triton.autotune / @triton.heuristics over one>,
+         name="attn_fwd[fp16,D=128]",            # shown in reports
+         signature={"q_ptr": "*fp16", "T": "i32", ...},   # the runtime (non-constexpr) arguments
+         constexprs={"HEAD_DIM": 128, ...},       # every constexpr not set by an autotune config
+         num_warps=4, num_stages=2,               # only for kernels without autotune configs
+         tensor_cores=True)                       # its dots must become mma (sm_80) / wgmma (sm_90)
+
+An autotuned kernel is built once per config in its ``configs`` list (the configs it can
+launch); a case may narrow that with ``configs=[...]``.  Pointers are assumed 16-byte
+aligned, as PyTorch's allocator gives them.  Every build is checked for: it compiles;
+no local memory or stack (register spills); tensor-core instructions where promised.
+Registers and shared memory are reported so a reader sees what the kernel costs.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # the interpreter replaces @triton.jit; we need the compiler
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def _unwrap(kernel):
+    """(JITFunction, autotune configs or None) under any autotune/heuristics wrappers."""
+    configs = None
+    while not isinstance(kernel, JITFunction):
+        if hasattr(kernel, "configs") and configs is None:
+            configs = list(kernel.configs)
+        kernel = kernel.fn
+    return kernel, configs
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    usage = {}
+    for key in ("REG", "STACK", "LOCAL"):
+        m = re.search(rf"\b{key}:(\d+)", text)
+        usage[key.lower()] = int(m.group(1)) if m else None
+    return usage
+
+
+def expand(case: dict) -> list[dict]:
+    """One build per autotune config (or the case's own launch options)."""
+    fn, configs = _unwrap(case["kernel"])
+    configs = case.get("configs", configs)
+    if not configs:
+        return [dict(fn=fn, case=case, constexprs=dict(case.get("constexprs", {})),
+                     num_warps=case.get("num_warps", 4), num_stages=case.get("num_stages", 2),
+                     label=case["name"])]
+    builds = []
+    for cfg in configs:
+        constexprs = dict(case.get("constexprs", {}))
+        constexprs.update(cfg.kwargs)
+        label = case["name"] + "{" + ",".join(f"{k}={v}" for k, v in cfg.kwargs.items()) + \
+            f",w{cfg.num_warps},s{cfg.num_stages}" + "}"
+        builds.append(dict(fn=fn, case=case, constexprs=constexprs, num_warps=cfg.num_warps,
+                           num_stages=cfg.num_stages, label=label))
+    return builds
+
+
+def build(b: dict, arch: int) -> dict:
+    fn, case = b["fn"], b["case"]
+    signature, attrs = {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            if p.name not in b["constexprs"] and p.default is inspect.Parameter.empty:
+                raise KeyError(f"constexpr {p.name!r} has no value in case {case['name']}")
+            signature[p.name] = "constexpr"
+        else:
+            if p.name not in case["signature"]:
+                raise KeyError(f"argument {p.name!r} has no type in case {case['name']}")
+            ty = case["signature"][p.name]
+            signature[p.name] = ty
+            if ty.startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    constexprs = {k: v for k, v in b["constexprs"].items() if k in signature}
+    for p in fn.params:  # constexprs with defaults in the kernel signature
+        if p.is_constexpr and p.name not in constexprs:
+            constexprs[p.name] = p.default
+    result = dict(label=b["label"], arch=arch, ok=False)
+    t0 = time.time()
+    try:
+        src = ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                           options={"num_warps": b["num_warps"], "num_stages": b["num_stages"]})
+    except Exception as e:  # a build error is the finding
+        result["error"] = f"{type(e).__name__}: {str(e)[-2000:]}"
+        return result
+    ptx = k.asm["ptx"]
+    result.update(_resource_usage(k.asm["cubin"]))
+    result["shared"] = k.metadata.shared  # dynamic shared memory the launch asks for, bytes
+    result["seconds"] = round(time.time() - t0, 2)
+    result["mma"] = bool(re.search(r"\bmma\.sync", ptx))
+    result["wgmma"] = "wgmma.mma_async" in ptx
+    problems = []
+    if result.get("local") or result.get("stack"):
+        problems.append(f"spills: local {result['local']} B, stack {result['stack']} B")
+    if case.get("tensor_cores"):
+        if arch >= 90 and case.get("wgmma", True) and not result["wgmma"]:
+            problems.append("no wgmma on sm_90")
+        elif arch < 90 and not result["mma"]:
+            problems.append("no mma.sync on sm_80")
+    result["problems"] = problems
+    result["ok"] = not problems
+    return result
+
+
+def load_cases(path: Path) -> list[dict]:
+    spec = importlib.util.spec_from_file_location(f"aot_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    if not hasattr(mod, "_compile_cases"):
+        return []
+    return list(mod._compile_cases())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("file")
+    ap.add_argument("--arch", type=int, nargs="+", default=[80, 90])
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    results = []
+    for case in load_cases(Path(args.file)):
+        for b in expand(case):
+            for arch in args.arch:
+                r = build(b, arch)
+                results.append(r)
+                status = "ok " if r["ok"] else "BAD"
+                detail = r.get("error") or "; ".join(r.get("problems", []))
+                print(f"{status} sm_{arch} {r['label']}: reg {r.get('reg')} smem {r.get('shared')} "
+                      f"mma {r.get('mma')} wgmma {r.get('wgmma')} {detail}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Shared parity machinery: device choice, seeded inputs, the tolerance rule, NaN poisoning.
+
+Device choice
+    CUDA when present: the GPU tier runs (every dtype, the large shapes).  Otherwise the
+    Triton kernels run through the Triton interpreter on CPU tensors: ``TRITON_INTERPRET=1``
+    is set here, before anything imports triton (``import torch`` does not; torch._dynamo
+    does), and the tests use small shapes in fp32 and fp16 (the interpreter has no bf16).
+
+The tolerance rule (shared/DESIGN.md, FlashAttention's rule)
+    Every output is compared with the reference computed in fp64 (``ref64``).  The fast
+    result may be at most ``factor`` times as wrong as the reference run in the test dtype
+    (``ref_lowp``: what plain PyTorch gets in that precision) plus a floor, the dtype's
+    rounding noise at the output's scale::
+
+        max|fast - ref64| <= factor * max|ref_lowp - ref64| + eps(dtype) * max|ref64|
+
+    ``factor`` is 2 for outputs and 3 for gradients.  Long recurrences add an RMS-ratio
+    guard ``rms(fast - ref64) / rms(ref64) <= rms_ratio``.  NaN and inf must sit in the
+    same places on both sides.  The helper prints max and mean errors of both sides, so a
+    passing run still shows how much headroom it had (``pytest -s``).
+
+Inputs
+    Seeded, random, never zeros: varlen lengths with empty sequences, page pools that are
+    over-allocated and shuffled, block tables that are random permutations, partly filled
+    last pages whose unused slots hold NaN (a kernel that reads past ``seqused_k`` and
+    multiplies by zero still turns the output into NaN, so the test sees it).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton 3.9 warns on every compile unless the FP-fusion default is stated; keep fusion on.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import pytest  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+requires_gpu = pytest.mark.skipif(not ON_GPU, reason="GPU tier: needs CUDA")
+needs_bf16_compute = pytest.mark.skipif(
+    INTERPRET, reason="the Triton interpreter cannot compute in bf16; runs on a GPU"
+)
+
+
+def gpu_case(*values, id=None):
+    """A parametrize entry that runs only in the GPU tier (large shapes, long sequences)."""
+    return pytest.param(*values, id=id, marks=[pytest.mark.gpu, requires_gpu])
+
+
+def dtype_params(*dtypes: torch.dtype):
+    """fp32 and fp16 everywhere, bf16 where it can be computed (a GPU)."""
+    dtypes = dtypes or (torch.float32, torch.float16, torch.bfloat16)
+    params = []
+    for dt in dtypes:
+        name = str(dt).removeprefix("torch.")
+        marks = [needs_bf16_compute] if dt == torch.bfloat16 else []
+        params.append(pytest.param(dt, id=name, marks=marks))
+    return params
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def make_generator(seed: int) -> torch.Generator:
+    """A CPU generator: inputs are drawn on the CPU and moved, so every device sees the same data."""
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, gen: torch.Generator, dtype=torch.float32, device=DEVICE, scale=1.0, shift=0.0):
+    """Seeded normal values drawn in fp64 on the CPU, then cast and moved."""
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64) * scale + shift
+    return x.to(dtype=dtype, device=device)
+
+
+def random_lengths(n: int, max_len: int, *, gen: torch.Generator, min_len: int = 0,
+                   with_empty: bool = True) -> list[int]:
+    """``n`` sequence lengths in ``[min_len, max_len]``; with ``with_empty`` (and n >= 2) one is 0
+    and one is ``max_len``, so the edge cases are always present."""
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=gen).tolist()
+    if n >= 2:
+        slots = torch.randperm(n, generator=gen).tolist()
+        lengths[slots[0]] = max_len
+        if with_empty:
+            lengths[slots[1]] = 0
+    return lengths
+
+
+def cu_seqlens(lengths, device=DEVICE) -> torch.Tensor:
+    """``[0, l0, l0+l1, ...]`` as int32, the layout varlen APIs take."""
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return out.to(device)
+
+
+def build_page_pool(seqs, page_size: int, *, gen: torch.Generator, extra_pages: int = 3,
+                    extra_table_cols: int = 1, fill=float("nan")):
+    """Scatter per-sequence tensors ``seqs[i] [L_i, ...]`` into a shuffled, over-allocated pool.
+
+    Returns ``(pool [num_pages, page_size, ...], block_table [N, max_pages] int32,
+    seqused [N] int32)``.  Pages are handed out in a random permutation of the pool, the
+    pool has ``extra_pages`` pages nobody owns, slots past a sequence's length are filled
+    with ``fill`` (NaN by default), and the table has ``extra_table_cols`` spare columns
+    pointing at random pages (a kernel that reads them reads someone else's data).
+    Several tensors sharing one table: call with the same ``gen`` state via
+    ``build_page_pools``.
+    """
+    pools, table, used = build_page_pools([seqs], page_size, gen=gen, extra_pages=extra_pages,
+                                          extra_table_cols=extra_table_cols, fill=fill)
+    return pools[0], table, used
+
+
+def build_page_pools(tensor_lists, page_size: int, *, gen: torch.Generator, extra_pages: int = 3,
+                     extra_table_cols: int = 1, fill=float("nan")):
+    """``build_page_pool`` for several per-sequence lists (K and V) that share one block table."""
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    lengths = [int(s.shape[0]) for s in tensor_lists[0]]
+    pages_per_seq = [-(-length // page_size) for length in lengths]
+    num_pages = sum(pages_per_seq) + extra_pages
+    max_pages = max(pages_per_seq + [1]) + extra_table_cols
+    perm = torch.randperm(num_pages, generator=gen)
+    table = torch.randint(0, num_pages, (len(lengths), max_pages), generator=gen, dtype=torch.int32)
+    cursor = 0
+    for i, n_pages in enumerate(pages_per_seq):
+        table[i, :n_pages] = perm[cursor:cursor + n_pages].to(torch.int32)
+        cursor += n_pages
+    pools = []
+    for seqs in tensor_lists:
+        ref = seqs[0]
+        pool = torch.full((num_pages, page_size, *ref.shape[1:]), fill, dtype=ref.dtype, device=ref.device)
+        for i, s in enumerate(seqs):
+            for p in range(pages_per_seq[i]):
+                chunk = s[p * page_size:(p + 1) * page_size]
+                pool[int(table[i, p]), :chunk.shape[0]] = chunk
+        pools.append(pool)
+    device = tensor_lists[0][0].device
+    used = torch.tensor(lengths, dtype=torch.int32, device=device)
+    return pools, table.to(device), used
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output buffer with NaN (floats) or a huge value (ints) before a fast call, so an
+    element the kernel forgot to write fails the comparison."""
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    return t.fill_(torch.iinfo(t.dtype).max)
+
+
+def nan_like(t: torch.Tensor) -> torch.Tensor:
+    return poison_(torch.empty_like(t))
+
+
+# ----------------------------------------------------------------------------- tolerance
+
+def _floor(dtype: torch.dtype, scale: float) -> float:
+    return torch.finfo(dtype).eps * max(scale, 1e-30)
+
+
+def check_close(name: str, fast: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor | None, *,
+                factor: float = 2.0, floor: float | None = None, rms_ratio: float | None = None,
+                atol: float | None = None) -> dict:
+    """The DESIGN.md rule.  ``ref_lowp`` is the reference run in the test dtype; pass None only
+    where no low-precision run exists and give ``atol`` instead.  Returns the measured errors."""
+    assert fast.shape == ref64.shape, f"{name}: shape {tuple(fast.shape)} != reference {tuple(ref64.shape)}"
+    fast64 = fast.detach().to(device="cpu", dtype=torch.float64)
+    ref64 = ref64.detach().to(device="cpu", dtype=torch.float64)
+
+    nan_f, nan_r = torch.isnan(fast64), torch.isnan(ref64)
+    if not torch.equal(nan_f, nan_r):
+        where = (nan_f != nan_r).nonzero()[:5].tolist()
+        raise AssertionError(f"{name}: NaN pattern differs ({int(nan_f.sum())} NaN in fast, "
+                             f"{int(nan_r.sum())} in reference); first differing indices {where}")
+    inf_f, inf_r = torch.isinf(fast64), torch.isinf(ref64)
+    if not torch.equal(inf_f, inf_r) or not torch.equal(fast64[inf_f], ref64[inf_r]):
+        where = (inf_f != inf_r).nonzero()[:5].tolist()
+        raise AssertionError(f"{name}: inf pattern differs; first differing indices {where}")
+
+    finite = torch.isfinite(ref64)
+    if not finite.any():
+        return {"err_fast": 0.0, "err_lowp": 0.0}
+    diff = (fast64 - ref64)[finite].abs()
+    scale = ref64[finite].abs().max().item()
+    err_fast, mean_fast = diff.max().item(), diff.mean().item()
+    if ref_lowp is not None:
+        assert ref_lowp.shape == ref64.shape, f"{name}: ref_lowp shape {tuple(ref_lowp.shape)}"
+        lowp64 = ref_lowp.detach().to(device="cpu", dtype=torch.float64)
+        diff_lowp = (lowp64 - ref64)[finite].abs()
+        err_lowp, mean_lowp = diff_lowp.max().item(), diff_lowp.mean().item()
+        bound = factor * err_lowp + (floor if floor is not None else _floor(fast.dtype, scale))
+    else:
+        assert atol is not None, f"{name}: without ref_lowp an explicit atol is needed"
+        err_lowp = mean_lowp = float("nan")
+        bound = atol
+    if atol is not None and ref_lowp is not None:
+        bound = max(bound, atol)
+    report = (f"{name}: max|fast-ref64| {err_fast:.3e} (mean {mean_fast:.3e}) | "
+              f"max|lowp-ref64| {err_lowp:.3e} (mean {mean_lowp:.3e}) | bound {bound:.3e} | scale {scale:.3e}")
+    print(report)
+    assert err_fast <= bound, "tolerance exceeded: " + report
+    out = {"err_fast": err_fast, "err_lowp": err_lowp, "bound": bound}
+    if rms_ratio is not None:
+        rms_ref = ref64[finite].pow(2).mean().sqrt().item()
+        ratio = (fast64 - ref64)[finite].pow(2).mean().sqrt().item() / max(rms_ref, 1e-30)
+        print(f"{name}: rms ratio {ratio:.3e} (limit {rms_ratio:.1e})")
+        assert ratio <= rms_ratio, f"{name}: rms ratio {ratio:.3e} > {rms_ratio:.1e}"
+        out["rms_ratio"] = ratio
+    return out
+
+
+def rms_ratio(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """fla's metric: ``rms(a - ref) / rms(ref)``."""
+    a, ref = a.detach().double().cpu(), ref.detach().double().cpu()
+    return ((a - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def fp64(*tensors):
+    """Detached fp64 copies on the same device (``None`` passes through)."""
+    out = tuple(None if t is None else t.detach().to(torch.float64) for t in tensors)
+    return out[0] if len(out) == 1 else out
+
+
+def assert_finite(name: str, t: torch.Tensor):
+    bad = ~torch.isfinite(t)
+    assert not bad.any(), f"{name}: {int(bad.sum())} non-finite values, first at {bad.nonzero()[:3].tolist()}"
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+

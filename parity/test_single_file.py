@@ -1,0 +1,182 @@
+"""The single-file rules of shared/DESIGN.md, checked on every file in ref/ and fast/.
+
+1. Copyable alone: each file is copied into an empty directory and imported there by a
+   fresh interpreter that cannot see this repository.  The import must print nothing and
+   must not touch a device (``torch.cuda`` stays uninitialized).
+2. Imports only the standard library, torch, triton, einops; no relative imports.
+3. A header docstring and an ``__all__`` whose names all exist.
+4. ref and fast share a contract: the same ``__all__``, and every public function, class
+   and public method has the same parameters (names, order, kinds, defaults).  The few
+   deliberate differences are listed in ``ALLOWED_EXTRA`` with the reason.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ALLOWED_MODULES = {"torch", "triton", "einops", "__future__"} | set(sys.stdlib_module_names)
+
+
+def _feature_files(folder: str) -> list[Path]:
+    return sorted(p for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py")
+
+
+FILES = _feature_files("ref") + _feature_files("fast")
+FEATURES = sorted({p.stem for p in FILES})
+
+# (feature, public name) -> why the name is public in one of ref/fast only.
+ALLOWED_ONE_SIDED: dict[tuple[str, str], str] = {}
+
+# (folder, public name or "*", parameter name) -> why the parameter exists on one side only.
+ALLOWED_EXTRA = {
+    ("ref", "*", "upcast"): "the reference can run its math in the input dtype to give the "
+                            "low-precision baseline of the tolerance rule",
+}
+
+_IMPORT_PROBE = r"""
+import importlib, json, sys
+import torch
+name, result_path = sys.argv[1], sys.argv[2]
+mod = importlib.import_module(name)
+public = getattr(mod, "__all__", None)
+json.dump({
+    "cuda_initialized": bool(torch.cuda.is_initialized()),
+    "all": list(public) if public is not None else None,
+    "missing": [n for n in (public or []) if not hasattr(mod, n)],
+    "file": mod.__file__,
+}, open(result_path, "w"))
+"""
+
+
+def _import_alone(path: Path) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / path.name
+        target.write_bytes(path.read_bytes())
+        result_path = Path(tmp) / "result.json"
+        env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "TRITON_INTERPRET"}}
+        proc = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, path.stem, str(result_path)],
+                              cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+        result = json.loads(result_path.read_text()) if result_path.exists() else {}
+        result.update(returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr, tmp=tmp)
+        return result
+
+
+@pytest.fixture(scope="module")
+def import_results():
+    # Each probe is a fresh interpreter importing torch: run them side by side.
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        results = dict(zip(FILES, pool.map(_import_alone, FILES)))
+    return results
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_imports_alone_quietly(path, import_results):
+    r = import_results[path]
+    assert r["returncode"] == 0, f"{path.name} does not import alone:\n{r['stderr'][-3000:]}"
+    assert r["file"].startswith(r["tmp"]), f"{path.name} was imported from {r['file']}, not the copy"
+    assert r["stdout"] == "", f"importing {path.name} printed to stdout: {r['stdout'][:500]!r}"
+    assert r["stderr"] == "", f"importing {path.name} printed to stderr: {r['stderr'][:500]!r}"
+    assert not r["cuda_initialized"], f"importing {path.name} initialized CUDA (no work at import)"
+    assert r["all"], f"{path.name} has no __all__"
+    assert not r["missing"], f"{path.name}: __all__ names that do not exist: {r['missing']}"
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_imports_and_docstring(path):
+    tree = ast.parse(path.read_text())
+    doc = ast.get_docstring(tree)
+    assert doc and len(doc.splitlines()) >= 10, f"{path.name}: the header docstring is missing or too thin"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path.name}:{node.lineno}: relative import"
+            mods = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            mods = [a.name for a in node.names]
+        else:
+            continue
+        for m in mods:
+            assert m.split(".")[0] in ALLOWED_MODULES, (
+                f"{path.name}:{node.lineno}: imports {m!r}; only the standard library, torch, triton, einops")
+
+
+def test_every_feature_has_both_files():
+    for feature in FEATURES:
+        assert (ROOT / "ref" / f"{feature}.py").exists(), f"ref/{feature}.py is missing"
+        assert (ROOT / "fast" / f"{feature}.py").exists(), f"fast/{feature}.py is missing"
+
+
+# ----------------------------------------------------------------------------- contract
+
+def _params(obj) -> list[tuple]:
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return []
+    return [(p.name, p.kind.name, repr(p.default)) for p in sig.parameters.values()]
+
+
+def _allowed(folder: str, public: str, param: str) -> bool:
+    return (folder, "*", param) in ALLOWED_EXTRA or (folder, public, param) in ALLOWED_EXTRA
+
+
+def _compare_params(public: str, ref_obj, fast_obj) -> list[str]:
+    ref_p = [p for p in _params(ref_obj) if not _allowed("ref", public, p[0])]
+    fast_p = [p for p in _params(fast_obj) if not _allowed("fast", public, p[0])]
+    if ref_p != fast_p:
+        return [f"{public}: parameters differ\n  ref : {ref_p}\n  fast: {fast_p}"]
+    return []
+
+
+def _public_members(cls) -> dict:
+    out = {}
+    for name, member in inspect.getmembers(cls):
+        if name.startswith("_") and name != "__init__":
+            continue
+        if inspect.isfunction(member) or inspect.ismethod(member) or isinstance(member, property):
+            out[name] = member
+    return out
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_ref_and_fast_share_contract(feature):
+    ref = importlib.import_module(f"ref.{feature}")
+    fast = importlib.import_module(f"fast.{feature}")
+    one_sided = {name for (feat, name) in ALLOWED_ONE_SIDED if feat == feature}
+    only_ref = set(ref.__all__) - set(fast.__all__) - one_sided
+    only_fast = set(fast.__all__) - set(ref.__all__) - one_sided
+    assert not only_ref and not only_fast, (
+        f"__all__ differs: only in ref {sorted(only_ref)}, only in fast {sorted(only_fast)}")
+    problems = []
+    for public in sorted(set(ref.__all__) & set(fast.__all__)):
+        r, f = getattr(ref, public), getattr(fast, public)
+        if callable(r) != callable(f) or inspect.isclass(r) != inspect.isclass(f):
+            problems.append(f"{public}: a {type(r).__name__} in ref but a {type(f).__name__} in fast")
+            continue
+        if inspect.isclass(r):
+            if dataclasses.is_dataclass(r):
+                rf = [(x.name, repr(x.default)) for x in dataclasses.fields(r)]
+                ff = [(x.name, repr(x.default)) for x in dataclasses.fields(f)]
+                if rf != ff:
+                    problems.append(f"{public}: dataclass fields differ\n  ref : {rf}\n  fast: {ff}")
+            problems += _compare_params(public, r, f)
+            rm, fm = _public_members(r), _public_members(f)
+            for name in sorted(set(rm) - set(fm)):
+                problems.append(f"{public}.{name}: in ref only")
+            for name in sorted(set(rm) & set(fm)):
+                if not isinstance(rm[name], property):
+                    problems += _compare_params(f"{public}.{name}", rm[name], fm[name])
+        elif callable(r):
+            problems += _compare_params(public, r, f)
+    assert not problems, "ref and fast contracts differ:\n" + "\n".join(problems)

@@ -1,0 +1,1 @@
+"""Readable PyTorch references: the specification of every feature (each file stands alone)."""
