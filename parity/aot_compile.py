@@ -7,15 +7,20 @@ dict per launch shape::
 
     dict(kernel=<@triton.jit, or @triton.autotune / @triton.heuristics over one>,
          name="attn_fwd[fp16,D=128]",            # shown in reports
-         signature={"q_ptr": "*fp16", "T": "i32", ...},   # the runtime (non-constexpr) arguments
+         signature={"q_ptr": "*fp16", "T": "i32", "stride": "i32:16", ...},
+                                                  # the runtime (non-constexpr) arguments; ":16" marks
+                                                  # an int the launch sees divisible by 16 (Triton
+                                                  # specializes on that at run time, e.g. strides)
          constexprs={"HEAD_DIM": 128, ...},       # every constexpr not set by an autotune config
          num_warps=4, num_stages=2,               # only for kernels without autotune configs
-         tensor_cores=True)                       # its dots must become mma (sm_80) / wgmma (sm_90)
+         tensor_cores=True,                       # its dots must become mma (sm_80) / wgmma (sm_90)
+         archs=[80, 90])                          # optional: the archs this case is launched on
 
 An autotuned kernel is built once per config in its ``configs`` list (the configs it can
 launch); a case may narrow that with ``configs=[...]``.  Pointers are assumed 16-byte
 aligned, as PyTorch's allocator gives them.  Every build is checked for: it compiles;
-no local memory or stack (register spills); tensor-core instructions where promised.
+no local memory or stack (register spills); shared memory within the arch's per-block
+limit (a kernel over it compiles but cannot launch); tensor-core instructions where promised.
 Registers and shared memory are reported so a reader sees what the kernel costs.
 """
 from __future__ import annotations
@@ -41,6 +46,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+# Opt-in dynamic shared memory per block: A100 (sm_80) 163 KB, H100/H200 (sm_90) 227 KB.
+SMEM_LIMIT = {80: 166912, 90: 232448}
 
 
 def _unwrap(kernel):
@@ -96,9 +103,9 @@ def build(b: dict, arch: int) -> dict:
         else:
             if p.name not in case["signature"]:
                 raise KeyError(f"argument {p.name!r} has no type in case {case['name']}")
-            ty = case["signature"][p.name]
+            ty, _, divisible = case["signature"][p.name].partition(":")
             signature[p.name] = ty
-            if ty.startswith("*"):
+            if ty.startswith("*") or divisible == "16":
                 attrs[(i,)] = [["tt.divisibility", 16]]
     constexprs = {k: v for k, v in b["constexprs"].items() if k in signature}
     for p in fn.params:  # constexprs with defaults in the kernel signature
@@ -122,6 +129,8 @@ def build(b: dict, arch: int) -> dict:
     problems = []
     if result.get("local") or result.get("stack"):
         problems.append(f"spills: local {result['local']} B, stack {result['stack']} B")
+    if result["shared"] > SMEM_LIMIT.get(arch, SMEM_LIMIT[80]):
+        problems.append(f"shared memory {result['shared']} B over the sm_{arch} limit {SMEM_LIMIT[arch]} B")
     if case.get("tensor_cores"):
         if arch >= 90 and case.get("wgmma", True) and not result["wgmma"]:
             problems.append("no wgmma on sm_90")
@@ -151,7 +160,7 @@ def main(argv=None) -> int:
     results = []
     for case in load_cases(Path(args.file)):
         for b in expand(case):
-            for arch in args.arch:
+            for arch in [a for a in args.arch if a in case.get("archs", args.arch)]:
                 r = build(b, arch)
                 results.append(r)
                 status = "ok " if r["ok"] else "BAD"
