@@ -267,13 +267,17 @@ class _Ticket:
         self.router._on_done(self, fut)
 
 
-def _resolve(future: Future, value, exc) -> None:
+def _set_result(future: Future, value) -> None:
     try:
-        if exc is None:
-            future.set_result(value)
-        else:
-            future.set_exception(exc)
+        future.set_result(value)
     except InvalidStateError:  # someone else settled the user's future: theirs stands
+        pass
+
+
+def _set_exception(future: Future, exc: BaseException) -> None:
+    try:
+        future.set_exception(exc)
+    except InvalidStateError:
         pass
 
 
@@ -353,12 +357,33 @@ class GeneratorRouter:
         """Route one request; the future resolves to its ``Completion`` (or a ``RouterError``)."""
         if not isinstance(request, Request):
             raise TypeError(f"request must be a Request, got {type(request).__name__}")
+        try:
+            hash(request.session_id)  # checked here: the policy hashes it under the lock
+        except TypeError:
+            raise TypeError(f"request.session_id must be hashable, got {type(request.session_id).__name__}") from None
         future = Future()
         with self._lock:
             ticket = _Ticket(next(self._arrivals), request, future, self)
-            self._fresh.append(ticket)
-            work = self._pump()
-        if work:
+            if self._fresh or self._retry or not self._n_healthy:
+                self._fresh.append(ticket)
+                work = self._pump()
+                slot = None
+            else:
+                # The common case, _pump() on a queue holding only this ticket, inlined.
+                ticket.started = True
+                future.set_running_or_notify_cancel()  # nobody else holds it yet: cannot be cancelled
+                slot = self._choose(request)
+                if slot is None:
+                    self._fresh.append(ticket)  # it waits at the head of the queue
+                else:
+                    self._reserve(slot)
+                work = None
+        if slot is not None:
+            if getattr(self._local, "pending", None) is None:
+                self._dispatch(ticket, slot)  # its callbacks open their own work list
+            else:
+                self._local.pending.append((self._dispatch, ticket, slot))
+        elif work:
             self._run(work)
         return future
 
@@ -532,13 +557,17 @@ class GeneratorRouter:
                 heapq.heappop(retry)
             else:
                 fresh.popleft()
-            slot.inflight += 1  # reserve before dispatch
-            slot.dispatched += 1
-            self._tick += 1
-            slot.last_chosen = self._tick
-            self._push(slot)
+            self._reserve(slot)
             work.append((self._dispatch, ticket, slot))
         return work
+
+    def _reserve(self, s: _Slot) -> None:
+        """Count the request against the generator before it is dispatched."""
+        s.inflight += 1
+        s.dispatched += 1
+        self._tick += 1
+        s.last_chosen = self._tick
+        self._push(s)
 
     def _fail_all(self, work: list) -> None:
         """No healthy generator: every queued request fails, in arrival order."""
@@ -551,7 +580,7 @@ class GeneratorRouter:
                 t.started = True
                 if not t.future.set_running_or_notify_cancel():
                     continue
-            work.append((_resolve, t.future, None, RouterError(
+            work.append((_set_exception, t.future, RouterError(
                 f"request {t.request.request_id} failed: no healthy generator left", (t.causes or []) + causes)))
 
     # ------------------------------------------------------------------ doing (outside the lock)
@@ -565,8 +594,8 @@ class GeneratorRouter:
         local.pending = pending = deque(work)
         try:
             while pending:
-                fn, *args = pending.popleft()
-                fn(*args)
+                fn, a, b = pending.popleft()
+                fn(a, b)
         finally:
             local.pending = None
 
@@ -578,7 +607,7 @@ class GeneratorRouter:
         except (ValueError, TypeError) as exc:  # the request's fault: fail it, keep the generator
             with self._lock:
                 self._release(slot)
-                work = [(_resolve, ticket.future, None, exc)] + self._pump()
+                work = [(_set_exception, ticket.future, exc)] + self._pump()
             self._run(work)
         except Exception as exc:
             self._settle_failure(ticket, slot, exc)
@@ -608,10 +637,25 @@ class GeneratorRouter:
         with self._lock:
             self._release(slot)
             slot.completed += 1
-            work = [(_resolve, ticket.future, completion, None)]
-            if self._fresh or self._retry:
-                work += self._pump()
-        self._run(work)
+            work = self._pump() if self._fresh or self._retry else None
+        pending = getattr(self._local, "pending", None)
+        if pending is not None:
+            pending.append((_set_result, ticket.future, completion))
+            if work:
+                pending.extend(work)
+        elif work:
+            self._run([(_set_result, ticket.future, completion)] + work)
+        else:
+            # The user's callbacks run inside a work list, so one that submits again from
+            # there appends to it instead of nesting a call deeper per request.
+            self._local.pending = pending = deque()
+            try:
+                _set_result(ticket.future, completion)
+                while pending:
+                    fn, a, b = pending.popleft()
+                    fn(a, b)
+            finally:
+                self._local.pending = None
 
     def _settle_failure(self, ticket: _Ticket, slot: _Slot, exc: BaseException) -> None:
         with self._lock:
@@ -623,7 +667,7 @@ class GeneratorRouter:
                 ticket.causes = []
             ticket.causes.append((slot.name, exc))
             if len(ticket.causes) > self.max_retries:
-                work = [(_resolve, ticket.future, None, RouterError(
+                work = [(_set_exception, ticket.future, RouterError(
                     f"request {ticket.request.request_id} failed after {len(ticket.causes)} attempts",
                     ticket.causes))]
             else:

@@ -333,6 +333,10 @@ class GeneratorRouter:
         """Route one request; the future resolves to its ``Completion`` (or a ``RouterError``)."""
         if not isinstance(request, Request):
             raise TypeError(f"request must be a Request, got {type(request).__name__}")
+        try:
+            hash(request.session_id)  # checked here: the policy hashes it under the lock
+        except TypeError:
+            raise TypeError(f"request.session_id must be hashable, got {type(request.session_id).__name__}") from None
         future = Future()
         with self._lock:
             ticket = _Ticket(next(self._arrivals), request, future)
