@@ -60,7 +60,8 @@ Supported, and what raises
     does not increase; TypeError for an object lacking a protocol member, a request that is
     not a ``Request``, a version that is not an int.  Limits: no timeouts (a generator whose
     futures never settle stalls a drain); the request at the head of the queue can no longer
-    be cancelled; a done-callback must not block on another router future.
+    be cancelled; a done-callback must not block on another router future or call
+    ``sync_weights``.
 
 References
     vLLM router / SGLang model-gateway policies; Mitzenmacher, The Power of Two Choices in

@@ -62,6 +62,8 @@ class ManualGen:
         self.pending = []                # [(request, future, version at admission)]
         self.submit_error = None         # raised by every submit while set
         self.submit_error_once = None    # raised by the next submit only
+        self.instant = False             # settle every future inside submit (success)
+        self.instant_once = False        # settle the next one inside submit
         self.load_gate = None            # load_weights waits for this Event when set
         self.load_started = threading.Event()
         self.load_error = None
@@ -77,7 +79,10 @@ class ManualGen:
                 raise err
             fut = Future()
             self.pending.append((request, fut, self.policy_version))
-            return fut
+            instant, self.instant_once = self.instant or self.instant_once, False
+        if instant:  # completes before submit returns: the router's callback runs in here
+            self.settle(len(self.pending) - 1)
+        return fut
 
     def settle(self, index=0, error=None):
         with self.lock:
@@ -280,6 +285,11 @@ def test_constructor_and_argument_errors(rg):
     router = rg.GeneratorRouter(gens)
     with pytest.raises(TypeError, match="request"):
         router.submit([1, 2, 3])
+    bad = req(rg, "mutated")
+    bad.session_id = ["made unhashable after construction"]
+    with pytest.raises(TypeError, match="session_id"):
+        router.submit(bad)
+    assert router.queued == 0
     with pytest.raises(TypeError, match=r"requests\[1\]"):
         router.generate([req(rg, 0), "no"])
     assert gens[0].log == []  # nothing was submitted before the bad one was found
@@ -555,23 +565,11 @@ def test_queued_requests_fail_when_the_last_generator_dies(rg):
     assert router.queued == 0
 
 
-class SwitchGen(ManualGen):
-    """Holds its futures until ``instant`` is set; from then on completes inside ``submit``."""
-
-    instant = False
-
-    def submit(self, request):
-        fut = super().submit(request)
-        if self.instant:
-            self.settle(-1)
-        return fut
-
-
 def test_deep_synchronous_chains_do_not_recurse(rg):
     """A queue far longer than the recursion limit drains in one call through a generator that
     completes inside ``submit``: each completion frees the slot for the next dispatch, which
     must not nest one call deeper per request."""
-    g = SwitchGen(rg, "g0")
+    g = ManualGen(rg, "g0")
     router = rg.GeneratorRouter([g], max_inflight=1)
     first = router.submit(req(rg, "first"))
     n = sys.getrecursionlimit() * 3
@@ -826,8 +824,8 @@ def _script(rg, policy, cap, seed, steps=260):
 
     sync_errors = []
     for step in range(steps):
-        op = rnd.choices(["submit", "settle", "settle_bad", "submit_raises", "heal", "sync"],
-                         weights=[10, 8, 1, 0.5, 1, 0.6])[0]
+        op = rnd.choices(["submit", "settle", "settle_bad", "submit_raises", "instant", "heal", "sync"],
+                         weights=[10, 8, 1, 0.5, 1, 1, 0.6])[0]
         if op == "submit":
             session = rnd.choice([None, "a", "b", "c", "d", "e", "f"])
             futures.append(router.submit(rg.Request([step, 1], request_id=f"s{step}", session_id=session)))
@@ -837,6 +835,8 @@ def _script(rg, policy, cap, seed, steps=260):
             settle_some(1.0)
         elif op == "submit_raises":
             rnd.choice(gens).submit_error_once = RuntimeError("refused")
+        elif op == "instant":  # its next request completes inside submit (nested router work)
+            rnd.choice(gens).instant_once = True
         elif op == "heal":
             router.mark_healthy(rnd.choice(gens).name)
         elif op == "sync":
@@ -857,7 +857,7 @@ def _script(rg, policy, cap, seed, steps=260):
     if sync is not None:
         sync_errors.append(type(end_sync().get("error")).__name__)
     for g in gens:
-        g.submit_error_once = None
+        g.submit_error_once, g.instant_once = None, False
     while any(g.pending for g in gens):
         for g in gens:
             while g.pending:
@@ -894,3 +894,15 @@ def test_ref_and_fast_make_the_same_decisions(policy, cap):
     assert seen["dispatches"] > 300 and seen["served"] > 250, seen
     assert seen["retried"] > 0 and seen["failed"] > 0 and seen["spans"] > 0, seen
     assert seen["syncs"] >= 3 and seen["failed_syncs"] > 0, seen
+
+
+def test_memory_stays_bounded(rg):
+    """The sticky map keeps at most max_sessions sessions; fast's lazy heap keeps O(n) entries."""
+    gens = [InstantGen(rg, f"g{i}") for i in range(4)]
+    for policy in ("sticky", "least_loaded", "round_robin"):
+        router = rg.GeneratorRouter(gens, policy=policy, max_sessions=16, max_inflight=2)
+        for i in range(3000):
+            router.submit(rg.Request([1], session_id=i))
+        assert len(router._sessions) == (16 if policy == "sticky" else 0)
+        if rg is fast_rg:
+            assert len(router._heap) <= 2 * len(gens) + 64 + 1

@@ -58,8 +58,9 @@ Supported, and what raises
     that does not increase; TypeError for an object that lacks a protocol member, a request
     that is not a ``Request``, a version that is not an int.
     Limits: a generator whose futures never settle (neither result nor error) is not detected
-    (there are no timeouts) and stalls a drain; a queued request at the head of the queue can
-    no longer be cancelled.
+    (there are no timeouts) and stalls a drain; the request at the head of the queue can no
+    longer be cancelled; a done-callback of a router future runs in the thread that settled
+    it and must not block on another router future or call ``sync_weights``.
 
 References
     vLLM router / SGLang model-gateway policies (round robin, least-loaded, cache-aware
