@@ -635,28 +635,15 @@ class GeneratorRouter:
         except Exception as exc:
             self._settle_failure(ticket, slot, exc)
             return
+        work = [(_set_result, ticket.future, completion)]
         with self._lock:
             self._release(slot)
             slot.completed += 1
-            work = self._pump() if self._fresh or self._retry else None
-        pending = getattr(self._local, "pending", None)
-        if pending is not None:
-            pending.append((_set_result, ticket.future, completion))
-            if work:
-                pending.extend(work)
-        elif work:
-            self._run([(_set_result, ticket.future, completion)] + work)
-        else:
-            # The user's callbacks run inside a work list, so one that submits again from
-            # there appends to it instead of nesting a call deeper per request.
-            self._local.pending = pending = deque()
-            try:
-                _set_result(ticket.future, completion)
-                while pending:
-                    fn, a, b = pending.popleft()
-                    fn(a, b)
-            finally:
-                self._local.pending = None
+            if self._fresh or self._retry:
+                work += self._pump()
+        # Inside a work list, so a user callback that submits again from there appends to it
+        # instead of nesting one call deeper per request.
+        self._run(work)
 
     def _settle_failure(self, ticket: _Ticket, slot: _Slot, exc: BaseException) -> None:
         with self._lock:
