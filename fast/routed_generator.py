@@ -26,8 +26,8 @@ What makes it cheap (costs per request, n generators)
     - O(log n) choice: one binary heap of (load, last_chosen, index) (``(last_chosen, index)``
       for round_robin) with lazy invalidation: an entry is pushed whenever a generator's key
       changes or it becomes eligible again, and a popped entry whose key is stale or whose
-      generator is not eligible is dropped.  The heap is rebuilt from scratch when stale
-      entries outnumber 2n + 64, so memory stays O(n).  power_of_two is O(1) plus the same
+      generator is not eligible is dropped.  The heap is rebuilt from the eligible generators
+      when it holds more than 2n + 64 entries, so memory stays O(n).  power_of_two is O(1) plus the same
       heap as fallback; the reference scans all n generators per request.
     - The queue is a deque of fresh arrivals (already in arrival order) plus a small heap of
       retried requests, instead of one heap over everything; the common path with an empty
