@@ -1,0 +1,405 @@
+"""Routed generator benchmark: the router's cost and its scheduling quality, on the CPU by design.
+
+The router is host code, so every number here is meaningful on a CPU (these rows are committed).
+Generators are simulated engines (no model): ``SimEngine`` has ``lanes`` parallel lanes and draws
+each request's latency from a long-tailed log-normal, driven by one shared clock thread.
+
+Cases
+    overhead n=N policy       router overhead per request: time to submit a batch and collect
+                              every result through the router, minus the same requests sent to
+                              the generators directly, divided by the batch.  The generator is
+                              "instant" (its future is done when submit returns), so all the work
+                              happens in the benchmark thread: ``overhead_cpu`` is that thread's
+                              CPU time (robust on a shared machine), ``overhead_wall`` wall time;
+                              best of several interleaved repetitions.  Target for fast: < 50 us.
+    overhead_queued n=8 ...   the same with max_inflight=4 and a deep router queue (held futures
+                              released one by one): the queue and re-dispatch path.
+    throughput n=N            a closed loop keeping 2x the fleet's lanes outstanding through N
+                              SimEngines (4 lanes, median 100 ms, sigma 0.8), least_loaded with
+                              max_inflight=4 (so requests wait in the router queue): requests/s,
+                              its fraction of the engines' capacity (lanes / mean latency), p99
+                              latency.  Near 100% means the router is not the bottleneck.
+    policy=P                  a batch submitted at once to 8 engines (4 lanes, median 20 ms), one
+                              4x slower: makespan, p50 / p99 latency, share sent to the slow one.
+    staleness mode=M          a closed-loop stream while the trainer publishes a version every
+                              50 ms (loads take 20 ms): span = max - min policy version of a
+                              completion, lag = trainer's newest version at finish - min version,
+                              throughput and p99 latency.
+
+    python bench/routed_generator.py            # all cases, appends to bench/results/routed_generator.csv
+    python bench/routed_generator.py --quick    # fewer repetitions, no CSV
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import math
+import random
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.harness import Recorder  # noqa: E402
+import fast.routed_generator as fast_rg  # noqa: E402
+import ref.routed_generator as ref_rg  # noqa: E402
+
+IMPLS = {"ref": ref_rg, "fast": fast_rg}
+
+
+# ----------------------------------------------------------------------------- simulated generators
+
+class InstantGen:
+    """A generator whose future is already done when ``submit`` returns."""
+
+    def __init__(self, rg, name):
+        self.rg, self.name, self.policy_version = rg, name, 0
+
+    def submit(self, request):
+        fut = Future()
+        fut.set_result(request.request_id)  # the router passes results through untouched
+        return fut
+
+    def load_weights(self, state_dict, version):
+        self.policy_version = version
+
+
+class HoldGen(InstantGen):
+    """Futures held until ``release_all``: builds a deep router queue."""
+
+    def __init__(self, rg, name):
+        super().__init__(rg, name)
+        self.held = deque()
+
+    def submit(self, request):
+        fut = Future()
+        self.held.append((fut, request.request_id))
+        return fut
+
+
+class Clock:
+    """One thread that runs callbacks when due: the simulated engines' decoding loop."""
+
+    def __init__(self):
+        self.cv = threading.Condition()
+        self.heap, self.seq, self.stopped = [], itertools.count(), False
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def call_later(self, delay, fn):
+        with self.cv:
+            heapq.heappush(self.heap, (time.perf_counter() + delay, next(self.seq), fn))
+            self.cv.notify()
+
+    def _loop(self):
+        while True:
+            with self.cv:
+                while not self.stopped and (not self.heap or self.heap[0][0] > time.perf_counter()):
+                    self.cv.wait(None if not self.heap else max(0.0, self.heap[0][0] - time.perf_counter()))
+                if self.stopped:
+                    return
+                now, due = time.perf_counter(), []
+                while self.heap and self.heap[0][0] <= now:
+                    due.append(heapq.heappop(self.heap)[2])
+            for fn in due:
+                fn()
+
+    def close(self):
+        with self.cv:
+            self.stopped = True
+            self.cv.notify()
+        self.thread.join()
+
+
+class SimEngine:
+    """``lanes`` parallel lanes, FIFO beyond them; latency ~ slow * min(lognormal(median, sigma), 10 median).
+
+    In-flight weight loads (hot swap): ``load_weights`` takes ``load_time`` and switches the
+    version at its end; requests running across the switch finish with the new version."""
+
+    def __init__(self, rg, name, clock, *, lanes=8, median_s=0.002, sigma=0.8, slow=1.0, load_time=0.0, seed=0):
+        self.rg, self.name, self.clock = rg, name, clock
+        self.lanes, self.mu, self.sigma, self.slow, self.load_time = lanes, math.log(median_s), sigma, slow, load_time
+        self.rng = random.Random(seed)
+        self.policy_version = 0
+        self.lock = threading.Lock()
+        self.busy, self.waiting = 0, deque()
+        self.served = 0
+
+    def _latency(self):
+        return self.slow * min(self.rng.lognormvariate(self.mu, self.sigma), 10 * math.exp(self.mu))
+
+    def submit(self, request):
+        fut = Future()
+        with self.lock:
+            job = (request, fut, self.policy_version)
+            start = self.busy < self.lanes
+            if start:
+                self.busy += 1
+                delay = self._latency()
+            else:
+                self.waiting.append(job)
+        if start:
+            self.clock.call_later(delay, lambda: self._finish(job))
+        return fut
+
+    def _finish(self, job):
+        request, fut, v0 = job
+        with self.lock:
+            nxt = self.waiting.popleft() if self.waiting else None
+            if nxt is None:
+                self.busy -= 1
+            else:
+                delay = self._latency()
+            self.served += 1
+            v1 = self.policy_version
+        if nxt is not None:
+            self.clock.call_later(delay, lambda: self._finish(nxt))
+        fut.set_result(self.rg.Completion(request.request_id, request.prompt_token_ids, [0], [0.0], "length",
+                                          self.name, v0, v1))
+
+    def load_weights(self, state_dict, version):
+        if self.load_time:
+            time.sleep(self.load_time)  # the transfer; the engine keeps decoding meanwhile
+        self.policy_version = version
+
+
+# ----------------------------------------------------------------------------- measurements
+
+def _best_of(fns, reps):
+    """Best (cpu_us, wall_us) per callable, repetitions interleaved so drift hits all alike."""
+    best = [[math.inf, math.inf] for _ in fns]
+    for _ in range(reps):
+        for k, (fn, batch) in enumerate(fns):
+            c0, w0 = time.thread_time(), time.perf_counter()
+            fn()
+            c1, w1 = time.thread_time(), time.perf_counter()
+            best[k][0] = min(best[k][0], (c1 - c0) / batch * 1e6)
+            best[k][1] = min(best[k][1], (w1 - w0) / batch * 1e6)
+    return best
+
+
+def bench_overhead(rec, reps, batch=2000):
+    for n in (1, 8, 64, 512):
+        direct_gens = [InstantGen(ref_rg, f"g{i}") for i in range(n)]
+        direct_reqs = [ref_rg.Request([1, 2, 3]) for _ in range(batch)]
+
+        def direct():
+            futs = [direct_gens[i % n].submit(r) for i, r in enumerate(direct_reqs)]
+            for f in futs:
+                f.result()
+        for policy in ("least_loaded", "round_robin", "power_of_two", "sticky"):
+            fns = [(direct, batch)]
+            for rg in IMPLS.values():
+                router = rg.GeneratorRouter([InstantGen(rg, f"g{i}") for i in range(n)], policy=policy, seed=0)
+                reqs = [rg.Request([1, 2, 3], session_id=i % 1024) for i in range(batch)]
+
+                def routed(router=router, reqs=reqs):
+                    futs = [router.submit(r) for r in reqs]
+                    for f in futs:
+                        f.result()
+                fns.append((routed, batch))
+            (d_cpu, d_wall), *rows = _best_of(fns, reps)
+            for impl, (cpu, wall) in zip(IMPLS, rows):
+                rec.add(f"overhead n={n} {policy}", impl, "overhead_cpu", cpu - d_cpu, "us/req")
+                rec.add(f"overhead n={n} {policy}", impl, "overhead_wall", wall - d_wall, "us/req")
+
+
+def bench_overhead_queued(rec, reps, batch=2000, n=8, cap=4):
+    def direct():
+        futs = [Future() for _ in range(batch)]
+        for f in futs:
+            f.set_result(None)
+        for f in futs:
+            f.result()
+    fns = [(direct, batch)]
+    for rg in IMPLS.values():
+        def routed(rg=rg):
+            gens = [HoldGen(rg, f"g{i}") for i in range(n)]
+            router = rg.GeneratorRouter(gens, policy="least_loaded", max_inflight=cap)
+            futs = [router.submit(rg.Request([1, 2, 3], request_id=str(i))) for i in range(batch)]
+            while router.queued or any(g.held for g in gens):
+                for g in gens:  # release one per engine per round: each release re-dispatches
+                    if g.held:
+                        fut, rid = g.held.popleft()
+                        fut.set_result(rid)
+            for f in futs:
+                f.result()
+        fns.append((routed, batch))
+    (d_cpu, d_wall), *rows = _best_of(fns, reps)
+    for impl, (cpu, wall) in zip(IMPLS, rows):
+        rec.add(f"overhead_queued n={n} cap={cap}", impl, "overhead_cpu", cpu - d_cpu, "us/req")
+        rec.add(f"overhead_queued n={n} cap={cap}", impl, "overhead_wall", wall - d_wall, "us/req")
+
+
+def _run_batch(router, rg, n_req, sessions=None, rng=None):
+    """Submit a batch, wait for all; returns (makespan s, latencies s)."""
+    lat = [0.0] * n_req
+    done = threading.Event()
+    left = [n_req]
+    lock = threading.Lock()
+
+    def finished(i, t0):
+        def cb(fut):
+            lat[i] = time.perf_counter() - t0
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+        return cb
+    start = time.perf_counter()
+    for i in range(n_req):
+        sid = rng.randrange(sessions) if sessions else None
+        t0 = time.perf_counter()
+        router.submit(rg.Request([1, 2, 3], session_id=sid)).add_done_callback(finished(i, t0))
+    assert done.wait(120), "benchmark batch did not finish"
+    return time.perf_counter() - start, lat
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _closed_loop(router, rg, window, duration, warmup, on_done=None):
+    """Keep ``window`` requests outstanding for ``warmup + duration`` s; count what finishes in the
+    last ``duration`` s.  Returns (requests/s, latencies of those requests in s)."""
+    slots = threading.Semaphore(window)
+    lat = []
+    t_start = time.perf_counter()
+    t_measure, t_end = t_start + warmup, t_start + warmup + duration
+
+    def done(t0):
+        def cb(fut):
+            fut.result()
+            if on_done is not None:
+                on_done(fut)
+            t1 = time.perf_counter()
+            if t_measure <= t1 <= t_end:
+                lat.append(t1 - t0)
+            slots.release()
+        return cb
+    while time.perf_counter() < t_end:
+        if not slots.acquire(timeout=0.05):
+            continue
+        router.submit(rg.Request([1, 2, 3])).add_done_callback(done(time.perf_counter()))
+    for _ in range(window):  # let the tail finish before the next case
+        assert slots.acquire(timeout=60), "benchmark requests did not finish"
+    return len(lat) / duration, lat
+
+
+def bench_throughput(rec, quick):
+    """Closed loop with twice the fleet's lanes outstanding: requests wait in the router queue
+    and are dispatched as lanes free up.  Engines: 4 lanes, median 100 ms, sigma 0.8."""
+    clock = Clock()
+    lanes, median, sigma = 4, 0.100, 0.8
+    draw = random.Random(0)  # the mean of the truncated log-normal the engines draw from
+    mean = statistics.fmean(min(draw.lognormvariate(math.log(median), sigma), 10 * median) for _ in range(200_000))
+    duration = 0.8 if quick else 2.0
+    try:
+        for n in (1, 2, 4, 8, 16, 32, 64):
+            capacity = n * lanes / mean
+            for impl, rg in IMPLS.items():
+                gens = [SimEngine(rg, f"g{i}", clock, lanes=lanes, median_s=median, sigma=sigma, seed=i)
+                        for i in range(n)]
+                router = rg.GeneratorRouter(gens, policy="least_loaded", max_inflight=lanes)
+                rate, lat = _closed_loop(router, rg, 2 * n * lanes, duration, warmup=0.5)
+                case = f"throughput n={n}"
+                rec.add(case, impl, "throughput", rate, "req/s")
+                rec.add(case, impl, "of_capacity", 100.0 * rate / capacity, "%")
+                rec.add(case, impl, "p99_latency", _pct(lat, 0.99) * 1e3, "ms")
+    finally:
+        clock.close()
+
+
+def bench_policies(rec, quick):
+    """A batch submitted at once to 8 engines (4 lanes, median 20 ms, sigma 0.8), engine 0 4x slower."""
+    clock = Clock()
+    n_req = 600 if quick else 2000
+    try:
+        for policy, cap in (("round_robin", None), ("least_loaded", None), ("round_robin", 4), ("least_loaded", 4),
+                            ("power_of_two", 4), ("sticky", 4)):
+            gens = [SimEngine(fast_rg, f"g{i}", clock, lanes=4, median_s=0.020, sigma=0.8,
+                              slow=4.0 if i == 0 else 1.0, seed=i) for i in range(8)]
+            router = fast_rg.GeneratorRouter(gens, policy=policy, max_inflight=cap, seed=0)
+            makespan, lat = _run_batch(router, fast_rg, n_req, sessions=64, rng=random.Random(0))
+            case = f"policy={policy} cap={cap}"
+            rec.add(case, "fast", "makespan", makespan * 1e3, "ms")
+            rec.add(case, "fast", "p50_latency", _pct(lat, 0.5) * 1e3, "ms")
+            rec.add(case, "fast", "p99_latency", _pct(lat, 0.99) * 1e3, "ms")
+            rec.add(case, "fast", "slow_engine_share", 100.0 * gens[0].served / n_req, "%")
+    finally:
+        clock.close()
+
+
+def bench_staleness(rec, quick):
+    """A closed-loop stream (64 outstanding) over 4 engines (4 lanes, median 10 ms) while the trainer
+    publishes a new version every 50 ms and each load takes 20 ms.  span = max - min version of a
+    completion; lag = the trainer's newest version when it finished - its min version."""
+    clock = Clock()
+    duration = 1.0 if quick else 3.0
+    try:
+        for mode in ("hot_swap", "drain"):
+            gens = [SimEngine(fast_rg, f"g{i}", clock, lanes=4, median_s=0.010, sigma=0.8, load_time=0.020, seed=i)
+                    for i in range(4)]
+            router = fast_rg.GeneratorRouter(gens, policy="least_loaded", max_inflight=8)
+            stop = threading.Event()
+            trainer_version = [0]
+
+            def trainer():
+                while not stop.wait(0.050):  # a training step, then publish
+                    trainer_version[0] += 1
+                    router.sync_weights({}, trainer_version[0], mode=mode)
+            t = threading.Thread(target=trainer)
+            completions = []
+
+            def on_done(fut):
+                c = fut.result()
+                completions.append((c.min_policy_version, c.max_policy_version, trainer_version[0]))
+            t.start()
+            rate, lat = _closed_loop(router, fast_rg, 64, duration, warmup=0.3, on_done=on_done)
+            stop.set()
+            t.join()
+            spans = [hi - lo for lo, hi, _ in completions]
+            lags = [tv - lo for lo, _, tv in completions]
+            case = f"staleness mode={mode}"
+            rec.add(case, "fast", "syncs", trainer_version[0], "")
+            rec.add(case, "fast", "span_mean", statistics.fmean(spans), "versions")
+            rec.add(case, "fast", "span_max", max(spans), "versions")
+            rec.add(case, "fast", "spanning_share", 100.0 * sum(x > 0 for x in spans) / len(spans), "%")
+            rec.add(case, "fast", "lag_mean", statistics.fmean(lags), "versions")
+            rec.add(case, "fast", "lag_max", max(lags), "versions")
+            rec.add(case, "fast", "throughput", rate, "req/s")
+            rec.add(case, "fast", "p99_latency", _pct(lat, 0.99) * 1e3, "ms")
+    finally:
+        clock.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions and requests; no CSV")
+    args = ap.parse_args(argv)
+    rec = Recorder("routed_generator")
+    reps = 3 if args.quick else 9
+    print("router overhead per request (instant generators; best of interleaved repetitions)")
+    bench_overhead(rec, reps)
+    bench_overhead_queued(rec, reps)
+    print("throughput vs number of generators (simulated long-tail engines)")
+    bench_throughput(rec, args.quick)
+    print("makespan / p99 per policy (8 engines, one 4x slower)")
+    bench_policies(rec, args.quick)
+    print("staleness under hot_swap vs drain")
+    bench_staleness(rec, args.quick)
+    if not args.quick:
+        rec.save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
