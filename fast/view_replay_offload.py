@@ -123,7 +123,8 @@ def _size_class(nbytes: int) -> int:
 
 def _prefetch_plan(order: list, pos: int, depth: int) -> list:
     """Records to reload ahead of use: among the next ``depth`` live records before ``pos``
-    in save order (``order`` holds weak references), those neither reloaded nor still held."""
+    in save order (``order`` holds weak references), those not reloaded, not still on the
+    device (copy in flight) and not just unpacked (their last reload still in use)."""
     plan, seen, i = [], 0, pos - 1
     while i >= 0 and seen < depth:
         rec = order[i]()
@@ -131,7 +132,7 @@ def _prefetch_plan(order: list, pos: int, depth: int) -> list:
         if rec is None or rec.live == 0:
             continue
         seen += 1
-        if rec.reloaded is None and rec.source is None:
+        if rec.reloaded is None and rec.source is None and (rec.recent is None or rec.recent() is None):
             plan.append(rec)
     return plan
 
@@ -219,7 +220,7 @@ class _Engine:
 class _Storage:
     """One offloaded device storage: its host segments and, during backward, its reloaded copy."""
 
-    __slots__ = ("device", "version", "segments", "live", "pending", "epoch", "reloaded", "engine", "source",
+    __slots__ = ("device", "version", "segments", "live", "pending", "epoch", "reloaded", "recent", "engine", "source",
                  "inflight", "load_event", "load_stream", "stale", "order", "pos", "__weakref__")
 
     def __init__(self, device: torch.device, version: int, engine: _Engine | None, order: list):
@@ -230,6 +231,7 @@ class _Storage:
         self.pending = 0                # live handles not yet unpacked in the current pass
         self.epoch = 0                  # backward pass counter for this storage
         self.reloaded: torch.Tensor | None = None  # uint8 [end - base] on device
+        self.recent: weakref.ref | None = None     # the last pass's reload, while its views live
         self.engine = engine            # side stream and pinned pool (None on CPU)
         self.source: torch.Tensor | None = None    # uint8 alias of the device storage, copy in flight
         self.inflight = 0               # FIFO entries of this storage
@@ -249,6 +251,7 @@ class _Storage:
         self.segments.append((lo, hi, host))
         self.segments.sort(key=lambda s: s[0])
         self.drop_reload()  # a reload made before this segment existed lacks it
+        self.recent = None
 
     def drop_reload(self):
         if self.load_event is not None:
@@ -256,6 +259,8 @@ class _Storage:
             # first be ordered after the side-stream copy still writing into it.
             self.load_stream.wait_event(self.load_event)
             self.load_event = self.load_stream = None
+        if self.reloaded is not None:
+            self.recent = weakref.ref(self.reloaded.untyped_storage())
         self.reloaded = None
 
     def pass_done(self):
@@ -359,9 +364,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.stats = dict(packed=0, kept=0, offloaded_storages=0, offloaded_bytes=0, replayed_views=0,
                           reloaded_storages=0, reloaded_bytes=0, prefetched_storages=0,
                           pinned_allocations=0, pinned_reuses=0)
-        # id(storage object) -> (weakref to it, record); the weakref, compared with `is`, makes a
-        # recycled id harmless.  Dead entries are swept when the dict grows.
-        self._records: dict[int, tuple[weakref.ref, _Storage]] = {}
+        # id(storage object) -> (weakref to the storage, weakref to its record).  The storage
+        # weakref, compared with `is`, makes a recycled id harmless; records belong to the saved
+        # views that autograd holds.  Dead entries are swept when the dict grows.
+        self._records: dict[int, tuple[weakref.ref, weakref.ref]] = {}
         self._sweep_at = 1024
         self._module_storages: dict[int, weakref.ref] = {}
         self._engines: dict[torch.device, _Engine] = {}
@@ -415,14 +421,16 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _record_for(self, storage: torch.UntypedStorage, t: torch.Tensor) -> _Storage:
         """The record of ``storage``; a new one if none, or if ``t`` was modified in place since."""
         entry = self._records.get(id(storage))
-        if entry is not None and entry[0]() is storage and entry[1].version == t._version:
-            return entry[1]
+        if entry is not None and entry[0]() is storage:
+            rec = entry[1]()
+            if rec is not None and rec.version == t._version:
+                return rec
         async_copy = t.device.type == self._async_device_type
         rec = _Storage(t.device, t._version, self._engine(t.device) if async_copy else None, self._order)
-        self._records[id(storage)] = (weakref.ref(storage), rec)
+        self._records[id(storage)] = (weakref.ref(storage), weakref.ref(rec))
         self.stats["offloaded_storages"] += 1
         if len(self._records) > self._sweep_at:
-            self._records = {k: v for k, v in self._records.items() if v[0]() is not None}
+            self._records = {k: v for k, v in self._records.items() if v[0]() is not None and v[1]() is not None}
             self._sweep_at = 2 * len(self._records) + 1024
         return rec
 
@@ -503,7 +511,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if rec.source is not None:  # copy still in flight: the original storage is right here
             return rec.source, 0
         if rec.reloaded is None:
-            rec.reloaded = self._reload(rec)
+            # A node reading ctx.saved_tensors twice finds the last reload still alive: reuse it
+            # (its load event was waited on when it was dropped).
+            recent = rec.recent() if rec.recent is not None else None
+            rec.reloaded = self._reload(rec) if recent is None else _storage_bytes(recent, rec.device)
         if rec.load_event is not None:
             rec.engine.backend.current_stream(rec.device).wait_event(rec.load_event)
         return rec.reloaded, rec.base()

@@ -152,7 +152,7 @@ def _storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch
 class _Storage:
     """One offloaded device storage: its host segments and, during backward, its reloaded copy."""
 
-    __slots__ = ("device", "version", "segments", "live", "pending", "epoch", "reloaded", "__weakref__")
+    __slots__ = ("device", "version", "segments", "live", "pending", "epoch", "reloaded", "recent", "__weakref__")
 
     def __init__(self, device: torch.device, version: int):
         self.device = device
@@ -162,6 +162,9 @@ class _Storage:
         self.pending = 0                # live handles not yet unpacked in the current pass
         self.epoch = 0                  # backward pass counter for this storage
         self.reloaded: torch.Tensor | None = None  # uint8 [hi - lo] on device, lo = self.base()
+        # The last pass's reload, weakly: while views replayed on it are alive (a node that reads
+        # ctx.saved_tensors twice), unpacking again reuses it instead of copying again.
+        self.recent: weakref.ref | None = None
 
     def base(self) -> int:
         return self.segments[0][0] // _ALIGN * _ALIGN
@@ -172,10 +175,12 @@ class _Storage:
     def add(self, lo: int, hi: int, host: torch.Tensor):
         self.segments.append((lo, hi, host))
         self.segments.sort(key=lambda s: s[0])
-        self.reloaded = None  # a reload made before this segment existed lacks it
+        self.reloaded = self.recent = None  # a reload made before this segment existed lacks it
 
     def pass_done(self):
         """Every live saved view was unpacked in this pass: drop the reload, start a new pass."""
+        if self.reloaded is not None:
+            self.recent = weakref.ref(self.reloaded.untyped_storage())
         self.reloaded = None
         self.epoch += 1
         self.pending = self.live
@@ -253,9 +258,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.module = module
         self.stats = dict(packed=0, kept=0, offloaded_storages=0, offloaded_bytes=0, replayed_views=0,
                           reloaded_storages=0, reloaded_bytes=0)
-        # id(storage object) -> (weakref to it, record).  The weakref, compared with `is`, makes a
-        # recycled id harmless; dead entries are swept when the dict grows.
-        self._records: dict[int, tuple[weakref.ref, _Storage]] = {}
+        # id(storage object) -> (weakref to the storage, weakref to its record).  The storage
+        # weakref, compared with `is`, makes a recycled id harmless; records belong to the saved
+        # views that autograd holds.  Dead entries are swept when the dict grows.
+        self._records: dict[int, tuple[weakref.ref, weakref.ref]] = {}
         self._sweep_at = 1024
         self._module_storages: dict[int, weakref.ref] = {}
         super().__init__(self._pack, self._unpack)
@@ -292,13 +298,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _record_for(self, storage: torch.UntypedStorage, t: torch.Tensor) -> _Storage:
         """The record of ``storage``; a new one if none, or if ``t`` was modified in place since."""
         entry = self._records.get(id(storage))
-        if entry is not None and entry[0]() is storage and entry[1].version == t._version:
-            return entry[1]
+        if entry is not None and entry[0]() is storage:
+            rec = entry[1]()
+            if rec is not None and rec.version == t._version:
+                return rec
         rec = _Storage(t.device, t._version)
-        self._records[id(storage)] = (weakref.ref(storage), rec)
+        self._records[id(storage)] = (weakref.ref(storage), weakref.ref(rec))
         self.stats["offloaded_storages"] += 1
         if len(self._records) > self._sweep_at:
-            self._records = {k: v for k, v in self._records.items() if v[0]() is not None}
+            self._records = {k: v for k, v in self._records.items() if v[0]() is not None and v[1]() is not None}
             self._sweep_at = 2 * len(self._records) + 1024
         return rec
 
@@ -343,7 +351,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         _check_version(h.version, [ref() for ref in h.witnesses])
         rec = h.rec
         if rec.reloaded is None:
-            rec.reloaded = self._reload(rec)
+            recent = rec.recent() if rec.recent is not None else None
+            rec.reloaded = self._reload(rec) if recent is None else _storage_bytes(recent, rec.device)
         buf = rec.reloaded
         item = h.dtype.itemsize
         out = torch.empty(0, dtype=h.dtype, device=buf.device)
