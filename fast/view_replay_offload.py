@@ -35,9 +35,12 @@ The CUDA machinery (per device, per OffloadActivations object)
               reverse save order (of the same forward) are reloaded the same way, ahead of use.
               At the end of each backward pass (an autograd engine callback) the FIFO is
               drained with stream waits, so no device memory outlives the pass.
-    The compute stream is the current stream when a tensor is saved and when it is unpacked
-    (the autograd engine runs a node's backward on the stream its forward ran on).  CUDA
-    graph capture is not supported (RuntimeError).
+    The compute stream is the current stream when a tensor is saved (the stream that
+    allocated it) and when it is unpacked (the autograd engine runs a node's backward on the
+    stream its forward ran on).  A prefetched buffer is allocated on the stream of the unpack
+    that triggered it: a model whose backward nodes run on several streams should use
+    ``prefetch=0`` (demand reloads are allocated on the stream that uses them).  CUDA graph
+    capture is not supported (RuntimeError).
 
 FLOPs and bytes (per forward + backward, S = distinct offloaded storages)
     FLOPs: 0.  Minimum bytes moved: sum over S of |union of the saved views' byte spans| each
@@ -59,10 +62,11 @@ Supported, and what raises
     and ``module``; fast-only keywords ``prefetch`` (int >= 0), ``max_inflight_bytes`` (int
     >= 0), ``max_pool_bytes`` (int >= 0 or None), checked with TypeError / ValueError naming
     the argument.  In-place change after save: besides the reference's check through live
-    weak references, a storage whose version counter moved before its asynchronous copy
-    finished is marked stale when its FIFO entry is released, and unpacking any view of it
-    raises autograd's error even if the tensor died in between (autograd, holding the tensor,
-    would raise too).  torch.utils.checkpoint and torch.compile interact as described in the
+    weak references, the FIFO's alias shares the saved tensor's version counter, so a storage
+    modified while its asynchronous copy was in flight raises autograd's error when a view of
+    it is unpacked, whether it is replayed on the still-held device storage or was released
+    (and marked stale) first, even if the tensor itself died in between (autograd, holding
+    the tensor, would raise too).  torch.utils.checkpoint and torch.compile interact as described in the
     reference: only the innermost saved-tensor hooks run; a compiled model called inside the
     ``with`` block offloads the tensors its compiled graph saves.
 
@@ -233,7 +237,7 @@ class _Storage:
         self.reloaded: torch.Tensor | None = None  # uint8 [end - base] on device
         self.recent: weakref.ref | None = None     # the last pass's reload, while its views live
         self.engine = engine            # side stream and pinned pool (None on CPU)
-        self.source: torch.Tensor | None = None    # uint8 alias of the device storage, copy in flight
+        self.source: torch.Tensor | None = None    # detached saved tensor while a copy is in flight
         self.inflight = 0               # FIFO entries of this storage
         self.load_event = None          # side-stream event after the reload copies
         self.load_stream = None         # the compute stream that allocated `reloaded`
@@ -473,11 +477,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 event = eng.stream.record_event()
             # The alias keeps the device storage alive until the copy completed; it shares t's
             # version counter, so the release can tell whether t was modified meanwhile.
-            eng.fifo.append((event, compute, rec, t.detach(), t._version, nbytes))
+            alias = t.detach()
+            eng.fifo.append((event, compute, rec, alias, t._version, nbytes))
             eng.inflight_bytes += nbytes
             rec.inflight += 1
             if rec.source is None:
-                rec.source = src
+                rec.source = alias
             self.stats["offloaded_bytes"] += nbytes
             self.stats["pinned_allocations"] += eng.pool.allocations - before[0]
             self.stats["pinned_reuses"] += eng.pool.reuses - before[1]
@@ -506,10 +511,13 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.stats["reloaded_bytes"] += sum(hi - lo for lo, hi, _ in rec.segments)
         return buf
 
-    def _device_bytes(self, rec: _Storage) -> tuple[torch.Tensor, int]:
-        """(uint8 device buffer, byte offset of its element 0 in the original storage)."""
-        if rec.source is not None:  # copy still in flight: the original storage is right here
-            return rec.source, 0
+    def _device_storage(self, rec: _Storage) -> tuple[torch.UntypedStorage, int]:
+        """(device storage holding rec's bytes, byte offset of its byte 0 in the original storage)."""
+        held = rec.source
+        if held is not None:  # copy still in flight: the original storage is right here
+            if held._version != rec.version:  # and it changed since the save: autograd would raise
+                raise _version_error(rec.version, held._version, held.type(), list(held.shape))
+            return held.untyped_storage(), 0
         if rec.reloaded is None:
             # A node reading ctx.saved_tensors twice finds the last reload still alive: reuse it
             # (its load event was waited on when it was dropped).
@@ -517,7 +525,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             rec.reloaded = self._reload(rec) if recent is None else _storage_bytes(recent, rec.device)
         if rec.load_event is not None:
             rec.engine.backend.current_stream(rec.device).wait_event(rec.load_event)
-        return rec.reloaded, rec.base()
+        return rec.reloaded.untyped_storage(), rec.base()
 
     def _end_of_backward(self, eng: _Engine):
         eng.graph_task = None
@@ -540,9 +548,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if rec.stale is not None:
             saved, current, type_name, shape = rec.stale
             raise _version_error(saved, current, type_name, shape)
-        buf, base = self._device_bytes(rec)
-        out = torch.empty(0, dtype=h.dtype, device=buf.device)
-        out.set_(buf.untyped_storage(), (h.offset - base) // h.dtype.itemsize, h.size, h.stride)
+        storage, base = self._device_storage(rec)
+        out = torch.empty(0, dtype=h.dtype, device=rec.device)
+        out.set_(storage, (h.offset - base) // h.dtype.itemsize, h.size, h.stride)
         if eng is not None and self.prefetch:
             for ahead in _prefetch_plan(rec.order, rec.pos, self.prefetch):
                 ahead.reloaded = self._reload(ahead)

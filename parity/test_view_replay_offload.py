@@ -865,9 +865,11 @@ def test_fake_async_pool_reused_across_steps():
     assert capped.stats["pinned_reuses"] == 0 and capped.stats["pinned_allocations"] == 2 * first
 
 
-def test_fake_async_stale_copy_raises_after_tensor_died():
-    """Modified in place before its asynchronous copy finished, then dropped: autograd (which
-    would have held it) raises, so must we."""
+@pytest.mark.parametrize("copied", [True, False], ids=["copy_completed", "copy_in_flight"])
+def test_fake_async_inplace_raises_after_tensor_died(copied):
+    """Modified in place while its asynchronous copy was in flight, then dropped: autograd (which
+    would have held it) raises, so must we, whether the storage is then reloaded (the release
+    saw the version move) or still on the device (replayed on it directly)."""
     x = make_input((4, 6), seed=9)
     ctx, backend = fake_async(min_offload_bytes=0)
     with ctx:
@@ -875,7 +877,8 @@ def test_fake_async_stale_copy_raises_after_tensor_died():
         out = torch.sin(y)
         y.add_(1)
         del y
-    backend.complete()
+    if copied:
+        backend.complete()
     with pytest.raises(RuntimeError, match=INPLACE_ERROR.pattern) as err:
         out.sum().backward()
     assert INPLACE_ERROR.search(str(err.value)).groups() == ("1", "0")
@@ -956,7 +959,7 @@ def test_gpu_fast_machinery_no_sync_pool_prefetch():
     s = ctx.stats
     # max_inflight_bytes=0 releases every storage right after its copy: each is reloaded once per step
     assert s["reloaded_storages"] == s["offloaded_storages"] > 0
-    assert s["prefetched_storages"] >= s["reloaded_storages"] // 2
+    assert s["reloaded_storages"] - s["prefetched_storages"] <= 2, "more than the first reload of each step on demand"
     assert s["pinned_allocations"] > 0 and s["pinned_reuses"] >= s["pinned_allocations"], \
         "the second step did not reuse the first step's pinned buffers"
     for eng in ctx._engines.values():
@@ -970,8 +973,8 @@ def _mlp_stack(n_layers, d, dtype):
     for _ in range(n_layers):
         up, down = torch.nn.Linear(d, 4 * d, bias=False), torch.nn.Linear(4 * d, d, bias=False)
         with torch.no_grad():
-            up.weight.copy_(randn(4 * d, d, gen=gen, scale=d ** -0.5))
-            down.weight.copy_(randn(d, 4 * d, gen=gen, scale=(4 * d) ** -0.5))
+            up.weight.copy_(randn(4 * d, d, gen=gen, device=CPU, scale=d ** -0.5))
+            down.weight.copy_(randn(d, 4 * d, gen=gen, device=CPU, scale=(4 * d) ** -0.5))
         layers += [up, torch.nn.GELU(), down]
     return torch.nn.Sequential(*layers).to(device="cuda", dtype=dtype)
 
@@ -981,7 +984,7 @@ def _mlp_stack(n_layers, d, dtype):
 def test_gpu_peak_memory_and_no_leak():
     """Activations dominate (8 layers, 4096 tokens, d 1024, fp32: ~1.1 GiB saved, 256 MiB of
     weights): offloading must cut the step's peak by at least half of the activation bytes,
-    and leave nothing but the gradients on the device after backward."""
+    and leave nothing more than the plain run on the device after backward."""
     model = _mlp_stack(8, 1024, torch.float32)
     x = make_input((4096, 1024), device="cuda", requires_grad=False)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -1014,5 +1017,5 @@ def test_gpu_peak_memory_and_no_leak():
     assert held_none > 2**30
     assert held_fast <= 0.2 * held_none, "activations stayed on the device after the forward"
     assert peak_fast <= peak_none - 0.5 * held_none
-    assert left_none == 0 and left_fast == 0, f"device bytes left after backward: {left_fast}"
+    assert left_fast == left_none, f"device bytes left after backward: {left_fast} (plain run: {left_none})"
     assert not any(eng.fifo for eng in ctx._engines.values())
