@@ -86,7 +86,6 @@ import torch
 __all__ = ["OffloadActivations"]
 
 _ALIGN = 512  # reload buffers keep every view's address modulo 512 (see the reference)
-_DEVICES = ("cpu", "cuda")
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -141,9 +140,9 @@ def _prefetch_plan(order: list, pos: int, depth: int) -> list:
     return plan
 
 
-def _storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor aliasing the whole storage (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+def _byte_range(storage: torch.UntypedStorage, device: torch.device, lo: int, hi: int) -> torch.Tensor:
+    """A uint8 tensor aliasing bytes ``[lo, hi)`` of the storage (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (hi - lo,), (1,))
 
 
 # ----------------------------------------------------------------------------- pinned pool, engine
@@ -234,7 +233,7 @@ class _Storage:
         self.live = 0                   # saved views (handles) still held by autograd
         self.pending = 0                # live handles not yet unpacked in the current pass
         self.epoch = 0                  # backward pass counter for this storage
-        self.reloaded: torch.Tensor | None = None  # uint8 [end - base] on device
+        self.reloaded: torch.UntypedStorage | None = None  # [end - base] bytes on the device
         self.recent: weakref.ref | None = None     # the last pass's reload, while its views live
         self.engine = engine            # side stream and pinned pool (None on CPU)
         self.source: torch.Tensor | None = None    # detached saved tensor while a copy is in flight
@@ -264,7 +263,7 @@ class _Storage:
             self.load_stream.wait_event(self.load_event)
             self.load_event = self.load_stream = None
         if self.reloaded is not None:
-            self.recent = weakref.ref(self.reloaded.untyped_storage())
+            self.recent = weakref.ref(self.reloaded)
         self.reloaded = None
 
     def pass_done(self):
@@ -400,12 +399,13 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _keep(self, t: torch.Tensor) -> bool:
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
             return True  # subclasses (DTensor, FakeTensor, ...) and sparse/nested layouts
-        if t.device.type not in _DEVICES or t.numel() == 0 or t.is_conj() or t.is_neg():
+        if not (t.is_cuda or t.is_cpu) or t.numel() == 0 or t.is_conj() or t.is_neg():
             return True
         base = t if t._base is None else t._base
-        if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
-            return True  # parameters, leaf inputs, and views of them
-        if getattr(base, "_is_buffer", False):
+        # Parameters (frozen ones too), leaf inputs and flagged buffers are leaves; activations
+        # mostly are not, so they skip the slower checks.
+        if base.is_leaf and (base.requires_grad or isinstance(base, torch.nn.Parameter)
+                             or getattr(base, "_is_buffer", False)):
             return True
         try:
             storage = t.untyped_storage()
@@ -450,15 +450,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if not gaps:
             self.stats["replayed_views"] += 1
         elif rec.engine is not None:
-            self._copy_out_async(rec, t, _storage_bytes(storage, t.device), gaps)
+            self._copy_out_async(rec, t, storage, gaps)
         else:  # the reference's synchronous path: a separate host copy
-            src = _storage_bytes(storage, t.device)
             for a, b in gaps:
-                rec.add(a, b, src[a:b].clone())
+                rec.add(a, b, _byte_range(storage, t.device, a, b).clone())
                 self.stats["offloaded_bytes"] += b - a
         return _Offloaded(rec, t, lo)
 
-    def _copy_out_async(self, rec: _Storage, t: torch.Tensor, src: torch.Tensor, gaps):
+    def _copy_out_async(self, rec: _Storage, t: torch.Tensor, storage: torch.UntypedStorage, gaps):
         eng = rec.engine
         if eng.backend.is_current_stream_capturing():
             raise RuntimeError("OffloadActivations does not support CUDA graph capture: copies to host "
@@ -471,7 +470,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             with eng.backend.stream(eng.stream):
                 for a, b in gaps:
                     host = eng.pool.take(b - a)
-                    host[:b - a].copy_(src[a:b], non_blocking=True)
+                    host[:b - a].copy_(_byte_range(storage, t.device, a, b), non_blocking=True)
                     rec.add(a, b, host)
                     nbytes += b - a
                 event = eng.stream.record_event()
@@ -490,7 +489,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
 
     # --------------------------------------------------------------------- backward
 
-    def _reload(self, rec: _Storage) -> torch.Tensor:
+    def _reload(self, rec: _Storage) -> torch.UntypedStorage:
         """Host segments -> one device buffer covering them, at their offsets from rec.base()."""
         base = rec.base()
         buf = torch.empty(rec.end() - base, dtype=torch.uint8, device=rec.device)
@@ -509,7 +508,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 buf[lo - base:hi - base].copy_(host)
         self.stats["reloaded_storages"] += 1
         self.stats["reloaded_bytes"] += sum(hi - lo for lo, hi, _ in rec.segments)
-        return buf
+        return buf.untyped_storage()
 
     def _device_storage(self, rec: _Storage) -> tuple[torch.UntypedStorage, int]:
         """(device storage holding rec's bytes, byte offset of its byte 0 in the original storage)."""
@@ -522,10 +521,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             # A node reading ctx.saved_tensors twice finds the last reload still alive: reuse it
             # (its load event was waited on when it was dropped).
             recent = rec.recent() if rec.recent is not None else None
-            rec.reloaded = self._reload(rec) if recent is None else _storage_bytes(recent, rec.device)
+            rec.reloaded = self._reload(rec) if recent is None else recent
         if rec.load_event is not None:
             rec.engine.backend.current_stream(rec.device).wait_event(rec.load_event)
-        return rec.reloaded.untyped_storage(), rec.base()
+        return rec.reloaded, rec.base()
 
     def _end_of_backward(self, eng: _Engine):
         eng.graph_task = None

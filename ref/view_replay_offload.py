@@ -111,7 +111,6 @@ __all__ = ["OffloadActivations"]
 # the same address modulo 512 as the original (the CUDA caching allocator's block alignment):
 # kernels that pick a code path by alignment pick the same one, and gradients stay bitwise equal.
 _ALIGN = 512
-_DEVICES = ("cpu", "cuda")
 
 
 # ----------------------------------------------------------------------------- byte ranges
@@ -142,9 +141,9 @@ def _missing_ranges(covered: list[tuple[int, int]], lo: int, hi: int) -> list[tu
     return gaps
 
 
-def _storage_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor aliasing the whole storage (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+def _byte_range(storage: torch.UntypedStorage, device: torch.device, lo: int, hi: int) -> torch.Tensor:
+    """A uint8 tensor aliasing bytes ``[lo, hi)`` of the storage (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (hi - lo,), (1,))
 
 
 # ----------------------------------------------------------------------------- records
@@ -161,7 +160,7 @@ class _Storage:
         self.live = 0                   # saved views (handles) still held by autograd
         self.pending = 0                # live handles not yet unpacked in the current pass
         self.epoch = 0                  # backward pass counter for this storage
-        self.reloaded: torch.Tensor | None = None  # uint8 [hi - lo] on device, lo = self.base()
+        self.reloaded: torch.UntypedStorage | None = None  # [end - base] bytes on the device
         # The last pass's reload, weakly: while views replayed on it are alive (a node that reads
         # ctx.saved_tensors twice), unpacking again reuses it instead of copying again.
         self.recent: weakref.ref | None = None
@@ -180,7 +179,7 @@ class _Storage:
     def pass_done(self):
         """Every live saved view was unpacked in this pass: drop the reload, start a new pass."""
         if self.reloaded is not None:
-            self.recent = weakref.ref(self.reloaded.untyped_storage())
+            self.recent = weakref.ref(self.reloaded)
         self.reloaded = None
         self.epoch += 1
         self.pending = self.live
@@ -279,12 +278,13 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _keep(self, t: torch.Tensor) -> bool:
         if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
             return True  # subclasses (DTensor, FakeTensor, ...) and sparse/nested layouts
-        if t.device.type not in _DEVICES or t.numel() == 0 or t.is_conj() or t.is_neg():
+        if not (t.is_cuda or t.is_cpu) or t.numel() == 0 or t.is_conj() or t.is_neg():
             return True
         base = t if t._base is None else t._base
-        if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
-            return True  # parameters, leaf inputs, and views of them
-        if getattr(base, "_is_buffer", False):
+        # Parameters (frozen ones too), leaf inputs and flagged buffers are leaves; activations
+        # mostly are not, so they skip the slower checks.
+        if base.is_leaf and (base.requires_grad or isinstance(base, torch.nn.Parameter)
+                             or getattr(base, "_is_buffer", False)):
             return True
         try:
             storage = t.untyped_storage()
@@ -326,15 +326,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if not gaps:
             self.stats["replayed_views"] += 1
         else:
-            src = _storage_bytes(storage, t.device)
             for a, b in gaps:
-                rec.add(a, b, self._copy_out(src[a:b]))
+                rec.add(a, b, self._copy_out(_byte_range(storage, t.device, a, b)))
                 self.stats["offloaded_bytes"] += b - a
         return _Offloaded(rec, t, lo)
 
     # --------------------------------------------------------------------- backward
 
-    def _reload(self, rec: _Storage) -> torch.Tensor:
+    def _reload(self, rec: _Storage) -> torch.UntypedStorage:
         """Host segments -> one device buffer covering them, at their offsets from rec.base()."""
         base = rec.base()
         buf = torch.empty(rec.end() - base, dtype=torch.uint8, device=rec.device)
@@ -342,7 +341,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             buf[lo - base:hi - base].copy_(host)
         self.stats["reloaded_storages"] += 1
         self.stats["reloaded_bytes"] += sum(hi - lo for lo, hi, _ in rec.segments)
-        return buf
+        return buf.untyped_storage()
 
     def _unpack(self, h) -> torch.Tensor:
         if isinstance(h, _Kept):
@@ -352,11 +351,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         rec = h.rec
         if rec.reloaded is None:
             recent = rec.recent() if rec.recent is not None else None
-            rec.reloaded = self._reload(rec) if recent is None else _storage_bytes(recent, rec.device)
-        buf = rec.reloaded
-        item = h.dtype.itemsize
-        out = torch.empty(0, dtype=h.dtype, device=buf.device)
-        out.set_(buf.untyped_storage(), (h.offset - rec.base()) // item, h.size, h.stride)
+            rec.reloaded = self._reload(rec) if recent is None else recent
+        out = torch.empty(0, dtype=h.dtype, device=rec.device)
+        out.set_(rec.reloaded, (h.offset - rec.base()) // h.dtype.itemsize, h.size, h.stride)
         if h.epoch != rec.epoch:  # first unpack of this saved view in this pass
             h.epoch = rec.epoch
             rec.pending -= 1
