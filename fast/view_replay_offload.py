@@ -78,6 +78,7 @@ References
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 import weakref
 
@@ -379,6 +380,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         # tests set ("cpu", a stand-in for torch.cuda) to run that path without a GPU.
         self._async_device_type, self._backend = "cuda", torch.cuda
         super().__init__(self._pack, self._unpack)
+        self._shield_from_dynamo()
+
+    def _shield_from_dynamo(self):
+        """Hooks called from code torch.compile evaluates must run as plain Python, not be traced
+        into a graph.  Wrapped only once torch._dynamo is loaded (then the wrapper costs ~2 us a
+        call and no import), here and again at each entry."""
+        if "torch._dynamo" in sys.modules and self.pack_hook == self._pack:
+            self.pack_hook = torch.compiler.disable(self._pack)
+            self.unpack_hook = torch.compiler.disable(self._unpack)
 
     def __enter__(self):
         self._module_storages = {}
@@ -386,6 +396,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             for t in [*self.module.parameters(), *self.module.buffers()]:
                 s = t.untyped_storage()
                 self._module_storages[id(s)] = weakref.ref(s)
+        self._shield_from_dynamo()
         self._order = []  # prefetch never crosses into another forward's records
         return super().__enter__()
 

@@ -649,6 +649,30 @@ def test_compiled_model_inside_the_context(impl):
     assert ctx.stats["reloaded_storages"] == ctx.stats["offloaded_storages"]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_context_entered_inside_a_compiled_function(impl):
+    """The push of the hooks breaks dynamo's graph; the hooks themselves must run as Python
+    (not be traced by dynamo from the resumed frames) and offload as usual."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(), torch.nn.Linear(40, 24))
+    x = make_input((6, 24), requires_grad=False)
+    clear_grads(model)
+    loss_of(model(x)).backward()
+    want = grads(model)
+    clear_grads(model)
+    ctx = impl.OffloadActivations(min_offload_bytes=0)
+
+    def step(x):
+        with ctx:
+            return loss_of(model(x))
+
+    torch.compile(step, backend="aot_eager")(x).backward()
+    assert_bitwise(grads(model), want)
+    # x, the GELU input, the GELU output, the model output; the second weight's view stays
+    assert (ctx.stats["packed"], ctx.stats["kept"], ctx.stats["offloaded_storages"]) == (5, 1, 4)
+
+
 # ----------------------------------------------------------------------------- arguments
 
 @pytest.mark.parametrize("impl", IMPLS)

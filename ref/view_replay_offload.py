@@ -91,8 +91,11 @@ Supported, and what raises
     not.  A compiled model called inside the ``with`` block runs its compiled forward as one
     autograd Function whose ``save_for_backward`` goes through these hooks at run time: the
     tensors the partitioner chose to save are offloaded like any others (fresh buffers,
-    rarely views).  Entering the context manager inside a function being compiled is
-    not traceable (dynamo breaks the graph around it); enter it outside the compiled call.
+    rarely views); no recompilation, no graph break.  Entering the context manager inside a
+    function being compiled works, but dynamo cannot trace the hook push and breaks the
+    graph there; once torch._dynamo is loaded the hooks are wrapped in
+    ``torch.compiler.disable`` so that frames dynamo evaluates run them as Python instead of
+    tracing them.  Enter it outside compiled code to keep the model in one graph.
 
 References
     PyTorch saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, save_on_cpu);
@@ -101,6 +104,7 @@ References
 """
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -264,6 +268,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._sweep_at = 1024
         self._module_storages: dict[int, weakref.ref] = {}
         super().__init__(self._pack, self._unpack)
+        self._shield_from_dynamo()
+
+    def _shield_from_dynamo(self):
+        """Hooks called from code torch.compile evaluates must run as plain Python, not be traced
+        into a graph.  Wrapped only once torch._dynamo is loaded (then the wrapper costs ~2 us a
+        call and no import), here and again at each entry."""
+        if "torch._dynamo" in sys.modules and self.pack_hook == self._pack:
+            self.pack_hook = torch.compiler.disable(self._pack)
+            self.unpack_hook = torch.compiler.disable(self._unpack)
 
     def __enter__(self):
         self._module_storages = {}
@@ -271,6 +284,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             for t in [*self.module.parameters(), *self.module.buffers()]:
                 s = t.untyped_storage()
                 self._module_storages[id(s)] = weakref.ref(s)
+        self._shield_from_dynamo()
         return super().__enter__()
 
     # --------------------------------------------------------------------- forward
