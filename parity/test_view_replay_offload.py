@@ -1007,8 +1007,9 @@ def _mlp_stack(n_layers, d, dtype):
 @pytest.mark.gpu
 def test_gpu_peak_memory_and_no_leak():
     """Activations dominate (8 layers, 4096 tokens, d 1024, fp32: ~1.1 GiB saved, 256 MiB of
-    weights): offloading must cut the step's peak by at least half of the activation bytes,
-    and leave nothing more than the plain run on the device after backward."""
+    weights): with no copy left in flight the forward keeps almost nothing on the device,
+    the step's peak drops by at least 40% (gradients and the reload window remain), and
+    nothing more than in the plain run is left after backward."""
     model = _mlp_stack(8, 1024, torch.float32)
     x = make_input((4096, 1024), device="cuda", requires_grad=False)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -1040,6 +1041,6 @@ def test_gpu_peak_memory_and_no_leak():
           f"none {held_none / 2**20:.0f} MiB, fast {held_fast / 2**20:.0f} MiB")
     assert held_none > 2**30
     assert held_fast <= 0.2 * held_none, "activations stayed on the device after the forward"
-    assert peak_fast <= peak_none - 0.5 * held_none
+    assert peak_fast <= 0.6 * peak_none
     assert left_fast == left_none, f"device bytes left after backward: {left_fast} (plain run: {left_none})"
     assert not any(eng.fifo for eng in ctx._engines.values())
