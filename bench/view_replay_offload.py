@@ -7,7 +7,9 @@ outputs autograd saves through views), one forward + backward step, for
     save_on_cpu  torch.autograd.graph.save_on_cpu(pin_memory=True)
     ref          ref OffloadActivations (synchronous pageable copies)
     fast         fast OffloadActivations (side stream, pinned pool, prefetch), one object reused
-rows: step time (ms, median), peak activation memory (MiB above params + grads), bytes moved
+rows: step time (ms, median), peak activation memory (MiB above params + grads), whether the
+gradients equal the first no-offload step's bitwise (the ``none`` row shows whether the
+attention backward is itself deterministic on that GPU), bytes moved
 device->host per step (save_on_cpu: every saved tensor's numel * itemsize, counted with a
 recording hook; ours: ``stats["offloaded_bytes"]``), the measured pinned copy bandwidth and the
 PCIe lower bound of each row (bytes / bandwidth), and the ratios the issue's targets are about
