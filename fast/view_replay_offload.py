@@ -30,7 +30,8 @@ The CUDA machinery (per device, per OffloadActivations object)
               yet, typical for the last layers), the view is replayed on it directly.
               Otherwise its reload buffer is allocated on the compute stream (the stream that
               will use and free it), the side stream waits on an event of the compute stream
-              and copies the host segments into it, and the compute stream waits on that load
+              and copies the host bytes into it (byte ranges copied, gathered footprints
+              scattered through a side-stream temporary), and the compute stream waits on that load
               event before first use.  After each unpack, the next ``prefetch`` storages in
               reverse save order (of the same forward) are reloaded the same way, ahead of use.
               At the end of each backward pass (an autograd engine callback) the FIFO is
@@ -51,8 +52,9 @@ FLOPs and bytes (per forward + backward, S = distinct offloaded storages)
 
 Tensors and objects
     As in the reference: saved tensors of any dtype and strides on cuda (pinned host copy,
-    asynchronous) or cpu (separate host copy, synchronous); host segments uint8 (size-class
-    buffers, first hi - lo bytes used); reloaded buffer uint8 [hi - lo] on the device, lo
+    asynchronous) or cpu (separate host copy, synchronous); host ranges and gathered
+    footprints uint8 (size-class buffers, the first bytes used); reloaded buffer uint8 [hi - lo]
+    on the device, lo
     rounded down to 512 bytes.  ``stats`` has the reference's keys (same counts on the same
     inputs) plus ``prefetched_storages`` (reloads issued ahead of use), ``pinned_allocations``
     and ``pinned_reuses`` (pool misses and hits).
@@ -91,12 +93,39 @@ _ALIGN = 512  # reload buffers keep every view's address modulo 512 (see the ref
 
 # ----------------------------------------------------------------------------- pure helpers
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes ``[lo, hi)`` of ``t``'s storage that ``t`` can read (``t.numel() > 0``)."""
+def _footprint(t: torch.Tensor) -> tuple[int, tuple[tuple[int, int], ...], int]:
+    """The bytes ``t`` reads (``t.numel() > 0``), as ``(off, ((count, pitch), ...), run)``,
+    outermost dim first: ``run`` contiguous bytes at ``off + sum_k i_k * pitch_k``.  Expanded
+    (stride 0) and size-1 dims are dropped and a dim whose pitch is the extent of the dim inside
+    it is merged into it, so views that read the same bytes (``k``, ``k.transpose(-1, -2)``)
+    get the same footprint."""
     item = t.element_size()
-    lo = t.storage_offset() * item
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))  # strides are never negative
-    return lo, lo + (last + 1) * item
+    dims = sorted(((n, s * item) for n, s in zip(t.shape, t.stride()) if n > 1 and s != 0),
+                  key=lambda d: d[1])  # strides are never negative
+    run, merged = item, []  # merged: innermost first
+    for n, pitch in dims:
+        if not merged and pitch == run:
+            run *= n
+        elif merged and pitch == merged[-1][0] * merged[-1][1]:
+            merged[-1] = (merged[-1][0] * n, merged[-1][1])
+        else:
+            merged.append((n, pitch))
+    return t.storage_offset() * item, tuple(reversed(merged)), run
+
+
+def _span(fp) -> tuple[int, int]:
+    """``[lo, hi)``: the bytes from the first to the last one a footprint reads."""
+    off, dims, run = fp
+    return off, off + sum((n - 1) * pitch for n, pitch in dims) + run
+
+
+def _is_dense(fp) -> bool:
+    """Reads at least half of its span: copying the span beats gathering its bytes."""
+    lo, hi = _span(fp)
+    count = 1
+    for n, _ in fp[1]:
+        count *= n
+    return 2 * count * fp[2] >= hi - lo
 
 
 def _missing_ranges(covered: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
@@ -141,9 +170,21 @@ def _prefetch_plan(order: list, pos: int, depth: int) -> list:
     return plan
 
 
-def _byte_range(storage: torch.UntypedStorage, device: torch.device, lo: int, hi: int) -> torch.Tensor:
-    """A uint8 tensor aliasing bytes ``[lo, hi)`` of the storage (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (hi - lo,), (1,))
+def _bytes_at(storage: torch.UntypedStorage, device: torch.device, fp, base: int = 0) -> torch.Tensor:
+    """A uint8 tensor [count_0, ..., run] aliasing footprint ``fp``'s bytes in ``storage``, whose
+    byte 0 is byte ``base`` of the original storage (no copy)."""
+    off, dims, run = fp
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(
+        storage, off - base, (*(n for n, _ in dims), run), (*(pitch for _, pitch in dims), 1))
+
+
+def _host_view(host: torch.Tensor, fp) -> torch.Tensor:
+    """The first bytes of a (pool, size-class) host buffer, shaped like ``_bytes_at(..., fp)``."""
+    shape = (*(n for n, _ in fp[1]), fp[2])
+    count = 1
+    for n in shape:
+        count *= n
+    return host.view(-1)[:count].view(shape)
 
 
 # ----------------------------------------------------------------------------- pinned pool, engine
@@ -222,15 +263,18 @@ class _Engine:
 # ----------------------------------------------------------------------------- records
 
 class _Storage:
-    """One offloaded device storage: its host segments and, during backward, its reloaded copy."""
+    """One offloaded device storage: its bytes on the host and, during backward, its reloaded copy."""
 
-    __slots__ = ("device", "version", "segments", "live", "pending", "epoch", "reloaded", "recent", "engine", "source",
-                 "inflight", "load_event", "load_stream", "stale", "order", "pos", "__weakref__")
+    __slots__ = ("device", "version", "ranges", "footprints", "lo", "hi", "live", "pending", "epoch", "reloaded",
+                 "recent", "engine", "source", "inflight", "load_event", "load_stream", "stale", "order", "pos",
+                 "__weakref__")
 
     def __init__(self, device: torch.device, version: int, engine: _Engine | None, order: list):
         self.device = device
         self.version = version          # version counter of the views when the bytes were copied
-        self.segments: list[tuple[int, int, torch.Tensor]] = []  # (lo, hi, host uint8 [>= hi - lo]), sorted
+        self.ranges: list[tuple[int, int, torch.Tensor]] = []  # (lo, hi, host uint8 [>= hi - lo]), sorted
+        self.footprints: dict[tuple, torch.Tensor] = {}        # sparse footprint -> gathered host bytes
+        self.lo, self.hi = None, 0      # the bytes all of them span
         self.live = 0                   # saved views (handles) still held by autograd
         self.pending = 0                # live handles not yet unpacked in the current pass
         self.epoch = 0                  # backward pass counter for this storage
@@ -246,15 +290,18 @@ class _Storage:
         order.append(weakref.ref(self))
 
     def base(self) -> int:
-        return self.segments[0][0] // _ALIGN * _ALIGN
+        return self.lo // _ALIGN * _ALIGN
 
-    def end(self) -> int:
-        return self.segments[-1][1]
-
-    def add(self, lo: int, hi: int, host: torch.Tensor):
-        self.segments.append((lo, hi, host))
-        self.segments.sort(key=lambda s: s[0])
-        self.drop_reload()  # a reload made before this segment existed lacks it
+    def add(self, fp, host: torch.Tensor):
+        """Bytes of footprint ``fp`` are on the host: a byte range (no dims) or a gathered footprint."""
+        lo, hi = _span(fp)
+        if fp[1]:
+            self.footprints[fp] = host
+        else:
+            self.ranges.append((lo, hi, host))
+            self.ranges.sort(key=lambda r: r[0])
+        self.lo, self.hi = lo if self.lo is None else min(self.lo, lo), max(self.hi, hi)
+        self.drop_reload()  # a reload made before these bytes were added lacks them
         self.recent = None
 
     def drop_reload(self):
@@ -279,7 +326,7 @@ class _Storage:
                 self.drop_reload()
             except Exception:  # interpreter shutdown
                 pass
-            for _, _, host in self.segments:
+            for host in [*(host for _, _, host in self.ranges), *self.footprints.values()]:
                 self.engine.pool.give(host)
 
 
@@ -456,19 +503,24 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             return _Kept(t)
         storage = t.untyped_storage()
         rec = self._record_for(storage, t)
-        lo, hi = _byte_span(t)
-        gaps = _missing_ranges([(a, b) for a, b, _ in rec.segments], lo, hi)
+        fp = _footprint(t)
+        lo, hi = _span(fp)
+        gaps = [] if fp in rec.footprints else _missing_ranges([(a, b) for a, b, _ in rec.ranges], lo, hi)
         if not gaps:
             self.stats["replayed_views"] += 1
-        elif rec.engine is not None:
-            self._copy_out_async(rec, t, storage, gaps)
+            return _Offloaded(rec, t, fp[0])
+        # dense: the missing byte ranges of its span; sparse: its own bytes, gathered
+        pieces = [(a, (), b - a) for a, b in gaps] if _is_dense(fp) else [fp]
+        if rec.engine is not None:
+            self._copy_out_async(rec, t, storage, pieces)
         else:  # the reference's synchronous path: a separate host copy
-            for a, b in gaps:
-                rec.add(a, b, _byte_range(storage, t.device, a, b).clone())
-                self.stats["offloaded_bytes"] += b - a
-        return _Offloaded(rec, t, lo)
+            for piece in pieces:
+                host = _bytes_at(storage, t.device, piece).clone(memory_format=torch.contiguous_format)
+                rec.add(piece, host)
+                self.stats["offloaded_bytes"] += host.numel()
+        return _Offloaded(rec, t, fp[0])
 
-    def _copy_out_async(self, rec: _Storage, t: torch.Tensor, storage: torch.UntypedStorage, gaps):
+    def _copy_out_async(self, rec: _Storage, t: torch.Tensor, storage: torch.UntypedStorage, pieces):
         eng = rec.engine
         if eng.backend.is_current_stream_capturing():
             raise RuntimeError("OffloadActivations does not support CUDA graph capture: copies to host "
@@ -479,11 +531,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             eng.stream.wait_stream(compute)  # t's bytes are written
             nbytes = 0
             with eng.backend.stream(eng.stream):
-                for a, b in gaps:
-                    host = eng.pool.take(b - a)
-                    host[:b - a].copy_(_byte_range(storage, t.device, a, b), non_blocking=True)
-                    rec.add(a, b, host)
-                    nbytes += b - a
+                for piece in pieces:
+                    src = _bytes_at(storage, t.device, piece)
+                    host = eng.pool.take(src.numel())
+                    # a gathered footprint is first made contiguous on the side stream, which alone
+                    # uses (and frees) that temporary
+                    _host_view(host, piece).copy_(src, non_blocking=True)
+                    rec.add(piece, host)
+                    nbytes += src.numel()
                 event = eng.stream.record_event()
             # The alias keeps the device storage alive until the copy completed; it shares t's
             # version counter, so the release can tell whether t was modified meanwhile.
@@ -501,9 +556,10 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     # --------------------------------------------------------------------- backward
 
     def _reload(self, rec: _Storage) -> torch.UntypedStorage:
-        """Host segments -> one device buffer covering them, at their offsets from rec.base()."""
+        """Host bytes -> one device buffer covering them, each at its offset from rec.base()."""
         base = rec.base()
-        buf = torch.empty(rec.end() - base, dtype=torch.uint8, device=rec.device)
+        storage = torch.empty(rec.hi - base, dtype=torch.uint8, device=rec.device).untyped_storage()
+        pieces = [*(((lo, (), hi - lo), host) for lo, hi, host in rec.ranges), *rec.footprints.items()]
         if rec.engine is not None:
             # Allocated on the compute stream, which uses and frees it; the side stream writes it
             # after the compute work issued so far (the memory's previous owner) and the compute
@@ -511,15 +567,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             compute = rec.engine.backend.current_stream(rec.device)
             rec.engine.stream.wait_stream(compute)
             with rec.engine.backend.stream(rec.engine.stream):
-                for lo, hi, host in rec.segments:
-                    buf[lo - base:hi - base].copy_(host[:hi - lo], non_blocking=True)
+                for fp, host in pieces:  # a gathered footprint goes through a side-stream temporary
+                    _bytes_at(storage, rec.device, fp, base).copy_(_host_view(host, fp), non_blocking=True)
                 rec.load_event, rec.load_stream = rec.engine.stream.record_event(), compute
         else:
-            for lo, hi, host in rec.segments:
-                buf[lo - base:hi - base].copy_(host)
+            for fp, host in pieces:
+                _bytes_at(storage, rec.device, fp, base).copy_(_host_view(host, fp))
         self.stats["reloaded_storages"] += 1
-        self.stats["reloaded_bytes"] += sum(hi - lo for lo, hi, _ in rec.segments)
-        return buf.untyped_storage()
+        self.stats["reloaded_bytes"] += sum(_host_view(host, fp).numel() for fp, host in pieces)
+        return storage
 
     def _device_storage(self, rec: _Storage) -> tuple[torch.UntypedStorage, int]:
         """(device storage holding rec's bytes, byte offset of its byte 0 in the original storage)."""

@@ -131,12 +131,20 @@ def assert_bitwise(got, want, what="gradient"):
 
 # ----------------------------------------------------------------------------- independent expected stats
 
-def _span_by_indexing(t):
-    """Byte span of ``t`` in its storage, measured by indexing an arange through t's strides."""
+def _byte_runs(t):
+    """The bytes ``t`` reads in its storage as sorted disjoint runs ``((start, length), ...)``,
+    found by indexing an arange through t's own strides."""
     item = t.element_size()
     n = t.untyped_storage().nbytes() // item
-    idx = torch.arange(n).as_strided(t.shape, t.stride(), t.storage_offset())
-    return int(idx.min()) * item, (int(idx.max()) + 1) * item
+    starts = torch.arange(n).as_strided(t.shape, t.stride(), t.storage_offset()).flatten().unique() * item
+    breaks = (torch.nonzero(starts.diff() != item).flatten() + 1).tolist()
+    bounds = [0, *breaks, len(starts)]
+    return tuple((int(starts[a]), (b - a) * item) for a, b in zip(bounds, bounds[1:]))
+
+
+def _span_by_indexing(t):
+    runs = _byte_runs(t)
+    return runs[0][0], runs[-1][0] + runs[-1][1]
 
 
 def _merge(intervals):
@@ -168,7 +176,7 @@ def expected_stats(run, *, min_offload_bytes, module=None):
     module_ptrs = set()
     if module is not None:
         module_ptrs = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
-    kept, spans, sizes, replayed, one_by_one = 0, {}, {}, 0, 0
+    kept, spans, sparse, sizes, replayed, sparse_bytes, one_by_one = 0, {}, {}, {}, 0, 0, 0
     for t in saved:  # all alive: data pointers identify storages here
         base = t if t._base is None else t._base
         storage = t.untyped_storage()
@@ -177,13 +185,19 @@ def expected_stats(run, *, min_offload_bytes, module=None):
                 or storage.nbytes() < min_offload_bytes):
             kept += 1
             continue
-        lo, hi = _span_by_indexing(t)
-        have = spans.setdefault(storage.data_ptr(), [])
-        replayed += _covered(have, lo, hi)
-        have.append((lo, hi))
+        runs = _byte_runs(t)
+        lo, hi = runs[0][0], runs[-1][0] + runs[-1][1]
+        have, have_sparse = spans.setdefault(storage.data_ptr(), []), sparse.setdefault(storage.data_ptr(), set())
+        if runs in have_sparse or _covered(have, lo, hi):
+            replayed += 1                                 # its bytes are on the host already
+        elif 2 * sum(n for _, n in runs) >= hi - lo:
+            have.append((lo, hi))                         # dense: the missing part of its span
+        else:
+            have_sparse.add(runs)                         # sparse: exactly its bytes
+            sparse_bytes += sum(n for _, n in runs)
         sizes[storage.data_ptr()] = storage.nbytes()
         one_by_one += t.numel() * t.element_size()
-    union = sum(b - a for ivs in spans.values() for a, b in _merge(ivs))
+    union = sum(b - a for ivs in spans.values() for a, b in _merge(ivs)) + sparse_bytes
     total = sum(sizes.values())
     stats = dict(packed=len(saved), kept=kept, offloaded_storages=len(spans), offloaded_bytes=union,
                  replayed_views=replayed)
@@ -333,6 +347,11 @@ def test_retain_graph_second_backward(impl, device):
         assert ctx.stats["reloaded_bytes"] == 2 * ctx.stats["offloaded_bytes"]
 
 
+def _host_bytes(rec):
+    """A storage record's host buffers: its byte ranges and its gathered sparse footprints."""
+    return [host for _, _, host in rec.ranges] + list(rec.footprints.values())
+
+
 @pytest.fixture
 def track_records(monkeypatch):
     """Weak references to every storage record the implementation creates."""
@@ -374,7 +393,7 @@ def test_offloading_frees_activations_and_nothing_leaks(impl, track_records):
     assert out_ref() is None, "an offloaded activation is still alive after the forward dropped it"
     records = [r() for r in made]
     assert len(records) == ctx.stats["offloaded_storages"] > 0 and None not in records
-    hosts = [weakref.ref(host) for rec in records for _, _, host in rec.segments]
+    hosts = [weakref.ref(host) for rec in records for host in _host_bytes(rec)]
     rec_refs = [weakref.ref(rec) for rec in records]
     del records
     y.sum().backward()
@@ -392,7 +411,7 @@ def test_graph_dropped_without_backward_frees_host_copies(impl, track_records):
     ctx = impl.OffloadActivations(min_offload_bytes=0)
     with ctx:
         loss = loss_of(model(x))
-    hosts = [weakref.ref(host) for r in made for _, _, host in r().segments]
+    hosts = [weakref.ref(host) for r in made for host in _host_bytes(r())]
     assert len(made) == ctx.stats["offloaded_storages"] and hosts
     del loss
     gc.collect()
@@ -458,6 +477,48 @@ def test_views_are_replayed_exactly(impl):
         back = [meta[i][3] * meta[i][0].itemsize for i in group]
         assert [b - back[0] for b in back] == [o - orig[0] for o in orig]
     assert meta[5][2] == (8, 0, 1) and meta[5][5] == 96, "the expand was materialized"
+
+
+def _sparse_views_case(impl_ctx):
+    """v, k, k^T, q and a narrow of an interleaved qkv [B, T, 3, H, Dh], and the v alone of a
+    second one; neither base saved itself."""
+    gen = make_generator(13)
+    anchor = randn(2, gen=gen, device=CPU).requires_grad_()
+    B, T, H, Dh = 2, 5, 3, 4
+    with impl_ctx:
+        qkv = randn(B, T, 3 * H * Dh, gen=gen, device=CPU)
+        q, k, v = qkv.view(B, T, 3, H, Dh).permute(2, 0, 3, 1, 4).unbind(0)   # [B, H, T, Dh] each
+        v_alone = randn(B, T, 3 * H * Dh, gen=gen, device=CPU).view(B, T, 3, H, Dh)[:, :, 2].transpose(1, 2)
+        views = [v, k, k.transpose(-1, -2), q, qkv[:, :, :H * Dh], v_alone]
+        layout = [(tuple(t.shape), t.stride(), t.storage_offset()) for t in views]
+        values = [t.clone() for t in views]
+        out = SaveViews.apply(anchor, *views)
+        del q, k, v, qkv, views, v_alone
+    return out, layout, values, B * T * H * Dh * 4
+
+
+@pytest.mark.parametrize("path", ["ref", "fast", "fast_async"])
+def test_sparse_views_copy_only_their_bytes(path):
+    """v of an interleaved qkv reads a third of its span: it is gathered (a third of the bytes,
+    not the span), scattered back in backward and replayed with its strides.  k^T reads k's
+    bytes and the narrow qkv[..., :D] reads q's: both cost nothing.  In all, the storage's
+    bytes once, where copying each saved tensor moves 5/3 of them.  A v saved alone costs a
+    third of its storage (its span would be almost all of it)."""
+    if path == "fast_async":
+        ctx, backend = fake_async(min_offload_bytes=0)
+    else:
+        ctx, backend = (ref_mod if path == "ref" else fast_mod).OffloadActivations(min_offload_bytes=0), None
+    out, layout, values, third = _sparse_views_case(ctx)
+    if backend is not None:
+        backend.complete()
+    assert ctx.stats["offloaded_storages"] == 2 and ctx.stats["replayed_views"] == 2
+    assert ctx.stats["offloaded_bytes"] == 3 * third + third
+    out.sum().backward()
+    assert ctx.stats["reloaded_bytes"] == 4 * third
+    for (shape, stride, _), got, want in zip(layout, SaveViews.meta, values):
+        assert (got[1], got[2]) == (shape, stride)
+        assert torch.equal(got[-1], want)
+    assert len({m[4] for m in SaveViews.meta[:5]}) == 1, "views of one storage came back on several"
 
 
 def test_storage_identity_is_not_the_data_pointer():
@@ -734,9 +795,21 @@ def test_missing_ranges_and_spans(impl):
             assert lo <= a < b <= hi
             got |= set(range(a, b))
         assert got == want and len(got) == sum(b - a for a, b in gaps)
-    t = torch.arange(200.0).view(10, 20)
-    for v in (t, t.t(), t[2:5, 3:17:3], t[4], t[:, 7], t[:1].expand(6, 20), t.view(4, 5, 10).permute(2, 0, 1)):
-        assert impl._byte_span(v) == _span_by_indexing(v)
+    t = torch.arange(240.0).view(12, 20)
+    qkv = t.view(2, 2, 3, 2, 10)                              # [B, T, 3, H, Dh]
+    k = qkv.permute(2, 0, 3, 1, 4)[1]
+    for v in (t, t.t(), t[2:5, 3:17:3], t[4], t[:, 7], t[:1].expand(6, 20), t.view(4, 6, 10).permute(2, 0, 1),
+              k, k.transpose(-1, -2).unsqueeze(-3), t[:, None, 5:9].expand(12, 3, 4), t.unfold(1, 4, 2)):
+        fp = impl._footprint(v)
+        assert impl._span(fp) == _span_by_indexing(v), v.shape
+        off, dims, run = fp
+        grid = torch.zeros(()) + off
+        for n, pitch in dims:
+            grid = grid[..., None] + torch.arange(n) * pitch
+        read = {int(b) + j for b in grid.flatten() for j in range(run)}
+        assert read == {a + j for a, n in _byte_runs(v) for j in range(n)}, f"footprint {fp} of {tuple(v.shape)}"
+    assert impl._footprint(k) == impl._footprint(k.transpose(-1, -2).unsqueeze(-3))
+    assert impl._is_dense(impl._footprint(t[2:5, 3:17:3])) is False and impl._is_dense(impl._footprint(t.t()))
 
 
 class _FakeRecord:

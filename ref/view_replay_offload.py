@@ -21,25 +21,35 @@ The idea: offload storages, replay views
     materialized at full size.  Here the unit of offloading is the *storage*:
 
         pack(t):   storage S = t.untyped_storage(), identified by a weak reference to S
-                   span(t) = [off, off + (1 + sum_i (size_i - 1) * stride_i) * itemsize)  bytes
-                   copy to host only the bytes of span(t) not yet copied for S (none for a
-                   second view of an already offloaded base; the base bytes only for expand)
+                   footprint(t): the bytes t reads, as off + sum_k i_k * pitch_k + [0, run)
+                   (expanded and size-1 dims dropped, dims that tile merged), its span
+                   [off, off + sum_k (count_k - 1) * pitch_k + run)
+                   dense t (reads >= half its span): copy the bytes of the span not yet on
+                   the host for S (none for a second view of an offloaded base; the base's
+                   bytes only for an expand)
+                   sparse t (v of an interleaved qkv): copy just its bytes, gathered, unless
+                   the same footprint or the whole span is already on the host
                    keep (dtype, size, stride, storage offset) of t
-        unpack(t): copy S's host bytes back once per backward pass into one device buffer,
+        unpack(t): copy S's host bytes back once per backward pass into one device buffer
+                   (ranges copied, gathered footprints scattered back to their places) and
                    rebuild t on it with exactly its dtype, size and stride (``Tensor.set_``)
 
     Storage identity is a weak reference to the storage object (PyTorch keeps one Python
     object per live storage), compared with ``is``: a data pointer would be wrong because
     the caching allocator hands the same address to the next tensor as soon as this one
-    dies.  ``offloaded_bytes`` is therefore at most the total size of the distinct storages,
-    and a view whose base is not saved costs only its own span.
+    dies.  A dense view costs at most its span, a sparse one exactly its bytes, and a second
+    view of bytes already on the host nothing: ``offloaded_bytes`` stays within the distinct
+    storages' total unless sparse footprints of one storage overlap each other or a later
+    dense span (each is copied whole).
 
 Tensors and objects (per saved tensor t)
     t                       any dtype, any strides, on "cuda" (host copy in plain pageable
                             memory here; pinned, asynchronous in fast/) or "cpu" (a separate
                             host copy, so every code path runs without a GPU)
-    host segments           uint8 [hi - lo] per copied byte range of a storage
-    reloaded buffer         uint8 [hi - lo] on t's device, lo rounded down to 512 bytes so
+    host ranges             uint8 [hi - lo] per copied byte range of a storage
+    host footprints         uint8 [count_0, ..., run] per gathered sparse footprint
+    reloaded buffer         uint8 [hi - lo] on t's device covering everything copied of the
+                            storage, lo rounded down to 512 bytes so
                             every replayed view keeps its address alignment modulo 512
     replayed view           t's dtype, size and stride; storage offset relative to that buffer
     stats                   dict of ints, counted over the life of the object:
@@ -117,14 +127,41 @@ __all__ = ["OffloadActivations"]
 _ALIGN = 512
 
 
-# ----------------------------------------------------------------------------- byte ranges
+# ----------------------------------------------------------------------------- byte footprints
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes ``[lo, hi)`` of ``t``'s storage that ``t`` can read (``t.numel() > 0``)."""
+def _footprint(t: torch.Tensor) -> tuple[int, tuple[tuple[int, int], ...], int]:
+    """The bytes ``t`` reads (``t.numel() > 0``), as ``(off, ((count, pitch), ...), run)``,
+    outermost dim first: ``run`` contiguous bytes at ``off + sum_k i_k * pitch_k``.  Expanded
+    (stride 0) and size-1 dims are dropped and a dim whose pitch is the extent of the dim inside
+    it is merged into it, so views that read the same bytes (``k``, ``k.transpose(-1, -2)``)
+    get the same footprint."""
     item = t.element_size()
-    lo = t.storage_offset() * item
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))  # strides are never negative
-    return lo, lo + (last + 1) * item
+    dims = sorted(((n, s * item) for n, s in zip(t.shape, t.stride()) if n > 1 and s != 0),
+                  key=lambda d: d[1])  # strides are never negative
+    run, merged = item, []  # merged: innermost first
+    for n, pitch in dims:
+        if not merged and pitch == run:
+            run *= n
+        elif merged and pitch == merged[-1][0] * merged[-1][1]:
+            merged[-1] = (merged[-1][0] * n, merged[-1][1])
+        else:
+            merged.append((n, pitch))
+    return t.storage_offset() * item, tuple(reversed(merged)), run
+
+
+def _span(fp) -> tuple[int, int]:
+    """``[lo, hi)``: the bytes from the first to the last one a footprint reads."""
+    off, dims, run = fp
+    return off, off + sum((n - 1) * pitch for n, pitch in dims) + run
+
+
+def _is_dense(fp) -> bool:
+    """Reads at least half of its span: copying the span beats gathering its bytes."""
+    lo, hi = _span(fp)
+    count = 1
+    for n, _ in fp[1]:
+        count *= n
+    return 2 * count * fp[2] >= hi - lo
 
 
 def _missing_ranges(covered: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
@@ -145,22 +182,28 @@ def _missing_ranges(covered: list[tuple[int, int]], lo: int, hi: int) -> list[tu
     return gaps
 
 
-def _byte_range(storage: torch.UntypedStorage, device: torch.device, lo: int, hi: int) -> torch.Tensor:
-    """A uint8 tensor aliasing bytes ``[lo, hi)`` of the storage (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (hi - lo,), (1,))
+def _bytes_at(storage: torch.UntypedStorage, device: torch.device, fp, base: int = 0) -> torch.Tensor:
+    """A uint8 tensor [count_0, ..., run] aliasing footprint ``fp``'s bytes in ``storage``, whose
+    byte 0 is byte ``base`` of the original storage (no copy)."""
+    off, dims, run = fp
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(
+        storage, off - base, (*(n for n, _ in dims), run), (*(pitch for _, pitch in dims), 1))
 
 
 # ----------------------------------------------------------------------------- records
 
 class _Storage:
-    """One offloaded device storage: its host segments and, during backward, its reloaded copy."""
+    """One offloaded device storage: its bytes on the host and, during backward, its reloaded copy."""
 
-    __slots__ = ("device", "version", "segments", "live", "pending", "epoch", "reloaded", "recent", "__weakref__")
+    __slots__ = ("device", "version", "ranges", "footprints", "lo", "hi", "live", "pending", "epoch",
+                 "reloaded", "recent", "__weakref__")
 
     def __init__(self, device: torch.device, version: int):
         self.device = device
         self.version = version          # version counter of the views when the bytes were copied
-        self.segments: list[tuple[int, int, torch.Tensor]] = []  # (lo, hi, host uint8 [hi - lo]), sorted
+        self.ranges: list[tuple[int, int, torch.Tensor]] = []  # (lo, hi, host uint8 [hi - lo]), sorted
+        self.footprints: dict[tuple, torch.Tensor] = {}        # sparse footprint -> gathered host bytes
+        self.lo, self.hi = None, 0      # the bytes all of them span
         self.live = 0                   # saved views (handles) still held by autograd
         self.pending = 0                # live handles not yet unpacked in the current pass
         self.epoch = 0                  # backward pass counter for this storage
@@ -170,15 +213,18 @@ class _Storage:
         self.recent: weakref.ref | None = None
 
     def base(self) -> int:
-        return self.segments[0][0] // _ALIGN * _ALIGN
+        return self.lo // _ALIGN * _ALIGN
 
-    def end(self) -> int:
-        return self.segments[-1][1]
-
-    def add(self, lo: int, hi: int, host: torch.Tensor):
-        self.segments.append((lo, hi, host))
-        self.segments.sort(key=lambda s: s[0])
-        self.reloaded = self.recent = None  # a reload made before this segment existed lacks it
+    def add(self, fp, host: torch.Tensor):
+        """Bytes of footprint ``fp`` are on the host: a byte range (no dims) or a gathered footprint."""
+        lo, hi = _span(fp)
+        if fp[1]:
+            self.footprints[fp] = host
+        else:
+            self.ranges.append((lo, hi, host))
+            self.ranges.sort(key=lambda r: r[0])
+        self.lo, self.hi = lo if self.lo is None else min(self.lo, lo), max(self.hi, hi)
+        self.reloaded = self.recent = None  # a reload made before these bytes were added lacks them
 
     def pass_done(self):
         """Every live saved view was unpacked in this pass: drop the reload, start a new pass."""
@@ -325,8 +371,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         return rec
 
     def _copy_out(self, src: torch.Tensor) -> torch.Tensor:
-        """Device bytes -> a new host tensor (a separate copy for CPU tensors)."""
-        return src.to("cpu", copy=True)
+        """Device bytes -> a new contiguous host tensor (a separate copy for CPU tensors)."""
+        return src.to("cpu", memory_format=torch.contiguous_format, copy=True)
 
     def _pack(self, t: torch.Tensor):
         self.stats["packed"] += 1
@@ -335,27 +381,33 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             return _Kept(t)
         storage = t.untyped_storage()
         rec = self._record_for(storage, t)
-        lo, hi = _byte_span(t)
-        gaps = _missing_ranges([(a, b) for a, b, _ in rec.segments], lo, hi)
+        fp = _footprint(t)
+        lo, hi = _span(fp)
+        gaps = [] if fp in rec.footprints else _missing_ranges([(a, b) for a, b, _ in rec.ranges], lo, hi)
         if not gaps:
             self.stats["replayed_views"] += 1
-        else:
+        elif _is_dense(fp):
             for a, b in gaps:
-                rec.add(a, b, self._copy_out(_byte_range(storage, t.device, a, b)))
+                rec.add((a, (), b - a), self._copy_out(_bytes_at(storage, t.device, (a, (), b - a))))
                 self.stats["offloaded_bytes"] += b - a
-        return _Offloaded(rec, t, lo)
+        else:
+            host = self._copy_out(_bytes_at(storage, t.device, fp))
+            rec.add(fp, host)
+            self.stats["offloaded_bytes"] += host.numel()
+        return _Offloaded(rec, t, fp[0])
 
     # --------------------------------------------------------------------- backward
 
     def _reload(self, rec: _Storage) -> torch.UntypedStorage:
-        """Host segments -> one device buffer covering them, at their offsets from rec.base()."""
+        """Host bytes -> one device buffer covering them, each at its offset from rec.base()."""
         base = rec.base()
-        buf = torch.empty(rec.end() - base, dtype=torch.uint8, device=rec.device)
-        for lo, hi, host in rec.segments:
-            buf[lo - base:hi - base].copy_(host)
+        storage = torch.empty(rec.hi - base, dtype=torch.uint8, device=rec.device).untyped_storage()
+        pieces = [*(((lo, (), hi - lo), host) for lo, hi, host in rec.ranges), *rec.footprints.items()]
+        for fp, host in pieces:  # a range is copied, a gathered footprint scattered back to its places
+            _bytes_at(storage, rec.device, fp, base).copy_(host)
         self.stats["reloaded_storages"] += 1
-        self.stats["reloaded_bytes"] += sum(hi - lo for lo, hi, _ in rec.segments)
-        return buf.untyped_storage()
+        self.stats["reloaded_bytes"] += sum(host.numel() for _, host in pieces)
+        return storage
 
     def _unpack(self, h) -> torch.Tensor:
         if isinstance(h, _Kept):
