@@ -44,11 +44,13 @@ The CUDA machinery (per device, per OffloadActivations object)
     capture is not supported (RuntimeError).
 
 FLOPs and bytes (per forward + backward, S = distinct offloaded storages)
-    FLOPs: 0.  Minimum bytes moved: sum over S of |union of the saved views' byte spans| each
-    way (device->host in forward, host->device in backward), at most the storages' total
-    size.  ``save_on_cpu`` moves sum over saved tensors of numel * itemsize each way: every
-    view again, every expand at its full expanded size.  The bound is PCIe: bytes moved /
-    (host<->device bandwidth, ~50 GB/s per direction on PCIe Gen5 x16) against step time.
+    FLOPs: 0.  Bytes moved each way (device->host in forward, host->device in backward, once
+    per pass): for each storage in S, the union of its dense views' spans plus the bytes of
+    its sparse views' distinct footprints (see the reference), at most the storage's size
+    when those do not overlap.  ``save_on_cpu`` moves sum over saved tensors of numel *
+    itemsize each way: every view again, every expand at its full expanded size, parameters
+    too.  The bound is PCIe: bytes moved / (host<->device bandwidth, ~50 GB/s per direction on
+    PCIe Gen5 x16) against step time; gathered footprints also cost a device copy each way.
 
 Tensors and objects
     As in the reference: saved tensors of any dtype and strides on cuda (pinned host copy,
