@@ -121,13 +121,18 @@ def _span(fp) -> tuple[int, int]:
     return off, off + sum((n - 1) * pitch for n, pitch in dims) + run
 
 
+def _nbytes(fp) -> int:
+    """How many bytes a footprint reads (counting overlaps twice)."""
+    count = fp[2]
+    for n, _ in fp[1]:
+        count *= n
+    return count
+
+
 def _is_dense(fp) -> bool:
     """Reads at least half of its span: copying the span beats gathering its bytes."""
     lo, hi = _span(fp)
-    count = 1
-    for n, _ in fp[1]:
-        count *= n
-    return 2 * count * fp[2] >= hi - lo
+    return 2 * _nbytes(fp) >= hi - lo
 
 
 def _missing_ranges(covered: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
@@ -183,10 +188,7 @@ def _bytes_at(storage: torch.UntypedStorage, device: torch.device, fp, base: int
 def _host_view(host: torch.Tensor, fp) -> torch.Tensor:
     """The first bytes of a (pool, size-class) host buffer, shaped like ``_bytes_at(..., fp)``."""
     shape = (*(n for n, _ in fp[1]), fp[2])
-    count = 1
-    for n in shape:
-        count *= n
-    return host.view(-1)[:count].view(shape)
+    return host if host.shape == shape else host[:_nbytes(fp)].view(shape)
 
 
 # ----------------------------------------------------------------------------- pinned pool, engine
@@ -576,7 +578,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             for fp, host in pieces:
                 _bytes_at(storage, rec.device, fp, base).copy_(_host_view(host, fp))
         self.stats["reloaded_storages"] += 1
-        self.stats["reloaded_bytes"] += sum(_host_view(host, fp).numel() for fp, host in pieces)
+        self.stats["reloaded_bytes"] += sum(_nbytes(fp) for fp, _ in pieces)
         return storage
 
     def _device_storage(self, rec: _Storage) -> tuple[torch.UntypedStorage, int]:

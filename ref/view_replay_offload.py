@@ -155,13 +155,18 @@ def _span(fp) -> tuple[int, int]:
     return off, off + sum((n - 1) * pitch for n, pitch in dims) + run
 
 
+def _nbytes(fp) -> int:
+    """How many bytes a footprint reads (counting overlaps twice)."""
+    count = fp[2]
+    for n, _ in fp[1]:
+        count *= n
+    return count
+
+
 def _is_dense(fp) -> bool:
     """Reads at least half of its span: copying the span beats gathering its bytes."""
     lo, hi = _span(fp)
-    count = 1
-    for n, _ in fp[1]:
-        count *= n
-    return 2 * count * fp[2] >= hi - lo
+    return 2 * _nbytes(fp) >= hi - lo
 
 
 def _missing_ranges(covered: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
@@ -406,7 +411,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         for fp, host in pieces:  # a range is copied, a gathered footprint scattered back to its places
             _bytes_at(storage, rec.device, fp, base).copy_(host)
         self.stats["reloaded_storages"] += 1
-        self.stats["reloaded_bytes"] += sum(host.numel() for _, host in pieces)
+        self.stats["reloaded_bytes"] += sum(_nbytes(fp) for fp, _ in pieces)
         return storage
 
     def _unpack(self, h) -> torch.Tensor:
