@@ -781,7 +781,7 @@ def test_size_classes():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_missing_ranges_and_spans(impl):
+def test_missing_ranges_and_footprints(impl):
     gen = torch.Generator().manual_seed(8)
     for _ in range(300):
         cuts = sorted(torch.randint(0, 64, (6,), generator=gen).tolist())

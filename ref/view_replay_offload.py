@@ -49,8 +49,8 @@ Tensors and objects (per saved tensor t)
     host ranges             uint8 [hi - lo] per copied byte range of a storage
     host footprints         uint8 [count_0, ..., run] per gathered sparse footprint
     reloaded buffer         uint8 [hi - lo] on t's device covering everything copied of the
-                            storage, lo rounded down to 512 bytes so
-                            every replayed view keeps its address alignment modulo 512
+                            storage, lo rounded down to 512 bytes so that every replayed
+                            view keeps its address alignment modulo 512
     replayed view           t's dtype, size and stride; storage offset relative to that buffer
     stats                   dict of ints, counted over the life of the object:
         packed              saved tensors seen by the pack hook
@@ -76,9 +76,9 @@ Supported, and what raises
     are active, so unpack repeats it: if the saved tensor (or its base) is still alive and
     its version counter moved since the save, unpack raises the same RuntimeError autograd
     raises ("one of the variables needed for gradient computation has been modified by an
-    inplace operation ... is at version 2; expected version 1 instead").  A tensor that is
-    dead by then cannot be modified any more through its own version counter; the host copy
-    holds the bytes of the moment of the save.
+    inplace operation ... is at version 2; expected version 1 instead").  When neither the
+    saved tensor nor its base is alive any more, nothing is left to tell; the host copy holds
+    the bytes of the moment of the save.
     ``retain_graph=True`` and repeated backward passes work: the host copy lives as long as
     autograd holds a saved tensor of it; the reloaded device buffer is dropped once every
     live saved view of the storage was unpacked in the pass.  Nothing outlives the graph.
