@@ -43,6 +43,13 @@ ALLOWED_ONE_SIDED: dict[tuple[str, str], str] = {}
 ALLOWED_EXTRA = {
     ("ref", "*", "upcast"): "the reference can run its math in the input dtype to give the "
                             "low-precision baseline of the tolerance rule",
+    # view_replay_offload: the reference copies synchronously; these tune fast's CUDA-stream machinery.
+    ("fast", "OffloadActivations", "prefetch"): "storages reloaded ahead of use in backward (fast prefetches)",
+    ("fast", "OffloadActivations.__init__", "prefetch"): "same keyword, seen through __init__",
+    ("fast", "OffloadActivations", "max_inflight_bytes"): "device bytes whose async copy may be pending",
+    ("fast", "OffloadActivations.__init__", "max_inflight_bytes"): "same keyword, seen through __init__",
+    ("fast", "OffloadActivations", "max_pool_bytes"): "cap on the free pinned-buffer pool (fast only pins)",
+    ("fast", "OffloadActivations.__init__", "max_pool_bytes"): "same keyword, seen through __init__",
 }
 
 _IMPORT_PROBE = r"""
