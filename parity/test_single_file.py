@@ -45,11 +45,8 @@ ALLOWED_EXTRA = {
                             "low-precision baseline of the tolerance rule",
     # view_replay_offload: the reference copies synchronously; these tune fast's CUDA-stream machinery.
     ("fast", "OffloadActivations", "prefetch"): "storages reloaded ahead of use in backward (fast prefetches)",
-    ("fast", "OffloadActivations.__init__", "prefetch"): "same keyword, seen through __init__",
     ("fast", "OffloadActivations", "max_inflight_bytes"): "device bytes whose async copy may be pending",
-    ("fast", "OffloadActivations.__init__", "max_inflight_bytes"): "same keyword, seen through __init__",
     ("fast", "OffloadActivations", "max_pool_bytes"): "cap on the free pinned-buffer pool (fast only pins)",
-    ("fast", "OffloadActivations.__init__", "max_pool_bytes"): "same keyword, seen through __init__",
 }
 
 _IMPORT_PROBE = r"""
@@ -149,7 +146,7 @@ def _compare_params(public: str, ref_obj, fast_obj) -> list[str]:
 def _public_members(cls) -> dict:
     out = {}
     for name, member in inspect.getmembers(cls):
-        if name.startswith("_") and name != "__init__":
+        if name.startswith("_"):  # __init__ is compared through the class signature
             continue
         if inspect.isfunction(member) or inspect.ismethod(member) or isinstance(member, property):
             out[name] = member
