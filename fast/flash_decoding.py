@@ -735,9 +735,10 @@ def _compile_cases():
     fwd_sig.update(seqused_ptr="*i32", bt_ptr="*i32", sinks_ptr="*fp32", lse_ptr="*fp32", scale="fp32",
                    softcap="fp32")
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
-    # (dtype, D, rows = S_q * G, paged, KV alignment): every (BLOCK_M, BLOCK_N, BLOCK_D, warps, stages)
-    # that _fwd_config can return for 16-bit types is here in bf16 (fp16 shares them: two spot checks);
-    # fp32 has BLOCK_M = 16 only; D = 100 / 60 cover rows that are not 16-byte aligned.
+    # (dtype, D, rows = S_q * G, paged, KV alignment).  16-bit: every (BLOCK_M, BLOCK_N, warps, stages)
+    # that _fwd_config returns for D = 64 / 128 / 256 (the largest tiles of each BLOCK_D), in bf16, with
+    # two fp16 spot checks (same configs); D = 32 for the small head dims.  fp32: BLOCK_M = BLOCK_N = 16,
+    # both layouts.  D = 100 / 60 / 63 cover rows aligned to 4 or 1 elements only (8 warps).
     shapes = [(bf16, d, rows, paged, 16) for d in (64, 128, 256) for rows in (8, 32, 64) for paged in (True, False)
               if not (d == 256 and rows == 64)]
     shapes += [(fp16, 128, 8, True, 16), (fp16, 128, 64, False, 16)]

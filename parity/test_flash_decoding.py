@@ -163,6 +163,10 @@ def test_empty_rows_and_sinks():
         # A sink only lowers the weights: lse with the sink = logaddexp(lse without, sink).
         _, lse_plain = run(module, case, num_splits=1)
         torch.testing.assert_close(lse[1:], torch.logaddexp(lse_plain[1:], case["sinks"][None, :, None].float()))
+        # An empty batch: empty outputs, no launch.
+        out, lse = module.flash_decode(case["q"][:0], case["k_cache"], case["v_cache"], case["seqused_k"][:0],
+                                       block_table=case["block_table"][:0], return_lse=True)
+        assert out.shape == (0, 2, 4, 32) and lse.shape == (0, 4, 2)
 
 
 @pytest.mark.parametrize("page", [4, None], ids=["paged", "dense"])

@@ -244,18 +244,18 @@ def _attend_chunk(q, k, v, first, length, *, scale, softcap):
     sequence with ``length`` keys.  Returns the partial state (o [S_q, H_q, D], lse [H_q, S_q]).
     """
     s_q, h_q, _ = q.shape
-    group = h_q // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)                           # [n, H_q, D]: head h reads KV head h // G
-    v = v.repeat_interleave(group, dim=1)
-    s = torch.einsum("shd,nhd->hsn", q, k) * scale                  # [H_q, S_q, n]
+    h_kv = k.shape[1]
+    q = q.unflatten(1, (h_kv, h_q // h_kv))                         # [S_q, H_kv, G, D]: head h reads KV head h // G
+    s = torch.einsum("skgd,nkd->kgsn", q, k) * scale                # [H_kv, G, S_q, n]
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     key_pos = first + torch.arange(k.shape[0], device=q.device)     # [n]
     last_seen = length - s_q + torch.arange(s_q, device=q.device)   # [S_q]: row i sees j <= L - S_q + i
-    s = s.masked_fill(key_pos[None, None, :] > last_seen[None, :, None], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)                                # [H_q, S_q], -inf for a row that sees nothing
+    s = s.masked_fill(key_pos[None, :] > last_seen[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                # [H_kv, G, S_q], -inf for a row that sees nothing
     p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)[..., None])
-    return torch.einsum("hsn,nhd->shd", p, v), lse
+    o = torch.einsum("kgsn,nkd->skgd", p, v)                        # [S_q, H_kv, G, D]
+    return o.flatten(1, 2), lse.flatten(0, 1)                       # [S_q, H_q, D], [H_q, S_q]
 
 
 def _gather_sequence(k_cache, v_cache, b, length, block_table):
