@@ -12,7 +12,7 @@ What it computes
 The math (see the reference for the full statement)
     s_ij = scale <q_i, k_j> (softcap * tanh(s / softcap) when softcap > 0); row i of a
     sequence with L keys sees j <= L - S_q + i; lse_i = log(sum_j exp(s_ij) [+ exp(sink_h)]);
-    o_i = sum_j exp(s_ij - lse_i) v_j.  A row that sees no key: o = 0, lse = -inf (= sink).
+    o_i = sum_j exp(s_ij - lse_i) v_j.  A row that sees no key: o = 0, lse = -inf (the sink with one).
     Split s over key block range C_s gives (o_s, lse_s) without the sink; the merge is
     lse = log(sum_s exp(lse_s) + exp(sink)), o = sum_s exp(lse_s - lse) o_s.
 
@@ -59,11 +59,12 @@ Supported, and what raises
     (padded to a power of two inside), any page size, any GQA ratio, S_q >= 1 (best at
     S_q * G <= 64 rows per tile; more rows take more tiles, each reading K/V again),
     CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.  Everything the reference
-    rejects raises the same ValueError / TypeError here, plus fp64 and D > 256.  The value
+    rejects raises the same ValueError / TypeError here, plus fp64, D > 256, and caches or out
+    without unit stride in D (they are written in place; q, k_new, v_new are copied).  The value
     checks (seqused_k within capacity, not 0 < seqused_k < S_q, page ids inside the pool)
     cost one small device-to-host copy per call; they are skipped while a CUDA graph is being
     captured (``torch.cuda.is_current_stream_capturing()``), where a copy is impossible: a
-    captured call trusts its inputs.  Both kernels are ``torch.library.custom_op``s
+    captured call trusts its inputs.  The launches are ``torch.library.custom_op``s
     (``twofold::flash_decode``, which writes ``out``; ``twofold::kv_cache_append``, which
     declares that it mutates k_cache and v_cache; ``twofold::merge_attention_states``), so
     ``torch.compile(fullgraph=True)`` traces through them.  Inference only: no autograd.
@@ -88,9 +89,8 @@ import triton.language as tl
 
 __all__ = ["choose_num_splits", "flash_decode", "merge_attention_states"]
 
-_LOG2E = 1.4426950408889634
 _INTERPRETER_SMS = 132       # what the gate assumes for CPU tensors under the Triton interpreter (an H100)
-_PROGRAMS_PER_SM = 2         # decode programs resident per SM: ~100 KB of shared memory each (see _fwd_config)
+_PROGRAMS_PER_SM = 2         # decode programs resident per SM (40-115 KB of shared memory each, see _fwd_config)
 _MAX_SPLITS = 1024
 
 
