@@ -8,7 +8,7 @@ What it computes
     as five kernels, each with its own launcher (fla's decomposition):
         1. cumsum     gc = within-chunk cumulative gate                       fp32 [B, T, HV]
         2. kkt+solve  A = (I + tril(beta K K^T * exp(gc_i - gc_j), -1))^-1   [B, T, HV, 64]
-                      (16x16 diagonal blocks by forward substitution, merged blockwise)
+                      (16x16 diagonal blocks inverted in registers, merged blockwise; fp32)
         3. w/u        w = A (beta exp(gc) K), u = A (beta V)
         4. state h    the sequential pass over chunks: h per chunk start, v_new = u - w h,
                       h = exp(gc_last) h + K^T (exp(gc_last - gc) v_new); final state
@@ -60,6 +60,7 @@ References
 """
 from __future__ import annotations
 
+import itertools
 import os
 from typing import NamedTuple, Optional
 
@@ -165,7 +166,7 @@ def _sequences(b: int, t: int, cu_seqlens: Optional[torch.Tensor], device) -> _S
     _check_cu_seqlens_values(cu, t)
     per_seq = [triton.cdiv(e - s, CHUNK) for s, e in zip(cu, cu[1:])]
     table = [(n, c) for n, count in enumerate(per_seq) for c in range(count)]
-    offsets = [sum(per_seq[:n]) for n in range(len(per_seq))] or [0]
+    offsets = [0, *itertools.accumulate(per_seq)][:max(1, len(per_seq))]   # each sequence's first chunk row
     chunk_idx = torch.tensor(table or [(0, 0)], dtype=torch.int32).to(device)
     chunk_off = torch.tensor(offsets, dtype=torch.int32).to(device)
     return _Seqs(len(per_seq), len(table), len(table), cu_seqlens.to(torch.int32), chunk_idx, chunk_off, True)
@@ -272,9 +273,9 @@ def _chunk_cumsum(g: torch.Tensor, seqs: _Seqs) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- 2. kkt + solve
-# A chunk's 64 rows are four 16-row blocks; the strictly lower-triangular system is solved as
-# 4 diagonal 16x16 inverses (forward substitution in registers) merged blockwise:
-#   Ai_rc = -Ai_rr * sum_{c <= m < r} A_rm Ai_mc   for r > c.
+# A chunk's 64 rows are four 16-row blocks: the ten lower 16x16 blocks of K K^T are gated, the
+# four diagonal ones inverted in registers (_inv_unit_lower16), and the inverse assembled blockwise:
+#   Ai_rc = -Ai_rr * sum_{c <= m < r} A_rm Ai_mc   for r > c   (fla's solve_tril merge).
 
 @triton.jit
 def _rows(ptr, o_t, m_t, o_d, m_d, stride_t, head, D: tl.constexpr):
