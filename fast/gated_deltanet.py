@@ -184,6 +184,19 @@ def _prec(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"   # tf32 is moot for 16-bit operands
 
 
+def _launch(tuned, grid, args: tuple, meta: dict):
+    """Launch an autotuned kernel.  CUDA: the autotuner (key and pruning documented at each kernel).
+    Interpreter: the same pruning call Triton makes (positional arguments as named_args, the rest
+    as keywords), then the last surviving config launched directly: the autotuner cannot benchmark
+    on a CPU, and this way the tests run the pruning and grid code the GPU runs."""
+    if not _interpreting(args[0]):
+        tuned[grid](*args, **meta)
+        return
+    configs = tuned.early_config_prune(tuned.configs, dict(zip(tuned.arg_names, args)), **meta)
+    cfg = configs[-1]
+    tuned.fn[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 # ----------------------------------------------------------------------------- shared device helpers
 
 @triton.jit
@@ -478,9 +491,11 @@ def _chunk_wu(k, v, beta, gc, a, seqs: _Seqs):
 
 def _prune_state_configs(configs, named_args, **kwargs):
     """16-bit: BV 16 / 32 on 4 warps, and 64 where the K tiles are unmasked and at most two (K = 64
-    or 128; masked or four tiles spill at BV 64).  fp32 (FMA products): BV 16 on 8 warps."""
-    dk, dv = named_args["K"], named_args["V"]
-    if named_args["k"].dtype == torch.float32:
+    or 128; masked or four tiles spill at BV 64).  fp32 (FMA products): BV 16 on 8 warps.
+    (Triton passes the positional arguments as named_args and the constexprs as kwargs.)"""
+    args = {**named_args, **kwargs}
+    dk, dv = args["K"], args["V"]
+    if args["k"].dtype == torch.float32:
         return [c for c in configs if c.num_warps == 8]
     keep = [c for c in configs if c.num_warps == 4 and c.kwargs["BV"] <= _pow2(dv)
             and (c.kwargs["BV"] < 64 or dk in (64, 128))]
@@ -589,11 +604,7 @@ def _chunk_h(k, w, u, gc, initial_state, output_final_state: bool, seqs: _Seqs):
             final if final is not None else dummy, seqs.cu, seqs.chunk_off, t, triton.next_power_of_2(nhv))
     meta = dict(H=h, HV=hv, K=dk, V=dv, BT=CHUNK, BK=min(64, _pow2(dk)), USE_H0=initial_state is not None,
                 STORE_FINAL=final is not None, IS_VARLEN=seqs.varlen, PREC=_prec(k.dtype))
-    if _interpreting(k):
-        cfg = _prune_state_configs(_STATE_CONFIGS, dict(k=k, K=dk, V=dv))[-1]   # a config the GPU could pick
-        _chunk_h_kernel[(triton.cdiv(dv, cfg.kwargs["BV"]), nhv)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps)
-    else:
-        _chunk_h_tuned[lambda c: (triton.cdiv(dv, c["BV"]), nhv)](*args, **meta)
+    _launch(_chunk_h_tuned, lambda c: (triton.cdiv(dv, c["BV"]), nhv), args, meta)
     return states, v_new, final
 
 
@@ -606,9 +617,10 @@ _OUT_CONFIGS = [triton.Config({"BV": 64}, num_warps=8, num_stages=2), triton.Con
 
 
 def _prune_out_configs(configs, named_args, **kwargs):
-    if named_args["q"].dtype == torch.float32:
+    args = {**named_args, **kwargs}
+    if args["q"].dtype == torch.float32:
         return [c for c in configs if c.kwargs["BV"] == 32]
-    return [c for c in configs if c.kwargs["BV"] != 32 and c.kwargs["BV"] <= _pow2(named_args["V"], 64)]
+    return [c for c in configs if c.kwargs["BV"] != 32 and c.kwargs["BV"] <= _pow2(args["V"], 64)]
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -659,12 +671,7 @@ def _chunk_o(q, k, v_new, states, gc, scale: float, seqs: _Seqs) -> torch.Tensor
     args = (q, k, v_new, states, gc, o, seqs.cu, seqs.chunk_idx, scale, t)
     bk = 32 if q.dtype == torch.float32 else min(64, _pow2(dk))
     meta = dict(H=h, HV=hv, K=dk, V=dv, BT=CHUNK, BK=bk, IS_VARLEN=seqs.varlen, PREC=_prec(q.dtype))
-    if _interpreting(q):
-        cfg = _prune_out_configs(_OUT_CONFIGS, dict(q=q, K=dk, V=dv))[0]
-        _chunk_o_kernel[(triton.cdiv(dv, cfg.kwargs["BV"]), seqs.nt, nbh)](*args, **meta, **cfg.kwargs,
-                                                                          num_warps=cfg.num_warps)
-    else:
-        _chunk_o_tuned[lambda c: (triton.cdiv(dv, c["BV"]), seqs.nt, nbh)](*args, **meta)
+    _launch(_chunk_o_tuned, lambda c: (triton.cdiv(dv, c["BV"]), seqs.nt, nbh), args, meta)
     return o
 
 
@@ -684,11 +691,13 @@ def _chunk_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, ou
 
 # ----------------------------------------------------------------------------- recurrent (decode)
 
-_REC_CONFIGS = [triton.Config({"BV": bv}, num_warps=w, num_stages=1) for bv, w in ((16, 1), (32, 2))]
+# key: K, V, NHV (decode wants enough programs to keep many state reads in flight).
+_REC_CONFIGS = [triton.Config({"BV": bv}, num_warps=w, num_stages=1) for bv, w in ((16, 1), (32, 2), (64, 4))]
 
 
 def _prune_rec_configs(configs, named_args, **kwargs):
-    return [c for c in configs if c.kwargs["BV"] <= _pow2(named_args["V"])] or configs[:1]
+    dv = {**named_args, **kwargs}["V"]
+    return [c for c in configs if c.kwargs["BV"] <= _pow2(dv)] or configs[:1]
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -753,11 +762,7 @@ def _recurrent_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale: float
             final if final is not None else dummy, cu, scale, t, triton.next_power_of_2(n * hv))
     meta = dict(H=h, HV=hv, K=dk, V=dv, BK=_pow2(dk), USE_H0=initial_state is not None,
                 STORE_FINAL=final is not None, IS_VARLEN=cu_seqlens is not None, L2NORM=use_l2norm)
-    if _interpreting(q):
-        bv = min(64, _pow2(dv))   # the interpreter pays per program step, not per element
-        _recurrent_kernel[(triton.cdiv(dv, bv), n * hv)](*args, **meta, BV=bv, num_warps=1)
-    else:
-        _recurrent_tuned[lambda c: (triton.cdiv(dv, c["BV"]), n * hv)](*args, **meta)
+    _launch(_recurrent_tuned, lambda c: (triton.cdiv(dv, c["BV"]), n * hv), args, meta)
     return o, final
 
 

@@ -248,6 +248,8 @@ def test_fast_varlen_equals_per_document(kind, dtype):
     dk = dv = 128 if ON_GPU else 16
     inputs = make_inputs(1, sum(lengths), 1, 2, dk, dv, seed=13, n_states=len(lengths))
     cu = cu_tensor(lengths)
+    if kind == "recurrent":
+        cu = cu.long()   # fla's LongTensor convention; the chunk case covers int32
     o, ht = compare(kind, dtype, inputs, cu_seqlens=cu, tag="[varlen]")
     low = cast(dtype, *inputs)
     fn = FNS[kind][1]
@@ -257,6 +259,15 @@ def test_fast_varlen_equals_per_document(kind, dtype):
         torch.testing.assert_close(o[:, a:b], o_n, rtol=0, atol=1e-6 if dtype == torch.float32 else 2e-2)
         torch.testing.assert_close(ht[n:n + 1], h_n, rtol=0, atol=1e-5 if dtype == torch.float32 else 5e-2)
     torch.testing.assert_close(ht[1], low[5][1], rtol=0, atol=0)   # empty document: state passes through
+
+
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+def test_empty_input_passes_the_state_through(kind):
+    q, k, v, g, beta, h0 = cast(torch.float32, *make_inputs(2, 0, 1, 2, 16, 16, seed=15))
+    for fn in FNS[kind]:
+        o, ht = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        assert o.shape == (2, 0, 2, 16)
+        torch.testing.assert_close(ht, h0, rtol=0, atol=0)
 
 
 def test_fast_chunk_saved_intermediates_match_ref_steps():

@@ -41,8 +41,8 @@ Tensors (B batch, T tokens, H query/key heads, HV value heads, N sequences)
     replaces q and k by x * rsqrt(sum(x^2) + 1e-6) first (fla's l2norm).
 
 Supported, and what raises
-    Any H and HV with HV a multiple of H; K <= 256 (the fast kernels hold a full K column of
-    the state; the reference raises too so both files share one contract), any V; empty
+    Any H and HV with HV a multiple of H; K <= 256 (the fast kernels keep the whole K extent of
+    a state block in registers; the reference raises too so both files share one contract), any V; empty
     sequences (T = 0 or an empty document: its final state is its initial state); varlen with
     no padding between documents, chunk boundaries restarting at each document.  Autograd works
     through both forms (the spec for the fast backward).  ValueError / TypeError naming the
