@@ -16,7 +16,7 @@ The math (per query row i of a sequence, log2 domain inside the kernel)
     i + L_k - L_q - left <= j <= i + L_k - L_q + right (-1 = unbounded; causal = (-1, 0)).
 
 Tensors (N sequences, T_q / T_k packed tokens, H_q / H_kv heads, D head dim, G = H_q / H_kv)
-    query        [T_q, H_q, D]                     fp16 / bf16 / fp32, last dim contiguous
+    query        [T_q, H_q, D]                     fp16 / bf16 / fp32, any strides
     key, value   [T_k, H_kv, D]                    packed (cu_seq_k), or
                  [num_pages, page_size, H_kv, D]   paged (block_table + seqused_k)
     cu_seq_q     [N + 1] int32;  cu_seq_k [N + 1] int32 or None when paged
@@ -37,6 +37,10 @@ How the kernel works
       slot ``j % page_size``, so any page size >= 1 works and the loads pipeline like packed ones.
     * fp32 inputs use IEEE fp32 dots (no silent tf32); fp16/bf16 use tensor cores with fp32
       accumulation.  Head dims are padded to a power of two >= 16 with masks (60, 100, 192 work).
+    * Alignment: the launcher passes the largest power of two (<= 16) dividing every row
+      stride, so loads vectorize (D = 100 rows are 4-element aligned).  Rows aligned to fewer
+      than 4 elements (odd head dims or strides) or an ``out`` with a non-unit last stride are
+      staged through padded copies: correct, but one extra read and write of q, k, v, out.
 
 Cost (what the benchmark measures against)
     FLOPs  = 4 * D * sum over heads and query rows of the keys that row sees
@@ -173,8 +177,6 @@ def _check_meta(query, key, value, cu_seq_q, cu_seq_k, *, scale, window_size, en
         raise TypeError(f"fast varlen_attn supports fp16, bf16, fp32; got {query.dtype} (the reference takes fp64)")
     if query.shape[-1] > 256:
         raise ValueError(f"fast varlen_attn supports head dims up to 256, got D={query.shape[-1]}")
-    if out is not None and out.shape[-1] > 0 and out.stride(-1) != 1:
-        raise ValueError(f"out must be contiguous in its last dimension, got strides {out.stride()}")
 
 
 def _check_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, *, seqused_k, block_table):
@@ -233,7 +235,7 @@ def _attn_key_blocks(acc, l_i, m_i, b_q, k_ptr, v_ptr, bt_row_ptr, bos_k, L_k, o
                      stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
                      MASKED: tl.constexpr, IS_PAGED: tl.constexpr, HAS_LEFT: tl.constexpr,
                      HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HEAD_PADDED: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online softmax over key blocks [n_start, n_end).  With MASKED, keys past L_k and outside
     the window are hidden; without it every key of every block is visible to every row."""
     for start_n in range(n_start, n_end, BLOCK_N):
@@ -247,6 +249,9 @@ def _attn_key_blocks(acc, l_i, m_i, b_q, k_ptr, v_ptr, bt_row_ptr, bos_k, L_k, o
         else:
             o_k_row = (bos_k + o_n).to(tl.int64) * stride_k_tok
             o_v_row = (bos_k + o_n).to(tl.int64) * stride_v_tok
+        if ALIGN > 1:  # the launcher checked every K/V row starts at a multiple of ALIGN elements
+            o_k_row = tl.multiple_of(o_k_row, ALIGN)
+            o_v_row = tl.multiple_of(o_v_row, ALIGN)
         p_k = k_ptr + o_k_row[:, None] + o_d[None, :]                  # [BLOCK_N, BLOCK_D]
         p_v = v_ptr + o_v_row[:, None] + o_d[None, :]
         if MASKED:
@@ -292,7 +297,8 @@ def _attn_fwd_kernel(
     qk_scale, softcap, window_left, window_right,
     GROUP: tl.constexpr, IS_PAGED: tl.constexpr, HAS_SEQUSED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     i_tile, i_kvh = tl.program_id(0), tl.program_id(1)
     i_b = i_tile % num_seqs
@@ -324,8 +330,12 @@ def _attn_fwd_kernel(
     m_d = o_d < HEAD_DIM
     o_key_pos = o_pos + (L_k - L_q)                     # the key position each row is aligned with
 
-    p_q = q_ptr + (bos_q + o_pos).to(tl.int64)[:, None] * stride_q_tok + \
-        o_head.to(tl.int64)[:, None] * stride_q_head + o_d[None, :]
+    o_q_row = (bos_q + o_pos).to(tl.int64) * stride_q_tok + o_head.to(tl.int64) * stride_q_head
+    o_o_row = (bos_q + o_pos).to(tl.int64) * stride_o_tok + o_head.to(tl.int64) * stride_o_head
+    if ALIGN > 1:
+        o_q_row = tl.multiple_of(o_q_row, ALIGN)
+        o_o_row = tl.multiple_of(o_o_row, ALIGN)
+    p_q = q_ptr + o_q_row[:, None] + o_d[None, :]
     b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)   # [BLOCK_M, BLOCK_D]
 
     # The keys this tile can see at all, [lo, hi), and those every row of it sees, [full_lo, full_hi).
@@ -352,8 +362,13 @@ def _attn_fwd_kernel(
     edge_c_lo = tl.where(has_full, full_blk_hi, blk_lo)
 
     bt_row_ptr = block_table_ptr + i_b.to(tl.int64) * stride_bt
-    k_base = k_ptr + i_kvh.to(tl.int64) * stride_k_head
-    v_base = v_ptr + i_kvh.to(tl.int64) * stride_v_head
+    o_k_head = i_kvh.to(tl.int64) * stride_k_head
+    o_v_head = i_kvh.to(tl.int64) * stride_v_head
+    if ALIGN > 1:
+        o_k_head = tl.multiple_of(o_k_head, ALIGN)
+        o_v_head = tl.multiple_of(o_v_head, ALIGN)
+    k_base = k_ptr + o_k_head
+    v_base = v_ptr + o_v_head
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -365,17 +380,17 @@ def _attn_fwd_kernel(
             acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
             blk_lo, edge_a_hi, qk_scale, softcap, window_left, window_right, page_size,
             stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
-            True, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, BLOCK_N)
+            True, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, ALIGN, BLOCK_N)
     acc, l_i, m_i = _attn_key_blocks(
         acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
         full_blk_lo, full_blk_hi, qk_scale, softcap, window_left, window_right, page_size,
         stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
-        False, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HEAD_DIM != BLOCK_D, DOT_PRECISION, BLOCK_N)
+        False, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HEAD_DIM != BLOCK_D, DOT_PRECISION, ALIGN, BLOCK_N)
     acc, l_i, m_i = _attn_key_blocks(
         acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
         edge_c_lo, hi, qk_scale, softcap, window_left, window_right, page_size,
         stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
-        True, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, BLOCK_N)
+        True, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, ALIGN, BLOCK_N)
 
     if HAS_SINKS:
         # The sink is one more logit in the denominator, with no value vector.
@@ -389,43 +404,60 @@ def _attn_fwd_kernel(
     b_o = acc / tl.where(seen, l_i, 1.0)[:, None]
     b_lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
 
-    p_o = o_ptr + (bos_q + o_pos).to(tl.int64)[:, None] * stride_o_tok + \
-        o_head.to(tl.int64)[:, None] * stride_o_head + o_d[None, :]
+    p_o = o_ptr + o_o_row[:, None] + o_d[None, :]
     tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
     tl.store(lse_ptr + o_head.to(tl.int64) * stride_lse_head + bos_q + o_pos, b_lse, mask=m_r)
 
 
 # ----------------------------------------------------------------------------- configs and launcher
 
-# Launch configs (BLOCK_M, BLOCK_N, num_warps, num_stages) per GPU family, padded head dim and
-# element size.  Each one builds without register spills and within the family's shared memory
-# (parity/test_compile.py checks every one); fp32 runs IEEE dots on CUDA cores, so its tiles
-# are small.  Hopper (sm_90, wgmma) affords larger tiles than Ampere (sm_80, mma.sync).
+# Launch configs (BLOCK_M, BLOCK_N, num_warps, num_stages) per GPU family (90: Hopper, wgmma;
+# 80: Ampere/Ada, mma.sync), padded head dim and element size.  Every one builds without
+# register spills and within the family's shared memory (parity/test_compile.py builds them
+# all).  "any" configs hold for rows aligned to 4 elements (ALIGN >= 4, e.g. D = 60, 100);
+# "aligned" ones need 16-byte rows (ALIGN >= 8) and are pruned otherwise.  fp32 runs IEEE
+# dots on CUDA cores (no tensor cores), so its tiles are small.
 _CONFIG_TABLE = {
-    # (family, padded head dim <=, element size): [(BLOCK_M, BLOCK_N, warps, stages), ...]
-    (90, 64, 2): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
-    (90, 128, 2): [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 32, 8, 3), (64, 64, 8, 3)],
-    (90, 256, 2): [(64, 32, 8, 3), (64, 32, 8, 2), (32, 32, 4, 3)],
-    (80, 64, 2): [(128, 64, 8, 3), (64, 64, 4, 3)],
-    (80, 128, 2): [(128, 32, 8, 3), (64, 64, 8, 3)],
-    (80, 256, 2): [(64, 32, 8, 3), (64, 32, 8, 2), (32, 32, 4, 3)],
+    # (family, head-dim class, element size): (any, aligned)
+    (90, 64, 2): ([(128, 64, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3)], [(128, 128, 8, 3), (128, 128, 8, 2)]),
+    (90, 128, 2): ([(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 3)], [(128, 64, 8, 2), (128, 64, 8, 4)]),
+    (90, 256, 2): ([(64, 32, 8, 3), (64, 32, 8, 2), (64, 16, 8, 3)], []),
+    (80, 64, 2): ([(128, 64, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3)], []),
+    (80, 128, 2): ([(64, 32, 8, 3), (64, 64, 8, 2)], [(128, 32, 8, 3), (64, 64, 8, 3)]),
+    (80, 256, 2): ([(64, 16, 8, 3)], [(64, 32, 8, 3), (64, 32, 8, 2)]),
+    (90, 64, 4): ([(16, 16, 4, 2)], []),
+    (90, 128, 4): ([(32, 16, 8, 2)], []),
+    (90, 256, 4): ([(16, 16, 8, 1)], []),
+    (80, 64, 4): ([(16, 16, 4, 2)], []),
+    (80, 128, 4): ([(32, 16, 8, 2)], []),
+    (80, 256, 4): ([(16, 16, 4, 2)], []),
 }
-for _family in (80, 90):
-    _CONFIG_TABLE[(_family, 64, 4)] = [(16, 32, 4, 2), (16, 16, 4, 2)]
-    _CONFIG_TABLE[(_family, 128, 4)] = [(32, 16, 8, 2)]
-    _CONFIG_TABLE[(_family, 256, 4)] = [(16, 16, 4, 2)]
+_MIN_ALIGN = 4  # rows aligned to fewer elements are staged through padded copies (see _launch)
 
 
 def _configs(family: int, block_d: int, elt_size: int) -> list:
-    rows = _CONFIG_TABLE[(family, max(64, block_d), elt_size)]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in rows]
+    any_align, aligned = _CONFIG_TABLE[(family, max(64, block_d), elt_size)]
+    configs = []
+    for rows, min_align in ((any_align, _MIN_ALIGN), (aligned, 8)):
+        for bm, bn, warps, stages in rows:
+            cfg = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+            cfg.min_align = min_align  # read by _prune_by_alignment
+            configs.append(cfg)
+    return configs
+
+
+def _prune_by_alignment(configs, named_args, **constexprs):
+    # Triton passes the launch's constexprs as keyword arguments (not in named_args).
+    return [c for c in configs if c.min_align <= constexprs["ALIGN"]]
 
 
 # One autotuner per (GPU family, head-dim class, element size), so each tries only configs that fit.
 # key: the constexprs that change the code path; triton adds the tensors' dtypes itself.
-_AUTOTUNE_KEY = ["HEAD_DIM", "GROUP", "IS_PAGED", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_SINKS"]
-_TUNED = {(family, block_d, elt): triton.autotune(configs=_configs(family, block_d, elt), key=_AUTOTUNE_KEY)(
-    _attn_fwd_kernel) for family in (80, 90) for block_d in (16, 32, 64, 128, 256) for elt in (2, 4)}
+_AUTOTUNE_KEY = ["HEAD_DIM", "ALIGN", "GROUP", "IS_PAGED", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_SINKS"]
+_TUNED = {(family, block_d, elt): triton.autotune(
+    configs=_configs(family, block_d, elt), key=_AUTOTUNE_KEY,
+    prune_configs_by={"early_config_prune": _prune_by_alignment})(_attn_fwd_kernel)
+    for family in (80, 90) for block_d in (16, 32, 64, 128, 256) for elt in (2, 4)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -438,6 +470,15 @@ def _gpu_family(device_index: int) -> int:
 _INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
 # Tests set this to one config's kwargs (+ num_warps, num_stages) to bypass the autotuner on CUDA.
 _FORCED_CONFIG: Optional[dict] = None
+
+
+def _pow2_divisor(*strides: int, cap: int = 16) -> int:
+    """The largest power of two <= cap dividing every stride: rows then start at multiples of it,
+    which lets the compiler vectorize loads (D = 100 still gets 4-element vectors)."""
+    align = cap
+    while align > 1 and any(s % align for s in strides):
+        align //= 2
+    return align
 
 
 def _block_d(head_dim: int) -> int:
@@ -456,6 +497,16 @@ def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_lef
         return lse
     paged = block_table is not None
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    target = out
+    align = _pow2_divisor(*query.stride()[:-1], *out.stride()[:-1], *key.stride()[:-1], *value.stride()[:-1])
+    if align < _MIN_ALIGN or out.stride(-1) != 1:
+        # Rows aligned to fewer than 4 elements would compile to scalar loads that spill
+        # registers: stage through copies whose rows are 16-byte aligned (a slow path, for
+        # odd head dims or strides; the common head dims never take it).
+        query, key, value = (_padded_copy(t) for t in (query, key, value))
+        target = _padded_copy(out, copy=False)
+        align = _pow2_divisor(*query.stride()[:-1], *target.stride()[:-1], *key.stride()[:-1],
+                              *value.stride()[:-1])
     h_kv = key.shape[-2]
     group = h_q // h_kv
     if paged:
@@ -467,17 +518,17 @@ def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_lef
     has_softcap = softcap > 0
     qk_scale = scale / softcap if has_softcap else scale * _LOG2E
     int_dummy = cu_seq_q                                                  # never read when its flag is off
-    args = (query, key, value, out, lse, sinks if sinks is not None else query,
+    args = (query, key, value, target, lse, sinks if sinks is not None else query,
             cu_seq_q, cu_seq_k if cu_seq_k is not None else int_dummy,
             seqused_k if seqused_k is not None else int_dummy,
             block_table if paged else int_dummy,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1), lse.stride(0),
+            query.stride(0), query.stride(1), target.stride(0), target.stride(1), lse.stride(0),
             *k_strides, *v_strides, stride_bt, page_size, num_seqs,
             qk_scale, float(softcap), window_left, window_right)
     flags = dict(GROUP=group, IS_PAGED=paged, HAS_SEQUSED=seqused_k is not None,
                  HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=has_softcap,
                  HAS_SINKS=sinks is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
-                 HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim))
+                 ALIGN=align, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim))
 
     def grid(meta):
         return (triton.cdiv(max_q * group, meta["BLOCK_M"]) * num_seqs, h_kv)
@@ -492,7 +543,18 @@ def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_lef
                 _TUNED[(family, _block_d(head_dim), query.element_size())][grid](*args, **flags)
     else:
         _attn_fwd_kernel[grid](*args, **flags, **_INTERPRET_BLOCKS, num_warps=4)
+    if target is not out:
+        out.copy_(target)
     return lse
+
+
+def _padded_copy(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """A view of t's values in a buffer whose rows are padded to a multiple of 8 elements."""
+    d = t.shape[-1]
+    view = t.new_empty(*t.shape[:-1], -(-d // 8) * 8)[..., :d]
+    if copy:
+        view.copy_(t)
+    return view
 
 
 def _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table):
@@ -588,33 +650,42 @@ def varlen_attn_out(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
 # ----------------------------------------------------------------------------- ahead-of-time builds
 
 def _compile_cases():
-    """Every launch shape, for parity/test_compile.py: each GPU family, dtype and head-dim class,
-    once with the leanest code path (packed, causal) and once with everything on (paged,
-    two-sided window, softcap, sinks, a padded head dim), each with every autotune config."""
+    """Every launch shape, for parity/test_compile.py.  Per GPU family, element type and head-dim
+    class: the leanest code path (packed, causal) and the fullest (paged, two-sided window,
+    softcap, sinks), with 16-byte-aligned rows and every config; and the fullest path with rows
+    aligned to 4 elements (head dims 60, 100, 196) and the configs that alignment keeps.  fp16
+    builds the lean path with each class's first config only: its code matches bf16's but for
+    the conversions (this keeps the CI build time down)."""
     cases = []
+    lean = dict(GROUP=4, IS_PAGED=False, HAS_SEQUSED=False, HAS_LEFT=False, HAS_RIGHT=True,
+                HAS_SOFTCAP=False, HAS_SINKS=False)
+    full = dict(GROUP=3, IS_PAGED=True, HAS_SEQUSED=True, HAS_LEFT=True, HAS_RIGHT=True,
+                HAS_SOFTCAP=True, HAS_SINKS=True)
     for family in (80, 90):
         for dtype, elt in (("fp16", 2), ("bf16", 2), ("fp32", 4)):
-            for head_dim in (64, 128, 256, 100):
+            for head_dim in (64, 128, 256, 60, 100, 196):
+                align = _pow2_divisor(head_dim)
+                variants = [("lean", lean)] if dtype == "fp16" else [("lean", lean), ("full", full)]
+                if align < 16:
+                    variants = [] if dtype == "fp16" else [("full", full)]
                 block_d = _block_d(head_dim)
                 sig = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "o_ptr": f"*{dtype}",
                        "lse_ptr": "*fp32", "sinks_ptr": "*fp32", "cu_seq_q_ptr": "*i32", "cu_seq_k_ptr": "*i32",
                        "seqused_k_ptr": "*i32", "block_table_ptr": "*i32", "qk_scale": "fp32", "softcap": "fp32"}
-                # Strides of [.., H, D] tensors are multiples of 16 when D is (Triton specializes on it).
+                # Strides of [.., H, D] tensors are multiples of 16 when D is (Triton specializes on
+                # that at run time); otherwise the ALIGN constexpr carries the alignment.
                 for name in ("stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stride_k_page",
                              "stride_k_tok", "stride_k_head", "stride_v_page", "stride_v_tok", "stride_v_head"):
-                    sig[name] = "i32:16" if head_dim % 16 == 0 else "i32"
+                    sig[name] = "i32:16" if align == 16 else "i32"
                 for name in ("stride_lse_head", "stride_bt", "page_size", "num_seqs", "window_left", "window_right"):
                     sig[name] = "i32"
-                lean = dict(GROUP=4, IS_PAGED=False, HAS_SEQUSED=False, HAS_LEFT=False, HAS_RIGHT=True,
-                            HAS_SOFTCAP=False, HAS_SINKS=False)
-                full = dict(GROUP=3, IS_PAGED=True, HAS_SEQUSED=True, HAS_LEFT=True, HAS_RIGHT=True,
-                            HAS_SOFTCAP=True, HAS_SINKS=True)
-                variants = [("lean", lean), ("full", full)] if head_dim != 100 else [("full", full)]
+                tuned = _TUNED[(family, block_d, elt)]
                 for label, flags in variants:
+                    configs = _prune_by_alignment(tuned.configs, {}, ALIGN=align)
                     cases.append(dict(
-                        kernel=_TUNED[(family, block_d, elt)], archs=[family],
+                        kernel=tuned, archs=[family], configs=configs[:1] if dtype == "fp16" else configs,
                         name=f"attn_fwd[sm{family},{dtype},D={head_dim},{label}]", signature=sig,
                         constexprs=dict(flags, DOT_PRECISION="ieee" if elt == 4 else None, HEAD_DIM=head_dim,
-                                        BLOCK_D=block_d),
+                                        BLOCK_D=block_d, ALIGN=align),
                         tensor_cores=elt == 2))
     return cases

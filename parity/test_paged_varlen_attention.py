@@ -149,6 +149,7 @@ CASES = [
     ("paged16-window", dict(n=3, max_q=14, max_k=40, h_q=2, h_kv=1, d=64), 16, (7, 0), 0.0, True),
     ("decode-like-paged", dict(n=5, max_q=1, max_k=37, h_q=8, h_kv=2, d=64, decode_like=True), 16, (-1, 0), 0.0,
      False),
+    ("odd-d37-staged", dict(n=3, max_q=11, max_k=15, h_q=2, h_kv=1, d=37), 5, (-1, 0), 0.0, False),
 ]
 
 
@@ -261,6 +262,22 @@ def test_empty_batch_and_empty_queries():
         o, lse = mod.varlen_attn(q, k, v, cu_seqlens([0, 0]), cu_seqlens([2, 3]), 0, 3,
                                  return_aux=mod.AuxRequest(lse=True))
         assert o.shape == (0, 2, 16) and lse.shape == (2, 0)
+
+
+def test_strided_inputs_and_out():
+    """Non-contiguous q/k/v (a slice of a wider buffer) and an out with a non-unit last stride
+    take the staging path and still match the contiguous call."""
+    b = make_batch(seed=20, n=3, max_q=9, max_k=12, h_q=2, h_kv=2, d=16)
+    expect, expect_lse = run(fast, b, window=(-1, 0))
+    wide = {x: torch.cat([b[x], b[x]], dim=-1)[..., 3:19] for x in ("q", "k", "v")}
+    for x in wide:
+        wide[x].copy_(b[x])
+    out = nan_like(torch.empty(b["q"].shape[0], 2, 32, device=DEVICE))[..., ::2]
+    got, lse = fast.varlen_attn_out(out, wide["q"], wide["k"], wide["v"], b["cu_q"], b["cu_k"], b["max_q"],
+                                    b["max_k"], window_size=(-1, 0), return_aux=fast.AuxRequest(lse=True))
+    assert got is out
+    torch.testing.assert_close(out, expect, rtol=0, atol=0)
+    torch.testing.assert_close(lse, expect_lse, rtol=0, atol=0)
 
 
 def test_num_splits_does_not_change_the_result():
