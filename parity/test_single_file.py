@@ -43,6 +43,22 @@ ALLOWED_ONE_SIDED: dict[tuple[str, str], str] = {}
 ALLOWED_EXTRA = {
     ("ref", "*", "upcast"): "the reference can run its math in the input dtype to give the "
                             "low-precision baseline of the tolerance rule",
+    # routed_generator: the fast engine's knobs (the reference engine has a contiguous per-request
+    # cache and plain attention, so it has nothing to tune or plug in).
+    ("fast", "Generator", "varlen_attn"): "prefill attention plug-in of the paged engine",
+    ("fast", "Generator.__init__", "varlen_attn"): "prefill attention plug-in of the paged engine",
+    ("fast", "Generator", "flash_decode"): "decode attention plug-in of the paged engine",
+    ("fast", "Generator.__init__", "flash_decode"): "decode attention plug-in of the paged engine",
+    ("fast", "Generator", "page_size"): "paged KV cache: tokens per page",
+    ("fast", "Generator.__init__", "page_size"): "paged KV cache: tokens per page",
+    ("fast", "Generator", "num_pages"): "paged KV cache: pool size",
+    ("fast", "Generator.__init__", "num_pages"): "paged KV cache: pool size",
+    ("fast", "Generator", "max_batch_size"): "continuous batching: requests decoding at once",
+    ("fast", "Generator.__init__", "max_batch_size"): "continuous batching: requests decoding at once",
+    ("fast", "Generator", "max_prefill_tokens"): "continuous batching: prompt tokens per iteration",
+    ("fast", "Generator.__init__", "max_prefill_tokens"): "continuous batching: prompt tokens per iteration",
+    ("fast", "DistributedWeightSync", "bucket_bytes"): "the fast transfer broadcasts flat buckets",
+    ("fast", "DistributedWeightSync.__init__", "bucket_bytes"): "the fast transfer broadcasts flat buckets",
 }
 
 _IMPORT_PROBE = r"""
