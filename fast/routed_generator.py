@@ -1,75 +1,93 @@
-"""Routed generator: the fast version (cheap routing at high request rates).  Part 1: the router.
+"""Routed generator: the fast version.  A cheap router, and a serving engine built like vLLM's.
 
 What it computes
-    The same router as ``ref/routed_generator.py``, the specification, with the same data
-    types, protocol, policies, queue order, failover, weight-sync modes and version stamps:
-    on the same sequence of events both make the same decisions (``parity/`` drives both
-    through one scripted sequence and compares every dispatch).  Several generators
-    (inference engines) sit behind one router that spreads requests over them, retries a
-    request elsewhere when a generator fails, and pushes trainer weights to every generator
-    between or during generation.  Each completion carries the policy versions in force when
-    its request was admitted and when it finished.
+    The same router, data types, protocol, model, sampling rule and distributed weight sync as
+    ``ref/routed_generator.py``, the specification (read its docstring for the rules, the model
+    and the sampling math): on the same sequence of events both routers make the same
+    decisions, and on the same weights both engines give the same tokens and logprobs (fp32:
+    tokens equal, logprobs to fp32 rounding; parity/ compares them).  What this file changes is
+    how the work is done.
 
-The rules (n generators; load(g) = requests dispatched to g whose futures have not settled)
-    eligible(g)   healthy(g) and not draining(g) and (max_inflight is None or load(g) < max_inflight)
-    round_robin   argmin over eligible g of last_chosen(g)
-    least_loaded  argmin over eligible g of (load(g), last_chosen(g))
-    power_of_two  i != j uniform over all n; the less loaded eligible one; least_loaded if neither
-    sticky        pin[session_id] if eligible; least_loaded keeping the pin if only full;
-                  least_loaded and re-pin otherwise (LRU of at most max_sessions sessions)
-    queue         arrival order; a retried request keeps its place
-    versions      min_policy_version at admission, max_policy_version at finish; drain => equal
-
-What makes it cheap (costs per request, n generators)
+The router: what makes it cheap (costs per request, n generators)
     - No thread per request, none at rest: dispatch runs in the submitting thread and in the
       thread that settles a generator's future.
     - O(log n) choice: one binary heap of (load, last_chosen, index) (``(last_chosen, index)``
       for round_robin) with lazy invalidation: an entry is pushed whenever a generator's key
       changes or it becomes eligible again, and a popped entry whose key is stale or whose
       generator is not eligible is dropped.  The heap is rebuilt from the eligible generators
-      when it holds more than 2n + 64 entries, so memory stays O(n).  power_of_two is O(1) plus the same
-      heap as fallback; the reference scans all n generators per request.
-    - The queue is a deque of fresh arrivals (already in arrival order) plus a small heap of
-      retried requests, instead of one heap over everything; the common path with an empty
-      queue does not touch either.
-    - The sticky map is an LRU ``OrderedDict`` bounded by ``max_sessions``: O(1) per request,
-      O(max_sessions) memory.
-    - ``__slots__`` records, a healthy-generator counter instead of a scan, bound methods as
-      future callbacks, and one lock acquisition on submit and one on completion.
-    Measured by bench/routed_generator.py (router overhead per request against calling the
-    generator directly, throughput at 1..64 generators, makespan / p99 per policy, staleness).
+      when it holds more than 2n + 64 entries, so memory stays O(n).  power_of_two is O(1) plus
+      the same heap as fallback; the reference scans all n generators per request.
+    - The queue is a deque of fresh arrivals plus a small heap of retried requests; the common
+      path with an empty queue touches neither.  The sticky map is an LRU bounded by
+      ``max_sessions``.  ``__slots__`` records, one lock acquisition on submit and one on completion.
+
+The engine (Generator): continuous batching over a paged KV cache
+    thread       one engine thread runs the loop; ``submit`` validates and enqueues (never blocks);
+                 futures are settled by the engine thread after each iteration, outside every lock.
+    iteration    (1) give each running request the page its next token's KV goes to (allocate on
+                 demand; when the pool is empty, preempt the newest request: its pages are freed
+                 and it goes back to the head of the queue, keeping its tokens and its generator,
+                 to be recomputed by a later prefill); (2) admit waiting requests in arrival order
+                 while a slot, their prompt's pages and the prefill budget allow; (3) one prefill
+                 pass over the packed new prompts (their K/V scattered into their pages, then
+                 ``varlen_attn`` over the paged cache with a block table); (4) one batched decode
+                 step over the requests that were running (``flash_decode`` with k_new/v_new
+                 writes the new K/V into the pages and attends); (5) batched sampling, finished
+                 requests free their pages and slots.
+    pool         K and V [attention layers, num_pages, page_size, H_kv, D]; a block table
+                 [max_batch_size, ceil(max_seq_len / page_size)] int32 with one row per running
+                 request (a slot); "linear" plug-in layers keep their cache tensors in per-slot
+                 pools [max_batch_size, ...] (gathered and scattered around each decode step).
+                 A request that could never fit the pool alone raises ValueError at submit.
+    attention    ``varlen_attn`` and ``flash_decode`` are constructor arguments with the
+                 signatures of fast/paged_varlen_attention.varlen_attn and
+                 fast/flash_decoding.flash_decode (drop those in); the defaults are plain
+                 PyTorch in this file (causal only: no lse, softcap, sinks).
+    sampling     one set of tensor ops per group of rows (greedy, temperature, top-k/top-p); each
+                 sampled row draws its uniform from its request's own generator, so a request
+                 gets the same token alone or in any batch.  One device-to-host copy per group.
+    weights      ``load_weights`` validates the whole state dict, copies it into a second set of
+                 weights (the shadow; on a side CUDA stream that first waits for the last step
+                 that read those buffers), then hands it to the engine thread, which swaps the
+                 two sets between two iterations: decoding never stops for the copy, and a
+                 request running across the swap continues on the new weights (its
+                 max_policy_version says so; the KV cache it built keeps the old weights' keys,
+                 as in PipelineRL's in-flight updates).  Memory: two weight sets.
+    transfer     across processes as in the reference, but the weights travel in flat buckets of
+                 ``bucket_bytes`` per dtype (a few large broadcasts instead of one per tensor).
+
+Cost (what bench/routed_generator.py measures against)
+    Per generated token, FLOPs ~ 2 * (non-embedding parameters + hidden * vocab) + 4 * L_ctx *
+    H_q * D per attention layer (L_ctx = keys it attends to).  A decode step over B requests moves
+    at least the weights once plus each request's KV: bytes >= weight bytes + sum_b 2 * L_b *
+    H_kv * D * elt * attention layers; at small B it is weight-bound, which is why batching wins.
 
 Data types (the same in ref and fast)
-    SamplingParams  max_new_tokens int >= 1 (16), temperature float >= 0 (0 = greedy),
-                    top_k int >= 0 (0 = off), top_p in (0, 1] (1 = off), stop_token_ids
-                    tuple[int], seed int or None
-    Request         prompt_token_ids list[int] (a 1-D integer tensor or any sequence of ints
-                    is accepted), sampling SamplingParams, request_id str (filled with a
-                    unique "req-<n>" when None), session_id hashable or None
-    Completion      request_id str, prompt_token_ids list[int], token_ids list[int], logprobs
-                    list[float], finish_reason "stop" | "length" | "abort", generator_id str,
-                    min_policy_version int, max_policy_version int
-    state_dict      Mapping[str, torch.Tensor], passed to load_weights untouched
+    SamplingParams, Request, Completion, state_dict, ModelConfig, the linear_layer plug-in: as
+    in the reference.
 
 Supported, and what raises
-    As the reference: any number of generators >= 1 with unique names, many threads at once,
-    no request lost or completed twice, ``RouterError`` listing every cause for a request no
-    generator can serve, ValueError / TypeError from ``submit`` fail only that request.
-    ValueError for an unknown policy or mode (naming the choices), an empty generator list,
-    duplicate names, out-of-range max_inflight / max_retries / max_sessions, a version that
-    does not increase; TypeError for an object lacking a protocol member, a request that is
-    not a ``Request``, a version that is not an int.  Limits: no timeouts (a generator whose
-    futures never settle stalls a drain); the request at the head of the queue can no longer
-    be cancelled; a done-callback must not block on another router future or call
-    ``sync_weights``.
+    As the reference (router: the same errors; engine: ValueError for an empty prompt, unknown
+    token ids, a prompt of max_seq_len tokens or more, a state dict with missing, unexpected or
+    mis-shaped tensors, which is rejected whole with the weights and version unchanged; TypeError
+    for non-tensors; RuntimeError after ``close()``), plus ValueError for a request that can never
+    fit the KV pool and for engine knobs < 1.  Inference only.  Limits: preemption recomputes
+    (no swapping to host); the plug-in layers' state is gathered per step (a kernel that reads the
+    slot pools in place would not copy); no prefix caching, no chunked prefill of one long
+    prompt across iterations; the router's limits (no timeouts; a done-callback must not block
+    on another router future or call ``sync_weights``) and the distributed ones (the group is
+    the trainer plus the generator ranks; a dead generator process makes the next transfer time
+    out) hold here too.
 
 References
-    vLLM router / SGLang model-gateway policies; Mitzenmacher, The Power of Two Choices in
-    Randomized Load Balancing (2001); PipelineRL (Piche et al., 2025) in-flight weight
-    updates; AReaL / slime / verl trainer-to-rollout weight sync.
+    vLLM (Kwon et al., PagedAttention, 2023) and its scheduler (continuous batching, recompute
+    preemption); Orca (Yu et al., 2022, iteration-level scheduling); PipelineRL (Piche et al.,
+    2025) in-flight weight updates; AReaL / slime / verl weight sync; Mitzenmacher, The Power of
+    Two Choices (2001); vLLM router / SGLang model-gateway policies.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import functools
@@ -1159,8 +1177,7 @@ class Generator:
                 raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
         self.name = name
         self.device = torch.device("cpu" if device is None else device)
-        self._build = dict(seed=seed, linear_layer=linear_layer, device=self.device, dtype=dtype)
-        self.model = DecoderLM(config, **self._build).eval()
+        self.model = DecoderLM(config, seed=seed, linear_layer=linear_layer, device=self.device, dtype=dtype).eval()
         self.config = c = self.model.config
         self.dtype = self.model.embed_tokens.weight.dtype
         self._shapes = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
@@ -1231,8 +1248,8 @@ class Generator:
             if version < self._version:
                 raise ValueError(f"version must not decrease: got {version}, serving {self._version}")
             tensors = _checked_state_dict(state_dict, self._shapes)
-            if self._shadow is None:
-                self._shadow = DecoderLM(self.config, **self._build).eval()
+            if self._shadow is None:  # allocated once, by the first load (a copy: no random init)
+                self._shadow = copy.deepcopy(self.model)
             shadow = self._shadow
             self._copy_into(shadow, tensors)
             waiter = _Waiter()
