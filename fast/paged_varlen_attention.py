@@ -63,7 +63,7 @@ References
 """
 from __future__ import annotations
 
-import math
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -397,32 +397,42 @@ def _attn_fwd_kernel(
 
 # ----------------------------------------------------------------------------- configs and launcher
 
-def _configs(block_d: int, elt_size: int) -> list:
-    """Launch configs per padded head dim and element size, each within an A100's 163 KB of
-    shared memory.  fp32 runs IEEE dots on CUDA cores, so its tiles are small."""
-    C = triton.Config
-    if elt_size == 4:
-        bm, bn = {64: (64, 32), 128: (32, 32), 256: (32, 16)}[max(64, block_d)]
-        return [C({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4, num_stages=2)]
-    if block_d <= 64:
-        return [C({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=3),
-                C({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
-                C({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3)]
-    if block_d <= 128:
-        return [C({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
-                C({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=2),
-                C({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=2),
-                C({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3)]
-    return [C({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2),
-            C({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2),
-            C({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2)]
+# Launch configs (BLOCK_M, BLOCK_N, num_warps, num_stages) per GPU family, padded head dim and
+# element size.  Each one builds without register spills and within the family's shared memory
+# (parity/test_compile.py checks every one); fp32 runs IEEE dots on CUDA cores, so its tiles
+# are small.  Hopper (sm_90, wgmma) affords larger tiles than Ampere (sm_80, mma.sync).
+_CONFIG_TABLE = {
+    # (family, padded head dim <=, element size): [(BLOCK_M, BLOCK_N, warps, stages), ...]
+    (90, 64, 2): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+    (90, 128, 2): [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 32, 8, 3), (64, 64, 8, 3)],
+    (90, 256, 2): [(64, 32, 8, 3), (64, 32, 8, 2), (32, 32, 4, 3)],
+    (80, 64, 2): [(128, 64, 8, 3), (64, 64, 4, 3)],
+    (80, 128, 2): [(128, 32, 8, 3), (64, 64, 8, 3)],
+    (80, 256, 2): [(64, 32, 8, 3), (64, 32, 8, 2), (32, 32, 4, 3)],
+}
+for _family in (80, 90):
+    _CONFIG_TABLE[(_family, 64, 4)] = [(16, 32, 4, 2), (16, 16, 4, 2)]
+    _CONFIG_TABLE[(_family, 128, 4)] = [(32, 16, 8, 2)]
+    _CONFIG_TABLE[(_family, 256, 4)] = [(16, 16, 4, 2)]
 
 
-# One autotuner per (head-dim class, element size), so each only ever tries configs that fit.
+def _configs(family: int, block_d: int, elt_size: int) -> list:
+    rows = _CONFIG_TABLE[(family, max(64, block_d), elt_size)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in rows]
+
+
+# One autotuner per (GPU family, head-dim class, element size), so each tries only configs that fit.
 # key: the constexprs that change the code path; triton adds the tensors' dtypes itself.
 _AUTOTUNE_KEY = ["HEAD_DIM", "GROUP", "IS_PAGED", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_SINKS"]
-_TUNED = {(block_d, elt): triton.autotune(configs=_configs(block_d, elt), key=_AUTOTUNE_KEY)(_attn_fwd_kernel)
-          for block_d in (16, 32, 64, 128, 256) for elt in (2, 4)}
+_TUNED = {(family, block_d, elt): triton.autotune(configs=_configs(family, block_d, elt), key=_AUTOTUNE_KEY)(
+    _attn_fwd_kernel) for family in (80, 90) for block_d in (16, 32, 64, 128, 256) for elt in (2, 4)}
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_family(device_index: int) -> int:
+    """90 for Hopper and newer, 80 for Ampere/Ada (queried at the first call, never at import)."""
+    return 90 if torch.cuda.get_device_capability(device_index)[0] >= 9 else 80
+
 
 # The Triton interpreter (CPU) cannot autotune; it runs this fixed, small tile.
 _INTERPRET_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
@@ -477,7 +487,9 @@ def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_lef
             if _FORCED_CONFIG is not None:
                 _attn_fwd_kernel[grid](*args, **flags, **_FORCED_CONFIG)
             else:
-                _TUNED[(_block_d(head_dim), query.element_size())][grid](*args, **flags)
+                family = _gpu_family(query.device.index if query.device.index is not None
+                                     else torch.cuda.current_device())
+                _TUNED[(family, _block_d(head_dim), query.element_size())][grid](*args, **flags)
     else:
         _attn_fwd_kernel[grid](*args, **flags, **_INTERPRET_BLOCKS, num_warps=4)
     return lse
@@ -576,32 +588,33 @@ def varlen_attn_out(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
 # ----------------------------------------------------------------------------- ahead-of-time builds
 
 def _compile_cases():
-    """Every launch shape, for parity/test_compile.py: each dtype and head-dim class, once with the
-    leanest code path (packed, causal) and once with everything on (paged, two-sided window,
-    softcap, sinks, a padded head dim), each with every autotune config of its class."""
+    """Every launch shape, for parity/test_compile.py: each GPU family, dtype and head-dim class,
+    once with the leanest code path (packed, causal) and once with everything on (paged,
+    two-sided window, softcap, sinks, a padded head dim), each with every autotune config."""
     cases = []
-    for dtype, elt in (("fp16", 2), ("bf16", 2), ("fp32", 4)):
-        for head_dim in (64, 128, 256, 100):
-            block_d = _block_d(head_dim)
-            sig = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "o_ptr": f"*{dtype}",
-                   "lse_ptr": "*fp32", "sinks_ptr": "*fp32", "cu_seq_q_ptr": "*i32", "cu_seq_k_ptr": "*i32",
-                   "seqused_k_ptr": "*i32", "block_table_ptr": "*i32",
-                   "qk_scale": "fp32", "softcap": "fp32"}
-            # Strides of [.., H, D] tensors are multiples of 16 when D is (Triton specializes on it).
-            for name in ("stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stride_k_page",
-                         "stride_k_tok", "stride_k_head", "stride_v_page", "stride_v_tok", "stride_v_head"):
-                sig[name] = "i32:16" if head_dim % 16 == 0 else "i32"
-            for name in ("stride_lse_head", "stride_bt", "page_size", "num_seqs", "window_left", "window_right"):
-                sig[name] = "i32"
-            lean = dict(GROUP=4, IS_PAGED=False, HAS_SEQUSED=False, HAS_LEFT=False, HAS_RIGHT=True,
-                        HAS_SOFTCAP=False, HAS_SINKS=False)
-            full = dict(GROUP=3, IS_PAGED=True, HAS_SEQUSED=True, HAS_LEFT=True, HAS_RIGHT=True,
-                        HAS_SOFTCAP=True, HAS_SINKS=True)
-            variants = [("lean", lean), ("full", full)] if head_dim != 100 else [("full", full)]
-            for label, flags in variants:
-                cases.append(dict(
-                    kernel=_TUNED[(block_d, elt)], name=f"attn_fwd[{dtype},D={head_dim},{label}]", signature=sig,
-                    constexprs=dict(flags, DOT_PRECISION="ieee" if elt == 4 else None, HEAD_DIM=head_dim,
-                                    BLOCK_D=block_d),
-                    tensor_cores=elt == 2))
+    for family in (80, 90):
+        for dtype, elt in (("fp16", 2), ("bf16", 2), ("fp32", 4)):
+            for head_dim in (64, 128, 256, 100):
+                block_d = _block_d(head_dim)
+                sig = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "o_ptr": f"*{dtype}",
+                       "lse_ptr": "*fp32", "sinks_ptr": "*fp32", "cu_seq_q_ptr": "*i32", "cu_seq_k_ptr": "*i32",
+                       "seqused_k_ptr": "*i32", "block_table_ptr": "*i32", "qk_scale": "fp32", "softcap": "fp32"}
+                # Strides of [.., H, D] tensors are multiples of 16 when D is (Triton specializes on it).
+                for name in ("stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stride_k_page",
+                             "stride_k_tok", "stride_k_head", "stride_v_page", "stride_v_tok", "stride_v_head"):
+                    sig[name] = "i32:16" if head_dim % 16 == 0 else "i32"
+                for name in ("stride_lse_head", "stride_bt", "page_size", "num_seqs", "window_left", "window_right"):
+                    sig[name] = "i32"
+                lean = dict(GROUP=4, IS_PAGED=False, HAS_SEQUSED=False, HAS_LEFT=False, HAS_RIGHT=True,
+                            HAS_SOFTCAP=False, HAS_SINKS=False)
+                full = dict(GROUP=3, IS_PAGED=True, HAS_SEQUSED=True, HAS_LEFT=True, HAS_RIGHT=True,
+                            HAS_SOFTCAP=True, HAS_SINKS=True)
+                variants = [("lean", lean), ("full", full)] if head_dim != 100 else [("full", full)]
+                for label, flags in variants:
+                    cases.append(dict(
+                        kernel=_TUNED[(family, block_d, elt)], archs=[family],
+                        name=f"attn_fwd[sm{family},{dtype},D={head_dim},{label}]", signature=sig,
+                        constexprs=dict(flags, DOT_PRECISION="ieee" if elt == 4 else None, HEAD_DIM=head_dim,
+                                        BLOCK_D=block_d),
+                        tensor_cores=elt == 2))
     return cases

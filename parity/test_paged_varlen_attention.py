@@ -185,7 +185,9 @@ def test_fast_matches_ref_large(batch, page, window, dtype):
 def test_every_autotune_config(d, dtype, monkeypatch):
     """Each config the autotuner may pick gives the right answer, not just the fastest one."""
     b = make_batch(seed=5, n=4, max_q=300, max_k=500, h_q=6, h_kv=2, d=d)
-    for cfg in fast._TUNED[(fast._block_d(d), torch.tensor([], dtype=dtype).element_size())].configs:
+    family = fast._gpu_family(torch.cuda.current_device())
+    elt = torch.tensor([], dtype=dtype).element_size()
+    for cfg in fast._TUNED[(family, fast._block_d(d), elt)].configs:
         monkeypatch.setattr(fast, "_FORCED_CONFIG", dict(cfg.kwargs, num_warps=cfg.num_warps,
                                                          num_stages=cfg.num_stages))
         check_fast_against_ref(b, dtype, paged_size=16, window=(-1, 0))
