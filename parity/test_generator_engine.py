@@ -509,16 +509,25 @@ def test_callbacks_may_submit_and_close_fails_the_rest(rg):
 
 # ----------------------------------------------------------------------------- the repo's kernels plugged in
 
-def test_fast_engine_with_the_repos_varlen_attn():
-    """Prefill through fast/paged_varlen_attention.varlen_attn (the Triton interpreter here)."""
+@pytest.mark.parametrize("kernels", ["varlen_attn", "varlen_attn+flash_decode"])
+def test_fast_engine_with_the_repos_attention_kernels(kernels):
+    """Prefill through fast/paged_varlen_attention.varlen_attn and decode through
+    fast/flash_decoding.flash_decode (the Triton interpreter here, on the paged pool)."""
+    from fast.flash_decoding import flash_decode
     from fast.paged_varlen_attention import varlen_attn
+    plug = dict(varlen_attn=varlen_attn)
+    if "flash_decode" in kernels:
+        plug["flash_decode"] = flash_decode
     reqs_ref = make_requests(ref_rg, seed=40, n=5, max_prompt=12, max_new=6)
     reqs_fast = make_requests(fast_rg, seed=40, n=5, max_prompt=12, max_new=6)
     expect = run(ref_rg.Generator(small_config(ref_rg), seed=6), reqs_ref)
-    got = run(fast_rg.Generator(small_config(fast_rg), seed=6, varlen_attn=varlen_attn, page_size=3, num_pages=40),
-              reqs_fast)
+    gen = fast_rg.Generator(small_config(fast_rg), seed=6, page_size=3, num_pages=40, max_batch_size=4, **plug)
+    with gen:
+        got = gen.generate(reqs_fast)
+        stats = gen.stats()
     for e, g in zip(expect, got):
         assert_same(e, g, ref_rg.DecoderLM(small_config(ref_rg), seed=6))
+    assert stats["free_pages"] == 40 and stats["steps"] > 2
 
 
 # ----------------------------------------------------------------------------- several processes
