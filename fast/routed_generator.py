@@ -944,6 +944,8 @@ class DecoderLM(nn.Module):
                               for s, e in zip(bounds[:-1], bounds[1:])])
 
         def mix(i, module, h):
+            if cu_seqlens is None:                                          # b equal rows: [B, T, hidden]
+                return module(h.view(b, t, -1)).reshape(h.shape)
             return module(h[None], cu_seqlens=cu)[0]
 
         h = self._hidden(input_ids.reshape(-1), positions, attend, mix)

@@ -100,8 +100,9 @@ Data types (the same in ref and fast)
                     tie_embeddings, layer_types (None = all "attention", else one of
                     "attention" / "linear" per layer)
     linear_layer    plug-in ``(config, layer_index) -> nn.Module`` for "linear" layers, called as
-                    ``m(x [1, T, hidden], cu_seqlens=cu [N+1] int32, cache=c)`` (prefill or training,
-                    c None when training) and ``m(x [N, 1, hidden], cache=c)`` (a decode step);
+                    ``m(x [1, T, hidden], cu_seqlens=cu [N+1] int32, cache=c)`` (prefill of N packed
+                    sequences; training on documents with c None), ``m(x [B, T, hidden])`` (training
+                    on B equal rows) and ``m(x [N, 1, hidden], cache=c)`` (a decode step);
                     ``m.new_cache()`` gives an empty cache whose tensor attributes hold the N
                     sequences on dim 0 once filled (ref/gated_deltanet.py's layer, with new_cache)
 
@@ -906,6 +907,8 @@ class DecoderLM(nn.Module):
                               for s, e in zip(bounds[:-1], bounds[1:])])
 
         def mix(i, module, h):
+            if cu_seqlens is None:                                          # b equal rows: [B, T, hidden]
+                return module(h.view(b, t, -1)).reshape(h.shape)
             return module(h[None], cu_seqlens=cu)[0]
 
         h = self._hidden(input_ids.reshape(-1), positions, attend, mix)
