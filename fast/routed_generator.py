@@ -1294,9 +1294,11 @@ class Generator:
                 params[n].copy_(t)
             return
         # On a side stream, so decoding on the compute stream goes on.  It first waits for the
-        # last step that read these buffers (they held the previous weights).
+        # caller's stream (whatever produced the new tensors: an optimizer step, a broadcast) and
+        # for the last step that read these buffers (they held the previous weights).
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         if self._retired is not None:
             self._copy_stream.wait_event(self._retired)
         with torch.cuda.stream(self._copy_stream):
@@ -1715,8 +1717,10 @@ def serve_generator(generator, *, src: int = 0, backend: str | None = None, init
     """Serve ``generator`` (any object with the protocol and a ``config``) to the trainer rank ``src``.
 
     Runs on every rank but ``src``; joins the process group unless it exists (``init_method``
-    None: env:// with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE).  Returns when the trainer
-    closes its ``DistributedWeightSync``; the caller then closes the generator.
+    None: env:// with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; ``backend`` None: NCCL when CUDA
+    is available, else gloo; with NCCL call ``torch.cuda.set_device`` first, the weights arrive on
+    that device).  Returns when the trainer closes its ``DistributedWeightSync``; the caller then
+    closes the generator.
     """
     owned = _init_group(backend, init_method, rank, world_size, timeout_s)
     try:

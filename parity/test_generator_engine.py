@@ -327,6 +327,21 @@ def test_pool_pressure_queues_and_preempts_without_corruption():
     assert len({len(c.token_ids) for c in got}) > 3
 
 
+def test_a_finished_request_frees_its_pages_while_others_run():
+    """Pool of 16 pages of 4: a long request (up to 12 pages) and a short one (4 pages) fill it; a
+    third (4 pages) can only start on the short one's pages, and finishes long before the long one."""
+    gen = fast_rg.Generator(small_config(fast_rg), seed=0, page_size=4, num_pages=16)
+    sp = fast_rg.SamplingParams
+    with gen:
+        long = gen.submit(fast_rg.Request(list(range(8)), sp(max_new_tokens=40)))
+        short = gen.submit(fast_rg.Request(list(range(12)), sp(max_new_tokens=2)))
+        third = gen.submit(fast_rg.Request(list(range(1, 14)), sp(max_new_tokens=2)))
+        assert len(third.result(TIMEOUT).token_ids) == 2 and short.done()
+        assert not long.done()
+        assert len(long.result(TIMEOUT).token_ids) == 40
+        assert gen.stats()["free_pages"] == 16
+
+
 # ----------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("rg", IMPLS)

@@ -1380,8 +1380,10 @@ def serve_generator(generator, *, src: int = 0, backend: str | None = None, init
     """Serve ``generator`` (any object with the protocol and a ``config``) to the trainer rank ``src``.
 
     Runs on every rank but ``src``; joins the process group unless it exists (``init_method``
-    None: env:// with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE).  Returns when the trainer
-    closes its ``DistributedWeightSync``; the caller then closes the generator.
+    None: env:// with MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; ``backend`` None: NCCL when CUDA
+    is available, else gloo; with NCCL call ``torch.cuda.set_device`` first, the weights arrive on
+    that device).  Returns when the trainer closes its ``DistributedWeightSync``; the caller then
+    closes the generator.
     """
     owned = _init_group(backend, init_method, rank, world_size, timeout_s)
     try:
