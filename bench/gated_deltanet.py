@@ -1,0 +1,174 @@
+"""Gated DeltaNet benchmark: the chunked forward (training / prefill) and recurrent decode.
+
+    python bench/gated_deltanet.py              # everything this device can run
+    python bench/gated_deltanet.py --quick      # one forward and two decode cases
+
+Forward (bf16, K = V = 128, Qwen3.5 heads: H = 16 q/k heads, HV in {16, 32, 64} value heads,
+use_qk_l2norm_in_kernel=True, no initial state): T in {2k, 8k, 32k} as one sequence, and varlen
+mixes of 32k tokens.  Reported: ms; TFLOP/s with the algorithmic count of the chunk form, per
+token per value head (C = 64):
+    6 C K (K K^T, w, q K^T)  +  4 C V (u, scores x v_new)  +  6 K V (w h, K^T v_new, q h)  +  C^2 / 3 (solve)
+(1.82e5 FLOP at K = V = 128; fast/gated_deltanet.py derives it); the fraction of the device's
+measured bf16 matmul rate; speedup over the reference chunk form and over fla's
+``chunk_gated_delta_rule`` (fla 0.6.0, its FlashQLA dispatch off: FLA_FLASH_QLA=0) when fla is
+installed.  Target on H100 / H200: at least 1.0x fla.
+
+Decode (T = 1, HV = 32, H = 16, K = V = 128, batch 1 .. 256, initial state given, final state
+returned): ms and GB/s of the minimum bytes (the fp32 state read and written, N HV K V 4 2, plus q,
+k, v, g, beta, o) over the measured copy bandwidth; speedup over the reference recurrence and over
+fla's ``fused_recurrent_gated_delta_rule``.  Target: >= 70% of bandwidth at batch >= 64.
+
+Without CUDA only the reference runs (its CPU speed, small shapes); kernel timings need CUDA.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("FLA_FLASH_QLA", "0")   # fla 0.6.0 would dispatch to FlashQLA on Hopper otherwise
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.harness import (DEVICE, ON_GPU, Recorder, copies_for_rotation, device_ceilings,  # noqa: E402
+                           optional_import, rotating, time_ms)
+import ref.gated_deltanet as ref  # noqa: E402
+
+C = 64
+
+
+def chunk_flops(tokens: int, hv: int, dk: int, dv: int) -> float:
+    """Algorithmic FLOPs of the chunk forward (see the module docstring)."""
+    return tokens * hv * (6 * C * dk + 4 * C * dv + 6 * dk * dv + C * C / 3)
+
+
+def decode_bytes(n: int, h: int, hv: int, dk: int, dv: int, elt: int = 2) -> int:
+    """Minimum bytes of one decode step: state read + write (fp32), q, k, v, o, g (fp32), beta."""
+    return n * hv * dk * dv * 4 * 2 + 2 * n * h * dk * elt + 2 * n * hv * dv * elt + n * hv * (4 + elt)
+
+
+def make_inputs(b, t, h, hv, dk, dv, *, dtype=torch.bfloat16, state=False, seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(b, t, h, dk, device=DEVICE, dtype=dtype, generator=gen)
+    k = torch.randn(b, t, h, dk, device=DEVICE, dtype=dtype, generator=gen)
+    v = torch.randn(b, t, hv, dv, device=DEVICE, dtype=dtype, generator=gen)
+    g = F.logsigmoid(torch.randn(b, t, hv, device=DEVICE, dtype=torch.float32, generator=gen))
+    beta = torch.rand(b, t, hv, device=DEVICE, dtype=dtype, generator=gen)
+    h0 = torch.randn(b, hv, dk, dv, device=DEVICE, dtype=torch.float32, generator=gen) if state else None
+    return q, k, v, g, beta, h0
+
+
+def _fla():
+    """fla's gated delta rule module and version, or (None, why)."""
+    mod = optional_import("fla.ops.gated_delta_rule")
+    if mod is None:
+        return None, "fla (flash-linear-attention) not installed"
+    version = getattr(optional_import("fla"), "__version__", "?")
+    return mod, version
+
+
+def bench_forward(rec, cases, fast, fla, fla_version, ceilings, *, with_ref=True):
+    h, dk, dv = 16, 128, 128
+    for name, hv, lengths in cases:
+        t = sum(lengths)
+        cu = None
+        if len(lengths) > 1:
+            cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+        per_set = t * (2 * h * dk + hv * dv + hv) * 2
+        sets = [make_inputs(1, t, h, hv, dk, dv, seed=i)[:5] for i in range(copies_for_rotation(per_set, max_sets=4))]
+        kw = dict(output_final_state=False, use_qk_l2norm_in_kernel=True)
+        flops = chunk_flops(t, hv, dk, dv)
+        ms = time_ms(rotating(lambda *x: fast.chunk_gated_delta_rule(*x, cu_seqlens=cu, **kw), sets))
+        rec.add(name, "fast", "ms", ms, "ms")
+        rec.add(name, "fast", "TFLOP/s", flops / ms / 1e9, "TFLOP/s")
+        rec.add(name, "fast", "frac_bf16_peak", flops / ms / 1e9 / ceilings["bf16_tflops"], "")
+        if with_ref:
+            ms_ref = time_ms(lambda: ref.chunk_gated_delta_rule(*sets[0], cu_seqlens=cu, **kw), warmup=1, rep=1)
+            rec.add(name, "ref", "ms", ms_ref, "ms")
+            rec.add(name, "fast", "speedup_vs_ref", ms_ref / ms, "x")
+        if fla is None:
+            rec.missing(name, "fla chunk_gated_delta_rule", fla_version)
+            continue
+        cu64 = None if cu is None else cu.long()
+        ms_fla = time_ms(rotating(lambda *x: fla.chunk_gated_delta_rule(*x, cu_seqlens=cu64, **kw), sets))
+        rec.add(name, f"fla {fla_version}", "ms", ms_fla, "ms")
+        rec.add(name, "fast", "speedup_vs_fla", ms_fla / ms, "x")
+        o_fast, _ = fast.chunk_gated_delta_rule(*sets[0], cu_seqlens=cu, **kw)
+        o_fla, _ = fla.chunk_gated_delta_rule(*sets[0], cu_seqlens=cu64, **kw)
+        diff = (o_fast.float() - o_fla.float()).pow(2).mean().sqrt() / o_fla.float().pow(2).mean().sqrt()
+        rec.add(name, "fast", "rms_diff_vs_fla", diff.item(), "")
+
+
+def bench_decode(rec, batches, fast, fla, fla_version, ceilings):
+    h, hv, dk, dv = 16, 32, 128, 128
+    for n in batches:
+        name = f"decode B={n} HV={hv}"
+        nbytes = decode_bytes(n, h, hv, dk, dv)
+        sets = [make_inputs(n, 1, h, hv, dk, dv, state=True, seed=i) for i in range(copies_for_rotation(nbytes))]
+        kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+        def run(fn, q, k, v, g, beta, h0):
+            return fn(q, k, v, g, beta, initial_state=h0, **kw)
+
+        ms = time_ms(rotating(lambda *x: run(fast.fused_recurrent_gated_delta_rule, *x), sets))
+        gbps = nbytes / ms / 1e6
+        rec.add(name, "fast", "ms", ms, "ms")
+        rec.add(name, "fast", "GB/s", gbps, "GB/s")
+        rec.add(name, "fast", "frac_copy_bw", gbps / ceilings["copy_gbps"], "")
+        ms_ref = time_ms(lambda: run(ref.fused_recurrent_gated_delta_rule, *sets[0]))
+        rec.add(name, "ref", "ms", ms_ref, "ms")
+        rec.add(name, "fast", "speedup_vs_ref", ms_ref / ms, "x")
+        if fla is None:
+            rec.missing(name, "fla fused_recurrent", fla_version)
+            continue
+        ms_fla = time_ms(rotating(lambda q, k, v, g, beta, h0: fla.fused_recurrent_gated_delta_rule(
+            q, k, v, g=g, beta=beta, initial_state=h0, **kw), sets))
+        rec.add(name, f"fla {fla_version}", "ms", ms_fla, "ms")
+        rec.add(name, "fast", "speedup_vs_fla", ms_fla / ms, "x")
+
+
+def bench_cpu_reference(rec):
+    """What a CPU can say: the reference's own speed (the spec, not a kernel)."""
+    h, hv, dk, dv = 2, 4, 64, 64
+    for t in (256, 1024):
+        q, k, v, g, beta, _ = make_inputs(1, t, h, hv, dk, dv, dtype=torch.float32)
+        kw = dict(use_qk_l2norm_in_kernel=True)
+        ms = time_ms(lambda: ref.chunk_gated_delta_rule(q, k, v, g, beta, **kw))
+        rec.add(f"cpu ref T={t} HV={hv} K=V={dk}", "ref chunk", "ms", ms, "ms")
+        rec.add(f"cpu ref T={t} HV={hv} K=V={dk}", "ref chunk", "tokens/s", t / ms * 1e3, "tok/s")
+        ms = time_ms(lambda: ref.fused_recurrent_gated_delta_rule(q, k, v, g, beta, **kw))
+        rec.add(f"cpu ref T={t} HV={hv} K=V={dk}", "ref recurrent", "ms", ms, "ms")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one forward and two decode cases")
+    ap.add_argument("--no-save", action="store_true", help="print only, append nothing to the CSV")
+    args = ap.parse_args(argv)
+    rec = Recorder("gated_deltanet")
+    if not ON_GPU:
+        print("No CUDA device: timing the reference on the CPU only; kernel timings need CUDA.")
+        bench_cpu_reference(rec)
+    else:
+        import fast.gated_deltanet as fast
+        fla, fla_version = _fla()
+        ceilings = device_ceilings()
+        print(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, bf16 matmul {ceilings['bf16_tflops']:.0f} TFLOP/s")
+        forward = [(f"fwd T={t // 1024}k HV={hv}", hv, [t]) for hv in (16, 32, 64) for t in (2048, 8192, 32768)]
+        forward += [("fwd varlen 32k (8x4k) HV=32", 32, [4096] * 8),
+                    ("fwd varlen 32k (mixed) HV=32", 32, [17000, 64, 1, 8191, 4096, 2000, 1416])]
+        batches = [1, 4, 16, 64, 128, 256]
+        if args.quick:
+            forward, batches = forward[4:5], [1, 64]
+        bench_forward(rec, forward, fast, fla, fla_version, ceilings)
+        bench_decode(rec, batches, fast, fla, fla_version, ceilings)
+    if not args.no_save:
+        rec.save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
