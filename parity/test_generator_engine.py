@@ -549,6 +549,35 @@ def test_fast_engine_with_the_repos_attention_kernels(kernels):
     assert stats["free_pages"] == 40 and stats["steps"] > 2
 
 
+def test_hybrid_gated_deltanet_fast_engine_equals_ref_engine():
+    """The real hybrid: ref/gated_deltanet.py's layer as the "linear" layers.  The reference engine
+    with the reference delta rule against the fast engine with fast/gated_deltanet.py's Triton
+    kernels (interpreter): varlen chunked prefill over the packed prompts, recurrent decode on the
+    per-slot state pools."""
+    import fast.gated_deltanet as fast_gdn
+    import ref.gated_deltanet as ref_gdn
+
+    class GDN(ref_gdn.GatedDeltaNet):
+        def new_cache(self):
+            return ref_gdn.GatedDeltaNetCache()
+
+    def layer(chunk, recurrent):
+        return lambda config, index: GDN(config.hidden_size, num_k_heads=2, num_v_heads=4, head_k_dim=16,
+                                         head_v_dim=16, chunk_fn=chunk, recurrent_fn=recurrent)
+
+    kinds = ("linear", "attention")
+    reqs_ref = make_requests(ref_rg, seed=70, n=4, max_prompt=10, max_new=5, sampled=False, stops=False)
+    reqs_fast = make_requests(fast_rg, seed=70, n=4, max_prompt=10, max_new=5, sampled=False, stops=False)
+    expect = run(ref_rg.Generator(small_config(ref_rg, layer_types=kinds), seed=7,
+                                  linear_layer=layer(ref_gdn.chunk_gated_delta_rule,
+                                                     ref_gdn.fused_recurrent_gated_delta_rule)), reqs_ref)
+    got = run(fast_rg.Generator(small_config(fast_rg, layer_types=kinds), seed=7, page_size=4, num_pages=24,
+                                linear_layer=layer(fast_gdn.chunk_gated_delta_rule,
+                                                   fast_gdn.fused_recurrent_gated_delta_rule)), reqs_fast)
+    for e, g in zip(expect, got):
+        assert_same(e, g)
+
+
 # ----------------------------------------------------------------------------- several processes
 
 _CHILD = r"""
