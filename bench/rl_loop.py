@@ -14,10 +14,14 @@ What it runs
                  on a GPU their attention is this repo's fast varlen_attn (prefill) and
                  flash_decode (decode) and their Gated DeltaNet runs fast's Triton kernels; on a
                  CPU the in-file PyTorch attention and the reference delta rule
-    trainer      the same model (the reference delta rule, differentiable), forward under
-                 ``OffloadActivations`` (fast/view_replay_offload.py): saved activations go to host
-                 memory once per storage and views are replayed in backward; step 0 checks the
-                 gradients are bitwise those of a run without it
+    trainer      the same model (the reference delta rule, differentiable: fast/gated_deltanet.py
+                 is forward-only so far), forward under ``OffloadActivations``
+                 (fast/view_replay_offload.py): saved activations go to host memory once per
+                 storage and views are replayed in backward; step 0 checks the gradients are
+                 bitwise those of a run without it.  On the GPU size the reference chunk form's
+                 row-by-row triangular solve saves a [64, 64] block per row and chunk: those
+                 activations (~20 GB a step at 128 rollouts x 192 tokens), not the 30M-parameter
+                 model, set the batch, and the offload keeps them in host memory
     task         random prompts; reward = share of generated tokens in the residue class (mod 4) of
                  the token before them (a random policy scores ~1/4); group-relative advantages (G
                  samples per prompt), a PPO-clipped loss on the generators' own logprobs (the
@@ -59,7 +63,7 @@ SIZES = {
                            num_kv_heads=2, head_dim=64, max_seq_len=1024, tie_embeddings=False,
                            layer_types=("linear", "linear", "linear", "attention") * 2),
                 gdn=dict(num_k_heads=4, num_v_heads=8, head_k_dim=64, head_v_dim=64),
-                prompts=32, group=8, prompt_len=64, out_len=128, lr=1e-3),
+                prompts=16, group=8, prompt_len=64, out_len=128, lr=1e-3),
 }
 TEMPERATURE = 1.0
 CLIP = 0.2

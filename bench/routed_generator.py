@@ -417,6 +417,9 @@ GPU_MODELS = {  # non-embedding + embedding parameters, untied
 }
 
 
+GPU_DEVICE, GPU_DTYPE = "cuda", torch.bfloat16
+
+
 def _n_params(model) -> float:
     return sum(p.numel() for p in model.parameters())
 
@@ -432,7 +435,7 @@ def _tokens_per_s(gen, rg, batch, prompt_len, out_len, vocab) -> float:
     reqs = _engine_requests(rg, batch, prompt_len, out_len, vocab)
     t0 = time.perf_counter()
     outs = gen.generate(reqs)
-    if ON_GPU:
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
     return sum(len(c.token_ids) for c in outs) / (time.perf_counter() - t0)
 
@@ -451,7 +454,7 @@ def _repo_kernels() -> dict:
 
 def bench_engine(rec, quick):
     if ON_GPU:
-        cfg, dev, dtype = GPU_MODELS["0.1B"], "cuda", torch.bfloat16
+        cfg, dev, dtype = GPU_MODELS["0.1B"], GPU_DEVICE, GPU_DTYPE
         shapes = [(128, 128), (512, 512), (2048, 2048)] if not quick else [(128, 128)]
         batches = [1, 8, 64, 256] if not quick else [1, 64]
     else:
@@ -502,7 +505,7 @@ class _StepClock:
 def bench_sync(rec, quick):
     if ON_GPU:
         models = [(name, cfg) for name, cfg in GPU_MODELS.items()]
-        dev, dtype, batch, out_len = "cuda", torch.bfloat16, 32, 512
+        dev, dtype, batch, out_len = GPU_DEVICE, GPU_DTYPE, 32, 512
     else:
         models = [("4M", CPU_MODEL)]
         dev, dtype, batch, out_len = "cpu", torch.float32, 16, 96

@@ -1417,8 +1417,12 @@ class Generator:
 
     def _flush_table(self) -> None:
         if self._table_updates:
-            rows, cols, pages = zip(*self._table_updates)
+            # Last write wins: a preempted request's slot may be reused in the same iteration, and
+            # index_put_ with repeated indices is undefined on a GPU.
+            latest = {(row, col): page for row, col, page in self._table_updates}
             self._table_updates = []
+            rows, cols = zip(*latest)
+            pages = tuple(latest.values())
             index = torch.tensor([rows, cols], dtype=torch.long).to(self.device)
             self._table.index_put_((index[0], index[1]),
                                    torch.tensor(pages, dtype=torch.int32).to(self.device))
