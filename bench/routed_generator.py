@@ -26,8 +26,28 @@ Cases
                               completion, lag = trainer's newest version at finish - min version,
                               throughput and p99 latency.
 
+
+Engine cases (part 2: the real ``Generator``s serving ``DecoderLM``; greedy, no stop tokens, so every
+request generates exactly ``out`` tokens; a batch of B requests submitted at once, timed from the
+first submit to the last completion, prefill included)
+    engine <dev> b=B p=P o=O  generated tokens/s of ref (one request at a time), fast with its in-file
+                              PyTorch attention (``fast[torch-attn]``) and, on a GPU, fast with this
+                              repo's varlen_attn + flash_decode plugged in (``fast[repo-kernels]``),
+                              and fast's speedup over ref.  CPU: a 4M-parameter model, batch 1..32
+                              (these rows are CPU-meaningful: they measure the engines' batching, not
+                              a kernel).  GPU: a 0.1B model, batch 1..256, prompt/output 128..2048;
+                              ref only where its serial run stays short (b <= 8, and b = 64 at 128/128).
+    sync <model> b=B          weight-sync pause with B requests decoding: ``step_ms`` (median gap
+                              between decode steps), hot swap ``stall_ms`` (longest step gap while
+                              load_weights runs, minus step_ms; target: < one step) and ``load_ms``
+                              (load_weights wall time, spent off the engine thread), drain
+                              ``drain_ms`` (in-flight requests finishing) and ``pause_ms`` (drain +
+                              load: how long a new request waits).  CPU: a 4M model; GPU: 0.1B..1B.  The
+                              shadow weights are allocated by a first load before timing.
+
     python bench/routed_generator.py            # all cases, appends to bench/results/routed_generator.csv
     python bench/routed_generator.py --quick    # fewer repetitions, no CSV
+    python bench/routed_generator.py --part engine
 """
 from __future__ import annotations
 
@@ -46,7 +66,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import Recorder  # noqa: E402
+import torch  # noqa: E402
+
+from bench.harness import ON_GPU, Recorder, optional_import  # noqa: E402
 import fast.routed_generator as fast_rg  # noqa: E402
 import ref.routed_generator as ref_rg  # noqa: E402
 
@@ -381,21 +403,174 @@ def bench_staleness(rec, quick):
         clock.close()
 
 
+# ----------------------------------------------------------------------------- the engines
+
+CPU_MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8, num_kv_heads=2,
+                 head_dim=32, max_seq_len=512, tie_embeddings=False)
+GPU_MODELS = {  # non-embedding + embedding parameters, untied
+    "0.1B": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12, num_heads=12,
+                 num_kv_heads=4, head_dim=64, max_seq_len=4352, tie_embeddings=False),
+    "0.5B": dict(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_layers=16, num_heads=12,
+                 num_kv_heads=4, head_dim=128, max_seq_len=4352, tie_embeddings=False),
+    "1B": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=20, num_heads=16,
+               num_kv_heads=4, head_dim=128, max_seq_len=4352, tie_embeddings=False),
+}
+
+
+GPU_DEVICE, GPU_DTYPE = "cuda", torch.bfloat16
+
+
+def _n_params(model) -> float:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _engine_requests(rg, batch, prompt_len, out_len, vocab, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [rg.Request(torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(),
+                       rg.SamplingParams(max_new_tokens=out_len)) for _ in range(batch)]
+
+
+def _tokens_per_s(gen, rg, batch, prompt_len, out_len, vocab) -> float:
+    gen.generate(_engine_requests(rg, min(batch, 4), prompt_len, 4, vocab, seed=1))  # warm-up
+    reqs = _engine_requests(rg, batch, prompt_len, out_len, vocab)
+    t0 = time.perf_counter()
+    outs = gen.generate(reqs)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return sum(len(c.token_ids) for c in outs) / (time.perf_counter() - t0)
+
+
+def _repo_kernels() -> dict:
+    """This repo's fast attention, when importable (flash_decoding lands separately)."""
+    kernels = {}
+    pva = optional_import("fast.paged_varlen_attention")
+    fd = optional_import("fast.flash_decoding")
+    if pva is not None:
+        kernels["varlen_attn"] = pva.varlen_attn
+    if fd is not None:
+        kernels["flash_decode"] = fd.flash_decode
+    return kernels
+
+
+def bench_engine(rec, quick):
+    if ON_GPU:
+        cfg, dev, dtype = GPU_MODELS["0.1B"], GPU_DEVICE, GPU_DTYPE
+        shapes = [(128, 128), (512, 512), (2048, 2048)] if not quick else [(128, 128)]
+        batches = [1, 8, 64, 256] if not quick else [1, 64]
+    else:
+        cfg, dev, dtype = CPU_MODEL, "cpu", torch.float32
+        shapes = [(64, 32)]
+        batches = [1, 8, 32] if not quick else [1, 8]
+    kernels = _repo_kernels() if ON_GPU else {}
+    label = "gpu" if ON_GPU else "cpu"
+    for prompt_len, out_len in shapes:
+        for batch in batches:
+            case = f"engine {label} b={batch} p={prompt_len} o={out_len}"
+            pages = -(-(batch * (prompt_len + out_len)) // 16) + 64
+            rates = {}
+            run_ref = batch <= 8 or (batch == 64 and prompt_len == 128) if ON_GPU else True
+            if run_ref:
+                with ref_rg.Generator(ref_rg.ModelConfig(**cfg), device=dev, dtype=dtype) as g:
+                    rates["ref"] = _tokens_per_s(g, ref_rg, batch, prompt_len, out_len, cfg["vocab_size"])
+            variants = [("fast[torch-attn]", {})]
+            if ON_GPU:
+                if len(kernels) == 2:
+                    variants.append(("fast[repo-kernels]", kernels))
+                else:
+                    rec.missing(case, "fast[repo-kernels]", "fast.flash_decoding or fast.paged_varlen_attention "
+                                                            "not importable")
+            for impl, plug in variants:
+                with fast_rg.Generator(fast_rg.ModelConfig(**cfg), device=dev, dtype=dtype, num_pages=pages,
+                                       max_batch_size=max(batch, 4), **plug) as g:
+                    rates[impl] = _tokens_per_s(g, fast_rg, batch, prompt_len, out_len, cfg["vocab_size"])
+            for impl, rate in rates.items():
+                rec.add(case, impl, "tokens_per_s", rate, "tok/s")
+                if impl != "ref" and "ref" in rates:
+                    rec.add(case, impl, "speedup_vs_ref", rate / rates["ref"], "x")
+
+
+class _StepClock:
+    """The in-file decode attention, noting when each decode step starts (its first layer's call)."""
+
+    def __init__(self, layers):
+        self.layers, self.calls, self.starts = layers, 0, []
+
+    def __call__(self, *args, **kwargs):
+        if self.calls % self.layers == 0:
+            self.starts.append(time.perf_counter())
+        self.calls += 1
+        return fast_rg._torch_flash_decode(*args, **kwargs)
+
+
+def bench_sync(rec, quick):
+    if ON_GPU:
+        models = [(name, cfg) for name, cfg in GPU_MODELS.items()]
+        dev, dtype, batch, out_len = GPU_DEVICE, GPU_DTYPE, 32, 512
+    else:
+        models = [("4M", CPU_MODEL)]
+        dev, dtype, batch, out_len = "cpu", torch.float32, 16, 96
+    if quick:
+        models = models[:1]
+    for name, cfg in models:
+        config = fast_rg.ModelConfig(**cfg)
+        clock = _StepClock(config.num_layers)
+        case = f"sync {name} b={batch}"
+        with fast_rg.Generator(config, device=dev, dtype=dtype, flash_decode=clock,
+                               num_pages=batch * (-(-(128 + out_len) // 16)) + 64) as gen:
+            new = {k: v.clone() for k, v in fast_rg.DecoderLM(config, seed=1, device=dev, dtype=dtype).state_dict().items()}
+            rec.add(case, "fast", "params", _n_params(gen.model) / 1e6, "M")
+            gen.load_weights(new, 0)  # allocates the shadow weights (once per engine), outside the timing
+            futures = [gen.submit(r) for r in _engine_requests(fast_rg, batch, 128, out_len, config.vocab_size)]
+            while len(clock.starts) < out_len // 4:  # steady decoding
+                time.sleep(0.001)
+            t0 = time.perf_counter()
+            gen.load_weights(new, 1)  # hot swap: decoding goes on
+            t1 = time.perf_counter()
+            while len(clock.starts) < out_len // 2:
+                time.sleep(0.001)
+            gaps = [b - a for a, b in zip(clock.starts, clock.starts[1:])]
+            step = statistics.median(gaps[: out_len // 4])
+            during = [b - a for a, b in zip(clock.starts, clock.starts[1:]) if b >= t0 and a <= t1]
+            rec.add(case, "fast", "step_ms", step * 1e3, "ms")
+            rec.add(case, "fast", "hot_swap_load_ms", (t1 - t0) * 1e3, "ms")
+            rec.add(case, "fast", "hot_swap_stall_ms", (max(during, default=step) - step) * 1e3, "ms")
+            t2 = time.perf_counter()  # drain: the in-flight requests finish (about half their tokens left), then load
+            for f in futures:
+                f.result()
+            t3 = time.perf_counter()
+            gen.load_weights(new, 2)
+            t4 = time.perf_counter()
+            rec.add(case, "fast", "drain_ms", (t3 - t2) * 1e3, "ms")
+            rec.add(case, "fast", "drain_load_ms", (t4 - t3) * 1e3, "ms")
+            rec.add(case, "fast", "drain_pause_ms", (t4 - t2) * 1e3, "ms")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and requests; no CSV")
+    ap.add_argument("--part", choices=["all", "router", "engine"], default="all")
     args = ap.parse_args(argv)
     rec = Recorder("routed_generator")
     reps = 3 if args.quick else 9
-    print("router overhead per request (instant generators; best of interleaved repetitions)")
-    bench_overhead(rec, reps)
-    bench_overhead_queued(rec, reps)
-    print("throughput vs number of generators (simulated long-tail engines)")
-    bench_throughput(rec, args.quick)
-    print("makespan / p99 per policy (8 engines, one 4x slower)")
-    bench_policies(rec, args.quick)
-    print("staleness under hot_swap vs drain")
-    bench_staleness(rec, args.quick)
+    if args.part in ("all", "router"):
+        print("router overhead per request (instant generators; best of interleaved repetitions)")
+        bench_overhead(rec, reps)
+        bench_overhead_queued(rec, reps)
+        print("throughput vs number of generators (simulated long-tail engines)")
+        bench_throughput(rec, args.quick)
+        print("makespan / p99 per policy (8 engines, one 4x slower)")
+        bench_policies(rec, args.quick)
+        print("staleness under hot_swap vs drain")
+        bench_staleness(rec, args.quick)
+    if args.part in ("all", "engine"):
+        if not ON_GPU:
+            # Engine threads on a small shared CPU: one intra-op thread each, or OpenMP teams collide.
+            torch.set_num_threads(1)
+            print("(no CUDA: engine rows on the CPU with a 4M model; the GPU grid and 0.1B..1B sync rows need CUDA)")
+        print("engine tokens/s: ref vs fast")
+        bench_engine(rec, args.quick)
+        print("weight sync: hot swap vs drain")
+        bench_sync(rec, args.quick)
     if not args.quick:
         rec.save()
     return 0
