@@ -293,13 +293,14 @@ def _attn_fwd_kernel(
     cu_seq_q_ptr, cu_seq_k_ptr, seqused_k_ptr, block_table_ptr,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_lse_head,
     stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
-    stride_bt, page_size, num_seqs,
+    stride_bt, page_size, num_seqs, rows_bucket,
     qk_scale, softcap, window_left, window_right,
     GROUP: tl.constexpr, IS_PAGED: tl.constexpr, HAS_SEQUSED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # rows_bucket is read by the autotuner only (its key), never here.
     i_tile, i_kvh = tl.program_id(0), tl.program_id(1)
     i_b = i_tile % num_seqs
     i_m_from_end = i_tile // num_seqs                  # 0 = the sequence's last (heaviest) tile
@@ -452,8 +453,11 @@ def _prune_by_alignment(configs, named_args, **constexprs):
 
 
 # One autotuner per (GPU family, head-dim class, element size), so each tries only configs that fit.
-# key: the constexprs that change the code path; triton adds the tensors' dtypes itself.
-_AUTOTUNE_KEY = ["HEAD_DIM", "ALIGN", "GROUP", "IS_PAGED", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP", "HAS_SINKS"]
+# key: the constexprs that change the code path, and rows_bucket, the query rows per sequence
+# and KV head (max_q * G) rounded up to a power of two in [16, 4096], so decode-like batches and
+# long prefills tune separately; triton adds the tensors' dtypes itself.
+_AUTOTUNE_KEY = ["rows_bucket", "HEAD_DIM", "ALIGN", "GROUP", "IS_PAGED", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP",
+                 "HAS_SINKS"]
 _TUNED = {(family, block_d, elt): triton.autotune(
     configs=_configs(family, block_d, elt), key=_AUTOTUNE_KEY,
     prune_configs_by={"early_config_prune": _prune_by_alignment})(_attn_fwd_kernel)
@@ -524,6 +528,7 @@ def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_lef
             block_table if paged else int_dummy,
             query.stride(0), query.stride(1), target.stride(0), target.stride(1), lse.stride(0),
             *k_strides, *v_strides, stride_bt, page_size, num_seqs,
+            min(4096, max(16, triton.next_power_of_2(max_q * group))),
             qk_scale, float(softcap), window_left, window_right)
     flags = dict(GROUP=group, IS_PAGED=paged, HAS_SEQUSED=seqused_k is not None,
                  HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=has_softcap,
@@ -677,6 +682,7 @@ def _compile_cases():
                 for name in ("stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stride_k_page",
                              "stride_k_tok", "stride_k_head", "stride_v_page", "stride_v_tok", "stride_v_head"):
                     sig[name] = "i32:16" if align == 16 else "i32"
+                sig["rows_bucket"] = "i32:16"
                 for name in ("stride_lse_head", "stride_bt", "page_size", "num_seqs", "window_left", "window_right"):
                     sig[name] = "i32"
                 tuned = _TUNED[(family, block_d, elt)]
