@@ -813,7 +813,7 @@ def _recurrent_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale: float
 #   d. wy         through w = T diag(beta e^b) K, u = T diag(beta) V, T = (I + L)^-1:
 #                   dT = dW (beta e^b K)^T + dU (beta V)^T,  dL = -T^T dT T^T (strictly lower),
 #                   L_ij = beta_i Gam_ij k_i . k_j  ->  dK, dbeta, db
-#   e. dg         dg = the reverse cumulative sum of db inside each chunk
+#   e. dg         dg_t = sum_{i >= t} db_i inside each chunk (b_i = g_1 + .. + g_i), taken as below
 # Exact dg under strong decay: every term of db is either a single (its own exp(b_i) factor) or a
 # pair P_ij, i > j (+P to db_i, -P to db_j, carrying Gam_ij).  dg_t = sum_{i >= t} db_i would add
 # and cancel O(1) pairs (Gam_ij ~ 1 across a weak gate) to leave a tiny result when a strong gate
@@ -867,7 +867,9 @@ def _bwd_tiles(kernel: str, dtype, arch: int, dk: int, dv: int) -> dict:
         bk, bv, warps = 16, 16, 8
     elif kernel == "dv_local" or (kernel == "dqkwg" and arch >= 90):
         bk, bv, warps = 64, 64, 8
-    else:                                   # wy; dqkwg on sm_80
+    elif kernel == "wy":
+        bk, bv, warps = 32, 32, 8
+    else:                                   # dqkwg on sm_80
         bk, bv, warps = 32, 32, 4
     return dict(BK=min(bk, _pow2(dk)), BV=min(bv, _pow2(dv)), num_warps=warps, num_stages=2)
 
@@ -994,9 +996,11 @@ def _chunk_dhu_kernel(q, k, w, gc, do, dv_local, dv, dh, dht, dh0, cu, chunk_off
             tl.store(p_dh0 + 3 * BK * V, b_dh4, mask=m_k4[:, None] & m_v[None, :])
 
 
-_DHU_CONFIGS = [triton.Config({"BV": 16}, num_warps=4, num_stages=1), triton.Config({"BV": 32}, num_warps=4, num_stages=1),
-                triton.Config({"BV": 32}, num_warps=8, num_stages=2), triton.Config({"BV": 64}, num_warps=8, num_stages=2),
-                triton.Config({"BV": 16}, num_warps=8, num_stages=1)]
+_DHU_CONFIGS = [triton.Config({"BV": 16}, num_warps=4, num_stages=1),
+                triton.Config({"BV": 32}, num_warps=4, num_stages=1),
+                triton.Config({"BV": 32}, num_warps=8, num_stages=2),
+                triton.Config({"BV": 64}, num_warps=8, num_stages=2),
+                triton.Config({"BV": 16}, num_warps=8, num_stages=1)]   # the last: fp32
 
 
 def _prune_dhu_configs(configs, named_args, **kwargs):
@@ -1153,12 +1157,13 @@ def _chunk_wy_bwd_kernel(k, v, beta, gc, A, w, u, dw, du, dk, dv, dbeta, db, cu,
     o_t = t0 + tl.arange(0, BT)
     m_t = o_t < eos
     o_j = tl.arange(0, BT)
-    b_At = tl.trans(tl.load(A + (o_t[:, None] * HV + i_hv) * BT + o_j[None, :], mask=m_t[:, None], other=0))  # T^T
-    b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0).to(tl.float32)
+    p_A = A + (o_t[:, None] * HV + i_hv) * BT + o_j[None, :]   # T, reloaded per block (held across the
+    b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0).to(tl.float32)   # loops, fp32 spills)
     b_g = tl.load(gc + o_t * HV + i_hv, mask=m_t, other=0)
     b_eg = tl.exp(b_g)
     b_bg = b_beta * b_eg
     b_dL = tl.zeros([BT, BT], dtype=tl.float32)                 # -dL until the sign flip below
+    b_kk = tl.zeros([BT, BT], dtype=tl.float32)                 # K K^T
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
     for i_k in range(0, K, BK):
@@ -1166,7 +1171,10 @@ def _chunk_wy_bwd_kernel(k, v, beta, gc, A, w, u, dw, du, dk, dv, dbeta, db, cu,
         m_k = o_k < K
         m = m_t[:, None] & m_k[None, :]
         p_k = (o_t[:, None] * HV + i_hv) * K + o_k[None, :]             # [BT, BK] of a [B, T, HV, K] tensor
-        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m, other=0).to(tl.float32)
+        b_kt = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m, other=0)
+        b_kk += tl.dot(b_kt, tl.trans(b_kt), input_precision=PREC)
+        b_k = b_kt.to(tl.float32)
+        b_At = tl.trans(tl.load(p_A, mask=m_t[:, None], other=0))          # T^T
         b_dkbg = tl.dot(b_At, tl.load(dw + p_k, mask=m, other=0), input_precision=PREC)
         b_dL += tl.dot(b_dkbg.to(w.dtype.element_ty), tl.trans(tl.load(w + p_k, mask=m, other=0)),
                        input_precision=PREC)
@@ -1179,6 +1187,7 @@ def _chunk_wy_bwd_kernel(k, v, beta, gc, A, w, u, dw, du, dk, dv, dbeta, db, cu,
         m_v = o_v < V
         m = m_t[:, None] & m_v[None, :]
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
+        b_At = tl.trans(tl.load(p_A, mask=m_t[:, None], other=0))
         b_dvb = tl.dot(b_At, tl.load(du + p_v, mask=m, other=0), input_precision=PREC)
         b_dL += tl.dot(b_dvb.to(u.dtype.element_ty), tl.trans(tl.load(u + p_v, mask=m, other=0)),
                        input_precision=PREC)
@@ -1187,35 +1196,34 @@ def _chunk_wy_bwd_kernel(k, v, beta, gc, A, w, u, dw, du, dk, dv, dbeta, db, cu,
     # L_ij = beta_i Gam_ij k_i . k_j (i > j):  G = dL * Gam; the gradient of k_i . k_j is beta_i G_ij
     strict = m_t[:, None] & (o_j[:, None] > o_j[None, :])
     b_G = -b_dL * tl.exp(tl.where(strict, b_g[:, None] - b_g[None, :], float("-inf")))
-    b_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dbeta += tl.sum(b_G * b_kk, 1)
+    tl.store(dbeta + o_t * HV + i_hv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
+    tl.store(db + (o_t * HV + i_hv) * NB + NB - 2, b_db, mask=m_t)
+    # the gate: pairs beta_i G_ij (k_i . k_j), i > j
+    tl.store(db + (o_t * HV + i_hv) * NB + NB - 1, _straddling(b_G * b_beta[:, None] * b_kk, BT), mask=m_t)
     tl.debug_barrier()                                          # dk rows stored above are read again below
     for i_k in range(0, K, BK):
         o_k = i_k + tl.arange(0, BK)
         m_k = o_k < K
         m = m_t[:, None] & m_k[None, :]
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m, other=0)
-        b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
         b_dkl = tl.dot(b_G.to(b_k.dtype), b_k, input_precision=PREC) * b_beta[:, None]     # sum_j beta_i G_ij k_j
-        b_dkl += tl.dot(tl.trans(b_G * b_beta[:, None]).to(b_k.dtype), b_k, input_precision=PREC)   # + (i <-> j)
+        b_dkl += tl.dot(tl.trans(b_G * b_beta[:, None]).to(b_k.dtype), b_k, input_precision=PREC)  # (i <-> j)
         p_k = (o_t[:, None] * HV + i_hv) * K + o_k[None, :]
         tl.store(dk + p_k, tl.load(dk + p_k, mask=m, other=0) + b_dkl, mask=m)
-    b_dbeta += tl.sum(b_G * b_kk, 1)
-    tl.store(dbeta + o_t * HV + i_hv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
-    tl.store(db + (o_t * HV + i_hv) * NB + NB - 2, b_db, mask=m_t)
-    # the gate: pairs beta_i G_ij (k_i . k_j), i > j
-    tl.store(db + (o_t * HV + i_hv) * NB + NB - 1, _straddling(b_G * b_beta[:, None] * b_kk, BT), mask=m_t)
 
 
 def _chunk_wy_bwd(k, v, beta, gc, a, w, u, dw, du, dk, db, seqs: _Seqs):
-    """Adds the WY terms into dk (fp32, per value head) and db's last slot; -> (dv, dbeta)."""
+    """Adds the WY terms into dk (fp32, per value head) and db's last two slots; -> (dv, dbeta)."""
     b, t, h, dkd = k.shape
     hv, dvd = v.shape[2:]
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta)
     if seqs.nt and hv:
+        tiles = _bwd_tiles("wy", k.dtype, _arch(k), dkd, dvd)
         _chunk_wy_bwd_kernel[(seqs.nt, (1 if seqs.varlen else b) * hv)](
             k, v, beta, gc, a, w, u, dw, du, dk, dv, dbeta, db, seqs.cu, seqs.chunk_idx, t, H=h, HV=hv, K=dkd, V=dvd,
-            BT=CHUNK, NB=db.shape[-1], IS_VARLEN=seqs.varlen, PREC=_prec(k.dtype), **_bwd_tiles("wy", k.dtype, _arch(k), dkd, dvd))
+            BT=CHUNK, NB=db.shape[-1], IS_VARLEN=seqs.varlen, PREC=_prec(k.dtype), **tiles)
     return dv, dbeta
 
 
@@ -1245,7 +1253,7 @@ def _chunk_dg(db, g, seqs: _Seqs) -> torch.Tensor:
     if seqs.nt and hv:
         _chunk_dg_kernel[(seqs.nt, 1 if seqs.varlen else b)](db, dg, seqs.cu, seqs.chunk_idx, t, HV=hv,
                                                               NB=db.shape[-1], BT=CHUNK, BH=_pow2(hv, 2),
-                                                              IS_VARLEN=seqs.varlen, num_warps=4)
+                                                              IS_VARLEN=seqs.varlen, num_warps=4, num_stages=2)
     return dg
 
 
@@ -1402,7 +1410,7 @@ def _recurrent_bwd_kernel(q, k, v, g, beta, do, h0, dht, dq, dk1, dk2, dv, dg, d
 
 def _rec_bwd_tiles(dk: int, dv: int) -> dict:
     """Three [K, BV] fp32 tiles live in pass B: BV 16 for K > 128, else 32 (no spills, aot-checked)."""
-    return dict(BV=min(16 if dk > 128 else 32, _pow2(dv)), num_warps=4)
+    return dict(BV=min(16 if dk > 128 else 32, _pow2(dv)), num_warps=4, num_stages=1)
 
 
 def _recurrent_backward(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, use_l2norm: bool, do, dht):
@@ -1468,7 +1476,8 @@ def _l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.
     bd = _pow2(d)
     br = max(1, 4096 // bd)
     if rows:
-        _l2norm_bwd_kernel[(triton.cdiv(rows, br),)](y, rstd, dy, dx, rows, D=d, BR=br, BD=bd, num_warps=4)
+        _l2norm_bwd_kernel[(triton.cdiv(rows, br),)](y, rstd, dy, dx, rows, D=d, BR=br, BD=bd, num_warps=4,
+                                                     num_stages=2)
     return dx
 
 
@@ -1769,7 +1778,8 @@ def _backward_compile_cases(dtype, dk: int, dv: int, heads: dict, one_config: bo
                                      dk2=f32, dv=ptr, dg=f32, dbeta=f32, dh0=f32, p_buf=f32, dp_buf=f32, z_buf=f32,
                                      cu=i32, scale="fp32", T="i32", NTOK="i32"),
                       constexprs=dict(**heads, K=dk, V=dv, BK=_pow2(dk), BV=rec["BV"], USE_H0=True, USE_DHT=True,
-                                      IS_VARLEN=True, L2NORM=True), num_warps=rec["num_warps"]))
+                                      IS_VARLEN=True, L2NORM=True), num_warps=rec["num_warps"],
+                      num_stages=rec["num_stages"]))
     cases.append(dict(kernel=_l2norm_bwd_kernel, name=f"l2norm_bwd{tag}",
                       signature=dict(y=ptr, rstd=f32, dy=f32, dx=ptr, R="i32"),
                       constexprs=dict(D=dk, BR=4096 // _pow2(dk), BD=_pow2(dk)), num_warps=4))

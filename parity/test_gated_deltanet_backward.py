@@ -170,6 +170,19 @@ def test_varlen_grads_equal_per_document(kind, dtype):
 
 
 @pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+def test_empty_input_passes_the_state_gradient_through(kind):
+    """T = 0: the final state is the initial state, so d initial_state = d final_state; the other
+    gradients are empty."""
+    leaves = [x.requires_grad_() for x in cast(torch.float32, *make_inputs(2, 0, 1, 2, 16, 16, seed=53))]
+    with nan_allocations():
+        o, s = FNS[kind][1](*leaves[:5], initial_state=leaves[5], output_final_state=True)
+        w = randn(*s.shape, gen=make_generator(54))
+        (o.sum() + (s * w).sum()).backward()
+    torch.testing.assert_close(leaves[5].grad, w, rtol=0, atol=0)
+    assert all(x.grad.shape == x.shape for x in leaves[:5])
+
+
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
 def test_varlen_nan_in_one_document_stays_there(kind):
     """Documents are independent: NaN in document 1's output gradient leaves every other document's
     gradients finite and unchanged (a kernel that reads across a boundary would spread it)."""
