@@ -1,7 +1,7 @@
-"""Gated DeltaNet benchmark: the chunked forward (training / prefill) and recurrent decode.
+"""Gated DeltaNet benchmark: the chunked forward (prefill), forward + backward (training), decode.
 
     python bench/gated_deltanet.py              # everything this device can run
-    python bench/gated_deltanet.py --quick      # one forward and two decode cases
+    python bench/gated_deltanet.py --quick      # one forward, one training and two decode cases
 
 Forward (bf16, K = V = 128, Qwen3.5 heads: H = 16 q/k heads, HV in {16, 32, 64} value heads,
 use_qk_l2norm_in_kernel=True, no initial state): T in {2k, 8k, 32k} as one sequence, and varlen
@@ -12,6 +12,17 @@ token per value head (C = 64):
 measured bf16 matmul rate; speedup over the reference chunk form and over fla's
 ``chunk_gated_delta_rule`` (fla 0.6.0, its FlashQLA dispatch off: FLA_FLASH_QLA=0) when fla is
 installed.  Target on H100 / H200: at least 1.0x fla.
+
+Training (forward + backward; the same shapes; dq, dk, dv, dg, dbeta from a random output gradient
+through torch.autograd.grad): ms; TFLOP/s with the forward's count plus the backward's as executed
+(C = 64, per token per value head; fast/gated_deltanet.py derives it):
+    20 C K (recompute w; K Q^T; Q K^T, dP K, dP^T Q; the WY terms)  +  10 C V  +  16 K V
+(5.08e5 FLOP at K = V = 128; forward + backward 6.90e5); speedup over the reference's autograd
+(T <= 2k: its chunk form keeps every substitution step for backward) and over fla's chunk
+backward; peak device memory (torch.cuda.max_memory_allocated over one step, inputs included)
+beside fla's (peak_MiB: max_memory_allocated, the rotated input sets included; step_MiB: that peak
+above what was allocated before the step).  Targets on H100 / H200: at least 1.0x fla, peak memory
+no more than fla's.
 
 Decode (T = 1, HV = 32, H = 16, K = V = 128, batch 1 .. 256, initial state given, final state
 returned): ms and GB/s of the minimum bytes (the fp32 state read and written, N HV K V 4 2, plus q,
@@ -34,7 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.harness import (DEVICE, ON_GPU, Recorder, copies_for_rotation, device_ceilings,  # noqa: E402
-                           optional_import, rotating, time_ms)
+                           optional_import, peak_memory_mb, rotating, time_ms)
 import ref.gated_deltanet as ref  # noqa: E402
 
 C = 64
@@ -43,6 +54,11 @@ C = 64
 def chunk_flops(tokens: int, hv: int, dk: int, dv: int) -> float:
     """Algorithmic FLOPs of the chunk forward (see the module docstring)."""
     return tokens * hv * (6 * C * dk + 4 * C * dv + 6 * dk * dv + C * C / 3)
+
+
+def chunk_bwd_flops(tokens: int, hv: int, dk: int, dv: int) -> float:
+    """FLOPs of the chunk backward as executed, recomputation included (see the module docstring)."""
+    return tokens * hv * (20 * C * dk + 10 * C * dv + 16 * dk * dv)
 
 
 def decode_bytes(n: int, h: int, hv: int, dk: int, dv: int, elt: int = 2) -> int:
@@ -70,6 +86,24 @@ def _fla():
     return mod, version
 
 
+def _fla_chunk(fla, h, hv):
+    """fla's chunk_gated_delta_rule.  Where its version rejects GVA (HV > H), q and k are repeated to
+    HV heads inside the call (what fla's own GatedDeltaNet layer does), so their cost is counted;
+    ``fn.label`` says which ran."""
+    def fn(q, k, v, g, beta, **kw):
+        if fn.native:
+            try:
+                return fla.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+            except Exception:
+                if hv == h:
+                    raise
+                fn.native, fn.label = False, " (q/k repeated to HV)"
+        q, k = (x.repeat_interleave(hv // h, dim=2) for x in (q, k))
+        return fla.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    fn.native, fn.label = True, ""
+    return fn
+
+
 def bench_forward(rec, cases, fast, fla, fla_version, ceilings, *, with_ref=True):
     h, dk, dv = 16, 128, 128
     for name, hv, lengths in cases:
@@ -93,13 +127,66 @@ def bench_forward(rec, cases, fast, fla, fla_version, ceilings, *, with_ref=True
             rec.missing(name, "fla chunk_gated_delta_rule", fla_version)
             continue
         cu64 = None if cu is None else cu.long()
-        ms_fla = time_ms(rotating(lambda *x: fla.chunk_gated_delta_rule(*x, cu_seqlens=cu64, **kw), sets))
-        rec.add(name, f"fla {fla_version}", "ms", ms_fla, "ms")
+        fla_fn = _fla_chunk(fla, h, hv)
+        o_fla, _ = fla_fn(*sets[0], cu_seqlens=cu64, **kw)
+        ms_fla = time_ms(rotating(lambda *x: fla_fn(*x, cu_seqlens=cu64, **kw), sets))
+        rec.add(name, f"fla {fla_version}{fla_fn.label}", "ms", ms_fla, "ms")
         rec.add(name, "fast", "speedup_vs_fla", ms_fla / ms, "x")
         o_fast, _ = fast.chunk_gated_delta_rule(*sets[0], cu_seqlens=cu, **kw)
-        o_fla, _ = fla.chunk_gated_delta_rule(*sets[0], cu_seqlens=cu64, **kw)
         diff = (o_fast.float() - o_fla.float()).pow(2).mean().sqrt() / o_fla.float().pow(2).mean().sqrt()
         rec.add(name, "fast", "rms_diff_vs_fla", diff.item(), "")
+
+
+def _train_step(fn, q, k, v, g, beta, do, cu):
+    """One forward + backward: the gradients of <o, do> w.r.t. q, k, v, g, beta."""
+    o, _ = fn(q, k, v, g, beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    return torch.autograd.grad(o, (q, k, v, g, beta), do)
+
+
+def bench_train(rec, cases, fast, fla, fla_version, ceilings, *, h=16, dk=128, dv=128, dtype=torch.bfloat16,
+                ref_max_tokens=2048):
+    for name, hv, lengths in cases:
+        name = name.replace("fwd", "fwd+bwd")
+        t = sum(lengths)
+        cu = None
+        if len(lengths) > 1:
+            cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+        per_set = t * (2 * h * dk + 2 * hv * dv + hv) * 2
+        sets = []
+        for i in range(copies_for_rotation(per_set, max_sets=3)):
+            x = [y.requires_grad_() for y in make_inputs(1, t, h, hv, dk, dv, dtype=dtype, seed=i)[:5]]
+            sets.append(x + [torch.randn(1, t, hv, dv, device=DEVICE, dtype=dtype)])
+        flops = chunk_flops(t, hv, dk, dv) + chunk_bwd_flops(t, hv, dk, dv)
+        ms = time_ms(rotating(lambda *x: _train_step(fast.chunk_gated_delta_rule, *x, cu), sets))
+        rec.add(name, "fast", "ms", ms, "ms")
+        rec.add(name, "fast", "TFLOP/s", flops / ms / 1e9, "TFLOP/s")
+        rec.add(name, "fast", "frac_bf16_peak", flops / ms / 1e9 / ceilings["bf16_tflops"], "")
+        base = torch.cuda.memory_allocated() / 2**20            # the input sets, alive for both
+        peak = peak_memory_mb(lambda: _train_step(fast.chunk_gated_delta_rule, *sets[0], cu))
+        rec.add(name, "fast", "peak_MiB", peak, "MiB")
+        rec.add(name, "fast", "step_MiB", peak - base, "MiB")
+        if t <= ref_max_tokens:
+            ms_ref = time_ms(lambda: _train_step(ref.chunk_gated_delta_rule, *sets[0], cu), warmup=1, rep=1)
+            rec.add(name, "ref", "ms", ms_ref, "ms")
+            rec.add(name, "fast", "speedup_vs_ref", ms_ref / ms, "x")
+        if fla is None:
+            rec.missing(name, "fla chunk_gated_delta_rule", fla_version)
+            continue
+        cu64 = None if cu is None else cu.long()
+        fla_fn = _fla_chunk(fla, h, hv)
+        _train_step(fla_fn, *sets[0], cu64)                    # (settles fla_fn.label before the peak)
+        peak_fla = peak_memory_mb(lambda: _train_step(fla_fn, *sets[0], cu64))
+        ms_fla = time_ms(rotating(lambda *x: _train_step(fla_fn, *x, cu64), sets))
+        rec.add(name, f"fla {fla_version}{fla_fn.label}", "ms", ms_fla, "ms")
+        rec.add(name, "fast", "speedup_vs_fla", ms_fla / ms, "x")
+        rec.add(name, f"fla {fla_version}{fla_fn.label}", "peak_MiB", peak_fla, "MiB")
+        rec.add(name, f"fla {fla_version}{fla_fn.label}", "step_MiB", peak_fla - base, "MiB")
+        rec.add(name, "fast", "peak_vs_fla", peak / peak_fla, "x")
+        g_fla = _train_step(fla_fn, *sets[0], cu64)
+        g_fast = _train_step(fast.chunk_gated_delta_rule, *sets[0], cu)
+        for gname, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), g_fast, g_fla):
+            diff = (a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt()
+            rec.add(name, "fast", f"rms_diff_vs_fla_{gname}", diff.item(), "")
 
 
 def bench_decode(rec, batches, fast, fla, fla_version, ceilings):
@@ -141,11 +228,15 @@ def bench_cpu_reference(rec):
         rec.add(f"cpu ref T={t} HV={hv} K=V={dk}", "ref chunk", "tokens/s", t / ms * 1e3, "tok/s")
         ms = time_ms(lambda: ref.fused_recurrent_gated_delta_rule(q, k, v, g, beta, **kw))
         rec.add(f"cpu ref T={t} HV={hv} K=V={dk}", "ref recurrent", "ms", ms, "ms")
+        leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
+        do = torch.randn(1, t, hv, dv)
+        ms = time_ms(lambda: _train_step(ref.chunk_gated_delta_rule, *leaves, do, None))
+        rec.add(f"cpu ref T={t} HV={hv} K=V={dk}", "ref chunk", "fwd+bwd ms", ms, "ms")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one forward and two decode cases")
+    ap.add_argument("--quick", action="store_true", help="one forward, one training and two decode cases")
     ap.add_argument("--no-save", action="store_true", help="print only, append nothing to the CSV")
     args = ap.parse_args(argv)
     rec = Recorder("gated_deltanet")
@@ -164,6 +255,7 @@ def main(argv=None) -> int:
         if args.quick:
             forward, batches = forward[4:5], [1, 64]
         bench_forward(rec, forward, fast, fla, fla_version, ceilings)
+        bench_train(rec, forward, fast, fla, fla_version, ceilings)
         bench_decode(rec, batches, fast, fla, fla_version, ceilings)
     if not args.no_save:
         rec.save()

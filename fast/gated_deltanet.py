@@ -1,4 +1,5 @@
-"""Gated DeltaNet: Triton kernels (chunked forward, recurrent decode) with fla's API.
+"""Gated DeltaNet: Triton kernels (chunked forward and backward, recurrent decode and its backward)
+with fla's API.
 
 What it computes
     The gated delta rule of ref/gated_deltanet.py (the specification; its docstring derives the
@@ -17,6 +18,19 @@ What it computes
     ``fused_recurrent_gated_delta_rule`` (decode) is one kernel: a program per (sequence, value
     head, V block) keeps its [K, BV] fp32 state block in registers, reads it once, steps through
     the sequence's tokens (l2norm fused), writes it once.  It also serves T > 1.
+    Backward (both ops are trainable; section "chunk backward" below derives it):
+      chunk       recompute w, u (kernel 3) and the per-chunk states (kernel 4) from the saved gc
+                  and A, then five kernels: dv_local (the intra-chunk part of dv), dhu (the reverse
+                  pass over chunks carrying the state gradient in fp32), dqkwg (dq, dk, dw and the
+                  gate terms), wy (back through w, u and the triangular solve: dk, dv, dbeta), dg
+                  (the gate terms summed, reverse cumulative sum inside each chunk); then the l2norm
+                  backward when use_qk_l2norm_in_kernel.
+      recurrent   one kernel, a reverse recurrence: per (sequence, value head, V block) a forward
+                  pass (recompute h, dq), a reverse pass (the state gradient: dv, dbeta, dk, dg,
+                  d initial_state) and a forward pass (dk's remaining term).
+    Deterministic: no atomics.  Partial sums (dq / dk per value head under GVA, per V block in the
+    recurrent backward, the gate terms per K block) are written separately and summed in a fixed
+    order.
 
 Tensors: exactly those of ref/gated_deltanet.py (q, k [B, T, H, K]; v [B, T, HV, V]; g, beta
     [B, T, HV]; initial/final state [N, HV, K, V] fp32; cu_seqlens [N + 1] int32 or int64 with
@@ -32,15 +46,18 @@ Supported, and what raises
     sequences / documents (final state = initial state), CUDA tensors (CPU tensors run only
     under TRITON_INTERPRET=1).  Same errors as the reference for bad shapes, dtypes, devices,
     cu_seqlens with B > 1, wrong initial_state; fp64 is the reference's only.  g > 0 is allowed
-    and unchecked (the caller's gate).  Forward only: both ops are custom ops
-    (``twofold::chunk_gated_delta_rule_fwd``, ``twofold::fused_recurrent_gated_delta_rule_fwd``,
-    ``twofold::gdn_l2norm_fwd``) whose backward raises NotImplementedError for now.
+    and unchecked (the caller's gate).  Gradients w.r.t. q, k, v, g, beta and initial_state, in
+    their dtypes; a second derivative (double backward) raises NotImplementedError.  Custom ops:
+    ``twofold::chunk_gated_delta_rule_fwd`` / ``_bwd``, ``twofold::fused_recurrent_gated_delta_rule_fwd``
+    / ``_bwd``, ``twofold::gdn_l2norm_fwd`` / ``_bwd`` (register_autograd ties each pair).
 
-Saved for a backward (returned by the chunk op, unused by the public function today)
-    ``gc`` fp32 [B, T, HV] (within-chunk cumulative gate) and ``A`` [B, T, HV, 64] (the solved
-    triangular blocks, row t holds row t mod 64 of its chunk's inverse, upper part zero); the
-    l2norm op returns ``rstd`` fp32 [B, T, H].  w, u, h and v_new are recomputed from them by
-    ``_chunk_wu`` / ``_chunk_h`` (fla's backward recomputes them the same way).
+Saved for the backward (activation memory O(T (K + V)) per head, never O(T / 64 K V))
+    The chunk op saves its inputs, ``gc`` fp32 [B, T, HV] (within-chunk cumulative gate) and ``A``
+    [B, T, HV, 64] in q's dtype (the solved triangular blocks, row t holds row t mod 64 of its
+    chunk's inverse, upper part zero); the l2norm op its output and ``rstd`` fp32 [B, T, H]; the
+    recurrent op its inputs.  w, u, the per-chunk states and v_new are recomputed in the backward
+    (fla's choice too).  Its transient buffers: w, u, v_new, dU, dw (input dtype), per-chunk states
+    and their gradients [T / 64, HV, K, V] (input dtype), dq / dk per value head (fp32).
 
 Cost (per value head; C = 64, T tokens, K / V head dims)
     FLOPs of the chunk forward, per chunk:  K K^T 2C^2K + solve C^3/3 + w 2C^2K + u 2C^2V
@@ -52,11 +69,19 @@ Cost (per value head; C = 64, T tokens, K / V head dims)
         per-chunk states): a few times the input bytes, still far below the FLOPs' time.
     Minimum bytes, decode (T = 1): the fp32 state read and written, N HV K V 4 2, plus q, k
         (N H K), v, o (N HV V) and g, beta (N HV) in their dtypes.
+    FLOPs of the chunk backward as executed, per chunk (fwd+bwd benchmarks add the forward's):
+        recompute w, u, states  2C^2K + 2C^2V + 4CKV;  dv_local 2C^2K + 2C^2V;  dhu 6CKV;
+        dqkwg 6C^2K + 2C^2V + 6CKV;  wy 10C^2K + 4C^2V  (no C^3 term: dL = -(dKbg w^T + dVb u^T))
+        = 20C^2K + 10C^2V + 16CKV;  per token 20CK + 10CV + 16KV  (K = V = 128: 5.08e5 FLOP per
+        token per value head; forward + backward 6.90e5).
+    Minimum bytes, chunk backward: read q, k, v, g, beta, do (and dht, initial_state), gc, A; write
+        dq, dk, dv, dg, dbeta (and d initial_state); the transient buffers above add a few times that.
 
 References
     fla (flash-linear-attention): chunk_gated_delta_rule / fused_recurrent_gated_delta_rule,
-    chunk_scaled_dot_kkt, solve_tril, recompute_w_u, chunk_fwd_h, chunk_fwd_o (the kernel split
-    mirrored here, written anew); Yang et al., Gated Delta Networks (ICLR 2025).
+    chunk_scaled_dot_kkt, solve_tril, recompute_w_u, chunk_fwd_h, chunk_fwd_o and the backward's
+    chunk_bwd_dv_local, chunk_gated_delta_rule_bwd_dhu, chunk_bwd_dqkwg, prepare_wy_repr_bwd (the
+    kernel split mirrored here, written anew); Yang et al., Gated Delta Networks (ICLR 2025).
 """
 from __future__ import annotations
 
@@ -182,6 +207,15 @@ def _interpreting(x: torch.Tensor) -> bool:
 
 def _prec(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"   # tf32 is moot for 16-bit operands
+
+
+def _arch(x: torch.Tensor) -> int:
+    """Compute capability as 80, 90, ...; 90 under the interpreter (which has no GPU: it runs the
+    sm_90 choices, the benchmark target)."""
+    if x.device.type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(x.device)
+    return 10 * major + minor
 
 
 def _launch(tuned, grid, args: tuple, meta: dict):
@@ -766,13 +800,695 @@ def _recurrent_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale: float
     return o, final
 
 
-# ----------------------------------------------------------------------------- custom ops
+# ----------------------------------------------------------------------------- chunk backward
+# fla's decomposition, written anew.  Per chunk (b = gc, the within-chunk cumulative gate;
+# Gam_ij = exp(b_i - b_j) for j <= i; S / S' the state at the chunk's start / end; U = v_new;
+# T = A, the solved block), given dO and the gradient dS' of S':
+#   0. recompute  w, u (kernel 3), S per chunk and U (kernel 4) from the saved gc and A
+#   a. dv_local   dU_loc = scale (Q K^T * Gam)^T dO                        (chunks in parallel)
+#   b. dhu        the reverse pass over chunks, dS' carried in fp32 registers:
+#                   dU = dU_loc + exp(b_C - b) * (K dS');   dS = exp(b_C) dS' + (scale exp(b) Q)^T dO - W^T dU
+#   c. dqkwg      dQ = scale exp(b) dO S^T + dP K;  dK = exp(b_C - b) U dS'^T + dP^T Q;  dW = -dU S^T,
+#                 with dP = scale (dO U^T) * Gam (causal), and db, the gradient of the cumulative gate
+#   d. wy         through w = T diag(beta e^b) K, u = T diag(beta) V, T = (I + L)^-1:
+#                   dT = dW (beta e^b K)^T + dU (beta V)^T,  dL = -T^T dT T^T (strictly lower),
+#                   L_ij = beta_i Gam_ij k_i . k_j  ->  dK, dbeta, db
+#   e. dg         dg_t = sum_{i >= t} db_i inside each chunk (b_i = g_1 + .. + g_i), taken as below
+# Exact dg under strong decay: every term of db is either a single (its own exp(b_i) factor) or a
+# pair P_ij, i > j (+P to db_i, -P to db_j, carrying Gam_ij).  dg_t = sum_{i >= t} db_i would add
+# and cancel O(1) pairs (Gam_ij ~ 1 across a weak gate) to leave a tiny result when a strong gate
+# sits between; instead dg_t = revcumsum(singles)_t + sum_{i >= t > j} P_ij, each pair counted
+# only where it survives (the pairs with i == j cancel exactly and are left out), so dg keeps its
+# relative accuracy when exp(g) underflows towards 0.
+# GVA: dq / dk are written per value head (fp32) and summed over the value heads of a q/k head
+# in a fixed order on the host: deterministic, no atomics anywhere.
 
-def _no_backward(name):
-    def backward(ctx, *grads):
-        raise NotImplementedError(f"fast {name} has no backward yet; for gradients use ref/gated_deltanet.py "
-                                  f"(the Triton backward is part 2 of this feature)")
-    return backward
+@triton.jit
+def _cols(ptr, o_t, m_t, o_d, m_d, stride_t, head, D: tl.constexpr):
+    """[cols, rows] block (the transpose) of a token-major [T, heads, D] tensor."""
+    return tl.load(ptr + (o_t[None, :] * stride_t + head) * D + o_d[:, None], mask=m_d[:, None] & m_t[None, :],
+                   other=0)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _chunk_dv_local_kernel(q, k, gc, do, dv, cu, chunk_idx, scale, T, H: tl.constexpr, HV: tl.constexpr,
+                           K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                           IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    t0, eos, _ = _chunk_span(cu, chunk_idx, i_t, i_b, T, BT, IS_VARLEN)
+    o_t = t0 + tl.arange(0, BT)
+    m_t = o_t < eos
+    b_s = tl.zeros([BT, BT], dtype=tl.float32)             # [j, i] = k_j . q_i
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        m_k = o_k < K
+        b_s += tl.dot(_rows(k, o_t, m_t, o_k, m_k, H, i_h, K), _cols(q, o_t, m_t, o_k, m_k, H, i_h, K),
+                      input_precision=PREC)
+    b_g = tl.load(gc + o_t * HV + i_hv, mask=m_t, other=0)
+    o_j = tl.arange(0, BT)
+    keep = m_t[None, :] & (o_j[:, None] <= o_j[None, :])
+    b_s = b_s * scale * tl.exp(tl.where(keep, b_g[None, :] - b_g[:, None], float("-inf")))
+    for i_v in range(0, V, BV):
+        o_v = i_v + tl.arange(0, BV)
+        m_v = o_v < V
+        b_do = _rows(do, o_t, m_t, o_v, m_v, HV, i_hv, V)
+        b_dv = tl.dot(b_s.to(b_do.dtype), b_do, input_precision=PREC)
+        tl.store(dv + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_dv.to(dv.dtype.element_ty),
+                 mask=m_t[:, None] & m_v[None, :])
+
+
+def _bwd_tiles(kernel: str, dtype, arch: int, dk: int, dv: int) -> dict:
+    """Tiles of the chunk-parallel backward kernels, per input dtype and GPU: what builds without spills
+    (parity/aot_compile.py).  fp32 (IEEE FMA products, a whole reduction row per thread) runs narrow
+    tiles; 16-bit runs tensor-core tiles, narrower on sm_80 where the sm_90 ones spill."""
+    if dtype == torch.float32:
+        bk, bv, warps = 16, 16, 8
+    elif kernel == "dv_local" or (kernel == "dqkwg" and arch >= 90):
+        bk, bv, warps = 64, 64, 8
+    elif kernel == "wy":
+        bk, bv, warps = 32, 32, 8
+    else:                                   # dqkwg on sm_80
+        bk, bv, warps = 32, 32, 4
+    return dict(BK=min(bk, _pow2(dk)), BV=min(bv, _pow2(dv)), num_warps=warps, num_stages=2)
+
+
+def _chunk_dv_local(q, k, gc, do, scale: float, seqs: _Seqs) -> torch.Tensor:
+    b, t, h, dk = q.shape
+    hv, dv = do.shape[2:]
+    out = torch.empty_like(do)
+    if seqs.nt and hv:
+        tiles = _bwd_tiles("dv_local", q.dtype, _arch(q), dk, dv)
+        _chunk_dv_local_kernel[(seqs.nt, (1 if seqs.varlen else b) * hv)](
+            q, k, gc, do, out, seqs.cu, seqs.chunk_idx, scale, t, H=h, HV=hv, K=dk, V=dv, BT=CHUNK,
+            IS_VARLEN=seqs.varlen, PREC=_prec(q.dtype), **tiles)
+    return out
+
+
+# b. the reverse state pass.  One program per (V block, sequence x value head), like kernel 4: dS' as up
+# to four [BK, BV] fp32 row tiles.  A chunk is taken in row blocks of BTS (64 for 16-bit inputs; 16 for
+# fp32, whose FMA products hold a whole reduction row per thread).  key: K, V, NHV; configs pruned by
+# dtype and GPU (sm_80 has fewer registers per thread for the BV = 64 tiles than sm_90 needs).
+
+@triton.jit
+def _k_dstate(k, o_t, m_t, o_k, m_k, i_h, b_dh, H: tl.constexpr, K: tl.constexpr, PREC: tl.constexpr):
+    """K[rows, tile] dS'_tile: [BTS, BV]."""
+    b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0)
+    return tl.dot(b_k, b_dh.to(b_k.dtype), input_precision=PREC)
+
+
+@triton.jit
+def _dstate_tile_update(b_e, q, w, o_t, m_t, o_k, m_k, i_h, i_hv, b_qs, b_do, b_dv, H: tl.constexpr,
+                        HV: tl.constexpr, K: tl.constexpr, PREC: tl.constexpr):
+    """b_e + (b_qs * Q[rows, tile])^T dO - W[rows, tile]^T dU: [BK, BV]."""
+    b_qt = _cols(q, o_t, m_t, o_k, m_k, H, i_h, K)                      # [BK, BTS]
+    b_wt = _cols(w, o_t, m_t, o_k, m_k, HV, i_hv, K)
+    b_e += tl.dot((b_qt * b_qs[None, :]).to(b_qt.dtype), b_do, input_precision=PREC)
+    return b_e - tl.dot(b_wt, b_dv.to(b_wt.dtype), input_precision=PREC)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _chunk_dhu_kernel(q, k, w, gc, do, dv_local, dv, dh, dht, dh0, cu, chunk_off, scale, T, NHV, H: tl.constexpr,
+                      HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BTS: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                      IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos, eos, row0 = _seq_span(cu, chunk_off, i_n, T, BT, IS_VARLEN)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_k1 = tl.arange(0, BK)
+    o_k2, o_k3, o_k4 = o_k1 + BK, o_k1 + 2 * BK, o_k1 + 3 * BK
+    m_k1, m_k2, m_k3, m_k4 = o_k1 < K, o_k2 < K, o_k3 < K, o_k4 < K
+    o_kv = o_k1[:, None] * V + o_v[None, :]                 # tile j starts (j - 1) * BK * V further
+    b_dh1 = tl.zeros([BK, BV], dtype=tl.float32)
+    b_dh2, b_dh3, b_dh4 = b_dh1, b_dh1, b_dh1
+    if USE_DHT:
+        p_dht = dht + i_nh.to(tl.int64) * K * V + o_kv
+        b_dh1 += tl.load(p_dht, mask=m_k1[:, None] & m_v[None, :], other=0)
+        if K > BK:
+            b_dh2 += tl.load(p_dht + BK * V, mask=m_k2[:, None] & m_v[None, :], other=0)
+        if K > 2 * BK:
+            b_dh3 += tl.load(p_dht + 2 * BK * V, mask=m_k3[:, None] & m_v[None, :], other=0)
+        if K > 3 * BK:
+            b_dh4 += tl.load(p_dht + 3 * BK * V, mask=m_k4[:, None] & m_v[None, :], other=0)
+    n_c = tl.cdiv(eos - bos, BT)
+    for i_r in range(0, n_c):
+        i_c = n_c - 1 - i_r                                     # chunks in reverse
+        t0 = bos + i_c * BT
+        g_last = tl.load(gc + (tl.minimum(t0 + BT, eos) - 1) * HV + i_hv)
+        # this chunk's dS' (the gradient of its end state), for kernel c
+        p_dh = dh + ((row0 + i_c).to(tl.int64) * HV + i_hv) * K * V + o_kv
+        ty = dh.dtype.element_ty
+        tl.store(p_dh, b_dh1.to(ty), mask=m_k1[:, None] & m_v[None, :])
+        if K > BK:
+            tl.store(p_dh + BK * V, b_dh2.to(ty), mask=m_k2[:, None] & m_v[None, :])
+        if K > 2 * BK:
+            tl.store(p_dh + 2 * BK * V, b_dh3.to(ty), mask=m_k3[:, None] & m_v[None, :])
+        if K > 3 * BK:
+            tl.store(p_dh + 3 * BK * V, b_dh4.to(ty), mask=m_k4[:, None] & m_v[None, :])
+        b_e1 = tl.zeros([BK, BV], dtype=tl.float32)             # this chunk's addition to dS, per tile
+        b_e2, b_e3, b_e4 = b_e1, b_e1, b_e1
+        for i_s in range(0, BT, BTS):
+            o_t = t0 + i_s + tl.arange(0, BTS)
+            m_t = o_t < eos
+            b_g = tl.load(gc + o_t * HV + i_hv, mask=m_t, other=0)
+            # dU = dU_loc + exp(b_C - b) K dS'
+            b_dv = _k_dstate(k, o_t, m_t, o_k1, m_k1, i_h, b_dh1, H, K, PREC)
+            if K > BK:
+                b_dv += _k_dstate(k, o_t, m_t, o_k2, m_k2, i_h, b_dh2, H, K, PREC)
+            if K > 2 * BK:
+                b_dv += _k_dstate(k, o_t, m_t, o_k3, m_k3, i_h, b_dh3, H, K, PREC)
+            if K > 3 * BK:
+                b_dv += _k_dstate(k, o_t, m_t, o_k4, m_k4, i_h, b_dh4, H, K, PREC)
+            p_dv = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
+            m_dv = m_t[:, None] & m_v[None, :]
+            b_dv = (b_dv * tl.exp(tl.where(m_t, g_last - b_g, float("-inf")))[:, None]
+                    + tl.load(dv_local + p_dv, mask=m_dv, other=0).to(tl.float32))
+            tl.store(dv + p_dv, b_dv.to(dv.dtype.element_ty), mask=m_dv)
+            # dS gets (scale exp(b) Q)^T dO - W^T dU
+            b_do = tl.load(do + p_dv, mask=m_dv, other=0)
+            b_qs = scale * tl.exp(b_g)
+            b_e1 = _dstate_tile_update(b_e1, q, w, o_t, m_t, o_k1, m_k1, i_h, i_hv, b_qs, b_do, b_dv, H, HV, K, PREC)
+            if K > BK:
+                b_e2 = _dstate_tile_update(b_e2, q, w, o_t, m_t, o_k2, m_k2, i_h, i_hv, b_qs, b_do, b_dv, H, HV, K,
+                                           PREC)
+            if K > 2 * BK:
+                b_e3 = _dstate_tile_update(b_e3, q, w, o_t, m_t, o_k3, m_k3, i_h, i_hv, b_qs, b_do, b_dv, H, HV, K,
+                                           PREC)
+            if K > 3 * BK:
+                b_e4 = _dstate_tile_update(b_e4, q, w, o_t, m_t, o_k4, m_k4, i_h, i_hv, b_qs, b_do, b_dv, H, HV, K,
+                                           PREC)
+        b_dh1 = b_dh1 * tl.exp(g_last) + b_e1
+        b_dh2 = b_dh2 * tl.exp(g_last) + b_e2
+        b_dh3 = b_dh3 * tl.exp(g_last) + b_e3
+        b_dh4 = b_dh4 * tl.exp(g_last) + b_e4
+    if STORE_DH0:                                               # (an empty sequence passes dht through)
+        p_dh0 = dh0 + i_nh.to(tl.int64) * K * V + o_kv
+        tl.store(p_dh0, b_dh1, mask=m_k1[:, None] & m_v[None, :])
+        if K > BK:
+            tl.store(p_dh0 + BK * V, b_dh2, mask=m_k2[:, None] & m_v[None, :])
+        if K > 2 * BK:
+            tl.store(p_dh0 + 2 * BK * V, b_dh3, mask=m_k3[:, None] & m_v[None, :])
+        if K > 3 * BK:
+            tl.store(p_dh0 + 3 * BK * V, b_dh4, mask=m_k4[:, None] & m_v[None, :])
+
+
+_DHU_CONFIGS = [triton.Config({"BV": 16}, num_warps=4, num_stages=1),
+                triton.Config({"BV": 32}, num_warps=4, num_stages=1),
+                triton.Config({"BV": 32}, num_warps=8, num_stages=2),
+                triton.Config({"BV": 64}, num_warps=8, num_stages=2),
+                triton.Config({"BV": 16}, num_warps=8, num_stages=1)]   # the last: fp32
+
+
+def _prune_dhu_configs(configs, named_args, **kwargs):
+    """What builds without spills (parity/aot_compile.py).  fp32: BV 16 on 8 warps.  16-bit: BV 16;
+    BV 32 on 4 warps for K <= 128; BV 32 on 8 warps on sm_90, or on sm_80 for unmasked K <= 128 (64,
+    128); BV 64 on sm_90 for K <= 128."""
+    args = {**named_args, **kwargs}
+    return _dhu_keep(configs, args["k"].dtype, _arch(args["k"]), args["K"], args["V"])
+
+
+def _dhu_keep(configs, dtype, arch: int, dk: int, dv: int):
+    if dtype == torch.float32:
+        return configs[-1:]
+    sm90 = arch >= 90
+    ok = [True, dk <= 128, sm90 or dk in (64, 128), sm90 and dk <= 128]
+    keep = [c for c, good in zip(configs[:4], ok) if good and c.kwargs["BV"] <= _pow2(dv)]
+    return keep or configs[:1]
+
+
+def _dhu_rows(dtype, dk: int) -> dict:
+    """Row block (a loop, not unrolled: unrolled, the fp32 products' operands all stay live) and K tile."""
+    return dict(BTS=16 if dtype == torch.float32 else CHUNK, BK=min(64, _pow2(dk)))
+
+
+_chunk_dhu_tuned = triton.autotune(_DHU_CONFIGS, key=["K", "V", "NHV"],
+                                   prune_configs_by={"early_config_prune": _prune_dhu_configs})(_chunk_dhu_kernel)
+
+
+def _chunk_dhu(q, k, w, gc, do, dv_local, dht, want_dh0: bool, scale: float, seqs: _Seqs):
+    """-> (dS' per chunk [rows, HV, K, V] in q's dtype, dU [B, T, HV, V], dh0 fp32 or an empty tensor)."""
+    b, t, h, dk = q.shape
+    hv, dv = do.shape[2:]
+    dstates = torch.empty(seqs.rows, hv, dk, dv, dtype=q.dtype, device=q.device)
+    du = torch.empty_like(do)
+    dh0 = torch.empty(seqs.n if want_dh0 else 0, hv, dk, dv, dtype=torch.float32, device=q.device)
+    nhv = seqs.n * hv
+    if nhv == 0:
+        return dstates, du, dh0
+    dummy = torch.empty(1, dtype=torch.float32, device=q.device)
+    args = (q, k, w, gc, do, dv_local, du, dstates, dht if dht is not None else dummy, dh0 if want_dh0 else dummy,
+            seqs.cu, seqs.chunk_off, scale, t, triton.next_power_of_2(nhv))
+    meta = dict(H=h, HV=hv, K=dk, V=dv, BT=CHUNK, **_dhu_rows(q.dtype, dk), USE_DHT=dht is not None,
+                STORE_DH0=want_dh0, IS_VARLEN=seqs.varlen, PREC=_prec(q.dtype))
+    _launch(_chunk_dhu_tuned, lambda c: (triton.cdiv(dv, c["BV"]), nhv), args, meta)
+    return dstates, du, dh0
+
+
+@triton.jit
+def _straddling(b_p, BT: tl.constexpr):
+    """Pair terms P_ij (i > j; +P to db_i, -P to db_j) reach dg_t only when i >= t > j: their sum over
+    that rectangle, computed directly (a reverse cumsum of rowsum - colsum would cancel O(1) terms)."""
+    o_j = tl.arange(0, BT)
+    return tl.sum(tl.where(o_j[None, :] < o_j[:, None], tl.cumsum(b_p, axis=0, reverse=True), 0.0), 1)
+
+
+# c. dq, dk (per value head), dw and the gate gradient's local terms.  One program per (K block,
+# chunk, value head); db holds NB = 2 (NK + 1) fp32 partials per token, a (single-term sum, pair sum)
+# per K block here and one from d.
+
+@triton.jit(do_not_specialize=["T"])
+def _chunk_dqkwg_kernel(q, k, v_new, gc, h, do, dh, dv, dq, dk, dw, db, cu, chunk_idx, scale, T, H: tl.constexpr,
+                        HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                        BV: tl.constexpr, NB: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    t0, eos, i_row = _chunk_span(cu, chunk_idx, i_t, i_b, T, BT, IS_VARLEN)
+    o_t = t0 + tl.arange(0, BT)
+    m_t = o_t < eos
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    p_h = h + (i_row.to(tl.int64) * HV + i_hv) * K * V
+    p_dh = dh + (i_row.to(tl.int64) * HV + i_hv) * K * V
+    b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dgl = tl.zeros([BK], dtype=tl.float32)                # <S, dS'> over this K block, per row of S
+    for i_v in range(0, V, BV):
+        o_v = i_v + tl.arange(0, BV)
+        m_v = o_v < V
+        b_vn = _rows(v_new, o_t, m_t, o_v, m_v, HV, i_hv, V)           # [BT, BV]
+        b_do = _rows(do, o_t, m_t, o_v, m_v, HV, i_hv, V)
+        b_du = _rows(dv, o_t, m_t, o_v, m_v, HV, i_hv, V)
+        m_hv = m_v[:, None] & m_k[None, :]
+        b_ht = tl.load(p_h + o_k[None, :] * V + o_v[:, None], mask=m_hv, other=0)     # [BV, BK] = S^T
+        b_dht = tl.load(p_dh + o_k[None, :] * V + o_v[:, None], mask=m_hv, other=0)
+        b_ds += tl.dot(b_do, tl.trans(b_vn), input_precision=PREC)
+        b_dq += tl.dot(b_do, b_ht, input_precision=PREC)
+        b_dk += tl.dot(b_vn, b_dht, input_precision=PREC)
+        b_dw += tl.dot(b_du, b_ht, input_precision=PREC)
+        b_dgl += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), 0)
+    b_q = _rows(q, o_t, m_t, o_k, m_k, H, i_h, K)                     # [BT, BK]
+    b_k = _rows(k, o_t, m_t, o_k, m_k, H, i_h, K)
+    b_g = tl.load(gc + o_t * HV + i_hv, mask=m_t, other=0)
+    t_last = tl.minimum(t0 + BT, eos) - 1
+    g_last = tl.load(gc + t_last * HV + i_hv)
+    is_last = o_t == t_last
+    # inter-chunk terms: o_i reads exp(b_i) S; S' gets exp(b_C) S (singles) and exp(b_C - b_j) k_j U_j^T
+    # (pairs (C, j): x_j; j = C cancels)
+    b_dq = b_dq * (scale * tl.exp(b_g))[:, None]
+    b_single = tl.sum(b_dq * b_q.to(tl.float32), 1) + tl.where(is_last, tl.exp(g_last) * tl.sum(b_dgl), 0.0)
+    b_dk = b_dk * tl.exp(tl.where(m_t, g_last - b_g, float("-inf")))[:, None]
+    b_x = tl.sum(b_dk * b_k.to(tl.float32), 1)
+    o_j = tl.arange(0, BT)
+    strict = o_j[:, None] > o_j[None, :]
+    b_pairs = tl.where(is_last[:, None] & strict, b_x[None, :], 0.0)
+    # intra-chunk terms: dP_ij = scale (dO_i . U_j) Gam_ij (j <= i); pairs dP_ij (q_i . k_j), i > j
+    keep = m_t[:, None] & (o_j[:, None] >= o_j[None, :])
+    b_ds = b_ds * scale * tl.exp(tl.where(keep, b_g[:, None] - b_g[None, :], float("-inf")))
+    b_pairs += tl.where(strict, b_ds * tl.dot(b_q, tl.trans(b_k), input_precision=PREC), 0.0)
+    b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PREC)
+    b_dk += tl.dot(tl.trans(b_ds).to(b_q.dtype), b_q, input_precision=PREC)
+    p = (o_t[:, None] * HV + i_hv) * K + o_k[None, :]
+    m = m_t[:, None] & m_k[None, :]
+    tl.store(dq + p, b_dq, mask=m)
+    tl.store(dk + p, b_dk, mask=m)
+    tl.store(dw + p, (-b_dw).to(dw.dtype.element_ty), mask=m)
+    tl.store(db + (o_t * HV + i_hv) * NB + 2 * i_k, b_single, mask=m_t)
+    tl.store(db + (o_t * HV + i_hv) * NB + 2 * i_k + 1, _straddling(b_pairs, BT), mask=m_t)
+
+
+def _chunk_dqkwg(q, k, v_new, gc, states, do, dstates, du, scale: float, seqs: _Seqs):
+    """-> (dq, dk per value head fp32 [B, T, HV, K], dw [B, T, HV, K] in k's dtype, db fp32
+    [B, T, HV, 2 (NK + 1)] with slots 0 .. 2 NK - 1 written here)."""
+    b, t, h, dk = q.shape
+    hv, dv = do.shape[2:]
+    tiles = _bwd_tiles("dqkwg", q.dtype, _arch(q), dk, dv)
+    nk = triton.cdiv(dk, tiles["BK"])
+    dq = torch.empty(b, t, hv, dk, dtype=torch.float32, device=q.device)
+    dkk = torch.empty_like(dq)
+    dw = torch.empty(b, t, hv, dk, dtype=k.dtype, device=k.device)
+    db = torch.empty(b, t, hv, 2 * (nk + 1), dtype=torch.float32, device=q.device)
+    if seqs.nt and hv:
+        _chunk_dqkwg_kernel[(nk, seqs.nt, (1 if seqs.varlen else b) * hv)](
+            q, k, v_new, gc, states, do, dstates, du, dq, dkk, dw, db, seqs.cu, seqs.chunk_idx, scale, t, H=h, HV=hv,
+            K=dk, V=dv, BT=CHUNK, NB=2 * (nk + 1), IS_VARLEN=seqs.varlen, PREC=_prec(q.dtype), **tiles)
+    return dq, dkk, dw, db
+
+
+# d. back through the WY representation.  One program per (chunk, value head).  With dKbg = T^T dW and
+# dVb = T^T dU (the gradients of beta e^b K and beta V), the solve's gradient needs no [64, 64] x [64, 64]
+# product:  dL = -T^T dT T^T = -(dKbg w^T + dVb u^T)  (w = T Kbg, u = T Vb, recomputed in step 0),
+# taken on the strictly lower part (T's other entries are constants).
+
+@triton.jit(do_not_specialize=["T"])
+def _chunk_wy_bwd_kernel(k, v, beta, gc, A, w, u, dw, du, dk, dv, dbeta, db, cu, chunk_idx, T, H: tl.constexpr,
+                         HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                         BV: tl.constexpr, NB: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    i_h = i_hv // (HV // H)
+    t0, eos, _ = _chunk_span(cu, chunk_idx, i_t, i_b, T, BT, IS_VARLEN)
+    o_t = t0 + tl.arange(0, BT)
+    m_t = o_t < eos
+    o_j = tl.arange(0, BT)
+    p_A = A + (o_t[:, None] * HV + i_hv) * BT + o_j[None, :]   # T, reloaded per block (held across the
+    b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0).to(tl.float32)   # loops, fp32 spills)
+    b_g = tl.load(gc + o_t * HV + i_hv, mask=m_t, other=0)
+    b_eg = tl.exp(b_g)
+    b_bg = b_beta * b_eg
+    b_dL = tl.zeros([BT, BT], dtype=tl.float32)                 # -dL until the sign flip below
+    b_kk = tl.zeros([BT, BT], dtype=tl.float32)                 # K K^T
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        m_k = o_k < K
+        m = m_t[:, None] & m_k[None, :]
+        p_k = (o_t[:, None] * HV + i_hv) * K + o_k[None, :]             # [BT, BK] of a [B, T, HV, K] tensor
+        b_kt = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m, other=0)
+        b_kk += tl.dot(b_kt, tl.trans(b_kt), input_precision=PREC)
+        b_k = b_kt.to(tl.float32)
+        b_At = tl.trans(tl.load(p_A, mask=m_t[:, None], other=0))          # T^T
+        b_dkbg = tl.dot(b_At, tl.load(dw + p_k, mask=m, other=0), input_precision=PREC)
+        b_dL += tl.dot(b_dkbg.to(w.dtype.element_ty), tl.trans(tl.load(w + p_k, mask=m, other=0)),
+                       input_precision=PREC)
+        b_x = tl.sum(b_dkbg * b_k, 1)
+        b_dbeta += b_x * b_eg
+        b_db += b_x * b_bg
+        tl.store(dk + p_k, tl.load(dk + p_k, mask=m, other=0) + b_dkbg * b_bg[:, None], mask=m)
+    for i_v in range(0, V, BV):
+        o_v = i_v + tl.arange(0, BV)
+        m_v = o_v < V
+        m = m_t[:, None] & m_v[None, :]
+        p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
+        b_At = tl.trans(tl.load(p_A, mask=m_t[:, None], other=0))
+        b_dvb = tl.dot(b_At, tl.load(du + p_v, mask=m, other=0), input_precision=PREC)
+        b_dL += tl.dot(b_dvb.to(u.dtype.element_ty), tl.trans(tl.load(u + p_v, mask=m, other=0)),
+                       input_precision=PREC)
+        b_dbeta += tl.sum(b_dvb * tl.load(v + p_v, mask=m, other=0).to(tl.float32), 1)
+        tl.store(dv + p_v, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m)
+    # L_ij = beta_i Gam_ij k_i . k_j (i > j):  G = dL * Gam; the gradient of k_i . k_j is beta_i G_ij
+    strict = m_t[:, None] & (o_j[:, None] > o_j[None, :])
+    b_G = -b_dL * tl.exp(tl.where(strict, b_g[:, None] - b_g[None, :], float("-inf")))
+    b_dbeta += tl.sum(b_G * b_kk, 1)
+    tl.store(dbeta + o_t * HV + i_hv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
+    tl.store(db + (o_t * HV + i_hv) * NB + NB - 2, b_db, mask=m_t)
+    # the gate: pairs beta_i G_ij (k_i . k_j), i > j
+    tl.store(db + (o_t * HV + i_hv) * NB + NB - 1, _straddling(b_G * b_beta[:, None] * b_kk, BT), mask=m_t)
+    tl.debug_barrier()                                          # dk rows stored above are read again below
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        m_k = o_k < K
+        m = m_t[:, None] & m_k[None, :]
+        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m, other=0)
+        b_dkl = tl.dot(b_G.to(b_k.dtype), b_k, input_precision=PREC) * b_beta[:, None]     # sum_j beta_i G_ij k_j
+        b_dkl += tl.dot(tl.trans(b_G * b_beta[:, None]).to(b_k.dtype), b_k, input_precision=PREC)  # (i <-> j)
+        p_k = (o_t[:, None] * HV + i_hv) * K + o_k[None, :]
+        tl.store(dk + p_k, tl.load(dk + p_k, mask=m, other=0) + b_dkl, mask=m)
+
+
+def _chunk_wy_bwd(k, v, beta, gc, a, w, u, dw, du, dk, db, seqs: _Seqs):
+    """Adds the WY terms into dk (fp32, per value head) and db's last two slots; -> (dv, dbeta)."""
+    b, t, h, dkd = k.shape
+    hv, dvd = v.shape[2:]
+    dv = torch.empty_like(v)
+    dbeta = torch.empty_like(beta)
+    if seqs.nt and hv:
+        tiles = _bwd_tiles("wy", k.dtype, _arch(k), dkd, dvd)
+        _chunk_wy_bwd_kernel[(seqs.nt, (1 if seqs.varlen else b) * hv)](
+            k, v, beta, gc, a, w, u, dw, du, dk, dv, dbeta, db, seqs.cu, seqs.chunk_idx, t, H=h, HV=hv, K=dkd, V=dvd,
+            BT=CHUNK, NB=db.shape[-1], IS_VARLEN=seqs.varlen, PREC=_prec(k.dtype), **tiles)
+    return dv, dbeta
+
+
+# e. dg: sum db's partials in a fixed order, reverse cumulative sum inside each chunk.
+
+@triton.jit(do_not_specialize=["T"])
+def _chunk_dg_kernel(db, dg, cu, chunk_idx, T, HV: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr,
+                     BH: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_t, i_b = tl.program_id(0), tl.program_id(1)
+    t0, eos, _ = _chunk_span(cu, chunk_idx, i_t, i_b, T, BT, IS_VARLEN)
+    o_t = t0 + tl.arange(0, BT)
+    o_h = tl.arange(0, BH)
+    m = (o_t < eos)[:, None] & (o_h < HV)[None, :]
+    p = o_t[:, None] * HV + o_h[None, :]
+    b_single = tl.zeros([BT, BH], dtype=tl.float32)
+    b_pairs = tl.zeros([BT, BH], dtype=tl.float32)
+    for i in range(0, NB, 2):                                   # slots (single, pairs), in a fixed order
+        b_single += tl.load(db + p * NB + i, mask=m, other=0)
+        b_pairs += tl.load(db + p * NB + i + 1, mask=m, other=0)
+    b_dg = tl.cumsum(b_single, axis=0, reverse=True) + b_pairs
+    tl.store(dg + p, b_dg.to(dg.dtype.element_ty), mask=m)
+
+
+def _chunk_dg(db, g, seqs: _Seqs) -> torch.Tensor:
+    b, t, hv = g.shape
+    dg = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    if seqs.nt and hv:
+        _chunk_dg_kernel[(seqs.nt, 1 if seqs.varlen else b)](db, dg, seqs.cu, seqs.chunk_idx, t, HV=hv,
+                                                              NB=db.shape[-1], BT=CHUNK, BH=_pow2(hv, 2),
+                                                              IS_VARLEN=seqs.varlen, num_warps=4, num_stages=2)
+    return dg
+
+
+def _group_sum(x: torch.Tensor, h: int, dtype) -> torch.Tensor:
+    """[B, T, HV, K] per value head -> [B, T, H, K]: the value heads of each q/k head summed in a fixed
+    order (a plain reduction: deterministic)."""
+    b, t, hv, d = x.shape
+    if hv == h:
+        return x.to(dtype)
+    return x.view(b, t, h, hv // h, d).sum(3).to(dtype)
+
+
+def _chunk_backward(q, k, v, g, beta, gc, a, initial_state, cu_seqlens, scale: float, do, dht):
+    """-> (dq, dk, dv, dg, dbeta, dh0 fp32 or an empty tensor).  q, k as the chunk op saw them."""
+    q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
+    h = q.shape[2]
+    seqs = _sequences(q.shape[0], q.shape[1], cu_seqlens, q.device)
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    if dht is not None:
+        dht = dht.contiguous().float()
+    w, u = _chunk_wu(k, v, beta, gc, a, seqs)                                  # 0. recompute
+    states, v_new, _ = _chunk_h(k, w, u, gc, initial_state, False, seqs)
+    dv_local = _chunk_dv_local(q, k, gc, do, scale, seqs)                      # a.
+    dstates, du, dh0 = _chunk_dhu(q, k, w, gc, do, dv_local, dht, initial_state is not None, scale, seqs)   # b.
+    del dv_local
+    dq, dk, dw, db = _chunk_dqkwg(q, k, v_new, gc, states, do, dstates, du, scale, seqs)    # c.
+    del states, dstates, v_new
+    dv, dbeta = _chunk_wy_bwd(k, v, beta, gc, a, w, u, dw, du, dk, db, seqs)         # d.
+    dg = _chunk_dg(db, g, seqs)                                                # e.
+    return _group_sum(dq, h, q.dtype), _group_sum(dk, h, k.dtype), dv, dg, dbeta, dh0
+
+
+# ----------------------------------------------------------------------------- recurrent backward
+# A reverse recurrence.  Per token (h_a = exp(g_t) h_{t-1}, p_t = h_a^T k_t, h_t = h_a + k_t u_t^T,
+# u_t = beta_t (v_t - p_t)), with F the gradient reaching h_t from later tokens (dht at the end):
+#     dH = F + scale q_t do_t^T;  du = dH^T k_t;  dv_t = beta_t du;  dbeta_t = du . (v_t - p_t);
+#     dp = -beta_t du;  dk_t = dH u_t + h_a dp;  dq_t = scale h_t do_t;  dg_t = <dH + k_t dp^T, h_a>;
+#     F <- exp(g_t) (dH + k_t dp^T)
+# One program per (V block, sequence x value head) (the columns of h evolve independently), three
+# passes over the tokens, the state never stored per token:
+#   A (forward)  recompute h: dq_t, p_t (stored, fp32), and the h_a terms of dg (below)
+#   B (reverse)  F: dv_t, dbeta_t, dp_t (stored), dk_t's first term, dg_t
+#   C (forward)  recompute h_a: dk_t's second term h_a dp_t
+# dg without h_a in pass B: <dH + k dp^T, h_a> telescopes (F_t = exp(g_{t+1}) (..)_{t+1}) into
+#     dg_t = dg_{t+1} + scale do_t . (h_a^T q_t) - beta_t scale (q_t . k_t)(do_t . p_t) - beta_t v_t . (F_t^T k_t)
+# (the O(1) terms cancelled by hand, so no cancellation in floating point when exp(g) -> 0); the
+# last token's dg is computed directly.  dq, dk, dg, dbeta are per-V-block partials summed on the
+# host in a fixed order (deterministic).
+
+@triton.jit
+def _rec_qk(q, k, t, i_h, o_k, m_k, H: tl.constexpr, K: tl.constexpr, L2NORM: tl.constexpr):
+    b_q = tl.load(q + (t * H + i_h) * K + o_k, mask=m_k, other=0).to(tl.float32)
+    b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=m_k, other=0).to(tl.float32)
+    if L2NORM:
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q) + 1e-6)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k) + 1e-6)
+    return b_q, b_k
+
+
+@triton.jit(do_not_specialize=["T", "NTOK"])
+def _recurrent_bwd_kernel(q, k, v, g, beta, do, h0, dht, dq, dk1, dk2, dv, dg, dbeta, dh0, p_buf, dp_buf, z_buf,
+                          cu, scale, T, NTOK, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                          BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, USE_DHT: tl.constexpr,
+                          IS_VARLEN: tl.constexpr, L2NORM: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu + i_n).to(tl.int64)
+        eos = tl.load(cu + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    o_kv = o_k[:, None] * V + o_v[None, :]
+    # this V block's slice of the partial outputs [NV, NTOK, HV, ...]
+    part = i_v.to(tl.int64) * NTOK * HV
+    dq, dk1, dk2 = dq + part * K, dk1 + part * K, dk2 + part * K
+    dg, dbeta, z_buf = dg + part, dbeta + part, z_buf + part
+    b_dht = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dht += tl.load(dht + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0)
+
+    # A: forward
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0)
+    b_ha = tl.zeros([BK, BV], dtype=tl.float32)
+    b_qa = tl.zeros([BV], dtype=tl.float32)                     # do_t * (h_a^T q_t) of the latest token
+    for t in range(bos, eos):
+        b_q, b_k = _rec_qk(q, k, t, i_h, o_k, m_k, H, K, L2NORM)
+        b_v = tl.load(v + (t * HV + i_hv) * V + o_v, mask=m_v, other=0).to(tl.float32)
+        b_do = tl.load(do + (t * HV + i_hv) * V + o_v, mask=m_v, other=0).to(tl.float32)
+        b_g = tl.load(g + t * HV + i_hv).to(tl.float32)
+        b_beta = tl.load(beta + t * HV + i_hv).to(tl.float32)
+        b_ha = b_h * tl.exp(b_g)
+        b_p = tl.sum(b_ha * b_k[:, None], 0)                             # [BV]
+        b_qa = b_do * tl.sum(b_ha * b_q[:, None], 0)
+        tl.store(p_buf + (t * HV + i_hv) * V + o_v, b_p, mask=m_v)
+        b_h = b_ha + b_k[:, None] * (b_beta * (b_v - b_p))[None, :]
+        tl.store(dq + (t * HV + i_hv) * K + o_k, scale * tl.sum(b_h * b_do[None, :], 1), mask=m_k)
+        b_z = scale * (tl.sum(b_qa) - b_beta * tl.sum(b_q * b_k) * tl.sum(b_do * b_p))
+        tl.store(z_buf + t * HV + i_hv, b_z)
+    # the last token's dg, directly: <dht + scale q do^T + k dp^T, h_a>; dp . p is added in pass B
+    b_dg = tl.sum(b_dht * b_ha) + scale * tl.sum(b_qa)
+    tl.debug_barrier()                                          # p_buf / z_buf written above are read below
+
+    # B: reverse
+    b_f = b_dht
+    for i in range(0, eos - bos):
+        t = eos - 1 - i
+        b_q, b_k = _rec_qk(q, k, t, i_h, o_k, m_k, H, K, L2NORM)
+        b_v = tl.load(v + (t * HV + i_hv) * V + o_v, mask=m_v, other=0).to(tl.float32)
+        b_do = tl.load(do + (t * HV + i_hv) * V + o_v, mask=m_v, other=0).to(tl.float32)
+        b_g = tl.load(g + t * HV + i_hv).to(tl.float32)
+        b_beta = tl.load(beta + t * HV + i_hv).to(tl.float32)
+        b_p = tl.load(p_buf + (t * HV + i_hv) * V + o_v, mask=m_v, other=0)
+        b_dh = b_f + scale * b_q[:, None] * b_do[None, :]
+        b_du = tl.sum(b_dh * b_k[:, None], 0)                           # [BV]
+        b_r = b_v - b_p
+        b_dp = -b_beta * b_du
+        tl.store(dv + (t * HV + i_hv) * V + o_v, (b_beta * b_du).to(dv.dtype.element_ty), mask=m_v)
+        tl.store(dp_buf + (t * HV + i_hv) * V + o_v, b_dp, mask=m_v)
+        tl.store(dbeta + t * HV + i_hv, tl.sum(b_du * b_r))
+        tl.store(dk1 + (t * HV + i_hv) * K + o_k, tl.sum(b_dh * (b_beta * b_r)[None, :], 1), mask=m_k)
+        b_fk = tl.sum(b_f * b_k[:, None], 0)                            # F^T k
+        b_dg = tl.where(i == 0, b_dg + tl.sum(b_dp * b_p),
+                        b_dg + tl.load(z_buf + t * HV + i_hv) - b_beta * tl.sum(b_v * b_fk))
+        tl.store(dg + t * HV + i_hv, b_dg)
+        b_f = (b_dh + b_k[:, None] * b_dp[None, :]) * tl.exp(b_g)
+    if USE_H0:
+        tl.store(dh0 + i_nh.to(tl.int64) * K * V + o_kv, b_f, mask=m_kv)
+    tl.debug_barrier()                                          # dp_buf written above is read below
+
+    # C: forward again, dk's h_a dp term
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += tl.load(h0 + i_nh.to(tl.int64) * K * V + o_kv, mask=m_kv, other=0)
+    for t in range(bos, eos):
+        b_q, b_k = _rec_qk(q, k, t, i_h, o_k, m_k, H, K, L2NORM)
+        b_v = tl.load(v + (t * HV + i_hv) * V + o_v, mask=m_v, other=0).to(tl.float32)
+        b_g = tl.load(g + t * HV + i_hv).to(tl.float32)
+        b_beta = tl.load(beta + t * HV + i_hv).to(tl.float32)
+        b_p = tl.load(p_buf + (t * HV + i_hv) * V + o_v, mask=m_v, other=0)
+        b_dp = tl.load(dp_buf + (t * HV + i_hv) * V + o_v, mask=m_v, other=0)
+        b_h = b_h * tl.exp(b_g)
+        tl.store(dk2 + (t * HV + i_hv) * K + o_k, tl.sum(b_h * b_dp[None, :], 1), mask=m_k)
+        b_h += b_k[:, None] * (b_beta * (b_v - b_p))[None, :]
+
+
+def _rec_bwd_tiles(dk: int, dv: int) -> dict:
+    """Three [K, BV] fp32 tiles live in pass B: BV 16 for K > 128, else 32 (no spills, aot-checked)."""
+    return dict(BV=min(16 if dk > 128 else 32, _pow2(dv)), num_warps=4, num_stages=1)
+
+
+def _recurrent_backward(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, use_l2norm: bool, do, dht):
+    """-> (dq, dk, dv, dg, dbeta, dh0 fp32 or an empty tensor)."""
+    q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
+    b, t, h, dk = q.shape
+    hv, dv = v.shape[2:]
+    if cu_seqlens is None:
+        n, cu = b, torch.zeros(1, dtype=torch.int32, device=q.device)
+    else:
+        _check_cu_seqlens_values(cu_seqlens.tolist(), t)
+        n, cu = cu_seqlens.numel() - 1, cu_seqlens.to(torch.int32)
+    tiles = _rec_bwd_tiles(dk, dv)
+    nv = triton.cdiv(dv, tiles["BV"])
+    ntok = b * t
+    dqk = torch.empty(3, nv, b, t, hv, dk, dtype=torch.float32, device=q.device)    # dq, dk (2 terms) per V block
+    dgb = torch.empty(3, nv, b, t, hv, dtype=torch.float32, device=q.device)        # dg, dbeta, scratch
+    p_buf = torch.empty(2, b, t, hv, dv, dtype=torch.float32, device=q.device)      # p and dp scratch
+    dvv = torch.empty_like(v)
+    dh0 = torch.empty(n if initial_state is not None else 0, hv, dk, dv, dtype=torch.float32, device=q.device)
+    if n * hv:
+        dummy = torch.empty(1, dtype=torch.float32, device=q.device)
+        _recurrent_bwd_kernel[(nv, n * hv)](
+            q, k, v, g, beta, do, initial_state.contiguous() if initial_state is not None else dummy,
+            dht.contiguous().float() if dht is not None else dummy, dqk[0], dqk[1], dqk[2], dvv, dgb[0], dgb[1],
+            dh0 if initial_state is not None else dummy, p_buf[0], p_buf[1], dgb[2], cu, scale, t, ntok, H=h, HV=hv,
+            K=dk, V=dv, BK=_pow2(dk), USE_H0=initial_state is not None, USE_DHT=dht is not None,
+            IS_VARLEN=cu_seqlens is not None, L2NORM=use_l2norm, **tiles)
+    dq = _group_sum(dqk[0].sum(0), h, torch.float32)
+    dkk = _group_sum(dqk[1].sum(0) + dqk[2].sum(0), h, torch.float32)
+    if use_l2norm:   # the kernel differentiated w.r.t. the normalized q, k
+        dq = _l2norm_bwd(*_l2norm(q.float()), dq)
+        dkk = _l2norm_bwd(*_l2norm(k.float()), dkk)
+    dg = dgb[0].sum(0).to(g.dtype)
+    dbeta = dgb[1].sum(0).to(beta.dtype)
+    return dq.to(q.dtype), dkk.to(k.dtype), dvv, dg, dbeta, dh0
+
+
+# ----------------------------------------------------------------------------- l2norm backward
+
+@triton.jit
+def _l2norm_bwd_kernel(y, rstd, dy, dx, R, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """y = x r, r = rsqrt(|x|^2 + eps):  dx = r (dy - y (y . dy))."""
+    i_r = tl.program_id(0)
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, BD)
+    m_r = o_r < R
+    m = m_r[:, None] & (o_d < D)[None, :]
+    p = o_r.to(tl.int64)[:, None] * D + o_d[None, :]
+    b_y = tl.load(y + p, mask=m, other=0).to(tl.float32)
+    b_dy = tl.load(dy + p, mask=m, other=0).to(tl.float32)
+    b_r = tl.load(rstd + o_r, mask=m_r, other=0)
+    b_dx = b_r[:, None] * (b_dy - b_y * tl.sum(b_y * b_dy, 1)[:, None])
+    tl.store(dx + p, b_dx.to(dx.dtype.element_ty), mask=m)
+
+
+def _l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """-> dx in y's dtype.  y [..., D], rstd [...] fp32, dy like y (any float dtype)."""
+    y, dy = y.contiguous(), dy.contiguous()
+    d = y.shape[-1]
+    dx = torch.empty(y.shape, dtype=y.dtype, device=y.device)
+    rows = y.numel() // max(d, 1)
+    bd = _pow2(d)
+    br = max(1, 4096 // bd)
+    if rows:
+        _l2norm_bwd_kernel[(triton.cdiv(rows, br),)](y, rstd, dy, dx, rows, D=d, BR=br, BD=bd, num_warps=4,
+                                                     num_stages=2)
+    return dx
+
+
+# ----------------------------------------------------------------------------- custom ops
+# Forward ops save only their inputs (plus gc and A for the chunk op, y and rstd for l2norm); the
+# backward ops recompute the rest.  gc, A and rstd are outputs without gradients.  The backward
+# ops are custom ops too (torch.compile traces them); a second derivative raises.
+
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError("fast gated_deltanet: gradients of the gradients (double backward) are not "
+                              "supported; use ref/gated_deltanet.py")
 
 
 def _no_context(ctx, inputs, output):
@@ -790,6 +1506,29 @@ def _(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
+@torch.library.custom_op("twofold::gdn_l2norm_bwd", mutates_args=())
+def _l2norm_bwd_op(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    _check_runnable(y)
+    return _l2norm_bwd(y, rstd, dy)
+
+
+@_l2norm_bwd_op.register_fake
+def _(y, rstd, dy):
+    return torch.empty_like(y, memory_format=torch.contiguous_format)
+
+
+def _l2norm_setup(ctx, inputs, output):
+    y, rstd = output
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(rstd)
+    ctx.save_for_backward(y, rstd)
+
+
+def _l2norm_backward(ctx, dy, _drstd):
+    y, rstd = ctx.saved_tensors
+    return None if dy is None else _l2norm_bwd_op(y, rstd, dy)
+
+
 @torch.library.custom_op("twofold::chunk_gated_delta_rule_fwd", mutates_args=())
 def _chunk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
@@ -800,14 +1539,60 @@ def _chunk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     return o, final if final is not None else q.new_empty(0, dtype=torch.float32), gc, a
 
 
+def _final_shape(q, v, cu_seqlens):
+    return (q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1, v.shape[2], q.shape[3], v.shape[3])
+
+
 @_chunk_op.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state):
     b, t, _, dk = q.shape
     hv, dv = v.shape[2:]
-    n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    final = q.new_empty(n, hv, dk, dv, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
+    final = q.new_empty(_final_shape(q, v, cu_seqlens) if output_final_state else (0,), dtype=torch.float32)
     return (v.new_empty(b, t, hv, dv), final, q.new_empty(b, t, hv, dtype=torch.float32),
             q.new_empty(b, t, hv, CHUNK))
+
+
+@torch.library.custom_op("twofold::chunk_gated_delta_rule_bwd", mutates_args=())
+def _chunk_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  gc: torch.Tensor, A: torch.Tensor, initial_state: Optional[torch.Tensor],
+                  cu_seqlens: Optional[torch.Tensor], do: torch.Tensor, dht: Optional[torch.Tensor],
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                         torch.Tensor]:
+    """-> (dq, dk, dv, dg, dbeta, d initial_state or an empty tensor)."""
+    _check_runnable(q)
+    return _chunk_backward(q, k, v, g, beta, gc, A, initial_state, cu_seqlens, scale, do, dht)
+
+
+def _grads_fake(q, k, v, g, beta, initial_state, cu_seqlens):
+    dh0 = q.new_empty(_final_shape(q, v, cu_seqlens) if initial_state is not None else (0,), dtype=torch.float32)
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta)) + (dh0,)
+
+
+@_chunk_bwd_op.register_fake
+def _(q, k, v, g, beta, gc, A, initial_state, cu_seqlens, do, dht, scale):
+    return _grads_fake(q, k, v, g, beta, initial_state, cu_seqlens)
+
+
+def _chunk_setup(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, _ = inputs
+    _, _, gc, a = output
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(gc, a)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, gc, a)
+    ctx.scale = scale
+
+
+def _output_grads(v, do, dht):
+    """None / empty output gradients (an unused o or final state) as the kernels want them."""
+    do = torch.zeros_like(v) if do is None else do
+    return do, (dht if dht is not None and dht.numel() else None)
+
+
+def _chunk_backward_fn(ctx, do, dht, _dgc, _da):
+    q, k, v, g, beta, h0, cu_seqlens, gc, a = ctx.saved_tensors
+    do, dht = _output_grads(v, do, dht)
+    dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd_op(q, k, v, g, beta, gc, a, h0, cu_seqlens, do, dht, ctx.scale)
+    return dq, dk, dv, dg, dbeta, (dh0 if h0 is not None else None), None, None, None
 
 
 @torch.library.custom_op("twofold::fused_recurrent_gated_delta_rule_fwd", mutates_args=())
@@ -824,14 +1609,46 @@ def _recurrent_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_l2norm):
     b, t, _, dk = q.shape
     hv, dv = v.shape[2:]
-    n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    final = q.new_empty(n, hv, dk, dv, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
+    final = q.new_empty(_final_shape(q, v, cu_seqlens) if output_final_state else (0,), dtype=torch.float32)
     return v.new_empty(b, t, hv, dv), final
 
 
-_l2norm_op.register_autograd(_no_backward("l2norm (use_qk_l2norm_in_kernel)"), setup_context=_no_context)
-_chunk_op.register_autograd(_no_backward("chunk_gated_delta_rule"), setup_context=_no_context)
-_recurrent_op.register_autograd(_no_backward("fused_recurrent_gated_delta_rule"), setup_context=_no_context)
+@torch.library.custom_op("twofold::fused_recurrent_gated_delta_rule_bwd", mutates_args=())
+def _recurrent_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
+                      dht: Optional[torch.Tensor], scale: float, use_l2norm: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dq, dk, dv, dg, dbeta, d initial_state or an empty tensor)."""
+    _check_runnable(q)
+    return _recurrent_backward(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_l2norm, do, dht)
+
+
+@_recurrent_bwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, use_l2norm):
+    return _grads_fake(q, k, v, g, beta, initial_state, cu_seqlens)
+
+
+def _recurrent_setup(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, _, use_l2norm = inputs
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+    ctx.scale, ctx.use_l2norm = scale, use_l2norm
+
+
+def _recurrent_backward_fn(ctx, do, dht):
+    q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
+    do, dht = _output_grads(v, do, dht)
+    dq, dk, dv, dg, dbeta, dh0 = _recurrent_bwd_op(q, k, v, g, beta, h0, cu_seqlens, do, dht, ctx.scale,
+                                                   ctx.use_l2norm)
+    return dq, dk, dv, dg, dbeta, (dh0 if h0 is not None else None), None, None, None, None
+
+
+_l2norm_op.register_autograd(_l2norm_backward, setup_context=_l2norm_setup)
+_chunk_op.register_autograd(_chunk_backward_fn, setup_context=_chunk_setup)
+_recurrent_op.register_autograd(_recurrent_backward_fn, setup_context=_recurrent_setup)
+_l2norm_bwd_op.register_autograd(_no_double_backward, setup_context=_no_context)
+_chunk_bwd_op.register_autograd(_no_double_backward, setup_context=_no_context)
+_recurrent_bwd_op.register_autograd(_no_double_backward, setup_context=_no_context)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -914,10 +1731,58 @@ def _compile_cases():
                                          scale="fp32", T="i32", NHV="i32"),
                           constexprs=dict(**heads, K=dk, V=dv, BK=bk_full, USE_H0=True, STORE_FINAL=True,
                                           IS_VARLEN=True, L2NORM=True)))
+        cases += _backward_compile_cases(dtype, dk, dv, heads, one_config=dtype == torch.float16)
     for hv in (16, 64):
+        cases.append(dict(kernel=_chunk_dg_kernel, name=f"dg[HV={hv}]",
+                          signature=dict(db="*fp32", dg="*fp32", cu="*i32", chunk_idx="*i32", T="i32"),
+                          constexprs=dict(HV=hv, NB=6, BT=CHUNK, BH=hv, IS_VARLEN=True), num_warps=4))
         cases.append(dict(kernel=_chunk_cumsum_kernel, name=f"cumsum[HV={hv}]",
                           signature=dict(g="*fp32", gc="*fp32", cu="*i32", chunk_idx="*i32", T="i32"),
                           constexprs=dict(HV=hv, BT=CHUNK, BH=hv, IS_VARLEN=True), num_warps=4))
+    return cases
+
+
+def _backward_compile_cases(dtype, dk: int, dv: int, heads: dict, one_config: bool) -> list:
+    """The backward kernels at one (dtype, K, V), for sm_80 and sm_90 with the tiles each launches."""
+    dt = _TL_DTYPES[dtype]
+    tag = f"[{dt},K={dk},V={dv}]"
+    tc = dtype != torch.float32
+    prec = _prec(dtype)
+    ptr, f32, i32 = f"*{dt}", "*fp32", "*i32"
+    cases = []
+    for arch in (80, 90):
+        common = dict(**heads, K=dk, V=dv, BT=CHUNK, IS_VARLEN=True, PREC=prec)
+        tiles = {name: _bwd_tiles(name, dtype, arch, dk, dv) for name in ("dv_local", "dqkwg", "wy")}
+        launch = {name: dict(num_warps=t.pop("num_warps"), num_stages=t.pop("num_stages")) for name, t in tiles.items()}
+        nb = 2 * (triton.cdiv(dk, tiles["dqkwg"]["BK"]) + 1)
+        cases.append(dict(kernel=_chunk_dv_local_kernel, name=f"dv_local{tag}", archs=[arch], tensor_cores=tc,
+                          signature=dict(q=ptr, k=ptr, gc=f32, do=ptr, dv=ptr, cu=i32, chunk_idx=i32, scale="fp32",
+                                         T="i32"),
+                          constexprs=dict(**common, **tiles["dv_local"]), **launch["dv_local"]))
+        cases.append(dict(kernel=_chunk_dhu_tuned, name=f"dhu{tag}", archs=[arch], tensor_cores=tc,
+                          configs=_dhu_keep(_DHU_CONFIGS, dtype, arch, dk, dv)[:1 if one_config else None],
+                          signature=dict(q=ptr, k=ptr, w=ptr, gc=f32, do=ptr, dv_local=ptr, dv=ptr, dh=ptr, dht=f32,
+                                         dh0=f32, cu=i32, chunk_off=i32, scale="fp32", T="i32", NHV="i32"),
+                          constexprs=dict(**common, **_dhu_rows(dtype, dk), USE_DHT=True, STORE_DH0=True)))
+        cases.append(dict(kernel=_chunk_dqkwg_kernel, name=f"dqkwg{tag}", archs=[arch], tensor_cores=tc,
+                          signature=dict(q=ptr, k=ptr, v_new=ptr, gc=f32, h=ptr, do=ptr, dh=ptr, dv=ptr, dq=f32,
+                                         dk=f32, dw=ptr, db=f32, cu=i32, chunk_idx=i32, scale="fp32", T="i32"),
+                          constexprs=dict(**common, **tiles["dqkwg"], NB=nb), **launch["dqkwg"]))
+        cases.append(dict(kernel=_chunk_wy_bwd_kernel, name=f"wy_bwd{tag}", archs=[arch], tensor_cores=tc,
+                          signature=dict(k=ptr, v=ptr, beta=ptr, gc=f32, A=ptr, w=ptr, u=ptr, dw=ptr, du=ptr, dk=f32,
+                                         dv=ptr, dbeta=ptr, db=f32, cu=i32, chunk_idx=i32, T="i32"),
+                          constexprs=dict(**common, **tiles["wy"], NB=nb), **launch["wy"]))
+    rec = _rec_bwd_tiles(dk, dv)
+    cases.append(dict(kernel=_recurrent_bwd_kernel, name=f"recurrent_bwd{tag}",
+                      signature=dict(q=ptr, k=ptr, v=ptr, g=f32, beta=ptr, do=ptr, h0=f32, dht=f32, dq=f32, dk1=f32,
+                                     dk2=f32, dv=ptr, dg=f32, dbeta=f32, dh0=f32, p_buf=f32, dp_buf=f32, z_buf=f32,
+                                     cu=i32, scale="fp32", T="i32", NTOK="i32"),
+                      constexprs=dict(**heads, K=dk, V=dv, BK=_pow2(dk), BV=rec["BV"], USE_H0=True, USE_DHT=True,
+                                      IS_VARLEN=True, L2NORM=True), num_warps=rec["num_warps"],
+                      num_stages=rec["num_stages"]))
+    cases.append(dict(kernel=_l2norm_bwd_kernel, name=f"l2norm_bwd{tag}",
+                      signature=dict(y=ptr, rstd=f32, dy=f32, dx=ptr, R="i32"),
+                      constexprs=dict(D=dk, BR=4096 // _pow2(dk), BD=_pow2(dk)), num_warps=4))
     return cases
 
 
