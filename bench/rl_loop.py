@@ -14,14 +14,12 @@ What it runs
                  on a GPU their attention is this repo's fast varlen_attn (prefill) and
                  flash_decode (decode) and their Gated DeltaNet runs fast's Triton kernels; on a
                  CPU the in-file PyTorch attention and the reference delta rule
-    trainer      the same model (the reference delta rule, differentiable: fast/gated_deltanet.py
-                 is forward-only so far), forward under ``OffloadActivations``
-                 (fast/view_replay_offload.py): saved activations go to host memory once per
-                 storage and views are replayed in backward; step 0 checks the gradients are
-                 bitwise those of a run without it.  On the GPU size the reference chunk form's
-                 row-by-row triangular solve saves a [64, 64] block per row and chunk: those
-                 activations (~20 GB a step at 128 rollouts x 192 tokens), not the 30M-parameter
-                 model, set the batch, and the offload keeps them in host memory
+    trainer      the same model, forward under ``OffloadActivations`` (fast/view_replay_offload.py):
+                 saved activations go to host memory once per storage and views are replayed in
+                 backward; step 0 checks the gradients are bitwise those of a run without it.
+                 Its Gated DeltaNet is fast's Triton chunk kernel with its Triton backward on a
+                 GPU, and the reference delta rule (recurrent form, cheapest at these lengths)
+                 on a CPU
     task         random prompts; reward = share of generated tokens in the residue class (mod 4) of
                  the token before them (a random policy scores ~1/4); group-relative advantages (G
                  samples per prompt), a PPO-clipped loss on the generators' own logprobs (the
@@ -155,10 +153,12 @@ def main(argv=None) -> int:
     else:
         gen_layer = gdn_factory(size["gdn"], ref_gdn.chunk_gated_delta_rule, ref_gdn.fused_recurrent_gated_delta_rule)
         kernels = "in-file PyTorch attention + reference Gated DeltaNet (no CUDA)"
-    # The trainer differentiates through the reference delta rule; on the short CPU rollouts its
-    # recurrent form (same signature, same function) is cheaper than the chunk form's 64-row solve.
-    train_rule = ref_gdn.chunk_gated_delta_rule if on_gpu else ref_gdn.fused_recurrent_gated_delta_rule
-    train_layer = gdn_factory(size["gdn"], train_rule, ref_gdn.fused_recurrent_gated_delta_rule)
+    if on_gpu:  # fast's chunk kernel has a Triton backward: the trainer uses it too
+        train_layer = gdn_factory(size["gdn"], fast_gdn.chunk_gated_delta_rule,
+                                  fast_gdn.fused_recurrent_gated_delta_rule)
+    else:  # on the short CPU rollouts the reference recurrent form beats the chunk form's 64-row solve
+        train_layer = gdn_factory(size["gdn"], ref_gdn.fused_recurrent_gated_delta_rule,
+                                  ref_gdn.fused_recurrent_gated_delta_rule)
 
     model = rg.DecoderLM(config, seed=0, linear_layer=train_layer, device=device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=size["lr"], weight_decay=0.0)
