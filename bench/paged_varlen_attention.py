@@ -1,4 +1,4 @@
-"""Benchmark: paged varlen attention (forward), fast vs ref vs PyTorch varlen_attn / FlexAttention / flash-attn.
+"""Benchmark: paged varlen attention, forward and training, fast vs ref vs PyTorch varlen_attn / FlexAttention / flash-attn.
 
     python bench/paged_varlen_attention.py          # or: make bench FEATURE=paged_varlen_attention
 
@@ -8,8 +8,14 @@ Cases (bf16, D = 128, GQA 32/8):
   mixed-p16       a serving step over a paged cache (page 16): 4 prefill chunks of 1k new tokens on
                   3k cached + 64 decode rows on 4k contexts, one launch
 
+Training cases (forward + backward through autograd, bf16, causal, GQA 32/8, the same 16k
+packed tokens): train-16k-d128 and train-16k-d64.  Target: at least 0.9x PyTorch varlen_attn
+(FlashAttention-2) forward + backward.
+
 FLOPs = 4 * D * H_q * (visible query-key pairs), counted exactly per sequence (causal counts
-about half of L_q * L_k).  TFLOP/s is reported with its fraction of this device's measured
+about half of L_q * L_k).  Forward + backward counts 3.5x that (FlashAttention's convention: the
+backward's five matmuls; our backward runs seven, recomputing QK^T and dO V^T for dQ, and is
+credited only five).  TFLOP/s is reported with its fraction of this device's measured
 dense bf16 matmul rate.  Without CUDA, only the reference's CPU time on a small case is measured.
 """
 from __future__ import annotations
@@ -178,6 +184,52 @@ def bench_gpu(rec: Recorder):
                 rec.add(name, peer, "time", peer_ms, "ms")
                 rec.add(name, peer, "throughput", flops / peer_ms / 1e9, "TFLOP/s")
                 rec.add(name, "fast", f"speedup vs {peer}", peer_ms / ms, "x")
+    bench_train(rec, ceil)
+
+
+def train_step(fn, leaves, grad_out):
+    """One forward + backward through autograd (torch.autograd.grad: nothing accumulates in .grad)."""
+    def step():
+        o = fn()
+        o = o[0] if isinstance(o, tuple) else o
+        if o.dim() == 4:                                                   # FlexAttention: [1, H, T, D]
+            o = o[0].transpose(0, 1)
+        torch.autograd.grad(o, leaves, grad_out)
+    return step
+
+
+def bench_train(rec: Recorder, ceil: dict):
+    import fast.paged_varlen_attention as fast
+    docs = [8192, 4096, 2048, 1024, 512, 512]                                  # 16k tokens
+    for d in (128, 64):
+        name = f"train-16k-d{d}"
+        c = make_case(docs, docs, d=d, seed=2)
+        leaves = [c[x].requires_grad_() for x in ("q", "k", "v")]
+        grad_out = torch.randn_like(c["q"])
+        flops = 3.5 * 4 * d * c["q"].shape[1] * sum(visible_pairs(n, n, -1, 0) for n in docs)
+        fast_step = train_step(call(fast, c, paged=False), leaves, grad_out)
+        fast_step()                                                         # autotune outside the timing
+        ms = time_ms(fast_step)
+        rec.add(name, "fast", "time", ms, "ms")
+        rec.add(name, "fast", "throughput", flops / ms / 1e9, "TFLOP/s")
+        rec.add(name, "fast", "of bf16 peak", flops / ms / 1e9 / ceil["bf16_tflops"], "fraction")
+        contenders = [("ref", train_step(call(ref, c, paged=False), leaves, grad_out), None)]
+        contenders += [(peer, fn and train_step(fn, leaves, grad_out), why) for peer, fn, why in peers(c, paged=False)
+                       if peer != "FlashInfer"]
+        for impl, fn, why in contenders:
+            if fn is None:
+                rec.missing(name, impl, why)
+                continue
+            try:
+                fn()
+                other_ms = time_ms(fn, warmup=1, rep=3) if impl == "ref" else time_ms(fn)
+            except Exception as e:  # out of memory (the ref's score matrices) or a peer that cannot train
+                rec.missing(name, impl, f"failed: {type(e).__name__}: {str(e)[:80]}")
+                torch.cuda.empty_cache()
+                continue
+            rec.add(name, impl, "time", other_ms, "ms")
+            rec.add(name, impl, "throughput", flops / other_ms / 1e9, "TFLOP/s")
+            rec.add(name, "fast", f"speedup vs {impl}", other_ms / ms, "x")
 
 
 def bench_cpu(rec: Recorder):

@@ -1,10 +1,12 @@
-"""Paged varlen attention: a Triton forward kernel, a drop-in for torch.nn.attention.varlen.
+"""Paged varlen attention: Triton forward and backward kernels, a drop-in for torch.nn.attention.varlen.
 
 What it computes
     Exactly what ref/paged_varlen_attention.py specifies (PyTorch's ``varlen_attn`` /
     ``varlen_attn_out`` contract plus ``softcap`` and ``sinks``), with one FlashAttention-2
     style kernel: each program owns a tile of query rows and streams the keys it can see
-    through an online softmax, reading K/V either packed or through a block table.
+    through an online softmax, reading K/V either packed or through a block table.  With
+    packed keys ``varlen_attn`` is differentiable: a FlashAttention-2 backward in three
+    kernels (see "The backward").
 
 The math (per query row i of a sequence, log2 domain inside the kernel)
     s_ij = scale * <q_i, k_j>  [softcap * tanh(s_ij / softcap)],  t_ij = s_ij * log2(e)
@@ -42,23 +44,45 @@ How the kernel works
       than 4 elements (odd head dims or strides) or an ``out`` with a non-unit last stride are
       staged through padded copies: correct, but one extra read and write of q, k, v, out.
 
+The backward (packed K/V; P recomputed block by block from the saved lse, never stored)
+    delta_i = dO_i . O_i - dlse_i        (dlse: the gradient reaching the returned lse)
+    dV = P^T dO;  dP = dO V^T;  dS = P * (dP - delta);  softcap: dS *= 1 - tanh(s_raw / softcap)^2
+    dQ = scale dS K;  dK = scale dS^T Q;  d sink_h = -sum_i exp(sink_h - lse_i) delta_i
+    1. preprocess: delta, the lse in log2 units (+inf for rows that saw nothing, so their
+       recomputed probabilities are 0) and per-block partial sums of d sink.
+    2. dK/dV: a program per (key block, sequence, KV head) keeps K, V and fp32 dK, dV in
+       registers and walks the packed query rows (the G heads of the group, so GQA's sum over
+       the group needs no extra pass) that can see its keys: rows before the window's full
+       part and after it masked, the rows in between unmasked, the rest never loaded.
+    3. dQ: the forward's tiling (query tiles x sequences, KV heads) and key-block skipping.
+    No atomics anywhere, so gradients are deterministic (bitwise repeatable).
+
 Cost (what the benchmark measures against)
     FLOPs  = 4 * D * sum over heads and query rows of the keys that row sees
              (2 for QK^T, 2 for PV per visible pair; causal square L: pairs = L (L + 1) / 2)
     bytes >= (2 * T_q * H_q + 2 * T_k * H_kv) * D * elt + 4 * T_q * H_q   (q, o, k, v, lse once)
+    backward FLOPs as run = 14 * D * pairs (QK^T, dO V^T, P^T dO, dS^T Q in dK/dV; QK^T, dO V^T,
+        dS K in dQ); FlashAttention's convention credits 10 * D * pairs (forward + backward 3.5x
+        the forward), and the benchmark reports that one.
+    backward bytes >= (4 * T_q * H_q + 4 * T_k * H_kv) * D * elt + 8 * T_q * H_q
+        (read q, o, dO, k, v, lse; write dq, dk, dv; delta written and read once)
 
 Supported, and what raises
     Any page size >= 1, any integer GQA ratio, head dims up to 256, fp16 / bf16 / fp32,
-    windows and causal, empty sequences, ``out=``, ``softcap``, ``sinks``.  Forward only:
-    inputs that require grad raise (use ref.varlen_attn for autograd).  fp64 and D > 256
+    windows and causal, empty sequences, ``out=``, ``softcap``, ``sinks``.  Autograd: with
+    packed K/V (``cu_seq_k``, optionally ``seqused_k``) gradients flow to query, key, value,
+    sinks and through the returned lse, for every forward option; a paged call or
+    ``varlen_attn_out`` with an input that requires grad raises NotImplementedError (as in
+    PyTorch); no double backward.  Head dim 256 on sm_90 runs dK/dV on mma.sync (two fp32
+    [64, 256] accumulators of a wgmma tile do not fit the registers).  fp64 and D > 256
     raise TypeError / ValueError.  ``num_splits`` is validated and accepted for API
     compatibility; this kernel never splits, so every ``num_splits`` gives the same,
     batch-invariant result.  Bad inputs raise the same errors as the reference.  Value
     checks (cu_seq_q[-1] == T_q, seqused_k within the pages, max_q/max_k) read the index
     tensors once on the host; during CUDA-graph capture they are skipped (a sync is illegal
     there) and the shape/dtype checks alone run.  The ops are ``torch.library.custom_op``s
-    (``twofold::varlen_attn``, ``twofold::varlen_attn_out``) with fake implementations, so
-    ``torch.compile(fullgraph=True)`` traces through them.
+    (``twofold::varlen_attn``, ``twofold::varlen_attn_out``, ``twofold::varlen_attn_bwd``) with
+    fake implementations, so ``torch.compile(fullgraph=True)`` traces forward and backward.
 
 References
     PyTorch 2.13 torch.nn.attention.varlen; Dao, FlashAttention-2 (2023); Kwon et al.,
@@ -67,6 +91,7 @@ References
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple, Optional
 
@@ -230,6 +255,41 @@ def _tanh(x):
 
 
 @triton.jit
+def _visible_span(first, last, length, before, after, HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr):
+    """Items t in [0, length) seen from positions x in [first, last], where x sees t iff
+    x - before <= t <= x + after: returns [lo, hi), seen by some x, and [full_lo, full_hi), seen
+    by every x.  Forward / dQ: x = the key position a query row is aligned with, t = a key,
+    (before, after) = (left, right).  dK/dV: x = key j - (L_k - L_q), t = a query position,
+    (before, after) = (right, left): the same window read from the key's side."""
+    lo = 0
+    hi = length
+    full_lo = 0
+    full_hi = length
+    if HAS_BEFORE:
+        lo = tl.maximum(first - before, 0)
+        full_lo = tl.maximum(last - before, lo)
+    if HAS_AFTER:
+        hi = tl.minimum(last + after + 1, length)
+        full_hi = tl.minimum(first + after + 1, hi)
+    return lo, hi, full_lo, full_hi
+
+
+@triton.jit
+def _block_segments(lo, full_lo, full_hi, BLOCK: tl.constexpr):
+    """Cut the visible span at BLOCK boundaries into three loops: [blk_lo, edge_a_hi) masked,
+    [full_blk_lo, full_blk_hi) unmasked (every item of every block visible), [edge_c_lo, hi)
+    masked.  Without a fully visible block, the last loop takes everything."""
+    blk_lo = (lo // BLOCK) * BLOCK
+    full_blk_lo = tl.maximum(tl.cdiv(full_lo, BLOCK) * BLOCK, blk_lo)
+    full_blk_hi = (full_hi // BLOCK) * BLOCK
+    has_full = full_blk_lo < full_blk_hi
+    edge_a_hi = tl.where(has_full, full_blk_lo, blk_lo)
+    full_blk_hi = tl.where(has_full, full_blk_hi, full_blk_lo)
+    edge_c_lo = tl.where(has_full, full_blk_hi, blk_lo)
+    return blk_lo, edge_a_hi, full_blk_lo, full_blk_hi, edge_c_lo
+
+
+@triton.jit
 def _attn_key_blocks(acc, l_i, m_i, b_q, k_ptr, v_ptr, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
                      n_start, n_end, qk_scale, softcap, window_left, window_right, page_size,
                      stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
@@ -339,28 +399,13 @@ def _attn_fwd_kernel(
     p_q = q_ptr + o_q_row[:, None] + o_d[None, :]
     b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)   # [BLOCK_M, BLOCK_D]
 
-    # The keys this tile can see at all, [lo, hi), and those every row of it sees, [full_lo, full_hi).
+    # The keys this tile can see at all, [lo, hi), and those every row of it sees, [full_lo, full_hi),
+    # from the key positions its first and last rows are aligned with.
     pos_first = (i_m * BLOCK_M) // GROUP + (L_k - L_q)
     pos_last = tl.minimum((i_m * BLOCK_M + BLOCK_M - 1) // GROUP, L_q - 1) + (L_k - L_q)
-    lo = 0
-    hi = L_k
-    full_lo = 0
-    full_hi = L_k
-    if HAS_LEFT:
-        lo = tl.maximum(pos_first - window_left, 0)
-        full_lo = tl.maximum(pos_last - window_left, lo)
-    if HAS_RIGHT:
-        hi = tl.minimum(pos_last + window_right + 1, L_k)
-        full_hi = tl.minimum(pos_first + window_right + 1, hi)
-    blk_lo = (lo // BLOCK_N) * BLOCK_N
-    full_blk_lo = tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, blk_lo)
-    full_blk_hi = (full_hi // BLOCK_N) * BLOCK_N
-    # Three segments: [blk_lo, edge_a_hi) masked, [full_blk_lo, full_blk_hi) unmasked,
-    # [edge_c_lo, hi) masked.  Without a fully visible block, the last one takes everything.
-    has_full = full_blk_lo < full_blk_hi
-    edge_a_hi = tl.where(has_full, full_blk_lo, blk_lo)
-    full_blk_hi = tl.where(has_full, full_blk_hi, full_blk_lo)
-    edge_c_lo = tl.where(has_full, full_blk_hi, blk_lo)
+    lo, hi, full_lo, full_hi = _visible_span(pos_first, pos_last, L_k, window_left, window_right,
+                                             HAS_LEFT, HAS_RIGHT)
+    blk_lo, edge_a_hi, full_blk_lo, full_blk_hi, edge_c_lo = _block_segments(lo, full_lo, full_hi, BLOCK_N)
 
     bt_row_ptr = block_table_ptr + i_b.to(tl.int64) * stride_bt
     o_k_head = i_kvh.to(tl.int64) * stride_k_head
@@ -408,6 +453,287 @@ def _attn_fwd_kernel(
     p_o = o_ptr + o_o_row[:, None] + o_d[None, :]
     tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
     tl.store(lse_ptr + o_head.to(tl.int64) * stride_lse_head + bos_q + o_pos, b_lse, mask=m_r)
+
+
+# ----------------------------------------------------------------------------- backward kernels
+#
+# With P = softmax rows, O = P V and the saved lse, the FlashAttention-2 backward recomputes P block
+# by block and never stores it:
+#     dV = P^T dO          dP = dO V^T          dS = P * (dP - delta),  delta_i = dO_i . O_i - dlse_i
+#     softcap: dS_raw = dS * (1 - tanh^2)       dQ = scale dS_raw K     dK = scale dS_raw^T Q
+#     sinks:   d sink_h = -sum_i exp(sink_h - lse_i) delta_i
+# (dlse, the gradient reaching the returned lse, enters through delta since d lse_i / d s_ij = P_ij.)
+# Three kernels: a preprocess pass (delta, the log2-domain lse, the sink gradient's partial sums),
+# dK/dV over key blocks (each program owns BLOCK_N keys of one KV head and visits every query row of
+# the G heads that see them, so GQA's sum over a group happens in fp32 registers), and dQ over
+# query tiles (the forward's tiling): no atomics, deterministic.
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    o_ptr, do_ptr, lse_ptr, dlse_ptr, sinks_ptr, delta_ptr, lse2_ptr, dsink_part_ptr,
+    T_q, stride_o_tok, stride_o_head, stride_do_tok, stride_do_head, stride_dlse_head, stride_dlse_tok,
+    HAS_DLSE: tl.constexpr, HAS_SINKS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)                            # token rows [BLOCK_T]
+    m_t = o_t < T_q
+    o_d = tl.arange(0, BLOCK_D)
+    m_td = m_t[:, None]                                                    # rows are BLOCK_D wide
+    o_tok = o_t.to(tl.int64)
+    b_o = tl.load(o_ptr + o_tok[:, None] * stride_o_tok + i_h * stride_o_head + o_d[None, :], mask=m_td, other=0.0)
+    b_do = tl.load(do_ptr + o_tok[:, None] * stride_do_tok + i_h * stride_do_head + o_d[None, :], mask=m_td,
+                   other=0.0)
+    b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)          # [BLOCK_T]
+    if HAS_DLSE:
+        b_delta -= tl.load(dlse_ptr + i_h * stride_dlse_head + o_tok * stride_dlse_tok, mask=m_t, other=0.0)
+    b_lse = tl.load(lse_ptr + i_h * T_q + o_tok, mask=m_t, other=0.0)
+    seen = b_lse > float("-inf")
+    # A row that saw nothing (lse = -inf) gets +inf, so its recomputed probabilities 2^(s - inf) are 0.
+    tl.store(lse2_ptr + i_h * T_q + o_tok, tl.where(seen, b_lse * 1.4426950408889634, float("inf")), mask=m_t)
+    tl.store(delta_ptr + i_h * T_q + o_tok, b_delta, mask=m_t)
+    if HAS_SINKS:
+        b_sink = tl.load(sinks_ptr + i_h).to(tl.float32)
+        p_sink = tl.where(seen & m_t, tl.exp(b_sink - tl.where(seen, b_lse, 0.0)), 0.0)
+        tl.store(dsink_part_ptr + i_h * tl.num_programs(0) + i_t, -tl.sum(p_sink * b_delta, 0))
+
+
+@triton.jit
+def _bwd_scores(b_s, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """Raw dot products -> log2-domain scores, and tanh(s / softcap) for the softcap derivative."""
+    if HAS_SOFTCAP:
+        b_tanh = _tanh(b_s * qk_scale)                                     # qk_scale = scale / softcap
+        return softcap * b_tanh * 1.4426950408889634, b_tanh
+    return b_s * qk_scale, b_s                                             # qk_scale = scale * log2(e)
+
+
+@triton.jit
+def _dkdv_query_blocks(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, bos_q, rows, o_n, m_n,
+                       key_shift, r_start, r_end, qk_scale, softcap, window_left, window_right,
+                       stride_q_tok, stride_q_head, stride_do_tok, stride_do_head, stride_lse_head,
+                       o_d, GROUP: tl.constexpr, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+                       HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       BLOCK_M: tl.constexpr):
+    """Accumulate dK, dV [BLOCK_N, BLOCK_D] of one key block over the packed query rows
+    [r_start, r_end) (row r = position r // G, head r % G of the group).  Works transposed,
+    [BLOCK_N, BLOCK_M] tiles, so no probability tile is ever transposed.  key_shift = L_k - L_q."""
+    for start_r in range(r_start, r_end, BLOCK_M):
+        o_r = start_r + tl.arange(0, BLOCK_M)                              # packed rows [BLOCK_M]
+        o_pos = o_r // GROUP
+        o_head = o_r % GROUP                                               # head within the group
+        o_q_row = (bos_q + o_pos).to(tl.int64) * stride_q_tok + o_head.to(tl.int64) * stride_q_head
+        o_do_row = (bos_q + o_pos).to(tl.int64) * stride_do_tok + o_head.to(tl.int64) * stride_do_head
+        o_lse = o_head.to(tl.int64) * stride_lse_head + bos_q + o_pos
+        if MASKED:
+            m_r = o_r < rows
+            b_q = tl.load(q_base + o_q_row[:, None] + o_d[None, :], mask=m_r[:, None], other=0.0)
+            b_do = tl.load(do_base + o_do_row[:, None] + o_d[None, :], mask=m_r[:, None], other=0.0)
+            b_lse2 = tl.load(lse2_base + o_lse, mask=m_r, other=float("inf"))
+            b_delta = tl.load(delta_base + o_lse, mask=m_r, other=0.0)
+        else:
+            b_q = tl.load(q_base + o_q_row[:, None] + o_d[None, :])
+            b_do = tl.load(do_base + o_do_row[:, None] + o_d[None, :])
+            b_lse2 = tl.load(lse2_base + o_lse)
+            b_delta = tl.load(delta_base + o_lse)
+        b_sT = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M] fp32
+        b_sT, b_tanhT = _bwd_scores(b_sT, qk_scale, softcap, HAS_SOFTCAP)
+        if MASKED:
+            m_s = m_n[:, None] & m_r[None, :]
+            o_key_pos = o_pos + key_shift                                  # key position row r is aligned with
+            if HAS_LEFT:
+                m_s = m_s & (o_n[:, None] >= o_key_pos[None, :] - window_left)
+            if HAS_RIGHT:
+                m_s = m_s & (o_n[:, None] <= o_key_pos[None, :] + window_right)
+            b_sT = tl.where(m_s, b_sT, float("-inf"))
+        b_pT = tl.exp2(b_sT - b_lse2[None, :])                             # probabilities, transposed
+        dv += tl.dot(b_pT.to(b_do.dtype), b_do, input_precision=DOT_PRECISION)
+        b_dpT = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)
+        b_dsT = b_pT * (b_dpT - b_delta[None, :])
+        if HAS_SOFTCAP:
+            b_dsT = b_dsT * (1.0 - b_tanhT * b_tanhT)
+        dk += tl.dot(b_dsT.to(b_q.dtype), b_q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
+    cu_seq_q_ptr, cu_seq_k_ptr, seqused_k_ptr,
+    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_do_tok, stride_do_head, stride_dk_tok, stride_dk_head, stride_dv_tok, stride_dv_head,
+    stride_lse_head, num_seqs, keys_bucket,
+    qk_scale, softcap, scale, window_left, window_right,
+    GROUP: tl.constexpr, HAS_SEQUSED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Rows are BLOCK_D wide with strides divisible by 16 (the launcher zero-pads other head dims).
+    # keys_bucket is read by the autotuner only (its key), never here.
+    i_tile, i_kvh = tl.program_id(0), tl.program_id(1)
+    i_b = i_tile % num_seqs
+    i_n = i_tile // num_seqs                            # key blocks in order: under causal the first sees most
+    bos_q = tl.load(cu_seq_q_ptr + i_b)
+    L_q = tl.load(cu_seq_q_ptr + i_b + 1) - bos_q
+    bos_k = tl.load(cu_seq_k_ptr + i_b)
+    if HAS_SEQUSED:
+        L_k = tl.load(seqused_k_ptr + i_b)
+    else:
+        L_k = tl.load(cu_seq_k_ptr + i_b + 1) - bos_k
+    n_start = i_n * BLOCK_N
+    if n_start >= L_k:
+        return
+
+    o_n = n_start + tl.arange(0, BLOCK_N)               # key positions [BLOCK_N]
+    m_n = o_n < L_k
+    o_d = tl.arange(0, BLOCK_D)
+    m_nd = m_n[:, None]
+    o_tok = (bos_k + o_n).to(tl.int64)
+    o_k_row = o_tok * stride_k_tok + i_kvh.to(tl.int64) * stride_k_head
+    o_v_row = o_tok * stride_v_tok + i_kvh.to(tl.int64) * stride_v_head
+    b_k = tl.load(k_ptr + o_k_row[:, None] + o_d[None, :], mask=m_nd, other=0.0)   # [BLOCK_N, BLOCK_D]
+    b_v = tl.load(v_ptr + o_v_row[:, None] + o_d[None, :], mask=m_nd, other=0.0)
+
+    # The query positions that see some key of this block, and those that see all of it (none when
+    # the block runs past L_k: its missing keys need the mask), then in packed rows (x GROUP).
+    key_shift = L_k - L_q
+    n_last = tl.minimum(n_start + BLOCK_N, L_k) - 1
+    lo, hi, full_lo, full_hi = _visible_span(n_start - key_shift, n_last - key_shift, L_q, window_right,
+                                             window_left, HAS_RIGHT, HAS_LEFT)
+    full_hi = tl.where(n_start + BLOCK_N <= L_k, full_hi, full_lo)
+    blk_lo, edge_a_hi, full_blk_lo, full_blk_hi, edge_c_lo = _block_segments(
+        lo * GROUP, full_lo * GROUP, full_hi * GROUP, BLOCK_M)
+    rows = L_q * GROUP
+
+    i_qh = i_kvh * GROUP                                # first query head of the group
+    q_base = q_ptr + i_qh.to(tl.int64) * stride_q_head
+    do_base = do_ptr + i_qh.to(tl.int64) * stride_do_head
+    lse2_base = lse2_ptr + i_qh.to(tl.int64) * stride_lse_head
+    delta_base = delta_ptr + i_qh.to(tl.int64) * stride_lse_head
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if HAS_RIGHT:
+        # Only a right window bound (causal) leaves rows before the full ones that see part of the block.
+        dk, dv = _dkdv_query_blocks(
+            dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, bos_q, rows, o_n, m_n, key_shift,
+            blk_lo, edge_a_hi, qk_scale, softcap, window_left, window_right, stride_q_tok, stride_q_head,
+            stride_do_tok, stride_do_head, stride_lse_head, o_d,
+            GROUP, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, DOT_PRECISION, BLOCK_M)
+    dk, dv = _dkdv_query_blocks(
+        dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, bos_q, rows, o_n, m_n, key_shift,
+        full_blk_lo, full_blk_hi, qk_scale, softcap, window_left, window_right, stride_q_tok, stride_q_head,
+        stride_do_tok, stride_do_head, stride_lse_head, o_d,
+        GROUP, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, DOT_PRECISION, BLOCK_M)
+    dk, dv = _dkdv_query_blocks(
+        dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, bos_q, rows, o_n, m_n, key_shift,
+        edge_c_lo, hi * GROUP, qk_scale, softcap, window_left, window_right, stride_q_tok, stride_q_head,
+        stride_do_tok, stride_do_head, stride_lse_head, o_d,
+        GROUP, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, DOT_PRECISION, BLOCK_M)
+
+    o_dk_row = o_tok * stride_dk_tok + i_kvh.to(tl.int64) * stride_dk_head
+    o_dv_row = o_tok * stride_dv_tok + i_kvh.to(tl.int64) * stride_dv_head
+    tl.store(dk_ptr + o_dk_row[:, None] + o_d[None, :], (dk * scale).to(dk_ptr.dtype.element_ty), mask=m_nd)
+    tl.store(dv_ptr + o_dv_row[:, None] + o_d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=m_nd)
+
+
+@triton.jit
+def _dq_key_blocks(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, bos_k, L_k, o_key_pos, o_d,
+                   n_start, n_end, qk_scale, softcap, window_left, window_right, stride_k_tok, stride_v_tok,
+                   MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Accumulate dQ [BLOCK_M, BLOCK_D] of one query tile over the key blocks [n_start, n_end)."""
+    for start_n in range(n_start, n_end, BLOCK_N):
+        o_n = start_n + tl.arange(0, BLOCK_N)                              # key positions [BLOCK_N]
+        m_n = o_n < L_k
+        o_k_row = (bos_k + o_n).to(tl.int64) * stride_k_tok
+        o_v_row = (bos_k + o_n).to(tl.int64) * stride_v_tok
+        p_k = k_base + o_k_row[:, None] + o_d[None, :]                     # [BLOCK_N, BLOCK_D]
+        p_v = v_base + o_v_row[:, None] + o_d[None, :]
+        if MASKED:
+            b_k = tl.load(p_k, mask=m_n[:, None], other=0.0)
+            b_v = tl.load(p_v, mask=m_n[:, None], other=0.0)
+        else:
+            b_k = tl.load(p_k)
+            b_v = tl.load(p_v)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)   # [BLOCK_M, BLOCK_N] fp32
+        b_s, b_tanh = _bwd_scores(b_s, qk_scale, softcap, HAS_SOFTCAP)
+        if MASKED:
+            m_s = m_n[None, :]
+            if HAS_LEFT:
+                m_s = m_s & (o_n[None, :] >= o_key_pos[:, None] - window_left)
+            if HAS_RIGHT:
+                m_s = m_s & (o_n[None, :] <= o_key_pos[:, None] + window_right)
+            b_s = tl.where(m_s, b_s, float("-inf"))
+        b_p = tl.exp2(b_s - b_lse2[:, None])
+        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PRECISION)
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        if HAS_SOFTCAP:
+            b_ds = b_ds * (1.0 - b_tanh * b_tanh)
+        dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dq_ptr,
+    cu_seq_q_ptr, cu_seq_k_ptr, seqused_k_ptr,
+    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_do_tok, stride_do_head, stride_dq_tok, stride_dq_head, stride_lse_head, num_seqs, rows_bucket,
+    qk_scale, softcap, scale, window_left, window_right,
+    GROUP: tl.constexpr, HAS_SEQUSED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # The forward's tiling: packed (position, head-in-group) rows, heaviest tile first.
+    i_tile, i_kvh = tl.program_id(0), tl.program_id(1)
+    i_b = i_tile % num_seqs
+    i_m_from_end = i_tile // num_seqs
+    bos_q = tl.load(cu_seq_q_ptr + i_b)
+    L_q = tl.load(cu_seq_q_ptr + i_b + 1) - bos_q
+    num_tiles = tl.cdiv(L_q * GROUP, BLOCK_M)
+    if i_m_from_end >= num_tiles:
+        return
+    i_m = num_tiles - 1 - i_m_from_end
+    bos_k = tl.load(cu_seq_k_ptr + i_b)
+    if HAS_SEQUSED:
+        L_k = tl.load(seqused_k_ptr + i_b)
+    else:
+        L_k = tl.load(cu_seq_k_ptr + i_b + 1) - bos_k
+
+    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)         # packed rows [BLOCK_M]
+    m_r = o_r < L_q * GROUP
+    o_pos = o_r // GROUP
+    o_head = i_kvh * GROUP + o_r % GROUP
+    o_d = tl.arange(0, BLOCK_D)
+    m_rd = m_r[:, None]
+    o_key_pos = o_pos + (L_k - L_q)
+    o_q_row = (bos_q + o_pos).to(tl.int64) * stride_q_tok + o_head.to(tl.int64) * stride_q_head
+    o_do_row = (bos_q + o_pos).to(tl.int64) * stride_do_tok + o_head.to(tl.int64) * stride_do_head
+    b_q = tl.load(q_ptr + o_q_row[:, None] + o_d[None, :], mask=m_rd, other=0.0)   # [BLOCK_M, BLOCK_D]
+    b_do = tl.load(do_ptr + o_do_row[:, None] + o_d[None, :], mask=m_rd, other=0.0)
+    o_lse = o_head.to(tl.int64) * stride_lse_head + bos_q + o_pos
+    b_lse2 = tl.load(lse2_ptr + o_lse, mask=m_r, other=float("inf"))
+    b_delta = tl.load(delta_ptr + o_lse, mask=m_r, other=0.0)
+
+    pos_first = (i_m * BLOCK_M) // GROUP + (L_k - L_q)
+    pos_last = tl.minimum((i_m * BLOCK_M + BLOCK_M - 1) // GROUP, L_q - 1) + (L_k - L_q)
+    lo, hi, full_lo, full_hi = _visible_span(pos_first, pos_last, L_k, window_left, window_right,
+                                             HAS_LEFT, HAS_RIGHT)
+    blk_lo, edge_a_hi, full_blk_lo, full_blk_hi, edge_c_lo = _block_segments(lo, full_lo, full_hi, BLOCK_N)
+
+    k_base = k_ptr + i_kvh.to(tl.int64) * stride_k_head
+    v_base = v_ptr + i_kvh.to(tl.int64) * stride_v_head
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_LEFT:
+        dq = _dq_key_blocks(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, bos_k, L_k, o_key_pos, o_d,
+                            blk_lo, edge_a_hi, qk_scale, softcap, window_left, window_right, stride_k_tok,
+                            stride_v_tok, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, DOT_PRECISION, BLOCK_N)
+    dq = _dq_key_blocks(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, bos_k, L_k, o_key_pos, o_d,
+                        full_blk_lo, full_blk_hi, qk_scale, softcap, window_left, window_right, stride_k_tok,
+                        stride_v_tok, False, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, DOT_PRECISION, BLOCK_N)
+    dq = _dq_key_blocks(dq, b_q, b_do, b_lse2, b_delta, k_base, v_base, bos_k, L_k, o_key_pos, o_d,
+                        edge_c_lo, hi, qk_scale, softcap, window_left, window_right, stride_k_tok,
+                        stride_v_tok, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, DOT_PRECISION, BLOCK_N)
+    o_dq_row = (bos_q + o_pos).to(tl.int64) * stride_dq_tok + o_head.to(tl.int64) * stride_dq_head
+    tl.store(dq_ptr + o_dq_row[:, None] + o_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=m_rd)
 
 
 # ----------------------------------------------------------------------------- configs and launcher
@@ -462,6 +788,50 @@ _TUNED = {(family, block_d, elt): triton.autotune(
     configs=_configs(family, block_d, elt), key=_AUTOTUNE_KEY,
     prune_configs_by={"early_config_prune": _prune_by_alignment})(_attn_fwd_kernel)
     for family in (80, 90) for block_d in (16, 32, 64, 128, 256) for elt in (2, 4)}
+
+
+# Backward launch configs (BLOCK_M, BLOCK_N, num_warps, num_stages) per GPU family, head dim
+# (a power of two: the launcher pads others) and element size, for the dK/dV kernel (BLOCK_N keys
+# a program, BLOCK_M query rows a step) and the dQ kernel (BLOCK_M rows a program, BLOCK_N keys a
+# step).  dK/dV keeps two fp32 [BLOCK_N, D] accumulators and K, V in registers, so its key tile
+# shrinks as D grows; at D = 256 it is too small for Hopper's wgmma (64 rows a warpgroup: two
+# fp32 [64, 256] accumulators alone would take 256 registers a thread) and runs mma.sync.  Every
+# config builds without spills (parity/test_compile.py); candidates that spilled were dropped.
+_BWD_CONFIG_TABLE = {
+    # (family, head dim, element size): (dK/dV configs, dQ configs)
+    (90, 64, 2): ([(32, 128, 8, 3), (64, 64, 8, 2), (32, 64, 8, 2)], [(128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)]),
+    (90, 128, 2): ([(32, 128, 8, 2), (32, 64, 8, 3), (16, 128, 8, 2)], [(128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 8, 3)]),
+    (90, 256, 2): ([(32, 32, 8, 2), (16, 32, 8, 2)], [(64, 16, 8, 2)]),
+    (80, 64, 2): ([(32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2)], [(128, 64, 8, 3), (128, 32, 8, 3), (64, 32, 4, 3)]),
+    (80, 128, 2): ([(32, 64, 8, 3), (32, 64, 8, 2), (16, 128, 8, 2)], [(64, 64, 8, 3), (64, 32, 8, 3)]),
+    (80, 256, 2): ([(32, 32, 8, 2), (16, 32, 8, 2)], [(32, 64, 8, 1), (64, 32, 8, 1)]),
+    (90, 64, 4): ([(16, 32, 4, 2)], [(32, 16, 4, 2)]),
+    (90, 128, 4): ([(16, 32, 8, 2), (16, 16, 4, 2)], [(32, 16, 8, 2), (16, 16, 4, 2)]),
+    (90, 256, 4): ([(16, 16, 8, 2), (16, 16, 8, 1)], [(16, 16, 8, 1)]),
+    (80, 64, 4): ([(16, 32, 4, 2)], [(32, 16, 4, 2)]),
+    (80, 128, 4): ([(16, 32, 8, 2)], [(16, 16, 4, 2)]),
+    (80, 256, 4): ([(16, 16, 8, 1), (16, 16, 8, 2)], [(16, 16, 4, 1), (16, 16, 4, 2)]),
+}
+
+
+def _bwd_configs(family: int, block_d: int, elt_size: int, kernel: int) -> list:
+    rows = _BWD_CONFIG_TABLE[(family, max(64, block_d), elt_size)][kernel]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+            for bm, bn, warps, stages in rows]
+
+
+# key: like the forward's, with keys_bucket (max_k rounded up to a power of two in [16, 4096]) for
+# dK/dV, whose programs walk query rows.  Both kernels overwrite their outputs completely, so the
+# autotuner's repeated runs leave the right result.
+_BWD_KEY = ["BLOCK_D", "GROUP", "HAS_LEFT", "HAS_RIGHT", "HAS_SOFTCAP"]
+_TUNED_DKDV = {(family, block_d, elt): triton.autotune(
+    configs=_bwd_configs(family, block_d, elt, 0), key=["keys_bucket", *_BWD_KEY])(_attn_bwd_dkdv_kernel)
+    for family in (80, 90) for block_d in (16, 32, 64, 128, 256) for elt in (2, 4)}
+_TUNED_DQ = {(family, block_d, elt): triton.autotune(
+    configs=_bwd_configs(family, block_d, elt, 1), key=["rows_bucket", *_BWD_KEY])(_attn_bwd_dq_kernel)
+    for family in (80, 90) for block_d in (16, 32, 64, 128, 256) for elt in (2, 4)}
+# Tests set these to one config's kwargs (+ num_warps, num_stages) to bypass the autotuners on CUDA.
+_FORCED_BWD_CONFIGS: Optional[tuple[dict, dict]] = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -553,10 +923,102 @@ def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_lef
     return lse
 
 
+def _launch_bwd(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k,
+                scale, window_left, window_right, softcap, sinks):
+    """Returns (dq, dk, dv, dsinks or an empty tensor).  Packed K/V only; the forward checked the inputs."""
+    t_q, h_q, head_dim = query.shape
+    h_kv = key.shape[1]
+    group = h_q // h_kv
+    num_seqs = cu_seq_q.numel() - 1
+    dsinks = torch.zeros_like(sinks) if sinks is not None else query.new_empty(0)
+    if t_q == 0 or num_seqs == 0 or max_q == 0 or head_dim == 0:
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dsinks
+    block_d = _block_d(head_dim)
+    tensors = [t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value, out, grad_out)]
+    padded = head_dim != block_d or _pow2_divisor(*(s for t in tensors for s in t.stride()[:-1])) < 16
+    if padded:
+        # Head dims that are not a power of two (or rows not 16-element aligned) run on zero-padded
+        # copies of width block_d: the extra zero columns change no dot product, and every load is a
+        # full, vectorized row (a column mask at D = 100 would split loads into 4-element pieces and
+        # spill the dK/dV kernel's registers).  One extra copy of q, k, v, o, dO; dq, dk, dv sliced back.
+        tensors = [_zero_padded(t, block_d) for t in tensors]
+    query_, key_, value_, out_, grad_out_ = tensors
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (query_, key_, value_))
+    if seqused_k is not None or max_k == 0:
+        dk.zero_()   # keys past seqused_k (or of a sequence no program visits) get gradient 0
+        dv.zero_()
+
+    # 1. delta = rowsum(dO * O) - dlse, the log2-domain lse, the sink gradient's partial sums.
+    block_t = max(16, 4096 // block_d)
+    delta = torch.empty(h_q, t_q, dtype=torch.float32, device=query.device)
+    lse2 = torch.empty_like(delta)
+    n_t = triton.cdiv(t_q, block_t)
+    dsink_part = torch.empty(h_q, n_t, dtype=torch.float32, device=query.device)
+    dlse_strides = grad_lse.stride() if grad_lse is not None else (0, 0)
+    device_ctx = torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext()
+    with device_ctx:
+        _attn_bwd_preprocess_kernel[(n_t, h_q)](
+            out_, grad_out_, lse, grad_lse if grad_lse is not None else lse, sinks if sinks is not None else lse,
+            delta, lse2, dsink_part, t_q, out_.stride(0), out_.stride(1), grad_out_.stride(0), grad_out_.stride(1),
+            *dlse_strides, HAS_DLSE=grad_lse is not None, HAS_SINKS=sinks is not None, BLOCK_D=block_d,
+            BLOCK_T=block_t, num_warps=4)
+        if sinks is not None:
+            dsinks = dsink_part.sum(1).to(sinks.dtype)
+
+        # 2. dK, dV over key blocks; 3. dQ over query tiles.
+        has_softcap = softcap > 0
+        qk_scale = scale / softcap if has_softcap else scale * _LOG2E
+        common = (qk_scale, float(softcap), scale, window_left, window_right)
+        int_dummy = cu_seq_q
+        seq_args = (cu_seq_q, cu_seq_k, seqused_k if seqused_k is not None else int_dummy)
+        in_strides = (*query_.stride()[:2], *key_.stride()[:2], *value_.stride()[:2], *grad_out_.stride()[:2])
+        flags = dict(GROUP=group, HAS_SEQUSED=seqused_k is not None, HAS_LEFT=window_left >= 0,
+                     HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=has_softcap,
+                     DOT_PRECISION="ieee" if query.dtype == torch.float32 else None, BLOCK_D=block_d)
+        dkdv_args = (query_, key_, value_, grad_out_, lse2, delta, dk, dv, *seq_args, *in_strides,
+                     *dk.stride()[:2], *dv.stride()[:2], lse2.stride(0), num_seqs,
+                     min(4096, max(16, triton.next_power_of_2(max_k))), *common)
+        dq_args = (query_, key_, value_, grad_out_, lse2, delta, dq, *seq_args, *in_strides, *dq.stride()[:2],
+                   lse2.stride(0), num_seqs, min(4096, max(16, triton.next_power_of_2(max_q * group))), *common)
+
+        def dkdv_grid(meta):
+            return (triton.cdiv(max_k, meta["BLOCK_N"]) * num_seqs, h_kv)
+
+        def dq_grid(meta):
+            return (triton.cdiv(max_q * group, meta["BLOCK_M"]) * num_seqs, h_kv)
+
+        if not query.is_cuda:
+            blocks = dict(_INTERPRET_BLOCKS, num_warps=4)
+            if max_k > 0:
+                _attn_bwd_dkdv_kernel[dkdv_grid](*dkdv_args, **flags, **blocks)
+            _attn_bwd_dq_kernel[dq_grid](*dq_args, **flags, **blocks)
+        elif _FORCED_BWD_CONFIGS is not None:
+            if max_k > 0:
+                _attn_bwd_dkdv_kernel[dkdv_grid](*dkdv_args, **flags, **_FORCED_BWD_CONFIGS[0])
+            _attn_bwd_dq_kernel[dq_grid](*dq_args, **flags, **_FORCED_BWD_CONFIGS[1])
+        else:
+            family = _gpu_family(query.device.index if query.device.index is not None
+                                 else torch.cuda.current_device())
+            table_key = (family, block_d, query.element_size())
+            if max_k > 0:
+                _TUNED_DKDV[table_key][dkdv_grid](*dkdv_args, **flags)
+            _TUNED_DQ[table_key][dq_grid](*dq_args, **flags)
+    if padded:
+        dq, dk, dv = (t[..., :head_dim].contiguous() for t in (dq, dk, dv))
+    return dq, dk, dv, dsinks
+
+
+def _zero_padded(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A contiguous copy of t [..., D] widened to [..., width] with zeros."""
+    buf = torch.zeros(*t.shape[:-1], width, dtype=t.dtype, device=t.device)
+    buf[..., :t.shape[-1]] = t
+    return buf
+
+
 def _padded_copy(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
     """A view of t's values in a buffer whose rows are padded to a multiple of 8 elements."""
     d = t.shape[-1]
-    view = t.new_empty(*t.shape[:-1], -(-d // 8) * 8)[..., :d]
+    view = torch.empty(*t.shape[:-1], -(-d // 8) * 8, dtype=t.dtype, device=t.device)[..., :d]
     if copy:
         view.copy_(t)
     return view
@@ -605,6 +1067,56 @@ def _varlen_attn_out_fake(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max
     return query.new_empty(query.shape[1], query.shape[0], dtype=torch.float32)
 
 
+# The backward: twofold::varlen_attn_bwd, tied to twofold::varlen_attn by register_autograd.
+@torch.library.custom_op("twofold::varlen_attn_bwd", mutates_args=())
+def _varlen_attn_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], query: torch.Tensor,
+                        key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                        cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, seqused_k: Optional[torch.Tensor],
+                        max_q: int, max_k: int, scale: float, window_left: int, window_right: int, softcap: float,
+                        sinks: Optional[torch.Tensor]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dq, dk, dv, dsinks or an empty tensor)."""
+    return _launch_bwd(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, max_q,
+                       max_k, scale, window_left, window_right, softcap, sinks)
+
+
+@_varlen_attn_bwd_op.register_fake
+def _varlen_attn_bwd_fake(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, max_q,
+                          max_k, scale, window_left, window_right, softcap, sinks):
+    dsinks = torch.empty_like(sinks) if sinks is not None else query.new_empty(0)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dsinks
+
+
+def _setup_context(ctx, inputs, output):
+    (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_left, window_right, seqused_k,
+     block_table, softcap, sinks) = inputs
+    if block_table is not None:  # varlen_attn raised already; this guards direct calls of the op
+        raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only")
+    out, lse = output
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, sinks)
+    ctx.scalars = (max_q, max_k, scale, window_left, window_right, softcap)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, sinks = ctx.saved_tensors
+    if grad_out is None:  # only the lse was used
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, dsinks = _varlen_attn_bwd_op(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k,
+                                             seqused_k, *ctx.scalars, sinks)
+    return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None,
+            dsinks if sinks is not None else None)
+
+
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError("fast varlen_attn has no double backward (second derivative); "
+                              "ref.paged_varlen_attention.varlen_attn has one through plain autograd")
+
+
+_varlen_attn_op.register_autograd(_backward, setup_context=_setup_context)
+_varlen_attn_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
 # ----------------------------------------------------------------------------- public API
 
 def _prepare(query, key, value, cu_seq_q, cu_seq_k, *, scale, window_size, enable_gqa, seqused_k,
@@ -613,8 +1125,12 @@ def _prepare(query, key, value, cu_seq_q, cu_seq_k, *, scale, window_size, enabl
                 enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
                 softcap=softcap, sinks=sinks, out=out)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
-        raise NotImplementedError("fast varlen_attn is forward-only: call it under torch.no_grad(), "
-                                  "or use ref.paged_varlen_attention.varlen_attn for autograd")
+        if block_table is not None:
+            raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only, as in "
+                                      "PyTorch: call it under torch.no_grad(), or pass packed key/value to train")
+        if out is not None:
+            raise NotImplementedError("varlen_attn_out is forward-only, as in PyTorch: call it under "
+                                      "torch.no_grad(), or use varlen_attn to train")
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     return scale, int(window_size[0]), int(window_size[1]), float(softcap)
 
@@ -694,4 +1210,65 @@ def _compile_cases():
                         constexprs=dict(flags, DOT_PRECISION="ieee" if elt == 4 else None, HEAD_DIM=head_dim,
                                         BLOCK_D=block_d, ALIGN=align),
                         tensor_cores=elt == 2))
+    return cases + _bwd_compile_cases()
+
+
+def _bwd_signature(kernel, dtype: str) -> dict:
+    """Argument types of a backward kernel: pointers by name, row strides divisible by 16 (the
+    launcher guarantees it: rows are a power of two >= 16 wide, padded otherwise), ints, floats."""
+    fn = kernel
+    while not hasattr(fn, "params"):          # under the autotuner: the JITFunction
+        fn = fn.fn
+    sig = {}
+    for name, param in zip(fn.arg_names, fn.params):
+        if param.is_constexpr:
+            continue
+        if name.endswith("_ptr"):
+            if name.startswith(("lse", "dlse", "delta", "dsink", "sinks")):
+                sig[name] = "*fp32"
+            elif name.startswith(("cu_seq", "seqused")):
+                sig[name] = "*i32"
+            else:
+                sig[name] = f"*{dtype}"
+        elif name in ("qk_scale", "softcap", "scale"):
+            sig[name] = "fp32"
+        elif name.endswith(("_tok", "_head", "_bucket")) and "lse" not in name:
+            sig[name] = "i32:16"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def _bwd_compile_cases():
+    """The backward's launches.  It runs only on rows a power of two wide (other head dims are
+    zero-padded), so per GPU family, element type and head dim 64 / 128 / 256: dK/dV and dQ with
+    the fullest code path (GQA 3, two-sided window, softcap, seqused_k) and every config, and the
+    leanest (causal, GQA 4) with the first config; fp16 builds like bf16 (one config each).  Head
+    dim 256 on sm_90: dK/dV's tiles are too small for wgmma (see _BWD_CONFIG_TABLE), mma.sync is
+    checked instead.  Plus the preprocessing kernel."""
+    cases = []
+    lean = dict(GROUP=4, HAS_SEQUSED=False, HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False)
+    full = dict(GROUP=3, HAS_SEQUSED=True, HAS_LEFT=True, HAS_RIGHT=True, HAS_SOFTCAP=True)
+    for family in (80, 90):
+        for dtype, elt in (("fp16", 2), ("bf16", 2), ("fp32", 4)):
+            for head_dim in (64, 128, 256):
+                for tuned, name in ((_TUNED_DKDV, "dkdv"), (_TUNED_DQ, "dq")):
+                    kernel = tuned[(family, head_dim, elt)]
+                    variants = [("full", full, kernel.configs), ("lean", lean, kernel.configs[:1])]
+                    if dtype == "fp16":
+                        variants = [("full", full, kernel.configs[:1])]
+                    for label, flags, configs in variants:
+                        cases.append(dict(
+                            kernel=kernel, archs=[family], configs=configs,
+                            name=f"attn_bwd_{name}[sm{family},{dtype},D={head_dim},{label}]",
+                            signature=_bwd_signature(kernel, dtype),
+                            constexprs=dict(flags, DOT_PRECISION="ieee" if elt == 4 else None, BLOCK_D=head_dim),
+                            tensor_cores=elt == 2, wgmma=not (name == "dkdv" and head_dim == 256)))
+    for dtype in ("bf16", "fp32"):
+        for head_dim in (64, 256):
+            cases.append(dict(
+                kernel=_attn_bwd_preprocess_kernel, name=f"attn_bwd_preprocess[{dtype},D={head_dim}]",
+                signature=_bwd_signature(_attn_bwd_preprocess_kernel, dtype),
+                constexprs=dict(HAS_DLSE=True, HAS_SINKS=True, BLOCK_D=head_dim, BLOCK_T=max(16, 4096 // head_dim)),
+                num_warps=4))
     return cases

@@ -27,6 +27,7 @@ Inputs
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -153,6 +154,28 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
 
 def nan_like(t: torch.Tensor) -> torch.Tensor:
     return poison_(torch.empty_like(t))
+
+
+@contextlib.contextmanager
+def nan_allocations():
+    """For ops that allocate their outputs and intermediates themselves (gradients, fla's API with
+    no ``out=``): while this is active every new floating tensor from torch.empty / empty_like
+    starts as NaN, so an element a kernel forgot to write, or read before writing, shows up."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return poison_(t) if t.is_floating_point() else t
+
+    def empty_like(*args, **kwargs):
+        t = real_empty_like(*args, **kwargs)
+        return poison_(t) if t.is_floating_point() else t
+
+    torch.empty, torch.empty_like = empty, empty_like
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = real_empty, real_empty_like
 
 
 # ----------------------------------------------------------------------------- tolerance

@@ -15,7 +15,6 @@ Interpreter tier: fp32 / fp16, small shapes.  GPU tier: bf16, T up to 32k, K = V
 """
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -23,7 +22,8 @@ import torch.nn.functional as F
 
 import fast.gated_deltanet as fast
 import ref.gated_deltanet as ref
-from conftest import DEVICE, ON_GPU, check_close, dtype_params, gpu_case, make_generator, poison_, randn
+from conftest import (DEVICE, ON_GPU, check_close, dtype_params, gpu_case, make_generator, nan_allocations,
+                      randn)
 
 # fla's RMS-ratio metric rms(fast - ref) / rms(ref) for outputs and final states.  fp16: fla's
 # 0.005.  bf16 rounds 8x coarser; replaying the kernels' bf16 storage points (A, w, u, v_new,
@@ -59,28 +59,6 @@ def cu_tensor(lengths):
     for length in lengths:
         cu.append(cu[-1] + length)
     return torch.tensor(cu, dtype=torch.int32, device=DEVICE)
-
-
-@contextlib.contextmanager
-def nan_allocations():
-    """The fast ops allocate their outputs and intermediates themselves (fla's API has no ``out=``):
-    while this is active every new floating tensor starts as NaN, so an element a kernel forgot to
-    write, or read before it was written (A's upper blocks, per-chunk states, v_new), shows up."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return poison_(t) if t.is_floating_point() else t
-
-    def empty_like(*args, **kwargs):
-        t = real_empty_like(*args, **kwargs)
-        return poison_(t) if t.is_floating_point() else t
-
-    torch.empty, torch.empty_like = empty, empty_like
-    try:
-        yield
-    finally:
-        torch.empty, torch.empty_like = real_empty, real_empty_like
 
 
 FNS = {"chunk": (ref.chunk_gated_delta_rule, fast.chunk_gated_delta_rule),

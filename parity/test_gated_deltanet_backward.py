@@ -22,8 +22,8 @@ import torch
 
 import fast.gated_deltanet as fast
 import ref.gated_deltanet as ref
-from conftest import DEVICE, ON_GPU, check_close, dtype_params, gpu_case, make_generator, randn
-from test_gated_deltanet import cast, cu_tensor, make_inputs, nan_allocations
+from conftest import DEVICE, ON_GPU, check_close, dtype_params, gpu_case, make_generator, nan_allocations, randn
+from test_gated_deltanet import cast, cu_tensor, make_inputs
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 # fla's gradient tolerances (rms(fast - ref) / rms(ref)) for fp16: dq / dk / dv / dh0, then dg / dbeta.

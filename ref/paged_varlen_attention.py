@@ -36,8 +36,10 @@ Tensors (N sequences, T_q / T_k packed tokens, H_q / H_kv heads, D head dim, G =
 Supported, and what raises
     Any page size >= 1, any integer GQA ratio (``enable_gqa=True``), any head dim (the fast
     file stops at 256), empty sequences, fp16 / bf16 / fp32 / fp64, CPU and CUDA.  Autograd
-    works through the packed path (the spec for a backward kernel); the paged path is for
-    inference, like PyTorch's.  ``num_splits`` is accepted for API compatibility and does not
+    through ``varlen_attn`` with packed keys is the specification of the fast backward: q, k, v,
+    sinks, and a gradient reaching the returned lse all flow.  As in PyTorch, the paged path
+    (``block_table``) and ``varlen_attn_out`` are inference-only: with grad enabled and an input
+    that requires grad they raise NotImplementedError.  ``num_splits`` is accepted for API compatibility and does not
     change the result (the reference does not split).  Bad input raises ValueError or
     TypeError naming the argument: head-count mismatch without ``enable_gqa``, block_table
     without seqused_k, index tensors that are not int32, cu_seq_q[-1] != T_q, head-dim or
@@ -269,6 +271,13 @@ def _varlen_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scal
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
         enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
         softcap=softcap, sinks=sinks, out=out)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
+        if paged:
+            raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only, as in "
+                                      "PyTorch: call it under torch.no_grad(), or pass packed key/value to train")
+        if out is not None:
+            raise NotImplementedError("varlen_attn_out is forward-only, as in PyTorch: call it under "
+                                      "torch.no_grad(), or use varlen_attn to train")
     t_q, h_q, d = query.shape
     scale = d ** -0.5 if scale is None else float(scale)
     left, right = window_size
