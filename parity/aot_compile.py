@@ -1,6 +1,6 @@
 """Ahead-of-time build of a fast/ file's Triton kernels for real GPUs, without a GPU.
 
-    python parity/aot_compile.py fast/paged_varlen_attention.py [--arch 80 90] [--json out.json]
+    python parity/aot_compile.py fast/paged_varlen_attention.py [--arch 80 90] [--json out.json] [--shard I/N]
 
 The file under test lists what it launches in a private ``_compile_cases()`` function, one
 dict per launch shape::
@@ -156,17 +156,20 @@ def main(argv=None) -> int:
     ap.add_argument("file")
     ap.add_argument("--arch", type=int, nargs="+", default=[80, 90])
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--shard", default="0/1", help="I/N: build only every N-th build, starting at the I-th "
+                                                    "(parallel processes split one file's builds)")
     args = ap.parse_args(argv)
+    shard, num_shards = (int(x) for x in args.shard.split("/"))
+    jobs = [(b, arch) for case in load_cases(Path(args.file)) for b in expand(case)
+            for arch in [a for a in args.arch if a in case.get("archs", args.arch)]]
     results = []
-    for case in load_cases(Path(args.file)):
-        for b in expand(case):
-            for arch in [a for a in args.arch if a in case.get("archs", args.arch)]:
-                r = build(b, arch)
-                results.append(r)
-                status = "ok " if r["ok"] else "BAD"
-                detail = r.get("error") or "; ".join(r.get("problems", []))
-                print(f"{status} sm_{arch} {r['label']}: reg {r.get('reg')} smem {r.get('shared')} "
-                      f"mma {r.get('mma')} wgmma {r.get('wgmma')} {detail}", flush=True)
+    for b, arch in jobs[shard::num_shards]:
+        r = build(b, arch)
+        results.append(r)
+        status = "ok " if r["ok"] else "BAD"
+        detail = r.get("error") or "; ".join(r.get("problems", []))
+        print(f"{status} sm_{arch} {r['label']}: reg {r.get('reg')} smem {r.get('shared')} "
+              f"mma {r.get('mma')} wgmma {r.get('wgmma')} {detail}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0 if all(r["ok"] for r in results) else 1
