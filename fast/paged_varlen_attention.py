@@ -507,6 +507,19 @@ def _bwd_scores(b_s, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def _packed_bounds(i_b, cu_seq_q_ptr, cu_seq_k_ptr, seqused_k_ptr, HAS_SEQUSED: tl.constexpr):
+    """Sequence i_b's first query token and query count, first key token and key count (packed K/V)."""
+    bos_q = tl.load(cu_seq_q_ptr + i_b)
+    L_q = tl.load(cu_seq_q_ptr + i_b + 1) - bos_q
+    bos_k = tl.load(cu_seq_k_ptr + i_b)
+    if HAS_SEQUSED:
+        L_k = tl.load(seqused_k_ptr + i_b)
+    else:
+        L_k = tl.load(cu_seq_k_ptr + i_b + 1) - bos_k
+    return bos_q, L_q, bos_k, L_k
+
+
+@triton.jit
 def _dkdv_query_blocks(dk, dv, b_k, b_v, q_base, do_base, lse2_base, delta_base, bos_q, rows, o_n, m_n,
                        key_shift, r_start, r_end, qk_scale, softcap, window_left, window_right,
                        stride_q_tok, stride_q_head, stride_do_tok, stride_do_head, stride_lse_head,
@@ -571,13 +584,7 @@ def _attn_bwd_dkdv_kernel(
     i_tile, i_kvh = tl.program_id(0), tl.program_id(1)
     i_b = i_tile % num_seqs
     i_n = i_tile // num_seqs                            # key blocks in order: under causal the first sees most
-    bos_q = tl.load(cu_seq_q_ptr + i_b)
-    L_q = tl.load(cu_seq_q_ptr + i_b + 1) - bos_q
-    bos_k = tl.load(cu_seq_k_ptr + i_b)
-    if HAS_SEQUSED:
-        L_k = tl.load(seqused_k_ptr + i_b)
-    else:
-        L_k = tl.load(cu_seq_k_ptr + i_b + 1) - bos_k
+    bos_q, L_q, bos_k, L_k = _packed_bounds(i_b, cu_seq_q_ptr, cu_seq_k_ptr, seqused_k_ptr, HAS_SEQUSED)
     n_start = i_n * BLOCK_N
     if n_start >= L_k:
         return
@@ -686,17 +693,11 @@ def _attn_bwd_dq_kernel(
     i_tile, i_kvh = tl.program_id(0), tl.program_id(1)
     i_b = i_tile % num_seqs
     i_m_from_end = i_tile // num_seqs
-    bos_q = tl.load(cu_seq_q_ptr + i_b)
-    L_q = tl.load(cu_seq_q_ptr + i_b + 1) - bos_q
+    bos_q, L_q, bos_k, L_k = _packed_bounds(i_b, cu_seq_q_ptr, cu_seq_k_ptr, seqused_k_ptr, HAS_SEQUSED)
     num_tiles = tl.cdiv(L_q * GROUP, BLOCK_M)
     if i_m_from_end >= num_tiles:
         return
     i_m = num_tiles - 1 - i_m_from_end
-    bos_k = tl.load(cu_seq_k_ptr + i_b)
-    if HAS_SEQUSED:
-        L_k = tl.load(seqused_k_ptr + i_b)
-    else:
-        L_k = tl.load(cu_seq_k_ptr + i_b + 1) - bos_k
 
     o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)         # packed rows [BLOCK_M]
     m_r = o_r < L_q * GROUP
