@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make install        install the dependencies into $(PYTHON) (keeps an installed torch)"
 	@echo "make parity         all parity tests: full grid on CUDA, else the Triton interpreter on small shapes"
-	@echo "make compile-check  ahead-of-time build of every Triton kernel for sm_80 and sm_90 (no GPU needed)"
+	@echo "make compile-check  ahead-of-time build of every Triton kernel and config for sm_80 and sm_90 (no GPU needed)"
 	@echo "make bench          every benchmark (FEATURE=name for one), then regenerate the README tables"
 	@echo "make report         regenerate the README tables from bench/results/*.csv"
 	@echo "make demo           the end-to-end RL-style loop (bench/rl_loop.py)"
@@ -31,7 +31,7 @@ parity:
 	$(PYTHON) -m pytest parity $(PYTEST_ARGS)
 
 compile-check:
-	$(PYTHON) -m pytest parity/test_compile.py $(PYTEST_ARGS)
+	TWOFOLD_COMPILE_ALL=1 $(PYTHON) -m pytest parity/test_compile.py $(PYTEST_ARGS)
 
 bench:
 	$(PYTHON) bench/run.py $(if $(FEATURE),--feature $(FEATURE))

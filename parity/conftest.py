@@ -255,3 +255,19 @@ def assert_finite(name: str, t: torch.Tensor):
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
+
+
+# ----------------------------------------------------------------------------- test order
+
+def pytest_collection_modifyitems(session, config, items):
+    """The ahead-of-time GPU build check (test_compile.py) runs last ..."""
+    builds = [item for item in items if item.path.name == "test_compile.py"]
+    items[:] = [item for item in items if item.path.name != "test_compile.py"] + builds
+
+
+def pytest_collection_finish(session):
+    """... and its builds start now (after -k / -m deselection), in background processes: compiling
+    uses the cores the single-threaded interpreter tests leave idle."""
+    builds = [item for item in session.items if item.path.name == "test_compile.py"]
+    if builds:
+        builds[0].module.start_builds()
