@@ -39,7 +39,9 @@ Tensors: exactly those of ref/gated_deltanet.py (q, k [B, T, H, K]; v [B, T, HV,
     Gates are fp32 and log-space throughout: masked entries get exponent -inf before exp.
     Precision (fla's choices): A, w, u, v_new and the per-chunk states are stored in the input
     dtype and multiplied on tensor cores with fp32 accumulation; the carried state, the gates
-    and the solve are fp32.  fp32 inputs use IEEE fp32 dots (no silent tf32).
+    and the solve are fp32.  fp32 inputs use IEEE fp32 dots (no silent tf32); as FMA products hold
+    a whole reduction row per thread, their state passes (kernel 4, dhu) multiply by the state read
+    back from its per-chunk store in 32-row K blocks, 16 tokens at a time, not by the register tiles.
 
 Supported, and what raises
     K <= 256 (any, e.g. 100: blocks are padded and masked), any V, HV a multiple of H, empty
@@ -332,6 +334,20 @@ def _rows(ptr, o_t, m_t, o_d, m_d, stride_t, head, D: tl.constexpr):
 
 
 @triton.jit
+def _rows_times_state(x, p_s, o_t, m_t, stride_t, head, o_v, m_v, K: tl.constexpr, V: tl.constexpr,
+                      BKR: tl.constexpr, PREC: tl.constexpr):
+    """X[rows, :] S: [rows, BV] fp32, S a [K, V] state stored at p_s, read in K blocks of BKR (fp32
+    FMA products hold a whole reduction row per thread: short blocks keep that in registers)."""
+    b_acc = tl.zeros([o_t.shape[0], o_v.shape[0]], dtype=tl.float32)
+    for i_k in range(0, K, BKR):
+        o_k = i_k + tl.arange(0, BKR)
+        m_k = o_k < K
+        b_s = tl.load(p_s + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
+        b_acc += tl.dot(_rows(x, o_t, m_t, o_k, m_k, stride_t, head, K), b_s, input_precision=PREC)
+    return b_acc
+
+
+@triton.jit
 def _gate_block(b_a, g_r, beta_r, g_c, m_r, DIAG: tl.constexpr):
     """beta_i exp(gc_i - gc_j) * (k_i . k_j): exponent -inf (so 0) off the strictly lower part."""
     o = tl.arange(0, 16)
@@ -520,8 +536,10 @@ def _chunk_wu(k, v, beta, gc, a, seqs: _Seqs):
 # ----------------------------------------------------------------------------- 4. state pass
 # One program per (V block, sequence x value head) walks the chunks in order, holding its [K, BV]
 # fp32 state block in registers as up to four [BK, BV] row tiles (K <= 4 BK; separate tiles keep
-# every product's reduction at BK, which fp32 FMA products need).  key: K, V (tile shapes),
-# NHV (how many programs fill the GPU); configs are pruned by K, V and the input dtype.
+# every product's reduction at BK, which fp32 FMA products need).  A chunk is taken in row blocks
+# of BTS; each tile accumulates the decayed state plus what the blocks add, and becomes the state
+# after the last block (_state_rows has the tiles).  key: K, V (tile shapes), NHV (how many
+# programs fill the GPU); configs are pruned by K, V and the input dtype.
 
 def _prune_state_configs(configs, named_args, **kwargs):
     """16-bit: BV 16 / 32 on 4 warps, and 64 where the K tiles are unmasked and at most two (K = 64
@@ -540,18 +558,28 @@ _STATE_CONFIGS = [triton.Config({"BV": 16}, num_warps=4, num_stages=2), triton.C
                   triton.Config({"BV": 64}, num_warps=4, num_stages=2), triton.Config({"BV": 16}, num_warps=8, num_stages=1)]
 
 
+def _state_rows(dtype, dk: int) -> dict:
+    """Row block BTS, K tile BK, and BKR: 0 = v_new = u - w h multiplies the register tiles (16-bit:
+    whole chunks on tensor cores); else it reads h back from its store in K blocks of BKR.  fp32 does
+    the latter on 16-row blocks: its FMA products hold a whole reduction row per thread, and the
+    register-tile products over whole chunks spill at K = 256 (parity/aot_compile.py)."""
+    if dtype == torch.float32:
+        return dict(BTS=16, BK=min(64, _pow2(dk)), BKR=32)
+    return dict(BTS=CHUNK, BK=min(64, _pow2(dk)), BKR=0)
+
+
 @triton.jit
-def _state_tile_update(b_h, kt, o_t, m_t, o_k, m_k, i_h, b_vn, g_last, H: tl.constexpr, K: tl.constexpr,
-                       PREC: tl.constexpr):
-    """h_tile = exp(g_last) h_tile + K[:, tile]^T v_new (v_new already decayed to the chunk end)."""
+def _state_tile_update(b_e, kt, o_t, m_t, o_k, m_k, i_h, b_vn, H: tl.constexpr, K: tl.constexpr, PREC: tl.constexpr):
+    """b_e + K[rows, tile]^T v_new[rows] (v_new already decayed to the chunk end): [BK, BV]."""
     b_kt = tl.load(kt + (o_t[None, :] * H + i_h) * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0)
-    return b_h * tl.exp(g_last) + tl.dot(b_kt, b_vn.to(b_kt.dtype), input_precision=PREC)
+    return tl.dot(b_kt, b_vn.to(b_kt.dtype), b_e, input_precision=PREC)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _chunk_h_kernel(k, w, u, gc, h, v_new, h0, ht, cu, chunk_off, T, NHV, H: tl.constexpr, HV: tl.constexpr,
-                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                    USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+                    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BTS: tl.constexpr, BK: tl.constexpr,
+                    BKR: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
+                    IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -575,39 +603,55 @@ def _chunk_h_kernel(k, w, u, gc, h, v_new, h0, ht, cu, chunk_off, T, NHV, H: tl.
             b_h4 += tl.load(p_h0 + 3 * BK * V, mask=m_k4[:, None] & m_v[None, :], other=0)
     for i_c in range(0, tl.cdiv(eos - bos, BT)):
         t0 = bos + i_c * BT
-        o_t = t0 + tl.arange(0, BT)
-        m_t = o_t < eos
-        # the state at the chunk's start, for the output kernel; v_new = u - w h
-        p_h = h + ((row0 + i_c).to(tl.int64) * HV + i_hv) * K * V + o_kv
-        b_vn = _rows(u, o_t, m_t, o_v, m_v, HV, i_hv, V).to(tl.float32)   # [BT, BV]
+        g_last = tl.load(gc + (tl.minimum(t0 + BT, eos) - 1) * HV + i_hv)
+        # the state at the chunk's start, for the output kernel
+        p_hc = h + ((row0 + i_c).to(tl.int64) * HV + i_hv) * K * V       # this chunk's [K, V] state
+        p_h = p_hc + o_kv
         tl.store(p_h, b_h1.to(h.dtype.element_ty), mask=m_k1[:, None] & m_v[None, :])
-        b_w = _rows(w, o_t, m_t, o_k1, m_k1, HV, i_hv, K)                 # [BT, BK]
-        b_vn -= tl.dot(b_w, b_h1.to(b_w.dtype), input_precision=PREC)
         if K > BK:
             tl.store(p_h + BK * V, b_h2.to(h.dtype.element_ty), mask=m_k2[:, None] & m_v[None, :])
-            b_w = _rows(w, o_t, m_t, o_k2, m_k2, HV, i_hv, K)
-            b_vn -= tl.dot(b_w, b_h2.to(b_w.dtype), input_precision=PREC)
         if K > 2 * BK:
             tl.store(p_h + 2 * BK * V, b_h3.to(h.dtype.element_ty), mask=m_k3[:, None] & m_v[None, :])
-            b_w = _rows(w, o_t, m_t, o_k3, m_k3, HV, i_hv, K)
-            b_vn -= tl.dot(b_w, b_h3.to(b_w.dtype), input_precision=PREC)
         if K > 3 * BK:
             tl.store(p_h + 3 * BK * V, b_h4.to(h.dtype.element_ty), mask=m_k4[:, None] & m_v[None, :])
-            b_w = _rows(w, o_t, m_t, o_k4, m_k4, HV, i_hv, K)
-            b_vn -= tl.dot(b_w, b_h4.to(b_w.dtype), input_precision=PREC)
-        tl.store(v_new + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty),
-                 mask=m_t[:, None] & m_v[None, :])
-        # decay the state over the chunk and add what the chunk wrote: exp(gc_last - gc_j) <= 1
-        g_last = tl.load(gc + (tl.minimum(t0 + BT, eos) - 1) * HV + i_hv)
-        b_g = tl.load(gc + o_t * HV + i_hv, mask=m_t, other=0)
-        b_vn = b_vn * tl.exp(tl.where(m_t, g_last - b_g, float("-inf")))[:, None]
-        b_h1 = _state_tile_update(b_h1, k, o_t, m_t, o_k1, m_k1, i_h, b_vn, g_last, H, K, PREC)
-        if K > BK:
-            b_h2 = _state_tile_update(b_h2, k, o_t, m_t, o_k2, m_k2, i_h, b_vn, g_last, H, K, PREC)
-        if K > 2 * BK:
-            b_h3 = _state_tile_update(b_h3, k, o_t, m_t, o_k3, m_k3, i_h, b_vn, g_last, H, K, PREC)
-        if K > 3 * BK:
-            b_h4 = _state_tile_update(b_h4, k, o_t, m_t, o_k4, m_k4, i_h, b_vn, g_last, H, K, PREC)
+        if BKR:
+            tl.debug_barrier()                                  # the state stored above is read back below
+        # the chunk's end state, per tile: exp(gc_last) h plus what the row blocks add (the products
+        # read h at the chunk's start: from its store, or the tiles b_h*, unchanged until the loop ends)
+        b_e1, b_e2, b_e3, b_e4 = (b_h1 * tl.exp(g_last), b_h2 * tl.exp(g_last), b_h3 * tl.exp(g_last),
+                                  b_h4 * tl.exp(g_last))
+        for i_s in range(0, BT, BTS):
+            o_t = t0 + i_s + tl.arange(0, BTS)
+            m_t = o_t < eos
+            # v_new = u - w h
+            b_vn = _rows(u, o_t, m_t, o_v, m_v, HV, i_hv, V).to(tl.float32)   # [BTS, BV]
+            if BKR:                                             # h read back from its store above
+                b_vn -= _rows_times_state(w, p_hc, o_t, m_t, HV, i_hv, o_v, m_v, K, V, BKR, PREC)
+            else:
+                b_w = _rows(w, o_t, m_t, o_k1, m_k1, HV, i_hv, K)             # [BTS, BK]
+                b_vn -= tl.dot(b_w, b_h1.to(b_w.dtype), input_precision=PREC)
+                if K > BK:
+                    b_w = _rows(w, o_t, m_t, o_k2, m_k2, HV, i_hv, K)
+                    b_vn -= tl.dot(b_w, b_h2.to(b_w.dtype), input_precision=PREC)
+                if K > 2 * BK:
+                    b_w = _rows(w, o_t, m_t, o_k3, m_k3, HV, i_hv, K)
+                    b_vn -= tl.dot(b_w, b_h3.to(b_w.dtype), input_precision=PREC)
+                if K > 3 * BK:
+                    b_w = _rows(w, o_t, m_t, o_k4, m_k4, HV, i_hv, K)
+                    b_vn -= tl.dot(b_w, b_h4.to(b_w.dtype), input_precision=PREC)
+            tl.store(v_new + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_vn.to(v_new.dtype.element_ty),
+                     mask=m_t[:, None] & m_v[None, :])
+            # what the rows write, decayed to the chunk's end: exp(gc_last - gc_j) <= 1
+            b_g = tl.load(gc + o_t * HV + i_hv, mask=m_t, other=0)
+            b_vn = b_vn * tl.exp(tl.where(m_t, g_last - b_g, float("-inf")))[:, None]
+            b_e1 = _state_tile_update(b_e1, k, o_t, m_t, o_k1, m_k1, i_h, b_vn, H, K, PREC)
+            if K > BK:
+                b_e2 = _state_tile_update(b_e2, k, o_t, m_t, o_k2, m_k2, i_h, b_vn, H, K, PREC)
+            if K > 2 * BK:
+                b_e3 = _state_tile_update(b_e3, k, o_t, m_t, o_k3, m_k3, i_h, b_vn, H, K, PREC)
+            if K > 3 * BK:
+                b_e4 = _state_tile_update(b_e4, k, o_t, m_t, o_k4, m_k4, i_h, b_vn, H, K, PREC)
+        b_h1, b_h2, b_h3, b_h4 = b_e1, b_e2, b_e3, b_e4
     if STORE_FINAL:
         p_ht = ht + i_nh.to(tl.int64) * K * V + o_kv
         tl.store(p_ht, b_h1, mask=m_k1[:, None] & m_v[None, :])
@@ -636,7 +680,7 @@ def _chunk_h(k, w, u, gc, initial_state, output_final_state: bool, seqs: _Seqs):
         return states, v_new, final
     args = (k, w, u, gc, states, v_new, initial_state if initial_state is not None else dummy,
             final if final is not None else dummy, seqs.cu, seqs.chunk_off, t, triton.next_power_of_2(nhv))
-    meta = dict(H=h, HV=hv, K=dk, V=dv, BT=CHUNK, BK=min(64, _pow2(dk)), USE_H0=initial_state is not None,
+    meta = dict(H=h, HV=hv, K=dk, V=dv, BT=CHUNK, **_state_rows(k.dtype, dk), USE_H0=initial_state is not None,
                 STORE_FINAL=final is not None, IS_VARLEN=seqs.varlen, PREC=_prec(k.dtype))
     _launch(_chunk_h_tuned, lambda c: (triton.cdiv(dv, c["BV"]), nhv), args, meta)
     return states, v_new, final
@@ -888,8 +932,9 @@ def _chunk_dv_local(q, k, gc, do, scale: float, seqs: _Seqs) -> torch.Tensor:
 
 # b. the reverse state pass.  One program per (V block, sequence x value head), like kernel 4: dS' as up
 # to four [BK, BV] fp32 row tiles.  A chunk is taken in row blocks of BTS (64 for 16-bit inputs; 16 for
-# fp32, whose FMA products hold a whole reduction row per thread).  key: K, V, NHV; configs pruned by
-# dtype and GPU (sm_80 has fewer registers per thread for the BV = 64 tiles than sm_90 needs).
+# fp32, whose FMA products hold a whole reduction row per thread, and which reads dS' back from its
+# store for K dS': _dhu_rows).  key: K, V, NHV; configs pruned by dtype and GPU (sm_80 has fewer
+# registers per thread for the BV = 64 tiles than sm_90 needs).
 
 @triton.jit
 def _k_dstate(k, o_t, m_t, o_k, m_k, i_h, b_dh, H: tl.constexpr, K: tl.constexpr, PREC: tl.constexpr):
@@ -904,15 +949,15 @@ def _dstate_tile_update(b_e, q, w, o_t, m_t, o_k, m_k, i_h, i_hv, b_qs, b_do, b_
     """b_e + (b_qs * Q[rows, tile])^T dO - W[rows, tile]^T dU: [BK, BV]."""
     b_qt = _cols(q, o_t, m_t, o_k, m_k, H, i_h, K)                      # [BK, BTS]
     b_wt = _cols(w, o_t, m_t, o_k, m_k, HV, i_hv, K)
-    b_e += tl.dot((b_qt * b_qs[None, :]).to(b_qt.dtype), b_do, input_precision=PREC)
-    return b_e - tl.dot(b_wt, b_dv.to(b_wt.dtype), input_precision=PREC)
+    b_e = tl.dot((b_qt * b_qs[None, :]).to(b_qt.dtype), b_do, b_e, input_precision=PREC)
+    return tl.dot(b_wt, (-b_dv).to(b_wt.dtype), b_e, input_precision=PREC)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _chunk_dhu_kernel(q, k, w, gc, do, dv_local, dv, dh, dht, dh0, cu, chunk_off, scale, T, NHV, H: tl.constexpr,
                       HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BTS: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                      IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+                      BK: tl.constexpr, BKR: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr,
+                      STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -940,7 +985,8 @@ def _chunk_dhu_kernel(q, k, w, gc, do, dv_local, dv, dh, dht, dh0, cu, chunk_off
         t0 = bos + i_c * BT
         g_last = tl.load(gc + (tl.minimum(t0 + BT, eos) - 1) * HV + i_hv)
         # this chunk's dS' (the gradient of its end state), for kernel c
-        p_dh = dh + ((row0 + i_c).to(tl.int64) * HV + i_hv) * K * V + o_kv
+        p_dhc = dh + ((row0 + i_c).to(tl.int64) * HV + i_hv) * K * V     # this chunk's [K, V] dS'
+        p_dh = p_dhc + o_kv
         ty = dh.dtype.element_ty
         tl.store(p_dh, b_dh1.to(ty), mask=m_k1[:, None] & m_v[None, :])
         if K > BK:
@@ -949,20 +995,27 @@ def _chunk_dhu_kernel(q, k, w, gc, do, dv_local, dv, dh, dht, dh0, cu, chunk_off
             tl.store(p_dh + 2 * BK * V, b_dh3.to(ty), mask=m_k3[:, None] & m_v[None, :])
         if K > 3 * BK:
             tl.store(p_dh + 3 * BK * V, b_dh4.to(ty), mask=m_k4[:, None] & m_v[None, :])
-        b_e1 = tl.zeros([BK, BV], dtype=tl.float32)             # this chunk's addition to dS, per tile
-        b_e2, b_e3, b_e4 = b_e1, b_e1, b_e1
+        if BKR:
+            tl.debug_barrier()                                  # dS' stored above is read back below
+        # the previous chunk's dS', per tile: exp(gc_last) dS' plus what the row blocks add (the products
+        # read this chunk's dS': from its store, or the tiles b_dh*, unchanged until the loop ends)
+        b_e1, b_e2, b_e3, b_e4 = (b_dh1 * tl.exp(g_last), b_dh2 * tl.exp(g_last), b_dh3 * tl.exp(g_last),
+                                  b_dh4 * tl.exp(g_last))
         for i_s in range(0, BT, BTS):
             o_t = t0 + i_s + tl.arange(0, BTS)
             m_t = o_t < eos
             b_g = tl.load(gc + o_t * HV + i_hv, mask=m_t, other=0)
             # dU = dU_loc + exp(b_C - b) K dS'
-            b_dv = _k_dstate(k, o_t, m_t, o_k1, m_k1, i_h, b_dh1, H, K, PREC)
-            if K > BK:
-                b_dv += _k_dstate(k, o_t, m_t, o_k2, m_k2, i_h, b_dh2, H, K, PREC)
-            if K > 2 * BK:
-                b_dv += _k_dstate(k, o_t, m_t, o_k3, m_k3, i_h, b_dh3, H, K, PREC)
-            if K > 3 * BK:
-                b_dv += _k_dstate(k, o_t, m_t, o_k4, m_k4, i_h, b_dh4, H, K, PREC)
+            if BKR:                                             # dS' read back from its store above
+                b_dv = _rows_times_state(k, p_dhc, o_t, m_t, H, i_h, o_v, m_v, K, V, BKR, PREC)
+            else:
+                b_dv = _k_dstate(k, o_t, m_t, o_k1, m_k1, i_h, b_dh1, H, K, PREC)
+                if K > BK:
+                    b_dv += _k_dstate(k, o_t, m_t, o_k2, m_k2, i_h, b_dh2, H, K, PREC)
+                if K > 2 * BK:
+                    b_dv += _k_dstate(k, o_t, m_t, o_k3, m_k3, i_h, b_dh3, H, K, PREC)
+                if K > 3 * BK:
+                    b_dv += _k_dstate(k, o_t, m_t, o_k4, m_k4, i_h, b_dh4, H, K, PREC)
             p_dv = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
             m_dv = m_t[:, None] & m_v[None, :]
             b_dv = (b_dv * tl.exp(tl.where(m_t, g_last - b_g, float("-inf")))[:, None]
@@ -981,10 +1034,7 @@ def _chunk_dhu_kernel(q, k, w, gc, do, dv_local, dv, dh, dht, dh0, cu, chunk_off
             if K > 3 * BK:
                 b_e4 = _dstate_tile_update(b_e4, q, w, o_t, m_t, o_k4, m_k4, i_h, i_hv, b_qs, b_do, b_dv, H, HV, K,
                                            PREC)
-        b_dh1 = b_dh1 * tl.exp(g_last) + b_e1
-        b_dh2 = b_dh2 * tl.exp(g_last) + b_e2
-        b_dh3 = b_dh3 * tl.exp(g_last) + b_e3
-        b_dh4 = b_dh4 * tl.exp(g_last) + b_e4
+        b_dh1, b_dh2, b_dh3, b_dh4 = b_e1, b_e2, b_e3, b_e4
     if STORE_DH0:                                               # (an empty sequence passes dht through)
         p_dh0 = dh0 + i_nh.to(tl.int64) * K * V + o_kv
         tl.store(p_dh0, b_dh1, mask=m_k1[:, None] & m_v[None, :])
@@ -1021,8 +1071,12 @@ def _dhu_keep(configs, dtype, arch: int, dk: int, dv: int):
 
 
 def _dhu_rows(dtype, dk: int) -> dict:
-    """Row block (a loop, not unrolled: unrolled, the fp32 products' operands all stay live) and K tile."""
-    return dict(BTS=16 if dtype == torch.float32 else CHUNK, BK=min(64, _pow2(dk)))
+    """Row block BTS (a loop, not unrolled: unrolled, the fp32 products' operands all stay live), K tile
+    BK, and BKR as in _state_rows: fp32 reads dS' back for dU = K dS' (from the register tiles it spills
+    at K = 256 on every config)."""
+    if dtype == torch.float32:
+        return dict(BTS=16, BK=min(64, _pow2(dk)), BKR=32)
+    return dict(BTS=CHUNK, BK=min(64, _pow2(dk)), BKR=0)
 
 
 _chunk_dhu_tuned = triton.autotune(_DHU_CONFIGS, key=["K", "V", "NHV"],
@@ -1683,16 +1737,21 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_st
 # ----------------------------------------------------------------------------- ahead-of-time build cases
 
 def _compile_cases():
-    """Every kernel at the shapes that decide its code: fp16 / bf16 / fp32 at K = V = 128, and bf16
-    at K = V = 100 (padded, masked) and 256 (four state tiles); varlen, initial and final state
-    on (the superset of the code paths); autotuned kernels with every config their pruning keeps.
-    fp16 compiles like bf16 (the same registers in every build compared), so it builds one config
-    per kernel, to keep the check's time down."""
+    """Every kernel at the shapes that decide its code: fp16 / bf16 / fp32 at K = V = 128; bf16 at
+    K = V = 100 (padded, masked) and 256 (four state tiles); fp32 at K = V = 256 (four tiles of FMA
+    products: the register-heaviest state and dhu builds); bf16 at K = V = 64 (one K tile) and fp32
+    at K = 64, V = 48 (one K tile, masked V).  Varlen, initial and final state on (the superset of
+    the code paths).  Autotuned kernels build every config their pruning keeps, except at the lean
+    shapes, which build the first one per kernel to keep the check's time down: fp16 compiles like
+    bf16 (the same registers in every build compared), and each of the last three shapes prunes to
+    a subset of the configs built at K = V = 128 of its dtype (fp32 state, dhu and output keep a
+    single config at every K: that one is built), so only its tile shapes are new."""
     cases = []
-    shapes = [(torch.bfloat16, 128, 128), (torch.float32, 128, 128), (torch.bfloat16, 100, 100),
-              (torch.bfloat16, 256, 256), (torch.float16, 128, 128)]
+    full = [(torch.bfloat16, 128, 128), (torch.float32, 128, 128), (torch.bfloat16, 100, 100),
+            (torch.bfloat16, 256, 256)]
+    lean = [(torch.float16, 128, 128), (torch.float32, 256, 256), (torch.bfloat16, 64, 64), (torch.float32, 64, 48)]
     heads = dict(H=16, HV=32)
-    for dtype, dk, dv in shapes:
+    for dtype, dk, dv, one in [(*x, False) for x in full] + [(*x, True) for x in lean]:
         dt = _TL_DTYPES[dtype]
         tag = f"[{dt},K={dk},V={dv}]"
         tc = dtype != torch.float32
@@ -1714,24 +1773,24 @@ def _compile_cases():
                           constexprs=dict(**heads, K=dk, V=dv, BT=CHUNK, BK=wu["BK"], BV=wu["BV"], IS_VARLEN=True,
                                           PREC=prec), num_warps=wu["num_warps"]))
         cases.append(dict(kernel=_chunk_h_tuned, name="state" + tag, tensor_cores=tc,
-                          configs=_prune_state_configs(_STATE_CONFIGS, named)[:1 if dtype == torch.float16 else None],
+                          configs=_prune_state_configs(_STATE_CONFIGS, named)[:1 if one else None],
                           signature=dict(k=ptr, w=ptr, u=ptr, gc=f32, h=ptr, v_new=ptr, h0=f32, ht=f32, cu=i32,
                                          chunk_off=i32, T="i32", NHV="i32"),
-                          constexprs=dict(**heads, K=dk, V=dv, BT=CHUNK, BK=min(64, bk_full), USE_H0=True,
+                          constexprs=dict(**heads, K=dk, V=dv, BT=CHUNK, **_state_rows(dtype, dk), USE_H0=True,
                                           STORE_FINAL=True, IS_VARLEN=True, PREC=prec)))
         cases.append(dict(kernel=_chunk_o_tuned, name="output" + tag, tensor_cores=tc,
-                          configs=_prune_out_configs(_OUT_CONFIGS, named)[:1 if dtype == torch.float16 else None],
+                          configs=_prune_out_configs(_OUT_CONFIGS, named)[:1 if one else None],
                           signature=dict(q=ptr, k=ptr, v_new=ptr, h=ptr, gc=f32, o=ptr, cu=i32, chunk_idx=i32,
                                          scale="fp32", T="i32"),
                           constexprs=dict(**heads, K=dk, V=dv, BT=CHUNK, BK=32 if not tc else min(64, bk_full),
                                           IS_VARLEN=True, PREC=prec)))
         cases.append(dict(kernel=_recurrent_tuned, name="recurrent" + tag,
-                          configs=_prune_rec_configs(_REC_CONFIGS, named)[:1 if dtype == torch.float16 else None],
+                          configs=_prune_rec_configs(_REC_CONFIGS, named)[:1 if one else None],
                           signature=dict(q=ptr, k=ptr, v=ptr, g=f32, beta=ptr, o=ptr, h0=f32, ht=f32, cu=i32,
                                          scale="fp32", T="i32", NHV="i32"),
                           constexprs=dict(**heads, K=dk, V=dv, BK=bk_full, USE_H0=True, STORE_FINAL=True,
                                           IS_VARLEN=True, L2NORM=True)))
-        cases += _backward_compile_cases(dtype, dk, dv, heads, one_config=dtype == torch.float16)
+        cases += _backward_compile_cases(dtype, dk, dv, heads, one_config=one)
     for hv in (16, 64):
         cases.append(dict(kernel=_chunk_dg_kernel, name=f"dg[HV={hv}]",
                           signature=dict(db="*fp32", dg="*fp32", cu="*i32", chunk_idx="*i32", T="i32"),
