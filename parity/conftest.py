@@ -269,5 +269,5 @@ def pytest_collection_finish(session):
     """... and its builds start now (after -k / -m deselection), in background processes: compiling
     uses the cores the single-threaded interpreter tests leave idle."""
     builds = [item for item in session.items if item.path.name == "test_compile.py"]
-    if builds:
+    if builds and not session.config.option.collectonly:
         builds[0].module.start_builds()
