@@ -1,0 +1,994 @@
+"""Generator engine: the fast version.  A serving engine built like vLLM's: continuous batching over
+a paged KV cache, fused projections, weights hot-swapped from a shadow copy, kernel plug-ins.
+
+What it computes
+    The same model, sampling rule and engine contract as ``ref/generator_engine.py``, the
+    specification (read its docstring for the model, the sampling math and the data types): on
+    the same weights both engines give the same tokens and logprobs (fp32: tokens equal, logprobs
+    to fp32 rounding; parity/ compares them).  What this file changes is how the work is done.
+
+The model: fused projections, one state dict
+    q, k, v are one matmul (``qkv_proj`` [(H_q + 2 H_kv) D, hidden]) and gate, up another
+    (``gate_up_proj`` [2 I, hidden]), as vLLM's QKVParallelLinear / MergedColumnParallelLinear:
+    fewer, larger matmuls per layer.  The state dict still names q_proj / k_proj / v_proj /
+    gate_proj / up_proj (views of the fused weights; loading fuses them), so a trainer's and a
+    generator's state dicts are interchangeable with the reference's.  Rotary cos/sin come from
+    a table computed once per device (the reference's values, bitwise).  The training forward
+    runs ``scaled_dot_product_attention`` (causal, GQA; a block-diagonal mask for documents).
+
+The engine (Generator): continuous batching over a paged KV cache
+    thread       one engine thread runs the loop; ``submit`` validates and enqueues (never blocks);
+                 futures are settled by the engine thread after each iteration, outside every lock.
+    iteration    (1) give each running request the page its next token's KV goes to (allocate on
+                 demand; when the pool is empty, preempt the newest request: its pages are freed
+                 and it goes back to the head of the queue, keeping its tokens and its generator,
+                 to be recomputed by a later prefill); (2) admit waiting requests in arrival order
+                 while a slot, their prompt's pages and the prefill budget allow; (3) one prefill
+                 pass over the packed new prompts (their K/V scattered into their pages, then
+                 ``varlen_attn`` over the paged cache with a block table); (4) one batched decode
+                 step over the requests that were running (``flash_decode`` with k_new/v_new
+                 writes the new K/V into the pages and attends); (5) batched sampling, finished
+                 requests free their pages and slots.
+    pool         K and V [attention layers, num_pages, page_size, H_kv, D]; a block table
+                 [max_batch_size, ceil(max_seq_len / page_size)] int32 with one row per running
+                 request (a slot); "linear" plug-in layers keep their cache tensors in per-slot
+                 pools [max_batch_size, ...] (gathered and scattered around each decode step).
+                 A request that could never fit the pool alone raises ValueError at submit.
+    attention    ``varlen_attn`` and ``flash_decode`` are constructor arguments with the
+                 signatures of fast/paged_varlen_attention.varlen_attn and
+                 fast/flash_decoding.flash_decode (drop those in); the defaults are plain
+                 PyTorch in this file (causal only: no lse, softcap, sinks).
+    sampling     one set of tensor ops per group of rows (greedy, temperature, top-k/top-p); each
+                 sampled row draws its uniform from its request's own generator, so a request
+                 gets the same token alone or in any batch.  One device-to-host copy per group.
+    weights      ``load_weights`` validates the whole state dict, copies it into a second set of
+                 weights (the shadow; on a side CUDA stream that first waits for the last step
+                 that read those buffers), then hands it to the engine thread, which swaps the
+                 two sets between two iterations: decoding never stops for the copy, and a
+                 request running across the swap continues on the new weights (its
+                 max_policy_version says so; the KV cache it built keeps the old weights' keys,
+                 as in PipelineRL's in-flight updates).  Memory: two weight sets.
+
+Cost (what bench/routed_generator.py measures against)
+    Per generated token, FLOPs ~ 2 * (non-embedding parameters + hidden * vocab) + 4 * L_ctx *
+    H_q * D per attention layer (L_ctx = keys it attends to).  A decode step over B requests moves
+    at least the weights once plus each request's KV: bytes >= weight bytes + sum_b 2 * L_b *
+    H_kv * D * elt * attention layers; at small B it is weight-bound, which is why batching wins.
+
+Tensors and types
+    As the reference: SamplingParams, Request, Completion (repeated in routed_generator.py so each
+    file works alone; ``submit`` reads a request by its fields, so either file's is served),
+    ModelConfig, the linear_layer plug-in.  KV pool [attention layers, num_pages, page_size, H_kv,
+    D] in the model's dtype; block table [max_batch_size, pages per sequence] int32.
+
+Supported, and what raises
+    As the reference (ValueError for an empty prompt, unknown token ids, a prompt of max_seq_len
+    tokens or more, a state dict with missing, unexpected or mis-shaped tensors, rejected whole
+    with the weights and version unchanged; TypeError for non-tensors; RuntimeError after
+    ``close()``), plus ValueError for a request that can never fit the KV pool and for engine knobs
+    < 1.  Inference only in the engine.  Limits: preemption recomputes (no swapping to host); the
+    plug-in layers' state is gathered per step (a kernel that reads the slot pools in place would
+    not copy); no prefix caching, no chunked prefill of one long prompt across iterations.
+
+References
+    vLLM (Kwon et al., PagedAttention, 2023) and its scheduler (continuous batching, recompute
+    preemption, fused QKV / gate-up linears); Orca (Yu et al., 2022, iteration-level scheduling);
+    PipelineRL (Piche et al., 2025) in-flight weight updates; gpt-fast.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import math
+import operator
+import threading
+from collections import deque
+from collections.abc import Hashable, Iterable, Mapping
+from concurrent.futures import Future
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["SamplingParams", "Request", "Completion", "ModelConfig", "DecoderLM", "Generator", "LAYER_TYPES"]
+
+LAYER_TYPES = ("attention", "linear")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# ----------------------------------------------------------------------------- data types
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request.  Frozen: one instance may be shared by many requests."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise ValueError(f"temperature must be a float >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        try:
+            stops = tuple(operator.index(t) for t in self.stop_token_ids)
+        except TypeError:
+            raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}") from None
+        if any(t < 0 for t in stops):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", stops)
+        if self.seed is not None and not _is_int(self.seed):
+            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+
+
+_request_ids = itertools.count()  # next() on a count is atomic under the GIL: ids stay unique across threads
+
+
+@dataclasses.dataclass
+class Request:
+    """One prompt to complete.  A missing ``request_id`` is filled with a unique one."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = SamplingParams()
+    request_id: str | None = None
+    session_id: Hashable | None = None
+
+    def __post_init__(self):
+        prompt = self.prompt_token_ids
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex():
+                raise TypeError(f"prompt_token_ids must be a 1-D integer tensor, got {prompt.dtype} "
+                                f"of shape {tuple(prompt.shape)}")
+            prompt = prompt.tolist()
+        elif isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
+            raise TypeError(f"prompt_token_ids must be a sequence of ints, got {type(prompt).__name__}")
+        try:
+            prompt = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise TypeError("prompt_token_ids must hold ints (token ids)") from None
+        if not prompt:
+            raise ValueError("prompt_token_ids must hold at least one token, got an empty prompt")
+        if min(prompt) < 0:
+            raise ValueError(f"prompt_token_ids must be token ids >= 0, got {min(prompt)}")
+        self.prompt_token_ids = prompt
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if self.request_id is None:
+            self.request_id = f"req-{next(_request_ids)}"
+        elif not isinstance(self.request_id, str):
+            raise TypeError(f"request_id must be a str or None, got {type(self.request_id).__name__}")
+        try:
+            hash(self.session_id)
+        except TypeError:
+            raise TypeError(f"session_id must be hashable, got {type(self.session_id).__name__}") from None
+
+
+@dataclasses.dataclass
+class Completion:
+    """What a generator returns for one request, stamped with the weights that produced it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    generator_id: str
+    min_policy_version: int
+    max_policy_version: int
+
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The decoder-only LM a ``Generator`` serves and a trainer trains (see the module docstring)."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    tie_embeddings: bool = True
+    layer_types: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (rotary embedding rotates pairs), got {self.head_dim}")
+        if not self.rope_theta > 0 or not self.rms_eps > 0:
+            raise ValueError(f"rope_theta and rms_eps must be > 0, got {self.rope_theta!r} and {self.rms_eps!r}")
+        if self.layer_types is not None:
+            types = tuple(self.layer_types)
+            if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
+                raise ValueError(f"layer_types must be None or {self.num_layers} entries from {LAYER_TYPES}, "
+                                 f"got {self.layer_types!r}")
+            object.__setattr__(self, "layer_types", types)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.layer_types or ("attention",) * self.num_layers
+
+# ----------------------------------------------------------------------------- the model, fused
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def _split_fused(module, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook: a fused weight appears as its canonical parts, in the reference's order.
+    The parts are views, so copying into them loads the fused weight."""
+    own = [(n, state_dict.pop(prefix + n)) for n, _ in module.named_parameters()]   # the last entries in
+    for name, t in own:
+        parts = module.FUSED.get(name)
+        pieces = zip(parts, t.split(module.sizes)) if parts else [(name, t)]
+        for part, view in pieces:
+            state_dict[prefix + part] = view
+
+
+def _fuse_parts(module, state_dict, prefix, *args) -> None:
+    """load_state_dict pre-hook: canonical parts -> the fused weight."""
+    for fused, parts in module.FUSED.items():
+        keys = [prefix + p for p in parts]
+        if all(k in state_dict for k in keys):
+            state_dict[prefix + fused] = torch.cat([state_dict.pop(k) for k in keys])
+
+
+class _Attention(nn.Module):
+    FUSED = {"qkv_proj.weight": ("q_proj.weight", "k_proj.weight", "v_proj.weight")}
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.sizes = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
+        self.qkv_proj = nn.Linear(c.hidden_size, sum(self.sizes), bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.register_state_dict_post_hook(_split_fused)
+        self.register_load_state_dict_pre_hook(_fuse_parts)
+
+
+class _MLP(nn.Module):
+    FUSED = {"gate_up_proj.weight": ("gate_proj.weight", "up_proj.weight")}
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.sizes = (c.intermediate_size, c.intermediate_size)
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.register_state_dict_post_hook(_split_fused)
+        self.register_load_state_dict_pre_hook(_fuse_parts)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.sizes, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class _Block(nn.Module):
+    def __init__(self, c: ModelConfig, kind: str, linear_layer, index: int):
+        super().__init__()
+        self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_eps)
+        self.self_attn = _Attention(c) if kind == "attention" else None
+        self.linear_attn = linear_layer(c, index) if kind == "linear" else None
+        self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_eps)
+        self.mlp = _MLP(c)
+
+
+class DecoderLM(nn.Module):
+    """The reference's decoder-only LM with fused projections (module docstring); the same
+    state dict, init, ``forward``, ``layers_forward`` and ``logits``."""
+
+    def __init__(self, config: ModelConfig | None = None, *, seed: int = 0, linear_layer=None, device=None,
+                 dtype=None):
+        super().__init__()
+        config = ModelConfig() if config is None else config
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        if not _is_int(seed):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        if "linear" in config.kinds and linear_layer is None:
+            raise ValueError("config.layer_types has 'linear' layers: pass linear_layer, a (config, layer_index) "
+                             "-> nn.Module factory (e.g. a Gated DeltaNet layer)")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        blocks = []
+        for i, kind in enumerate(config.kinds):
+            with torch.random.fork_rng(devices=[]):  # the plug-in's own init: the reference's seeds
+                torch.manual_seed(seed * 1000003 + i)
+                blocks.append(_Block(config, kind, linear_layer, i))
+        self.layers = nn.ModuleList(blocks)
+        self.norm = _RMSNorm(config.hidden_size, config.rms_eps)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._rope_tables: dict = {}  # device -> (cos, sin) [max_seq_len, 1, D/2] fp32
+        with torch.no_grad():  # the reference's draws, in its order, into the fused weights' parts
+            gen = torch.Generator().manual_seed(seed)
+            for name, p in self.state_dict().items():
+                std = _init_std(name, p, config)
+                if std is not None:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+        self.to(device=device, dtype=dtype)
+
+    def layers_forward(self, ids: torch.Tensor, positions: torch.Tensor, attend, mix) -> torch.Tensor:
+        """The blocks on packed tokens, ids / positions [T] -> final-normed hidden [T, hidden];
+        ``attend(layer, q, k, v)`` and ``mix(layer, module, h)`` as in the reference."""
+        c = self.config
+        t = ids.shape[0]
+        cos, sin = self._rotary_at(positions)                              # [T, 1, D/2]
+        x = self.embed_tokens(ids)                                          # [T, hidden]
+        for i, block in enumerate(self.layers):
+            h = block.input_layernorm(x)
+            if block.self_attn is not None:
+                a = block.self_attn
+                q, k, v = a.qkv_proj(h).split(a.sizes, dim=-1)
+                q = _rotate(q.view(t, c.num_heads, c.head_dim), cos, sin)
+                k = _rotate(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
+                x = x + a.o_proj(attend(i, q, k, v.view(t, c.num_kv_heads, c.head_dim)).reshape(t, -1))
+            else:
+                x = x + mix(i, block.linear_attn, h)
+            x = x + block.mlp(block.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [..., hidden] -> logits [..., V] fp32."""
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (h @ w.t()).float()
+
+    def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Training: logits [B, T, V] fp32, causal per row (or per document of ``cu_seqlens``, B == 1)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise TypeError(f"input_ids must be an integer tensor [B, T], got {getattr(input_ids, 'shape', input_ids)!r}")
+        b, t = input_ids.shape
+        dev = input_ids.device
+        if cu_seqlens is None:
+            positions = torch.arange(t, device=dev).repeat(b)                # [B*T]
+            longest = t
+        else:
+            if b != 1:
+                raise ValueError(f"cu_seqlens requires input_ids of shape [1, T], got {tuple(input_ids.shape)}")
+            cu = cu_seqlens.to(device=dev, dtype=torch.long)
+            lengths = cu.diff()
+            if int(cu[-1]) != t or int(cu[0]) != 0 or bool((lengths < 0).any()):
+                raise ValueError(f"cu_seqlens must partition the {t} tokens, got {cu_seqlens.tolist()}")
+            doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths)    # [T] document of each token
+            index = torch.arange(t, device=dev)
+            positions = index - cu[doc]
+            same_doc_causal = (doc[:, None] == doc[None, :]) & (index[None, :] <= index[:, None])   # [T, T]
+            longest = int(lengths.max()) if len(lengths) else 0
+        if longest > self.config.max_seq_len:
+            raise ValueError(f"a sequence of {longest} tokens exceeds max_seq_len={self.config.max_seq_len}")
+
+        def attend(i, q, k, v):                                             # [B*T, H, D] -> SDPA's [B, H, T, D]
+            q, k, v = (x.view(b, t, x.shape[1], -1).transpose(1, 2) for x in (q, k, v))
+            if cu_seqlens is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=same_doc_causal, enable_gqa=True)
+            return o.transpose(1, 2).reshape(b * t, o.shape[1], -1)
+
+        def mix(i, module, h):
+            if cu_seqlens is None:                                          # b equal rows: [B, T, hidden]
+                return module(h.view(b, t, -1)).reshape(h.shape)
+            return module(h[None], cu_seqlens=cu_seqlens)[0]
+
+        h = self.layers_forward(input_ids.reshape(-1), positions, attend, mix)
+        return self.logits(h).view(b, t, -1)
+
+    def _rotary_at(self, positions: torch.Tensor):
+        """cos, sin [T, 1, D/2] fp32 at the positions, from a table built once per device (the same
+        fp32 products as the reference computes per call, so the same values)."""
+        dev = positions.device
+        if dev not in self._rope_tables:
+            c = self.config
+            half = c.head_dim // 2
+            inv_freq = c.rope_theta ** (-torch.arange(half, device=dev, dtype=torch.float32) / half)
+            angles = torch.arange(c.max_seq_len, device=dev, dtype=torch.float32)[:, None] * inv_freq[None]
+            self._rope_tables[dev] = (angles.cos()[:, None], angles.sin()[:, None])
+        cos, sin = self._rope_tables[dev]
+        return cos[positions], sin[positions]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding, fp32 inside: x [T, H, D], cos / sin [T, 1, D/2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def _init_std(name: str, p: torch.Tensor, c: ModelConfig) -> float | None:
+    """The reference's init: std per canonical weight (None: norms and plug-in weights keep theirs)."""
+    if name == "embed_tokens.weight":
+        return 2.0 / math.sqrt(c.hidden_size)
+    if name == "lm_head.weight":
+        return 1.0 / math.sqrt(c.hidden_size)
+    leaf = name.rsplit(".", 2)[-2]
+    if ".linear_attn." in name or leaf.endswith("layernorm") or name == "norm.weight":
+        return None
+    out_scale = 1.0 / math.sqrt(2 * c.num_layers) if leaf in ("o_proj", "down_proj") else 1.0
+    return out_scale / math.sqrt(p.shape[1])
+
+
+# ----------------------------------------------------------------------------- default attention plug-ins
+
+def _torch_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                       window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None,
+                       softcap=0.0, sinks=None):
+    """The default prefill attention: ``varlen_attn``'s signature in plain PyTorch, one sequence at
+    a time.  It supports what the engine asks for (causal window (-1, 0), packed or paged keys, GQA)
+    and raises NotImplementedError for the rest (plug in fast/paged_varlen_attention.varlen_attn)."""
+    if (return_aux is not None and return_aux.lse) or softcap or sinks is not None or tuple(window_size) != (-1, 0):
+        raise NotImplementedError("the in-file default varlen_attn does causal attention only (window (-1, 0), "
+                                  "no lse, softcap or sinks); plug in fast/paged_varlen_attention.varlen_attn")
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    q_bounds = cu_seq_q.tolist()
+    used = None if seqused_k is None else seqused_k.tolist()
+    k_bounds = None if cu_seq_k is None else cu_seq_k.tolist()
+    outs = []
+    for b in range(len(q_bounds) - 1):
+        q = query[q_bounds[b]:q_bounds[b + 1]]
+        if block_table is not None:
+            n, page_size = used[b], key.shape[1]
+            pages = block_table[b, :-(-n // page_size)].long()
+            k, v = key[pages].flatten(0, 1)[:n], value[pages].flatten(0, 1)[:n]   # [n, H_kv, D]
+        else:
+            start = k_bounds[b]
+            n = used[b] if used is not None else k_bounds[b + 1] - start
+            k, v = key[start:start + n], value[start:start + n]
+        # SDPA wants [1, H, L, D]; causal bottom-right: query i of L_q sees keys j <= i + L_k - L_q
+        l_q, l_k = q.shape[0], k.shape[0]
+        visible = torch.arange(l_k, device=q.device)[None] <= torch.arange(l_q, device=q.device)[:, None] + (l_k - l_q)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           attn_mask=visible, scale=scale, enable_gqa=True)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs) if outs else query.new_zeros(query.shape)
+
+
+def _torch_flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None, v_new=None, scale=None,
+                        num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None):
+    """The default decode attention: ``flash_decode``'s signature in plain PyTorch, the whole batch at
+    once (keys gathered from the pages, padded to the longest sequence, masked).  k_new / v_new are
+    written into the cache first.  No lse, softcap or sinks (NotImplementedError)."""
+    if return_lse or softcap or sinks is not None:
+        raise NotImplementedError("the in-file default flash_decode has no lse, softcap or sinks; plug in "
+                                  "fast/flash_decoding.flash_decode")
+    b, s_q, h_q, d = q.shape
+    h_kv = k_cache.shape[-2]
+    scale = d ** -0.5 if scale is None else scale
+    lengths = seqused_k.long()
+    pos = lengths[:, None] - s_q + torch.arange(s_q, device=q.device)            # [B, S_q] new keys' positions
+    if k_new is not None:
+        rows = lengths >= s_q                                                    # empty rows write nothing
+        if block_table is not None:
+            page_size = k_cache.shape[1]
+            page = block_table.long().gather(1, pos.clamp(min=0) // page_size)
+            flat = (page * page_size + pos % page_size)[rows].reshape(-1)       # slots in [pages * page_size]
+            k_cache.view(-1, h_kv, d).index_copy_(0, flat, k_new[rows].reshape(-1, h_kv, d))
+            v_cache.view(-1, h_kv, d).index_copy_(0, flat, v_new[rows].reshape(-1, h_kv, d))
+        else:
+            k_cache[rows.nonzero()[:, 0, None], pos[rows]] = k_new[rows]
+            v_cache[rows.nonzero()[:, 0, None], pos[rows]] = v_new[rows]
+    longest = int(lengths.max()) if b else 0
+    if block_table is not None:
+        n_pages = -(-longest // k_cache.shape[1])
+        pages = block_table[:, :n_pages].long()
+        k = k_cache[pages].flatten(1, 2)[:, :longest]                            # [B, L, H_kv, D]
+        v = v_cache[pages].flatten(1, 2)[:, :longest]
+    else:
+        k, v = k_cache[:, :longest], v_cache[:, :longest]
+    qf = q.float().view(b, s_q, h_kv, h_q // h_kv, d)
+    s = torch.einsum("bqhgd,bkhd->bhgqk", qf, k.float()) * scale                # [B, H_kv, G, S_q, L]
+    hidden = torch.arange(longest, device=q.device)[None, None] > pos[:, :, None]   # [B, S_q, L]
+    p = torch.softmax(s.masked_fill(hidden[:, None, None], float("-inf")), dim=-1).nan_to_num(0.0)
+    o = torch.einsum("bhgqk,bkhd->bqhgd", p, v.float()).reshape(b, s_q, h_q, d).to(q.dtype)
+    if out is not None:
+        out.copy_(o)
+        return out
+    return o
+
+
+# ----------------------------------------------------------------------------- batched sampling
+
+def _request_rng(seed: int | None) -> torch.Generator:
+    """The request's own random stream (a fresh random seed when None): the reference's draws."""
+    rng = torch.Generator()
+    if seed is None:
+        rng.seed()
+    else:
+        rng.manual_seed(seed)
+    return rng
+
+
+def _sample_batch(logits: torch.Tensor, params: list, rngs: list) -> tuple[list, list]:
+    """The reference's per-row rule on a batch: fp32 logits [B, V] -> (tokens, logprobs) lists.
+
+    Rows are grouped (greedy, plain temperature, top-k/top-p) and each group is one set of tensor
+    ops; each sampled row draws its uniform from its own request's generator, so a request gets the
+    same token alone or in any batch.  One device-to-host copy per group."""
+    b, vocab = logits.shape
+    tokens, logprobs = [0] * b, [0.0] * b
+    groups = ([], [], [])
+    for i, sp in enumerate(params):
+        groups[0 if sp.temperature == 0 else (2 if sp.top_k or sp.top_p < 1.0 else 1)].append(i)
+    dev = logits.device
+    for kind, rows in enumerate(groups):
+        if not rows:
+            continue
+        lg = logits if len(rows) == b else logits[torch.tensor(rows, device=dev)]
+        if kind == 0:
+            tok = torch.argmax(lg, dim=-1)
+            lp = torch.log_softmax(lg, dim=-1).gather(1, tok[:, None])[:, 0]
+        else:
+            inv_t = torch.tensor([1.0 / params[i].temperature for i in rows], dtype=torch.float32, device=dev)
+            logp = torch.log_softmax(lg * inv_t[:, None], dim=-1)
+            p = logp.exp()
+            if kind == 2:
+                p, order = torch.sort(p, dim=-1, descending=True, stable=True)
+                top_k = torch.tensor([params[i].top_k or vocab for i in rows], device=dev)
+                top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=dev)
+                keep = torch.arange(vocab, device=dev)[None] < top_k[:, None]
+                keep &= (torch.cumsum(p, dim=-1) - p) < top_p[:, None]
+                p = torch.where(keep, p, torch.zeros_like(p))
+            cdf = torch.cumsum(p.double(), dim=-1)
+            u = torch.stack([torch.rand((), generator=rngs[i], dtype=torch.float64) for i in rows]).to(dev)
+            index = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+            last = vocab - 1 - torch.argmax((p.flip(-1) > 0).to(torch.int8), dim=-1)
+            index = torch.minimum(index, last)
+            tok = index if kind == 1 else order.gather(1, index[:, None])[:, 0]
+            lp = logp.gather(1, tok[:, None])[:, 0]
+        for i, t, l in zip(rows, tok.tolist(), lp.tolist()):
+            tokens[i], logprobs[i] = t, l
+    return tokens, logprobs
+
+# ----------------------------------------------------------------------------- the engine
+
+class _Seq:
+    """One request inside the engine.  ``tokens`` = prompt + generated; pages hold the KV of every
+    token but the last (fed by the next step)."""
+
+    __slots__ = ("request", "future", "tokens", "n_prompt", "logprobs", "rng", "limit", "pages", "slot",
+                 "started", "min_version")
+
+    def __init__(self, request: Request, future: Future, max_seq_len: int):
+        self.request, self.future = request, future
+        self.tokens = list(request.prompt_token_ids)
+        self.n_prompt = len(self.tokens)
+        self.limit = min(request.sampling.max_new_tokens, max_seq_len - self.n_prompt)
+        self.logprobs: list[float] = []
+        self.rng = _request_rng(request.sampling.seed)
+        self.pages: list[int] = []
+        self.slot = None
+        self.started = False
+        self.min_version = None
+
+
+class Generator:
+    """The fast engine (module docstring): continuous batching over a paged KV cache, hot-swapped
+    weights.  Same contract as the reference's, plus the engine's knobs:
+
+    ``varlen_attn`` / ``flash_decode``  prefill / decode attention with those functions' signatures
+                                        (default: plain PyTorch in this file)
+    ``page_size``, ``num_pages``        the KV pool (default: room for min(max_batch_size, 32)
+                                        sequences of max_seq_len tokens)
+    ``max_batch_size``                  requests decoding at once (rows of the block table)
+    ``max_prefill_tokens``              prompt tokens admitted per iteration (one longer prompt
+                                        is still admitted alone)
+    """
+
+    def __init__(self, config: ModelConfig | None = None, *, state_dict=None, seed: int = 0, name: str = "generator",
+                 policy_version: int = 0, linear_layer=None, device=None, dtype=None, varlen_attn=None,
+                 flash_decode=None, page_size: int = 16, num_pages: int | None = None, max_batch_size: int = 256,
+                 max_prefill_tokens: int = 8192):
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        if not _is_int(policy_version):
+            raise TypeError(f"policy_version must be an int, got {type(policy_version).__name__}")
+        for arg, value in (("page_size", page_size), ("max_batch_size", max_batch_size),
+                           ("max_prefill_tokens", max_prefill_tokens), ("num_pages", num_pages)):
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
+        self.name = name
+        self.device = torch.device("cpu" if device is None else device)
+        self.model = DecoderLM(config, seed=seed, linear_layer=linear_layer, device=self.device, dtype=dtype).eval()
+        self.config = c = self.model.config
+        self.dtype = self.model.embed_tokens.weight.dtype
+        self._shapes = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
+        if state_dict is not None:
+            self._copy_into(self.model, self._checked(state_dict))
+        self._shadow = None                 # the second weight set, allocated by the first load
+        self._version = policy_version
+        self._varlen_attn = varlen_attn or _torch_varlen_attn
+        self._flash_decode = flash_decode or _torch_flash_decode
+        self.page_size, self.max_batch_size, self.max_prefill_tokens = page_size, max_batch_size, max_prefill_tokens
+        self._pages_per_seq = -(-c.max_seq_len // page_size)
+        self.num_pages = num_pages or self._pages_per_seq * min(max_batch_size, 32)
+        # The KV pool of every attention layer: [layers, num_pages, page_size, H_kv, D], zeros (finite).
+        attn = [i for i, kind in enumerate(c.kinds) if kind == "attention"]
+        self._pool_index = {layer: j for j, layer in enumerate(attn)}
+        kv_shape = (len(attn), self.num_pages, page_size, c.num_kv_heads, c.head_dim)
+        self._k = torch.zeros(kv_shape, device=self.device, dtype=self.dtype)
+        self._v = torch.zeros(kv_shape, device=self.device, dtype=self.dtype)
+        self._table = torch.zeros(max_batch_size, self._pages_per_seq, dtype=torch.int32, device=self.device)
+        self._table_updates: list[tuple[int, int, int]] = []   # (slot, column, page) not yet in _table
+        self._states: dict[int, dict[str, torch.Tensor]] = {}   # linear layer -> state pools [max_batch_size, ...]
+        self._free_pages = list(range(self.num_pages - 1, -1, -1))
+        self._free_slots = list(range(max_batch_size - 1, -1, -1))
+        self._waiting: deque[_Seq] = deque()  # under _cv; the rest of the engine state is the engine thread's
+        self._running: list[_Seq] = []
+        self._cv = threading.Condition()
+        self._load_lock = threading.Lock()
+        self._staged = None                 # (model, version, future): swapped in before the next step
+        self._closed = False
+        self._retired = None                # CUDA event after the last step on the weights now in the shadow
+        self._copy_stream = None
+        self._counts = dict(completed=0, steps=0, preemptions=0, generated_tokens=0)
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def submit(self, request) -> Future:
+        """Queue one request; the future resolves to its ``Completion``.  Never blocks."""
+        self._check_servable(request)
+        future = Future()
+        seq = _Seq(request, future, self.config.max_seq_len)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"generator {self.name} is closed")
+            self._waiting.append(seq)
+            self._cv.notify()
+        return future
+
+    def generate(self, requests) -> list[Completion]:
+        """Submit every request, wait, return the completions in order (raises the first failure)."""
+        futures = [self.submit(r) for r in list(requests)]
+        return [f.result() for f in futures]
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Validate, copy into the shadow weights while decoding goes on, swap between two steps."""
+        if not _is_int(version):
+            raise TypeError(f"version must be an int, got {type(version).__name__}")
+        with self._load_lock:
+            if version < self._version:
+                raise ValueError(f"version must not decrease: got {version}, serving {self._version}")
+            tensors = self._checked(state_dict)
+            if self._shadow is None:  # allocated once, by the first load (a copy: no random init)
+                self._shadow = copy.deepcopy(self.model)
+            shadow = self._shadow
+            self._copy_into(shadow, tensors)
+            swapped = Future()
+            with self._cv:
+                if self._closed:
+                    raise RuntimeError(f"generator {self.name} is closed")
+                self._staged = (shadow, version, swapped)
+                self._cv.notify()
+            swapped.result()
+
+    def stats(self) -> dict:
+        """waiting, running, completed, policy_version, plus free_pages, num_pages, page_size, steps,
+        preemptions, generated_tokens, weights_staged."""
+        with self._cv:
+            out = dict(waiting=len(self._waiting), running=len(self._running), policy_version=self._version,
+                       free_pages=len(self._free_pages), num_pages=self.num_pages, page_size=self.page_size,
+                       weights_staged=self._staged is not None, **self._counts)
+        return out
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ input checks
+
+    def _check_servable(self, request) -> None:
+        """ValueError / TypeError for a request this engine can never serve (a router then keeps it)."""
+        prompt, sp = getattr(request, "prompt_token_ids", None), getattr(request, "sampling", None)
+        if not isinstance(prompt, list) or not hasattr(sp, "max_new_tokens"):
+            raise TypeError(f"request must be a Request (prompt_token_ids, sampling, request_id), "
+                            f"got {type(request).__name__}")
+        c, n = self.config, len(prompt)
+        problem = ("an empty prompt" if not n else
+                   f"token ids in [0, {c.vocab_size}), got {max(prompt)}" if max(prompt) >= c.vocab_size or min(prompt) < 0
+                   else f"a prompt shorter than max_seq_len={c.max_seq_len}, got {n} tokens (no room to generate)"
+                   if n >= c.max_seq_len else None)
+        if problem:
+            raise ValueError(f"prompt_token_ids must hold {problem}")
+        kv_tokens = n + min(sp.max_new_tokens, c.max_seq_len - n) - 1   # the last token's K/V is never needed
+        if -(-kv_tokens // self.page_size) > self.num_pages:
+            raise ValueError(f"request {request.request_id} needs {kv_tokens} KV slots; the pool has only "
+                             f"{self.num_pages} pages of {self.page_size}: it can never fit")
+
+    def _checked(self, state_dict) -> dict:
+        """The whole state dict validated against the model's names and shapes, or an error that
+        names every problem (then nothing was touched)."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
+        bad_type = next(((n, t) for n, t in state_dict.items()
+                         if not isinstance(t, torch.Tensor) or not t.is_floating_point()), None)
+        if bad_type is not None:
+            n, t = bad_type
+            raise TypeError(f"state_dict[{n!r}] must be a floating torch.Tensor, got "
+                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        problems = {"missing": sorted(self._shapes.keys() - state_dict.keys()),
+                    "unexpected": sorted(state_dict.keys() - self._shapes.keys()),
+                    "mis-shaped": [f"{n}: got {tuple(t.shape)}, expected {self._shapes[n]}"
+                                   for n, t in state_dict.items() if n in self._shapes
+                                   and tuple(t.shape) != self._shapes[n]]}
+        if any(problems.values()):
+            raise ValueError("state_dict rejected whole (weights and version unchanged): " + "; ".join(
+                f"{kind} {items[:5]}{' ...' if len(items) > 5 else ''}" for kind, items in problems.items() if items))
+        return dict(state_dict)
+
+    # ------------------------------------------------------------------ weights
+
+    @torch.no_grad()
+    def _copy_into(self, model: DecoderLM, tensors: dict) -> None:
+        params = model.state_dict()
+        if self.device.type != "cuda":
+            for n, t in tensors.items():
+                params[n].copy_(t)
+            return
+        # On a side stream, so decoding on the compute stream goes on.  It first waits for the
+        # caller's stream (whatever produced the new tensors: an optimizer step, a broadcast) and
+        # for the last step that read these buffers (they held the previous weights).
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self._retired is not None:
+            self._copy_stream.wait_event(self._retired)
+        with torch.cuda.stream(self._copy_stream):
+            for n, t in tensors.items():
+                params[n].copy_(t, non_blocking=True)
+        self._copy_stream.synchronize()  # the loader waits, not the engine
+
+    def _swap(self, model: DecoderLM, version: int, swapped: Future) -> None:
+        """Between two steps: the staged weights become the live ones, the old ones the shadow."""
+        self._shadow, self.model = self.model, model
+        self._version = version
+        if self.device.type == "cuda":
+            self._retired = torch.cuda.Event()
+            self._retired.record()
+        swapped.set_result(None)
+
+    # ------------------------------------------------------------------ the engine loop
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._waiting or self._running or self._staged or self._closed):
+                    self._cv.wait()
+                if self._closed:
+                    break
+                staged, self._staged = self._staged, None
+            if staged is not None:
+                self._swap(*staged)
+            settle: list = []
+            try:
+                self._step(settle)
+            except Exception as exc:  # fail the batch that hit it; the engine goes on
+                for seq in self._running:
+                    if seq.slot is not None:  # (a request that finished in this step keeps its result)
+                        self._release(seq)
+                        settle.append((seq.future.set_exception, exc))
+                self._running = []
+            for fn, value in settle:  # outside every lock: callbacks may submit again
+                fn(value)
+        with self._cv:
+            staged, self._staged = self._staged, None
+            leftover = list(self._waiting) + self._running
+            self._waiting.clear()
+            self._running = []
+        if staged is not None:
+            staged[2].set_exception(RuntimeError(f"generator {self.name} closed before the weights were swapped in"))
+        for seq in leftover:
+            if seq.started or seq.future.set_running_or_notify_cancel():
+                seq.future.set_exception(RuntimeError(f"generator {self.name} closed before finishing the request"))
+
+    @torch.no_grad()
+    def _step(self, settle: list) -> None:
+        """One iteration: pages for the decode step, admission, one packed prefill, one decode step."""
+        old = self._grow_pages()
+        with self._cv:
+            new = self._admit(len(old))
+        self._running = old + new  # (what an error fails)
+        model = self.model
+        running = self._prefill(model, new, settle) if new else []
+        if old:
+            running = self._decode(model, old, settle) + running
+        self._running = running
+        self._counts["steps"] += 1
+
+    def _grow_pages(self) -> list:
+        """Give every running request the page its next decode step writes into; when the pool is
+        empty, preempt the newest request (its pages are freed and it is recomputed later)."""
+        running, ps, k = self._running, self.page_size, 0
+        while k < len(running):
+            seq = running[k]
+            while len(seq.pages) < -(-len(seq.tokens) // ps):
+                if self._free_pages:
+                    page = self._free_pages.pop()
+                    self._table_updates.append((seq.slot, len(seq.pages), page))
+                    seq.pages.append(page)
+                    continue
+                victim = running.pop()
+                self._release(victim)
+                self._counts["preemptions"] += 1
+                with self._cv:
+                    self._waiting.appendleft(victim)  # first in line; it keeps its tokens and generator
+                if victim is seq:
+                    break
+            else:
+                k += 1
+        return running
+
+    def _admit(self, n_running: int) -> list:
+        """Waiting requests in arrival order while their prompt's pages, a slot and the prefill budget
+        allow (under the lock)."""
+        new, budget, ps = [], self.max_prefill_tokens, self.page_size
+        while self._waiting and n_running + len(new) < self.max_batch_size:
+            seq = self._waiting[0]
+            n = len(seq.tokens)
+            need = -(-n // ps)
+            if need > len(self._free_pages) or (new and n > budget):
+                break
+            self._waiting.popleft()
+            if not seq.started:
+                if not seq.future.set_running_or_notify_cancel():  # the user cancelled it
+                    continue
+                seq.started = True
+            seq.slot = self._free_slots.pop()
+            seq.pages = [self._free_pages.pop() for _ in range(need)]
+            self._table_updates += [(seq.slot, j, page) for j, page in enumerate(seq.pages)]
+            budget -= n
+            new.append(seq)
+        return new
+
+    def _release(self, seq: _Seq) -> None:
+        self._free_pages += seq.pages
+        seq.pages = []
+        if seq.slot is not None:
+            self._free_slots.append(seq.slot)
+            seq.slot = None
+
+    def _flush_table(self) -> None:
+        if self._table_updates:
+            # Last write wins: a preempted request's slot may be reused in the same iteration, and
+            # index_put_ with repeated indices is undefined on a GPU.
+            latest = {(row, col): page for row, col, page in self._table_updates}
+            self._table_updates = []
+            rows, cols = zip(*latest)
+            pages = tuple(latest.values())
+            index = torch.tensor([rows, cols], dtype=torch.long).to(self.device)
+            self._table.index_put_((index[0], index[1]),
+                                   torch.tensor(pages, dtype=torch.int32).to(self.device))
+
+    def _store_states(self, layer: int, cache, slots: torch.Tensor) -> None:
+        pools = self._states.setdefault(layer, {})
+        for name, value in vars(cache).items():
+            if isinstance(value, torch.Tensor):
+                if name not in pools:
+                    pools[name] = torch.zeros(self.max_batch_size, *value.shape[1:], dtype=value.dtype,
+                                              device=value.device)
+                pools[name][slots] = value
+
+    def _prefill(self, model: DecoderLM, seqs: list, settle: list) -> list:
+        """One pass over the packed prompts of the admitted requests (a preempted one: all its tokens)."""
+        dev, ps, c = self.device, self.page_size, self.config
+        lengths = [len(s.tokens) for s in seqs]
+        ids = torch.tensor([t for s in seqs for t in s.tokens], device=dev)
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(dev)
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=dev)
+        # KV slot of every prompt token in the pool viewed as [num_pages * page_size, H_kv, D].
+        offsets = torch.arange(ps)
+        where = torch.cat([(torch.tensor(s.pages)[:, None] * ps + offsets).flatten()[:n]
+                           for s, n in zip(seqs, lengths)]).to(dev)
+        slots = torch.tensor([s.slot for s in seqs], device=dev)
+        self._flush_table()
+        table = self._table[slots, :max(len(s.pages) for s in seqs)]
+        used = torch.tensor(lengths, dtype=torch.int32, device=dev)
+        longest, scale = max(lengths), c.head_dim ** -0.5
+
+        def attend(i, q, k, v):
+            kc, vc = self._k[self._pool_index[i]], self._v[self._pool_index[i]]
+            kc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, where, k)
+            vc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, where, v)
+            return self._varlen_attn(q, kc, vc, cu, None, longest, longest, scale=scale, window_size=(-1, 0),
+                                     enable_gqa=True, seqused_k=used, block_table=table)
+
+        def mix(i, module, h):
+            cache = module.new_cache()
+            out = module(h[None], cu_seqlens=cu, cache=cache)[0]
+            self._store_states(i, cache, slots)
+            return out
+
+        h = model.layers_forward(ids, positions, attend, mix)
+        logits = model.logits(h[cu[1:].long() - 1])                                  # [N, V]
+        for s in seqs:
+            if s.min_version is None:
+                s.min_version = self._version
+        return self._advance(seqs, logits, settle)
+
+    def _decode(self, model: DecoderLM, seqs: list, settle: list) -> list:
+        """One token for every running request: a batched forward over their last tokens."""
+        dev, c = self.device, self.config
+        ids = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
+        positions = torch.tensor([len(s.tokens) - 1 for s in seqs], device=dev)
+        used = (positions + 1).to(torch.int32)
+        slots = torch.tensor([s.slot for s in seqs], device=dev)
+        self._flush_table()
+        table = self._table[slots, :max(len(s.pages) for s in seqs)]
+        scale = c.head_dim ** -0.5
+
+        def attend(i, q, k, v):
+            kc, vc = self._k[self._pool_index[i]], self._v[self._pool_index[i]]
+            return self._flash_decode(q[:, None], kc, vc, used, block_table=table, k_new=k[:, None],
+                                      v_new=v[:, None], scale=scale)[:, 0]
+
+        def mix(i, module, h):
+            cache = module.new_cache()
+            for name, pool in self._states[i].items():
+                setattr(cache, name, pool[slots])
+            out = module(h[:, None], cache=cache)[:, 0]
+            self._store_states(i, cache, slots)
+            return out
+
+        h = model.layers_forward(ids, positions, attend, mix)
+        return self._advance(seqs, model.logits(h), settle)
+
+    def _advance(self, seqs: list, logits: torch.Tensor, settle: list) -> list:
+        """Sample one token per request; finished requests free their pages.  Returns the rest."""
+        tokens, logprobs = _sample_batch(logits, [s.request.sampling for s in seqs], [s.rng for s in seqs])
+        still = []
+        for s, token, logprob in zip(seqs, tokens, logprobs):
+            s.tokens.append(token)
+            s.logprobs.append(logprob)
+            generated = len(s.tokens) - s.n_prompt
+            if token in s.request.sampling.stop_token_ids:
+                reason = "stop"
+            elif generated >= s.limit:
+                reason = "length"
+            else:
+                still.append(s)
+                continue
+            self._release(s)
+            r = s.request
+            settle.append((s.future.set_result, Completion(
+                r.request_id, list(r.prompt_token_ids), s.tokens[s.n_prompt:], s.logprobs, reason, self.name,
+                s.min_version, self._version)))
+            self._counts["completed"] += 1
+            self._counts["generated_tokens"] += generated
+        return still
+

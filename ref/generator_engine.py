@@ -1,0 +1,702 @@
+"""Generator engine: the reference (readable PyTorch, the specification for tokens and logprobs).
+
+What it computes
+    ``DecoderLM`` is a small decoder-only language model (Llama / Qwen blocks, optionally hybrid
+    with "linear" layers such as Gated DeltaNet); ``Generator`` samples from it, one request at a
+    time, the way gpt-fast's ``generate`` does: a prefill pass over the prompt fills a contiguous
+    KV cache, then one forward pass per new token.  A ``Generator`` has the four members a router
+    needs (``routed_generator.py``'s ``GeneratorProtocol``: name, policy_version, submit ->
+    Future[Completion], load_weights), so it sits behind a ``GeneratorRouter`` as it is; neither
+    file imports the other.
+
+The model (pre-norm, no biases; x_0 = embed[token])
+    per layer l   h = RMSNorm(x);  attention: q, k, v = h W_q, h W_k, h W_v (GQA: H_q heads read
+                  KV head h // (H_q / H_kv)), rotary embedding (rotate-half, base rope_theta) on
+                  q and k at each token's position, causal softmax(q k^T / sqrt(D)) v, then W_o;
+                  or a "linear" layer from the ``linear_layer`` plug-in (e.g. Gated DeltaNet);
+                  x += that;  x += W_down(silu(W_gate RMSNorm(x)) * W_up RMSNorm(x))
+    output        logits = RMSNorm(x) E^T (tied) or RMSNorm(x) W_head^T, in fp32
+    RMSNorm(x) = x / sqrt(mean(x^2) + eps) * w, computed in fp32.  Random init from ``seed``
+    (drawn on the CPU, so every device gets the same weights), or ``load_state_dict``.
+
+Sampling (per request; ``logits`` fp32 [V] at the last position)
+    greedy (T = 0)  token = argmax (first index on ties); logprob = log_softmax(logits)[token]
+    T > 0           logp = log_softmax(logits * fp32(1 / T)), p = exp(logp).  With top_k / top_p:
+                    sort p descending (stable), keep the first top_k and the prefix whose mass
+                    before each token is < top_p, zero the rest.  cdf = cumsum(p) in fp64 (sorted
+                    order when filtered, vocabulary order when not); u = one uniform draw from the
+                    request's own ``torch.Generator`` (seeded with ``seed``; a random seed when
+                    None); token = the first index with cdf > u * cdf[-1].
+                    logprob = logp[token]: the temperature-scaled model distribution before
+                    top-k / top-p truncation, what a trainer recomputes from the same weights.
+    stop            after a token in stop_token_ids (it is kept, finish "stop"), after
+                    max_new_tokens tokens, or when prompt + output reach max_seq_len (finish
+                    "length").  Same seed, same weights: same tokens.
+
+The engine (Generator)
+    One worker thread takes requests in submission order and runs each to completion (prefill,
+    then decode steps) on its own cache: K and V [capacity, H_kv, D] per attention layer and
+    the linear layers' own caches.  ``submit`` only enqueues.  ``load_weights`` validates the
+    whole state dict first (a missing, unexpected or mis-shaped tensor rejects it whole: weights
+    and version stay), then the worker copies it in between two requests, so a completion never
+    spans two versions here (min_policy_version == max_policy_version).
+
+Tensors and types
+    input_ids       [B, T] int64 (training forward; or [1, T] with cu_seqlens [N + 1] int32)
+    logits          [B, T, vocab_size] fp32
+    KV cache        [capacity, H_kv, head_dim] per attention layer, the model's dtype
+    SamplingParams  max_new_tokens int >= 1 (16), temperature float >= 0 (0 = greedy), top_k
+                    int >= 0 (0 = off), top_p in (0, 1] (1 = off), stop_token_ids tuple[int],
+                    seed int or None
+    Request         prompt_token_ids list[int] (a 1-D integer tensor or any sequence of ints is
+                    accepted), sampling, request_id str (a unique "req-<n>" when None),
+                    session_id hashable or None
+    Completion      request_id, prompt_token_ids, token_ids, logprobs (one per token),
+                    finish_reason "stop" | "length", generator_id (the engine's name),
+                    min_policy_version, max_policy_version
+    These three are repeated in routed_generator.py so that each file works alone; ``submit``
+    reads a request by its fields, so either file's ``Request`` is served.
+    ModelConfig     vocab_size, hidden_size, intermediate_size, num_layers, num_heads,
+                    num_kv_heads, head_dim (even), max_seq_len, rope_theta, rms_eps,
+                    tie_embeddings, layer_types (None = all "attention", else "attention" /
+                    "linear" per layer)
+    linear_layer    plug-in ``(config, layer_index) -> nn.Module`` for "linear" layers, called as
+                    ``m(x [1, T, hidden], cu_seqlens=cu [N+1] int32, cache=c)`` (prefill of N packed
+                    sequences; training on documents with c None), ``m(x [B, T, hidden])`` (training
+                    on B equal rows) and ``m(x [N, 1, hidden], cache=c)`` (a decode step);
+                    ``m.new_cache()`` gives an empty cache whose tensor attributes hold the N
+                    sequences on dim 0 once filled (ref/gated_deltanet.py's layer, with new_cache)
+
+Supported, and what raises
+    Any ModelConfig; fp32 / fp16 / bf16 weights on any device (sampling math in fp32/fp64).
+    Inference only in the engine; ``DecoderLM.forward`` trains.  Many threads may call
+    ``submit`` and ``load_weights``.  ValueError for bad config values, an empty prompt, a token
+    id >= vocab_size, a prompt of max_seq_len tokens or more (no room to generate), a state dict
+    with missing, unexpected or mis-shaped tensors, a version below the current one; TypeError
+    for a request without the Request fields, non-tensor or non-floating state-dict values, a
+    non-int version; RuntimeError after ``close()``.
+
+References
+    gpt-fast (PyTorch Labs, 2023): prefill + decode loop over a static KV cache; Llama / Qwen
+    decoder blocks (RMSNorm, RoPE, GQA, SwiGLU); Holtzman et al., The Curious Case of Neural Text
+    Degeneration (nucleus sampling, 2020).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import operator
+import threading
+from collections import deque
+from collections.abc import Hashable, Iterable, Mapping
+from concurrent.futures import Future
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["SamplingParams", "Request", "Completion", "ModelConfig", "DecoderLM", "Generator", "LAYER_TYPES"]
+
+LAYER_TYPES = ("attention", "linear")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# ----------------------------------------------------------------------------- data types
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request.  Frozen: one instance may be shared by many requests."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise ValueError(f"temperature must be a float >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        try:
+            stops = tuple(operator.index(t) for t in self.stop_token_ids)
+        except TypeError:
+            raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}") from None
+        if any(t < 0 for t in stops):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", stops)
+        if self.seed is not None and not _is_int(self.seed):
+            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+
+
+_request_ids = itertools.count()  # next() on a count is atomic under the GIL: ids stay unique across threads
+
+
+@dataclasses.dataclass
+class Request:
+    """One prompt to complete.  A missing ``request_id`` is filled with a unique one."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = SamplingParams()
+    request_id: str | None = None
+    session_id: Hashable | None = None
+
+    def __post_init__(self):
+        prompt = self.prompt_token_ids
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex():
+                raise TypeError(f"prompt_token_ids must be a 1-D integer tensor, got {prompt.dtype} "
+                                f"of shape {tuple(prompt.shape)}")
+            prompt = prompt.tolist()
+        elif isinstance(prompt, (str, bytes)) or not isinstance(prompt, Iterable):
+            raise TypeError(f"prompt_token_ids must be a sequence of ints, got {type(prompt).__name__}")
+        try:
+            prompt = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise TypeError("prompt_token_ids must hold ints (token ids)") from None
+        if not prompt:
+            raise ValueError("prompt_token_ids must hold at least one token, got an empty prompt")
+        if min(prompt) < 0:
+            raise ValueError(f"prompt_token_ids must be token ids >= 0, got {min(prompt)}")
+        self.prompt_token_ids = prompt
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if self.request_id is None:
+            self.request_id = f"req-{next(_request_ids)}"
+        elif not isinstance(self.request_id, str):
+            raise TypeError(f"request_id must be a str or None, got {type(self.request_id).__name__}")
+        try:
+            hash(self.session_id)
+        except TypeError:
+            raise TypeError(f"session_id must be hashable, got {type(self.session_id).__name__}") from None
+
+
+@dataclasses.dataclass
+class Completion:
+    """What a generator returns for one request, stamped with the weights that produced it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    generator_id: str
+    min_policy_version: int
+    max_policy_version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The decoder-only LM a ``Generator`` serves and a trainer trains (see the module docstring)."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    tie_embeddings: bool = True
+    layer_types: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (rotary embedding rotates pairs), got {self.head_dim}")
+        if not self.rope_theta > 0 or not self.rms_eps > 0:
+            raise ValueError(f"rope_theta and rms_eps must be > 0, got {self.rope_theta!r} and {self.rms_eps!r}")
+        if self.layer_types is not None:
+            types = tuple(self.layer_types)
+            if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
+                raise ValueError(f"layer_types must be None or {self.num_layers} entries from {LAYER_TYPES}, "
+                                 f"got {self.layer_types!r}")
+            object.__setattr__(self, "layer_types", types)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.layer_types or ("attention",) * self.num_layers
+
+
+# ----------------------------------------------------------------------------- the model
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding, rotate-half layout.  x [T, H, D]; positions [T] int -> [T, H, D]."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None]          # [T, D/2]
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]                # [T, 1, D/2]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v with GQA, causal and bottom-right aligned, fp32 inside.
+
+    q [L_q, H_q, D]; k, v [L_k, H_kv, D] -> [L_q, H_q, D] in q's dtype.  Query row i sees keys
+    j <= i + L_k - L_q: the whole prompt in a prefill, every cached key in a decode step."""
+    l_q, h_q, d = q.shape
+    l_k, h_kv = k.shape[0], k.shape[1]
+    qf = q.float().view(l_q, h_kv, h_q // h_kv, d)                            # [L_q, H_kv, G, D]
+    s = torch.einsum("qhgd,khd->hgqk", qf, k.float()) * scale                 # [H_kv, G, L_q, L_k]
+    future = torch.arange(l_k, device=q.device)[None] > torch.arange(l_q, device=q.device)[:, None] + (l_k - l_q)
+    p = torch.softmax(s.masked_fill(future, float("-inf")), dim=-1)
+    o = torch.einsum("hgqk,khd->qhgd", p, v.float())                         # [L_q, H_kv, G, D]
+    return o.reshape(l_q, h_q, d).to(q.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig, kind: str, linear_layer, index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.self_attn = Attention(c) if kind == "attention" else None
+        self.linear_attn = linear_layer(c, index) if kind == "linear" else None
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.mlp = FeedForward(c)
+
+
+class DecoderLM(nn.Module):
+    """The decoder-only LM of the module docstring.
+
+    ``forward(input_ids [B, T], *, cu_seqlens=None) -> logits [B, T, V]`` fp32 trains it (causal
+    per row, or per document of ``cu_seqlens`` with B == 1).  ``layers_forward`` runs the blocks
+    on packed tokens with the caller's attention: that is how the engine plugs its KV cache in.
+    """
+
+    def __init__(self, config: ModelConfig | None = None, *, seed: int = 0, linear_layer=None, device=None,
+                 dtype=None):
+        super().__init__()
+        config = ModelConfig() if config is None else config
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        if not _is_int(seed):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        if "linear" in config.kinds and linear_layer is None:
+            raise ValueError("config.layer_types has 'linear' layers: pass linear_layer, a (config, layer_index) "
+                             "-> nn.Module factory (e.g. a Gated DeltaNet layer)")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        blocks = []
+        for i, kind in enumerate(config.kinds):
+            with torch.random.fork_rng(devices=[]):  # the plug-in's own init, reproducible from the seed
+                torch.manual_seed(seed * 1000003 + i)
+                blocks.append(Block(config, kind, linear_layer, i))
+        self.layers = nn.ModuleList(blocks)
+        self.norm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._init_weights(seed)
+        self.to(device=device, dtype=dtype)
+
+    @torch.no_grad()
+    def _init_weights(self, seed: int) -> None:
+        """Unit-variance-preserving init drawn on the CPU in a fixed order (embedding; per block q, k,
+        v, o, gate, up, down; lm_head): the same weights everywhere.  Embeddings have std
+        2 / sqrt(hidden) so that logits spread over a few nats instead of a flat softmax."""
+        gen = torch.Generator().manual_seed(seed)
+        c = self.config
+
+        def normal_(p, std):
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+        normal_(self.embed_tokens.weight, 2.0 / math.sqrt(c.hidden_size))
+        out_scale = 1.0 / math.sqrt(2 * c.num_layers)  # the residual branches' outputs: o_proj, down_proj
+        for block in self.layers:
+            if block.self_attn is not None:
+                a = block.self_attn
+                for lin, scale in ((a.q_proj, 1.0), (a.k_proj, 1.0), (a.v_proj, 1.0), (a.o_proj, out_scale)):
+                    normal_(lin.weight, scale / math.sqrt(lin.in_features))
+            m = block.mlp
+            for lin, scale in ((m.gate_proj, 1.0), (m.up_proj, 1.0), (m.down_proj, out_scale)):
+                normal_(lin.weight, scale / math.sqrt(lin.in_features))
+        if self.lm_head is not None:
+            normal_(self.lm_head.weight, 1.0 / math.sqrt(c.hidden_size))
+
+    def layers_forward(self, ids: torch.Tensor, positions: torch.Tensor, attend, mix) -> torch.Tensor:
+        """The blocks on packed tokens.  ids, positions [T] -> final-normed hidden [T, hidden].
+
+        ``attend(layer, q [T, H_q, D], k [T, H_kv, D], v) -> [T, H_q, D]`` (rotary applied) and
+        ``mix(layer, module, h [T, hidden]) -> [T, hidden]`` (a "linear" layer) belong to the
+        caller: they own the caches and the batch layout."""
+        c = self.config
+        x = self.embed_tokens(ids)                                          # [T, hidden]
+        t = ids.shape[0]
+        for i, block in enumerate(self.layers):
+            h = block.input_layernorm(x)
+            if block.self_attn is not None:
+                a = block.self_attn
+                q = rotary(a.q_proj(h).view(t, c.num_heads, c.head_dim), positions, c.rope_theta)
+                k = rotary(a.k_proj(h).view(t, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
+                v = a.v_proj(h).view(t, c.num_kv_heads, c.head_dim)
+                x = x + a.o_proj(attend(i, q, k, v).reshape(t, c.num_heads * c.head_dim))
+            else:
+                x = x + mix(i, block.linear_attn, h)
+            x = x + block.mlp(block.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [..., hidden] -> logits [..., V] fp32."""
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (h @ w.t()).float()
+
+    def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise TypeError(f"input_ids must be an integer tensor [B, T], got {getattr(input_ids, 'shape', input_ids)!r}")
+        b, t = input_ids.shape
+        if cu_seqlens is None:
+            lengths = [t] * b
+        else:
+            if b != 1:
+                raise ValueError(f"cu_seqlens requires input_ids of shape [1, T], got {tuple(input_ids.shape)}")
+            lengths = cu_seqlens.diff().tolist()
+            if sum(lengths) != t or min(lengths, default=0) < 0:
+                raise ValueError(f"cu_seqlens must partition the {t} tokens, got {cu_seqlens.tolist()}")
+        if max(lengths, default=0) > self.config.max_seq_len:
+            raise ValueError(f"a sequence of {max(lengths)} tokens exceeds max_seq_len={self.config.max_seq_len}")
+        dev = input_ids.device
+        positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
+        bounds = [0, *itertools.accumulate(lengths)]
+        cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+        scale = self.config.head_dim ** -0.5
+
+        def attend(i, q, k, v):                                             # each document alone
+            return torch.cat([causal_attention(q[s:e], k[s:e], v[s:e], scale) for s, e in zip(bounds, bounds[1:])])
+
+        def mix(i, module, h):
+            if cu_seqlens is None:                                          # b equal rows: [B, T, hidden]
+                return module(h.view(b, t, -1)).reshape(h.shape)
+            return module(h[None], cu_seqlens=cu)[0]
+
+        h = self.layers_forward(input_ids.reshape(-1), positions, attend, mix)
+        return self.logits(h).view(b, t, -1)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def sample(logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> tuple[int, float]:
+    """One token from fp32 logits [V] (the module docstring's rule) and its logprob."""
+    if sp.temperature == 0:
+        token = int(torch.argmax(logits))
+        return token, float(torch.log_softmax(logits, dim=-1)[token])
+    inv_t = torch.tensor(1.0 / sp.temperature, dtype=torch.float32, device=logits.device)
+    logp = torch.log_softmax(logits * inv_t, dim=-1)      # times an fp32 1/T: what a batched engine computes
+    p = logp.exp()
+    order = None
+    if sp.top_k or sp.top_p < 1.0:
+        p, order = torch.sort(p, descending=True, stable=True)
+        keep = torch.ones_like(p, dtype=torch.bool)
+        if sp.top_k:
+            keep[sp.top_k:] = False
+        if sp.top_p < 1.0:
+            keep &= (torch.cumsum(p, dim=-1) - p) < sp.top_p              # mass before the token < top_p
+        p = torch.where(keep, p, torch.zeros_like(p))
+    cdf = torch.cumsum(p.double(), dim=-1)
+    u = torch.rand((), generator=rng, dtype=torch.float64).to(cdf.device)
+    index = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True))
+    # u * cdf[-1] may round up to cdf[-1]: stay on the last token that has probability.
+    last = p.shape[-1] - 1 - int(torch.argmax((p.flip(-1) > 0).to(torch.int8)))
+    index = min(index, last)
+    token = index if order is None else int(order[index])
+    return token, float(logp[token])
+
+
+def request_rng(seed: int | None) -> torch.Generator:
+    """The request's own random stream: seeded, or from a fresh random seed."""
+    gen = torch.Generator()
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+# ----------------------------------------------------------------------------- the engine
+
+class KVCache:
+    """One request's caches: K and V [capacity, H_kv, D] per attention layer, the linear layers' own.
+
+    ``attend`` / ``mix`` are ``DecoderLM.layers_forward``'s callbacks for the tokens at positions
+    ``start .. length - 1`` (set by ``advance``)."""
+
+    def __init__(self, model: DecoderLM, capacity: int):
+        c = model.config
+        w = model.embed_tokens.weight
+        self.k, self.v, self.linear = {}, {}, {}
+        for i, block in enumerate(model.layers):
+            if block.self_attn is not None:
+                self.k[i] = torch.zeros(capacity, c.num_kv_heads, c.head_dim, device=w.device, dtype=w.dtype)
+                self.v[i] = torch.zeros_like(self.k[i])
+            else:
+                self.linear[i] = block.linear_attn.new_cache()
+        self.scale, self.device = c.head_dim ** -0.5, w.device
+        self.start = self.length = 0
+
+    def advance(self, n: int) -> torch.Tensor:
+        """The next forward pass feeds n tokens; returns their positions [n]."""
+        self.start, self.length = self.length, self.length + n
+        return torch.arange(self.start, self.length, device=self.device)
+
+    def attend(self, i, q, k, v):
+        self.k[i][self.start:self.length] = k
+        self.v[i][self.start:self.length] = v
+        return causal_attention(q, self.k[i][:self.length], self.v[i][:self.length], self.scale)
+
+    def mix(self, i, module, h):
+        if self.start == 0:  # prefill: one document
+            cu = torch.tensor([0, h.shape[0]], dtype=torch.int32, device=h.device)
+            return module(h[None], cu_seqlens=cu, cache=self.linear[i])[0]
+        return module(h[None], cache=self.linear[i])[0]                   # decode: [1, 1, hidden]
+
+
+@torch.no_grad()
+def generate(model: DecoderLM, prompt: list[int], sp: SamplingParams, rng: torch.Generator):
+    """gpt-fast's loop: prefill the prompt, then one forward pass per token.  -> (tokens, logprobs, reason)."""
+    dev = model.embed_tokens.weight.device
+    limit = min(sp.max_new_tokens, model.config.max_seq_len - len(prompt))
+    cache = KVCache(model, len(prompt) + limit - 1)   # the last token's K/V is never needed
+    feed = prompt
+    tokens, logprobs = [], []
+    while True:
+        positions = cache.advance(len(feed))
+        h = model.layers_forward(torch.tensor(feed, device=dev), positions, cache.attend, cache.mix)
+        token, logprob = sample(model.logits(h[-1]), sp, rng)
+        tokens.append(token)
+        logprobs.append(logprob)
+        if token in sp.stop_token_ids:
+            return tokens, logprobs, "stop"
+        if len(tokens) == limit:
+            return tokens, logprobs, "length"
+        feed = [token]
+
+
+class Generator:
+    """The reference engine: requests one at a time, weights loaded between them.
+
+    ``Generator(config=None, *, state_dict=None, seed=0, name="generator", policy_version=0,
+    linear_layer=None, device=None, dtype=None)``; ``close()`` (or ``with``) stops its thread and
+    fails what is still queued.
+    """
+
+    def __init__(self, config: ModelConfig | None = None, *, state_dict=None, seed: int = 0, name: str = "generator",
+                 policy_version: int = 0, linear_layer=None, device=None, dtype=None):
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        if not _is_int(policy_version):
+            raise TypeError(f"policy_version must be an int, got {type(policy_version).__name__}")
+        self.name = name
+        self.device = torch.device("cpu" if device is None else device)
+        self.model = DecoderLM(config, seed=seed, linear_layer=linear_layer, device=self.device, dtype=dtype).eval()
+        self.config = self.model.config
+        self._shapes = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
+        if state_dict is not None:
+            self._copy_in(_checked_state_dict(state_dict, self._shapes))
+        self._version = policy_version
+        self._cv = threading.Condition()
+        self._load_lock = threading.Lock()  # one load_weights at a time
+        self._queue: deque = deque()        # (request, future), or (None, (tensors, version, done future))
+        self._closed = False
+        self._running = self._completed = 0
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-worker", daemon=True)
+        self._thread.start()
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def submit(self, request) -> Future:
+        """Queue one request; the future resolves to its ``Completion``.  Never blocks."""
+        _check_request(request, self.config)
+        future = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"generator {self.name} is closed")
+            self._queue.append((request, future))
+            self._cv.notify()
+        return future
+
+    def generate(self, requests) -> list[Completion]:
+        """Submit every request, wait, return the completions in order (raises the first failure)."""
+        futures = [self.submit(r) for r in list(requests)]
+        return [f.result() for f in futures]
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Validate, then load between two requests; returns when ``policy_version == version``."""
+        if not _is_int(version):
+            raise TypeError(f"version must be an int, got {type(version).__name__}")
+        with self._load_lock:
+            if version < self._version:
+                raise ValueError(f"version must not decrease: got {version}, serving {self._version}")
+            tensors = _checked_state_dict(state_dict, self._shapes)
+            done = Future()
+            with self._cv:
+                if self._closed:
+                    raise RuntimeError(f"generator {self.name} is closed")
+                self._queue.appendleft((None, (tensors, version, done)))  # before the waiting requests
+                self._cv.notify()
+            done.result()
+
+    def stats(self) -> dict:
+        """waiting, running, completed, policy_version."""
+        with self._cv:
+            return dict(waiting=sum(r is not None for r, _ in self._queue), running=self._running, completed=self._completed,
+                        policy_version=self._version)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ the worker
+
+    @torch.no_grad()
+    def _copy_in(self, tensors: dict) -> None:
+        params = self.model.state_dict()
+        for n, t in tensors.items():
+            params[n].copy_(t)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._queue or self._closed):
+                    self._cv.wait()
+                if self._closed:
+                    leftover, self._queue = list(self._queue), deque()
+                    break
+                request, job = self._queue.popleft()
+                self._running = int(request is not None)
+            if request is None:  # a weight load, between two requests
+                tensors, version, done = job
+                try:
+                    self._copy_in(tensors)
+                    self._version = version
+                    done.set_result(None)
+                except Exception as exc:  # validated already; a device error lands here
+                    done.set_exception(exc)
+                continue
+            future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                version = self._version
+                sp = request.sampling
+                tokens, logprobs, reason = generate(self.model, request.prompt_token_ids, sp, request_rng(sp.seed))
+                outcome = (future.set_result, Completion(request.request_id, list(request.prompt_token_ids), tokens,
+                                                         logprobs, reason, self.name, version, version))
+            except Exception as exc:
+                outcome = (future.set_exception, exc)
+            with self._cv:
+                self._running = 0
+                self._completed += 1
+            outcome[0](outcome[1])  # outside every lock: callbacks may submit again
+        closed = RuntimeError(f"generator {self.name} closed before serving the request")
+        for request, job in leftover:
+            if request is None:
+                job[2].set_exception(closed)
+            elif job.set_running_or_notify_cancel():
+                job.set_exception(closed)
+
+
+# ----------------------------------------------------------------------------- input checks
+
+def _check_request(request, config: ModelConfig) -> None:
+    """What makes a request unservable: ValueError / TypeError (a router keeps the generator)."""
+    prompt = getattr(request, "prompt_token_ids", None)
+    if not isinstance(prompt, list) or not hasattr(getattr(request, "sampling", None), "max_new_tokens"):
+        raise TypeError(f"request must be a Request (prompt_token_ids, sampling, request_id), "
+                        f"got {type(request).__name__}")
+    if not prompt:
+        raise ValueError("prompt_token_ids must hold at least one token, got an empty prompt")
+    if max(prompt) >= config.vocab_size or min(prompt) < 0:
+        raise ValueError(f"prompt_token_ids must be token ids in [0, {config.vocab_size}), got {max(prompt)}")
+    if len(prompt) >= config.max_seq_len:
+        raise ValueError(f"prompt_token_ids: a prompt of {len(prompt)} tokens leaves no room to generate "
+                         f"in a context of max_seq_len={config.max_seq_len}")
+
+
+def _checked_state_dict(state_dict, shapes: dict) -> dict:
+    """Validate a whole state dict against the model's names and shapes before touching anything."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state_dict[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"state_dict[{name!r}] must be a floating tensor, got {t.dtype}")
+    missing = [n for n in shapes if n not in state_dict]
+    unexpected = [n for n in state_dict if n not in shapes]
+    misshaped = [f"{n}: got {tuple(state_dict[n].shape)}, expected {shapes[n]}"
+                 for n in shapes if n in state_dict and tuple(state_dict[n].shape) != shapes[n]]
+    if missing or unexpected or misshaped:
+        parts = [f"{label} {items[:5]}{' ...' if len(items) > 5 else ''}"
+                 for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped))
+                 if items]
+        raise ValueError("state_dict rejected whole (weights and version unchanged): " + "; ".join(parts))
+    return {n: state_dict[n] for n in shapes}
+
+
+if __name__ == "__main__":  # a short self-check: greedy decoding is deterministic and loads between requests
+    with Generator(ModelConfig(vocab_size=64, max_seq_len=32), seed=0) as g:
+        a = g.generate([Request([1, 2, 3], SamplingParams(max_new_tokens=5))])[0]
+        g.load_weights(DecoderLM(ModelConfig(vocab_size=64, max_seq_len=32), seed=0).state_dict(), 1)
+        b = g.generate([Request([1, 2, 3], SamplingParams(max_new_tokens=5))])[0]
+    assert a.token_ids == b.token_ids and (b.min_policy_version, b.max_policy_version) == (1, 1)
+    print("ok:", a.token_ids)
