@@ -7,7 +7,7 @@ What it runs
     mode="hot_swap")``: the generators swap them in between two decode steps, so rollouts may
     span two policy versions, and every completion says which (min/max_policy_version).
 
-    model        a tiny hybrid ``DecoderLM`` (fast/routed_generator.py): Gated DeltaNet layers
+    model        a tiny hybrid ``DecoderLM`` (fast/generator_engine.py): Gated DeltaNet layers
                  (ref/gated_deltanet.py's Qwen3.5 layer, plugged in as the "linear" layers) and
                  rotary GQA attention layers, 3:1 like Qwen3.5 on the GPU size, 1:1 on the CPU size
     generators   two fast ``Generator``s (continuous batching, paged KV cache, seeded sampling);
@@ -47,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import fast.generator_engine as ge  # noqa: E402
 import fast.routed_generator as rg  # noqa: E402
 import ref.gated_deltanet as ref_gdn  # noqa: E402
 from fast.view_replay_offload import OffloadActivations  # noqa: E402
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if on_gpu else "cpu")
     if not on_gpu:
         torch.set_num_threads(1)  # three engine/trainer threads on a small CPU: no OpenMP team collisions
-    config = rg.ModelConfig(**size["model"])
+    config = ge.ModelConfig(**size["model"])
 
     gen_kw = dict(device=device, dtype=torch.bfloat16 if on_gpu else torch.float32, page_size=16,
                   num_pages=size["prompts"] * size["group"] * -(-(size["prompt_len"] + size["out_len"]) // 16) + 16)
@@ -160,10 +161,10 @@ def main(argv=None) -> int:
         train_layer = gdn_factory(size["gdn"], ref_gdn.fused_recurrent_gated_delta_rule,
                                   ref_gdn.fused_recurrent_gated_delta_rule)
 
-    model = rg.DecoderLM(config, seed=0, linear_layer=train_layer, device=device).train()
+    model = ge.DecoderLM(config, seed=0, linear_layer=train_layer, device=device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=size["lr"], weight_decay=0.0)
     offload = OffloadActivations(min_offload_bytes=4096, module=model)
-    gens = [rg.Generator(config, seed=0, name=f"gen{i}", linear_layer=gen_layer, **gen_kw) for i in range(2)]
+    gens = [ge.Generator(config, seed=0, name=f"gen{i}", linear_layer=gen_layer, **gen_kw) for i in range(2)]
     router = rg.GeneratorRouter(gens, policy="least_loaded")
     n_params = sum(p.numel() for p in model.parameters())
     print(f"hybrid model: {config.kinds}, {n_params / 1e6:.2f}M parameters; generators: {kernels}; "

@@ -52,8 +52,6 @@ first submit to the last completion, prefill included)
 from __future__ import annotations
 
 import argparse
-import heapq
-import itertools
 import math
 import random
 import statistics
@@ -69,8 +67,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.harness import ON_GPU, Recorder, optional_import  # noqa: E402
+import fast.generator_engine as fast_ge  # noqa: E402
 import fast.routed_generator as fast_rg  # noqa: E402
+import ref.generator_engine as ref_ge  # noqa: E402
 import ref.routed_generator as ref_rg  # noqa: E402
+from parity.fleet_sim import Clock  # noqa: E402
 
 IMPLS = {"ref": ref_rg, "fast": fast_rg}
 
@@ -103,40 +104,6 @@ class HoldGen(InstantGen):
         fut = Future()
         self.held.append((fut, request.request_id))
         return fut
-
-
-class Clock:
-    """One thread that runs callbacks when due: the simulated engines' decoding loop."""
-
-    def __init__(self):
-        self.cv = threading.Condition()
-        self.heap, self.seq, self.stopped = [], itertools.count(), False
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def call_later(self, delay, fn):
-        with self.cv:
-            heapq.heappush(self.heap, (time.perf_counter() + delay, next(self.seq), fn))
-            self.cv.notify()
-
-    def _loop(self):
-        while True:
-            with self.cv:
-                while not self.stopped and (not self.heap or self.heap[0][0] > time.perf_counter()):
-                    self.cv.wait(None if not self.heap else max(0.0, self.heap[0][0] - time.perf_counter()))
-                if self.stopped:
-                    return
-                now, due = time.perf_counter(), []
-                while self.heap and self.heap[0][0] <= now:
-                    due.append(heapq.heappop(self.heap)[2])
-            for fn in due:
-                fn()
-
-    def close(self):
-        with self.cv:
-            self.stopped = True
-            self.cv.notify()
-        self.thread.join()
 
 
 class SimEngine:
@@ -470,8 +437,8 @@ def bench_engine(rec, quick):
             rates = {}
             run_ref = batch <= 8 or (batch == 64 and prompt_len == 128) if ON_GPU else True
             if run_ref:
-                with ref_rg.Generator(ref_rg.ModelConfig(**cfg), device=dev, dtype=dtype) as g:
-                    rates["ref"] = _tokens_per_s(g, ref_rg, batch, prompt_len, out_len, cfg["vocab_size"])
+                with ref_ge.Generator(ref_ge.ModelConfig(**cfg), device=dev, dtype=dtype) as g:
+                    rates["ref"] = _tokens_per_s(g, ref_ge, batch, prompt_len, out_len, cfg["vocab_size"])
             variants = [("fast[torch-attn]", {})]
             if ON_GPU:
                 if len(kernels) == 2:
@@ -480,9 +447,9 @@ def bench_engine(rec, quick):
                     rec.missing(case, "fast[repo-kernels]", "fast.flash_decoding or fast.paged_varlen_attention "
                                                             "not importable")
             for impl, plug in variants:
-                with fast_rg.Generator(fast_rg.ModelConfig(**cfg), device=dev, dtype=dtype, num_pages=pages,
+                with fast_ge.Generator(fast_ge.ModelConfig(**cfg), device=dev, dtype=dtype, num_pages=pages,
                                        max_batch_size=max(batch, 4), **plug) as g:
-                    rates[impl] = _tokens_per_s(g, fast_rg, batch, prompt_len, out_len, cfg["vocab_size"])
+                    rates[impl] = _tokens_per_s(g, fast_ge, batch, prompt_len, out_len, cfg["vocab_size"])
             for impl, rate in rates.items():
                 rec.add(case, impl, "tokens_per_s", rate, "tok/s")
                 if impl != "ref" and "ref" in rates:
@@ -499,7 +466,7 @@ class _StepClock:
         if self.calls % self.layers == 0:
             self.starts.append(time.perf_counter())
         self.calls += 1
-        return fast_rg._torch_flash_decode(*args, **kwargs)
+        return fast_ge._torch_flash_decode(*args, **kwargs)
 
 
 def bench_sync(rec, quick):
@@ -512,15 +479,15 @@ def bench_sync(rec, quick):
     if quick:
         models = models[:1]
     for name, cfg in models:
-        config = fast_rg.ModelConfig(**cfg)
+        config = fast_ge.ModelConfig(**cfg)
         clock = _StepClock(config.num_layers)
         case = f"sync {name} b={batch}"
-        with fast_rg.Generator(config, device=dev, dtype=dtype, flash_decode=clock,
+        with fast_ge.Generator(config, device=dev, dtype=dtype, flash_decode=clock,
                                num_pages=batch * (-(-(128 + out_len) // 16)) + 64) as gen:
-            new = {k: v.clone() for k, v in fast_rg.DecoderLM(config, seed=1, device=dev, dtype=dtype).state_dict().items()}
+            new = {k: v.clone() for k, v in fast_ge.DecoderLM(config, seed=1, device=dev, dtype=dtype).state_dict().items()}
             rec.add(case, "fast", "params", _n_params(gen.model) / 1e6, "M")
             gen.load_weights(new, 0)  # allocates the shadow weights (once per engine), outside the timing
-            futures = [gen.submit(r) for r in _engine_requests(fast_rg, batch, 128, out_len, config.vocab_size)]
+            futures = [gen.submit(r) for r in _engine_requests(fast_ge, batch, 128, out_len, config.vocab_size)]
             while len(clock.starts) < out_len // 4:  # steady decoding
                 time.sleep(0.001)
             t0 = time.perf_counter()

@@ -1,21 +1,25 @@
-"""Routed generator, part 1: the router (ref and fast) behind fake generators.
+"""Routed generator, part 1: the router (ref and fast) and its fault policy, behind fake generators.
 
 The fakes follow ``GeneratorProtocol`` and nothing more:
     ManualGen  futures settled by hand from the test thread (the callbacks then run there, so
-               a scripted sequence of events is deterministic); gated, observable weight loads
+               a scripted sequence of events is deterministic); gated, observable weight loads;
+               ``restart()`` fails what it holds and comes back at version 0, like a new process
     TimedGen   an engine with ``lanes`` parallel lanes and a latency per request, driven by one
                shared clock thread; scripted failures; slow loads
     InstantGen a future that is already done when ``submit`` returns
-Every test runs on both implementations, and ``test_ref_and_fast_make_the_same_decisions``
-drives both through one scripted sequence (submits with sessions, successes, failures,
-submit errors, mark_healthy, drain and hot-swap syncs, failed loads) and compares every
-dispatch, every outcome and the final counters.  Synchronization uses Events, joins and
-``wait_until`` on observable state, never a sleep standing in for an ordering.
+Routers whose tests depend on time (deadlines, back-offs) get a ``ManualClock``: time moves only
+when the test advances it, so every breaker transition is deterministic and instant.  Every test
+runs on both implementations, and ``test_ref_and_fast_make_the_same_decisions`` drives both
+through one scripted sequence (submits with sessions, successes, failures, submit errors, futures
+that never settle, time passing, restarts, mark_healthy, drain and hot-swap syncs, failed loads)
+and compares every dispatch, every outcome, every health event and the final counters.
+Synchronization uses Events, joins and ``wait_until`` on observable state, never a sleep standing
+in for an ordering.  The chaos tests (many threads, thousands of requests) are in
+parity/test_fleet_chaos.py; the Ray fleet in parity/test_ray_fleet.py.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
+import math
 import random
 import sys
 import threading
@@ -28,6 +32,7 @@ import torch
 
 import fast.routed_generator as fast_rg
 import ref.routed_generator as ref_rg
+from fleet_sim import Clock, ManualClock, wait_until
 
 IMPLS = [pytest.param(ref_rg, id="ref"), pytest.param(fast_rg, id="fast")]
 TIMEOUT = 20.0  # generous: the machine is shared; a hang still fails
@@ -36,15 +41,6 @@ TIMEOUT = 20.0  # generous: the machine is shared; a hang still fails
 @pytest.fixture(params=IMPLS)
 def rg(request):
     return request.param
-
-
-def wait_until(predicate, timeout=TIMEOUT, what="condition"):
-    """Poll observable state (not a sleep standing in for synchronization)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.001)
 
 
 def req(rg, i, session=None, prompt=(1, 2, 3)):
@@ -64,10 +60,15 @@ class ManualGen:
         self.submit_error_once = None    # raised by the next submit only
         self.instant = False             # settle every future inside submit (success)
         self.instant_once = False        # settle the next one inside submit
-        self.load_gate = None            # load_weights waits for this Event when set
+        self.load_gate = None            # load_weights waits for this Event when set...
+        self.gate_only = None            # ...only for loads of this version, when set
         self.load_started = threading.Event()
+        self.gated_started = threading.Event()
+        self.gated_thread = None
         self.load_error = None
         self.load_thread = None
+        self.running = False             # mark futures running at submit (the router cannot cancel them)
+        self.serve_version = None        # stamp completions with this version instead of the real one
         self.loads = []                  # (version, requests in flight when the load began)
         self.lock = threading.Lock()
 
@@ -78,6 +79,8 @@ class ManualGen:
             if err is not None:
                 raise err
             fut = Future()
+            if self.running:
+                fut.set_running_or_notify_cancel()
             self.pending.append((request, fut, self.policy_version))
             instant, self.instant_once = self.instant or self.instant_once, False
         if instant:  # completes before submit returns: the router's callback runs in here
@@ -87,55 +90,37 @@ class ManualGen:
     def settle(self, index=0, error=None):
         with self.lock:
             request, fut, v0 = self.pending.pop(index)
+        if fut.cancelled():  # the router gave up on it (deadline) and cancelled it
+            return
         if error is None:
+            v0, v1 = (v0, self.policy_version) if self.serve_version is None else (self.serve_version,) * 2
             fut.set_result(self.rg.Completion(request.request_id, list(request.prompt_token_ids), [7, 8],
-                                              [-0.5, -0.25], "length", self.name, v0, self.policy_version))
+                                              [-0.5, -0.25], "length", self.name, v0, v1))
         else:
             fut.set_exception(error)
+
+    def restart(self, error=None):
+        """A new process: what it held fails, and it comes back with its initial weights (version 0)."""
+        with self.lock:
+            held, self.pending = self.pending, []
+            self.policy_version = 0
+        for _, fut, _ in held:
+            if not fut.cancelled():
+                fut.set_exception(error or RuntimeError(f"{self.name}: process died"))
 
     def load_weights(self, state_dict, version):
         self.load_thread = threading.current_thread()
         self.loads.append((version, len(self.pending)))
+        gated = self.load_gate is not None and self.gate_only in (None, version)
+        if gated:
+            self.gated_thread = threading.current_thread()
+            self.gated_started.set()
         self.load_started.set()
-        if self.load_gate is not None:
+        if gated:
             assert self.load_gate.wait(TIMEOUT), "load gate never opened"
         if self.load_error is not None:
             raise self.load_error
         self.policy_version = version
-
-
-class Clock:
-    """One background thread that runs callbacks when they are due (the fake engines' steps)."""
-
-    def __init__(self):
-        self.cv = threading.Condition()
-        self.heap, self.seq, self.stopped = [], itertools.count(), False
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def call_later(self, delay, fn):
-        with self.cv:
-            heapq.heappush(self.heap, (time.monotonic() + delay, next(self.seq), fn))
-            self.cv.notify()
-
-    def _loop(self):
-        while True:
-            with self.cv:
-                while not self.stopped and (not self.heap or self.heap[0][0] > time.monotonic()):
-                    self.cv.wait(None if not self.heap else max(0.0, self.heap[0][0] - time.monotonic()))
-                if self.stopped:
-                    return
-                due = []
-                while self.heap and self.heap[0][0] <= time.monotonic():
-                    due.append(heapq.heappop(self.heap)[2])
-            for fn in due:  # outside the clock's lock: callbacks submit more work
-                fn()
-
-    def close(self):
-        with self.cv:
-            self.stopped = True
-            self.cv.notify()
-        self.thread.join(TIMEOUT)
 
 
 @pytest.fixture
@@ -143,6 +128,11 @@ def clock():
     c = Clock()
     yield c
     c.close()
+
+
+@pytest.fixture
+def manual():
+    return ManualClock()
 
 
 class TimedGen:
@@ -279,10 +269,19 @@ def test_constructor_and_argument_errors(rg):
     with pytest.raises(TypeError, match=r"generators\[1\].*submit"):
         rg.GeneratorRouter([gens[0], object()])
     for kw, match in [(dict(max_inflight=0), "max_inflight"), (dict(max_retries=-1), "max_retries"),
-                      (dict(max_sessions=0), "max_sessions")]:
+                      (dict(max_sessions=0), "max_sessions"), (dict(failure_threshold=0), "failure_threshold"),
+                      (dict(request_timeout_s=0), "request_timeout_s"), (dict(sync_timeout_s=-1.0), "sync_timeout_s"),
+                      (dict(request_timeout_s=float("nan")), "request_timeout_s"), (dict(backoff_s=(0.0, 1.0)), "backoff_s"),
+                      (dict(backoff_s=(2.0, 1.0)), "backoff_s"), (dict(backoff_s=0.5), "backoff_s")]:
         with pytest.raises(ValueError, match=match):
             rg.GeneratorRouter(gens, **kw)
-    router = rg.GeneratorRouter(gens)
+    with pytest.raises(TypeError, match="clock"):
+        rg.GeneratorRouter(gens, clock=time.monotonic)
+    router = rg.GeneratorRouter(gens, request_timeout_s=math.inf)  # inf: no deadline
+    with pytest.raises(ValueError, match="timeout_s"):
+        router.submit(req(rg, "t"), timeout_s=-1)
+    with pytest.raises(ValueError, match="timeout_s"):
+        router.sync_weights({}, 1, timeout_s=0)
     with pytest.raises(TypeError, match="request"):
         router.submit([1, 2, 3])
     bad = req(rg, "mutated")
@@ -305,10 +304,10 @@ def test_constructor_and_argument_errors(rg):
 
 # ----------------------------------------------------------------------------- policies
 
-def test_round_robin_cycles_and_skips_unhealthy(rg):
+def test_round_robin_cycles_and_skips_unhealthy(rg, manual):
     log = []
     gens = [ManualGen(rg, f"g{i}", log) for i in range(3)]
-    router = rg.GeneratorRouter(gens, policy="round_robin")
+    router = rg.GeneratorRouter(gens, policy="round_robin", failure_threshold=1, clock=manual)
     for i in range(9):
         router.submit(req(rg, i))
     assert names(log) == ["g0", "g1", "g2"] * 3
@@ -318,7 +317,7 @@ def test_round_robin_cycles_and_skips_unhealthy(rg):
     for i in range(9, 13):
         router.submit(req(rg, i))
     assert "g1" not in names(log)
-    assert router.stats()["g1"]["healthy"] is False
+    assert router.stats()["g1"]["healthy"] is False and router.stats()["g1"]["state"] == "open"
 
 
 def test_least_loaded_ties_go_to_least_recently_chosen(rg):
@@ -378,10 +377,10 @@ def test_power_of_two_distribution_and_seed(rg):
     assert [c.generator_id for c in one.generate([req(rg, i) for i in range(3)])] == ["solo"] * 3
 
 
-def test_sticky_stays_put_and_moves_off_a_dead_generator(rg):
+def test_sticky_stays_put_and_moves_off_a_dead_generator(rg, manual):
     log = []
     gens = [ManualGen(rg, f"g{i}", log) for i in range(3)]
-    router = rg.GeneratorRouter(gens, policy="sticky", max_sessions=3)
+    router = rg.GeneratorRouter(gens, policy="sticky", max_sessions=3, clock=manual)
     home = {}
     for rnd in range(4):
         for s in "abc":
@@ -389,7 +388,7 @@ def test_sticky_stays_put_and_moves_off_a_dead_generator(rg):
             home.setdefault(s, log[-1][0])
             assert log[-1][0] == home[s], "a session left its generator"
     assert sorted(home.values()) == ["g0", "g1", "g2"]  # new sessions spread least-loaded
-    # g(a) dies: a's next request fails there, is retried elsewhere, and a re-pins there.
+    # g(a) fails: a's next request fails there, its retry avoids g(a), and a re-pins where it went.
     dead = next(g for g in gens if g.name == home["a"])
     dead.submit_error = RuntimeError("engine is dead")
     fut = router.submit(req(rg, "a-x", session="a"))
@@ -397,10 +396,10 @@ def test_sticky_stays_put_and_moves_off_a_dead_generator(rg):
     new_home = log[-1][0]
     next(g for g in gens if g.name == new_home).settle(-1)
     assert fut.result(TIMEOUT).generator_id == new_home
+    assert router.stats()[dead.name]["healthy"]  # one failure does not open its breaker (threshold 3)
     dead.submit_error = None
-    router.mark_healthy(dead.name)
     router.submit(req(rg, "a-y", session="a"))
-    assert log[-1][0] == new_home  # stays at its new home after the old one comes back
+    assert log[-1][0] == new_home  # a stays at its new home
     # No session: least-loaded, no pin.
     router.submit(req(rg, "anon"))
     assert router.stats()[log[-1][0]]["dispatched"] >= 1
@@ -494,7 +493,8 @@ def test_failover_loses_and_duplicates_nothing(rg, clock):
             TimedGen(rg, "g1", clock, latency=lambda r: 0.002, fail=lambda r, n: "fail" if n in (5, 6) else None),
             TimedGen(rg, "g2", clock, latency=lambda r: 0.001, fail=flaky("raise", 10)),
             TimedGen(rg, "g3", clock, latency=lambda r: 0.001, fail=flaky("fail", 20))]
-    router = rg.GeneratorRouter(gens, policy="least_loaded", max_inflight=3, max_retries=3)
+    router = rg.GeneratorRouter(gens, policy="least_loaded", max_inflight=3, max_retries=3, failure_threshold=1,
+                                clock=ManualClock())  # no time passes for the router: the opened stay open
     barrier = threading.Barrier(4)
     results = {}
 
@@ -518,20 +518,44 @@ def test_failover_loses_and_duplicates_nothing(rg, clock):
     assert sum(s["completed"] for s in stats.values()) == 300
 
 
-def test_every_generator_failing_gives_an_error_not_a_hang(rg, clock):
-    gens = [TimedGen(rg, "g0", clock, latency=lambda r: 0.001, fail=lambda r, n: "fail"),
-            TimedGen(rg, "g1", clock, latency=lambda r: 0.001, fail=lambda r, n: "raise"),
-            ManualGen(rg, "g2")]
+class FailingGen:
+    """Every request fails at once: ``submit`` raises, or returns a future that has already failed."""
+
+    def __init__(self, rg, name, how):
+        self.name, self.policy_version, self.how = name, 0, how
+
+    def submit(self, request):
+        if self.how == "raise":
+            raise RuntimeError(f"{self.name}: engine is dead")
+        fut = Future()
+        fut.set_exception(RuntimeError(f"{self.name}: lost the request"))
+        return fut
+
+    def load_weights(self, state_dict, version):
+        self.policy_version = version
+
+
+def test_every_generator_failing_gives_an_error_not_a_hang(rg, manual):
+    """Every generator fails every request: breakers open, back off (0.5, 1, 2, 4, 5, 5 ... s), probe,
+    fail again; each request fails after max_retries + 1 attempts with every cause, none hangs."""
+    gens = [FailingGen(rg, "g0", "fail"), FailingGen(rg, "g1", "raise"), ManualGen(rg, "g2")]
     gens[2].submit_error = ConnectionError("g2 unreachable")
-    router = rg.GeneratorRouter(gens, max_retries=5, max_inflight=1)
+    router = rg.GeneratorRouter(gens, max_retries=5, max_inflight=1, failure_threshold=1, clock=manual,
+                                request_timeout_s=1000.0)
     futs = [router.submit(req(rg, i)) for i in range(6)]
+    assert {s["state"] for s in router.stats().values()} == {"open"} and router.queued == 6  # waiting
+    steps = 0
+    while not all(f.done() for f in futs):
+        manual.advance(0.25)  # back-offs end, probes fail: every failure here is synchronous
+        steps += 1
+        assert steps < 400, "requests hang"
     for f in futs:
-        exc = f.exception(TIMEOUT)
-        assert isinstance(exc, rg.RouterError)
+        exc = f.exception(0)
+        assert isinstance(exc, rg.RouterError) and "after 6 attempts" in str(exc)
         assert {"g0", "g1", "g2"} <= {name for name, _ in exc.causes}
         assert "g2 unreachable" in str(exc) and "engine is dead" in str(exc) and "lost the request" in str(exc)
-    with pytest.raises(rg.RouterError, match="no healthy generator"):
-        router.generate([req(rg, "late")])  # fails at once, does not wait
+    opened = [float(d.split()[1]) for _, g, e, d in router.health_events() if g == "g0" and e == "opened"]
+    assert opened[:6] == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0], opened  # exponential, capped
     # Retries exhausted while a healthy generator remains still fails with every cause.
     a, b, c = ManualGen(rg, "a"), ManualGen(rg, "b"), ManualGen(rg, "c")
     router = rg.GeneratorRouter([a, b, c], policy="round_robin", max_retries=1)
@@ -556,15 +580,28 @@ def test_bad_request_fails_alone(rg):
     assert f.result(TIMEOUT).generator_id == "g0"
 
 
-def test_queued_requests_fail_when_the_last_generator_dies(rg):
+def test_queued_requests_fail_when_the_fleet_stays_down(rg, manual):
+    """The only generator opens: queued requests wait for its re-admission, at most timeout_s each."""
     g = ManualGen(rg, "only")
-    router = rg.GeneratorRouter([g], max_inflight=1, max_retries=3)
+    router = rg.GeneratorRouter([g], max_inflight=1, max_retries=3, failure_threshold=1, clock=manual,
+                                request_timeout_s=2.0, backoff_s=(5.0, 5.0))
     futs = [router.submit(req(rg, i)) for i in range(4)]
-    assert router.queued == 3
-    g.settle(error=RuntimeError("gone"))
+    manual.advance(1.0)
+    late = router.submit(req(rg, "late"), timeout_s=3.0)  # its own deadline
+    assert router.queued == 4
+    g.settle(error=RuntimeError("gone"))                 # at t = 1: open for 5 s, the fleet is down
+    assert router.queued == 5 and not any(f.done() for f in futs)
+    manual.advance(1.999)
+    assert not any(f.done() for f in futs)
+    manual.advance(0.002)                                # t = 3.001: 2 s since the fleet went down
     for f in futs:
-        assert isinstance(f.exception(TIMEOUT), rg.RouterError)
-    assert router.queued == 0
+        exc = f.exception(0)
+        assert isinstance(exc, rg.RouterError) and "no generator in rotation for 2 s" in str(exc), exc
+        assert "gone" in str(exc)
+    assert not late.done()                               # 3 s for this one
+    manual.advance(1.0)
+    assert isinstance(late.exception(0), rg.RouterError) and router.queued == 0
+    assert [e for _, _, e, _ in router.health_events()] == ["opened", "fleet_down"]
 
 
 def test_deep_synchronous_chains_do_not_recurse(rg):
@@ -584,6 +621,194 @@ def test_deep_synchronous_chains_do_not_recurse(rg):
     assert router.queued == 0 and router.stats()["g0"]["completed"] == n + 1
 
 
+# ----------------------------------------------------------------------------- the fault policy
+
+def test_deadline_retries_elsewhere_and_drops_the_late_result(rg, manual):
+    log = []
+    a, b = ManualGen(rg, "a", log), ManualGen(rg, "b", log)
+    router = rg.GeneratorRouter([a, b], policy="round_robin", clock=manual, request_timeout_s=10.0)
+    f = router.submit(req(rg, "x"))
+    manual.advance(9.99)
+    assert names(log) == ["a"] and not f.done()
+    manual.advance(0.02)  # its deadline: a takes a strike, its future is cancelled, b gets the retry
+    assert names(log) == ["a", "b"] and a.pending[0][1].cancelled()
+    a.pending.clear()
+    st = router.stats()["a"]
+    assert (st["timeouts"], st["failures"], st["inflight"], st["state"]) == (1, 1, 0, "closed")
+    b.settle()
+    assert f.result(0).generator_id == "b"
+    # A future the generator already runs cannot be cancelled: its late result is dropped.
+    a.running = True
+    g = router.submit(req(rg, "y"), timeout_s=1.0)  # a per-request deadline
+    assert names(log)[-1] == "a"
+    manual.advance(1.01)
+    assert names(log)[-1] == "b" and not g.done()
+    a.settle()  # late: dropped, not served
+    assert not g.done() and router.stats()["a"]["late"] == 1
+    b.settle()
+    assert g.result(0).generator_id == "b" and router.stats()["a"]["completed"] == 0
+    # A deadline is per attempt: with max_retries=2 a request that nobody answers fails after 3.
+    h = router.submit(req(rg, "z"), timeout_s=1.0)
+    for _ in range(3):
+        manual.advance(1.01)
+    exc = h.exception(0)
+    assert isinstance(exc, rg.RouterError) and "after 3 attempts" in str(exc) and "no result within 1 s" in str(exc)
+
+
+def test_breaker_threshold_backoff_and_probe(rg, manual):
+    """Isolated failures never open it; three in a row do; after the back-off one probe decides."""
+    log = []
+    a, b = ManualGen(rg, "a", log), ManualGen(rg, "b", log)
+    router = rg.GeneratorRouter([a, b], policy="round_robin", clock=manual, backoff_s=(0.5, 2.0))
+    on_a = 0
+    for i in range(30):  # every other request a gets fails: never three in a row
+        f = router.submit(req(rg, i))
+        while not f.done():
+            if a.pending:
+                on_a += 1
+                a.settle(error=RuntimeError("blip") if on_a % 2 else None)
+            else:
+                b.settle()
+        assert f.exception(0) is None
+    assert router.stats()["a"]["state"] == "closed" and router.stats()["a"]["failures"] > 3
+    while router.stats()["a"]["state"] == "closed":  # now a fails everything: three in a row open it
+        f = router.submit(req(rg, "bad"))
+        while not f.done():
+            a.settle(error=RuntimeError("down")) if a.pending else b.settle()
+    assert router.stats()["a"]["consecutive" if False else "failures"] > 3
+    for i in range(4):  # all to b while a backs off
+        router.submit(req(rg, f"b{i}"))
+        assert log[-1][0] == "b"
+        b.settle()
+    manual.advance(0.5)
+    assert router.stats()["a"]["state"] == "half_open"
+    router.submit(req(rg, "probe"))
+    router.submit(req(rg, "after-probe"))
+    assert names(log)[-2:] == ["a", "b"]  # one probe only
+    a.settle(error=RuntimeError("still down"))  # probe fails: open again, twice as long
+    b.settle()
+    b.settle()
+    manual.advance(0.99)
+    assert router.stats()["a"]["state"] == "open"
+    manual.advance(0.02)
+    assert router.stats()["a"]["state"] == "half_open"
+    router.submit(req(rg, "probe2"))
+    a.settle()  # probe succeeds: closed, back-off reset
+    assert router.stats()["a"]["state"] == "closed"
+    events = [(e, d.split()[1] if e == "opened" else "") for _, g, e, d in router.health_events() if g == "a"]
+    assert events == [("opened", "0.5"), ("readmitting", ""), ("half_open", ""), ("opened", "1"),
+                      ("readmitting", ""), ("half_open", ""), ("closed", "")]
+
+
+def test_a_restarted_generator_never_serves_stale_weights(rg, manual):
+    """A generator that lost its weights is refused at dispatch (it reports a version below its floor)
+    and its stale completions are never served; it is re-synced before its probe."""
+    log = []
+    a, b = ManualGen(rg, "a", log), ManualGen(rg, "b", log)
+    router = rg.GeneratorRouter([a, b], policy="round_robin", clock=manual)
+    weights = {"w": torch.full((2,), 3.0)}
+    router.sync_weights(weights, 3)
+    f = router.submit(req(rg, 0))
+    assert names(log) == ["a"]
+    a.restart()  # its request fails and goes to b; a now reports version 0
+    assert names(log) == ["a", "b"]
+    b.settle()
+    assert f.result(0).min_policy_version == 3
+    g = router.submit(req(rg, 1))  # round robin picks a: refused before submit (0 < floor 3), b serves
+    assert names(log)[-1] == "b" and "refused" not in names(log)
+    b.settle()
+    assert g.result(0).generator_id == "b" and "below the 3 it was admitted with" in router.stats()["a"]["last_error"]
+    # A generator that reports the right version but serves older weights: the completion is refused.
+    c = ManualGen(rg, "c", log, version=3)
+    router = rg.GeneratorRouter([c, b], policy="round_robin", clock=manual)
+    c.serve_version = 0
+    h = router.submit(req(rg, 2))
+    c.settle()
+    assert names(log)[-1] == "b" and not h.done()
+    b.settle()
+    assert h.result(0).generator_id == "b" and router.stats()["c"]["completed"] == 0
+    # Re-admission after the back-off re-syncs a (version 0 -> 3) before its probe.
+    a.restart()
+    a.submit_error = None
+    router = rg.GeneratorRouter([a, b], policy="round_robin", clock=manual, failure_threshold=1)
+    b.policy_version = 3
+    router.sync_weights(weights, 4)  # both load 4
+    a.restart()                       # back to 0
+    fut = router.submit(req(rg, 3))   # refused at dispatch: open
+    b.settle()
+    assert fut.result(0).generator_id == "b" and router.stats()["a"]["state"] == "open"
+    a.load_started.clear()
+    manual.advance(0.5)
+    assert a.load_started.wait(TIMEOUT)
+    wait_until(lambda: router.stats()["a"]["state"] == "half_open", what="re-sync")
+    assert a.policy_version == 4 and a.loads[-1][0] == 4
+    probe = router.submit(req(rg, 4))
+    a.settle()
+    assert probe.result(0).min_policy_version == 4 and router.stats()["a"]["state"] == "closed"
+
+
+@pytest.mark.parametrize("mode", ["drain", "hot_swap"])
+def test_sync_deadline_drops_a_hung_generator(rg, manual, mode):
+    """drain: a's request never finishes; hot_swap: a's load never returns.  Either way the sync
+    ends at its deadline without a, b serves the new version, and a is re-synced once it returns."""
+    log = []
+    a, b = ManualGen(rg, "a", log), ManualGen(rg, "b", log)
+    router = rg.GeneratorRouter([a, b], policy="round_robin", clock=manual, sync_timeout_s=5.0,
+                                request_timeout_s=60.0)
+    stuck = router.submit(req(rg, "stuck"))  # a never settles it
+    gate = threading.Event()
+    if mode == "hot_swap":
+        a.load_gate = gate
+    t, box = _start_sync(router, 1, mode)
+    if mode == "drain":
+        wait_until(lambda: router.stats()["b"]["policy_version"] == 1, what="b to load")
+    else:
+        assert a.load_started.wait(TIMEOUT)
+        wait_until(lambda: b.policy_version == 1, what="b to load")
+    assert t.is_alive()
+    manual.advance(5.01)
+    t.join(TIMEOUT)
+    assert isinstance(box.get("error"), rg.RouterError) and "a: TimeoutError" in str(box["error"])
+    st = router.stats()
+    assert router.policy_version == 1 and st["a"]["state"] == "open" and st["b"]["policy_version"] == 1
+    later = router.submit(req(rg, "later"))
+    assert names(log)[-1] == "b"
+    b.settle()
+    assert (later.result(0).min_policy_version, later.result(0).max_policy_version) == (1, 1)
+    if mode == "hot_swap":
+        manual.advance(1.0)  # back-off over, but a's load is still running: a waits for it
+        assert router.stats()["a"]["state"] == "open"
+        gate.set()           # the load returns (late): a now holds 1, no re-sync needed...
+        wait_until(lambda: a.policy_version == 1, what="the late load")
+        assert router.stats()["a"]["state"] == "open"  # ...but its older request is still out
+        a.settle()           # it ends (within its deadline: served, admitted at 0 on a's floor 0)
+        assert (stuck.result(0).min_policy_version, stuck.result(0).max_policy_version) == (0, 1)
+        assert router.stats()["a"]["state"] == "half_open"
+    else:
+        manual.advance(60.0)  # stuck's deadline: retried on b; a's older attempts are over: re-sync
+        b.settle()
+        assert stuck.result(0).generator_id == "b"
+        wait_until(lambda: router.stats()["a"]["state"] == "half_open", what="re-admission")
+        assert a.loads[-1][0] == 1 and a.policy_version == 1
+    assert [e for _, g, e, _ in router.health_events() if g == "a"][:2] == ["sync_missed", "opened"]
+
+
+def test_close_is_bounded(rg):
+    g = ManualGen(rg, "never")  # never settles anything
+    router = rg.GeneratorRouter([g], max_inflight=1)
+    inflight, queued = router.submit(req(rg, 0)), router.submit(req(rg, 1))
+    t0 = time.monotonic()
+    router.close(timeout_s=0.2)
+    assert time.monotonic() - t0 < 2.0
+    for f in (inflight, queued):
+        assert isinstance(f.exception(0), rg.RouterError) and "closed" in str(f.exception(0))
+    with pytest.raises(RuntimeError, match="closed"):
+        router.submit(req(rg, 2))
+    g.settle()  # a late result after close is dropped quietly
+    with rg.GeneratorRouter([InstantGen(rg, "i")]) as r:  # close() in __exit__, nothing outstanding
+        assert r.generate([req(rg, 3)])[0].generator_id == "i"
+
+
 # ----------------------------------------------------------------------------- weight sync and versions
 
 def _start_sync(router, version, mode):
@@ -599,9 +824,9 @@ def _start_sync(router, version, mode):
     return t, box
 
 
-def test_version_rules(rg):
+def test_version_rules(rg, manual):
     gens = [ManualGen(rg, "g0", version=3), ManualGen(rg, "g1", version=1)]
-    router = rg.GeneratorRouter(gens)
+    router = rg.GeneratorRouter(gens, clock=manual)
     assert router.policy_version == 3
     for bad in (3, 2):
         with pytest.raises(ValueError, match="version must increase"):
@@ -624,19 +849,35 @@ def test_version_rules(rg):
     assert not box5 and not box6 and [v for v, _ in gens[0].loads] == [4, 5, 6]
     with pytest.raises(ValueError, match="already serves version 6"):
         router.sync_weights({}, 5)
-    # A failed load takes that generator out; the rest serve the new version; a later load brings it back.
+    # A failed load opens that generator; the rest serve the new version.
     gens[1].load_error = RuntimeError("bad shard")
+    sd7 = {"w": torch.full((2,), 7.0)}
     with pytest.raises(rg.RouterError, match="bad shard"):
-        router.sync_weights({}, 7)
+        router.sync_weights(sd7, 7)
     st = router.stats()
-    assert router.policy_version == 7 and st["g0"]["policy_version"] == 7 and not st["g1"]["healthy"]
+    assert router.policy_version == 7 and st["g0"]["policy_version"] == 7 and st["g1"]["state"] == "open"
     f = router.submit(req(rg, 0))
     assert gens[0].pending and not gens[1].pending
     gens[0].settle()
     assert f.result(TIMEOUT).max_policy_version == 7
+    # An open generator is skipped by the next sync and re-synced when its back-off ends: with
+    # the router's last weights (version 8), before its probe.
     gens[1].load_error = None
-    router.sync_weights({}, 8)
-    assert router.stats()["g1"]["healthy"]
+    sd8 = {"w": torch.full((2,), 8.0)}
+    router.sync_weights(sd8, 8)
+    assert gens[1].loads[-1][0] == 7 and gens[1].policy_version == 6  # 7 failed; 8 not tried: it is open
+    gens[1].load_started.clear()
+    manual.advance(0.5)
+    assert gens[1].load_started.wait(TIMEOUT)
+    wait_until(lambda: router.stats()["g1"]["state"] == "half_open", what="re-admission")
+    assert gens[1].loads[-1][0] == 8 and router.stats()["g1"]["floor"] == 8
+    probe = router.submit(req(rg, "probe"), timeout_s=5.0)
+    assert len(gens[1].pending) == 1  # the probe goes to the half-open generator (least loaded)
+    gens[1].settle()
+    assert probe.result(TIMEOUT).generator_id == "g1" and router.stats()["g1"]["state"] == "closed"
+    events = [(g, e) for _, g, e, _ in router.health_events()]
+    assert [e for g, e in events if g == "g1"] == ["sync_missed", "opened", "readmitting", "resynced",
+                                                   "half_open", "closed"]
     # A generator that returns from load_weights without reporting the version is out too.
     class Liar(ManualGen):
         def load_weights(self, state_dict, version):
@@ -645,16 +886,20 @@ def test_version_rules(rg):
     with pytest.raises(rg.RouterError, match="policy_version is 0"):
         router.sync_weights({}, 1)
     assert not router.stats()["liar"]["healthy"]
-    # Every load failing leaves the version where it was (the same version may be retried).
+    # Every load failing leaves the version where it was (the same version may be retried once
+    # the generator is back in rotation).
     g = ManualGen(rg, "solo")
     g.load_error = RuntimeError("disk")
-    router = rg.GeneratorRouter([g])
+    router = rg.GeneratorRouter([g], clock=manual)
     with pytest.raises(rg.RouterError):
         router.sync_weights({}, 1)
-    assert router.policy_version == 0
+    assert router.policy_version == 0 and router.stats()["solo"]["state"] == "open"
+    with pytest.raises(rg.RouterError, match="reached 0 of 1.*not in rotation"):
+        router.sync_weights({}, 1)  # nothing in rotation to load into
     g.load_error = None
+    manual.advance(0.5)  # back in (half-open); no weights were synced, it still holds its floor
     router.sync_weights({}, 1)
-    assert router.stats()["solo"]["healthy"] and router.policy_version == 1
+    assert router.stats()["solo"]["state"] == "half_open" and router.policy_version == 1
 
 
 def test_hot_swap_keeps_serving_during_a_slow_load(rg):
@@ -790,15 +1035,31 @@ def test_many_threads_submit_at_once(rg, clock):
 
 # ----------------------------------------------------------------------------- ref == fast
 
-def _script(rg, policy, cap, seed, steps=260):
-    """Drive a router through a seeded sequence of events; return everything observable."""
+def _script(rg, policy, cap, seed, steps=300):
+    """Drive a router through a seeded sequence of events on a manual clock; return everything observable."""
     log = []
     gens = [ManualGen(rg, f"g{i}", log) for i in range(5)]
-    router = rg.GeneratorRouter(gens, policy=policy, max_inflight=cap, max_retries=2, max_sessions=4, seed=seed)
+    clock = ManualClock()
+    router = rg.GeneratorRouter(gens, policy=policy, max_inflight=cap, max_retries=2, max_sessions=4, seed=seed,
+                                request_timeout_s=4.0, sync_timeout_s=1e6, failure_threshold=2, backoff_s=(0.5, 2.0),
+                                clock=clock)
     rnd = random.Random(seed)
     futures = []
     version = 0
-    sync = None  # (thread, box, mode) while a sync is under way
+    sync = None  # (thread, box, mode, targets) while a sync is under way
+    before = set(threading.enumerate())
+
+    def quiet():
+        """Re-admissions that load run in threads of their own: let them finish before the next event."""
+        for t in threading.enumerate():
+            if t not in before and t.name.startswith("readmit-"):
+                while True:
+                    try:
+                        t.join(TIMEOUT)
+                        break
+                    except RuntimeError:  # start() was called but it is not running yet
+                        time.sleep(0.001)
+                assert not t.is_alive(), "a re-admission hangs"
 
     def settle_some(error_rate):
         busy = [g for g in gens if g.pending]
@@ -808,29 +1069,36 @@ def _script(rg, policy, cap, seed, steps=260):
             g.settle(rnd.randrange(len(g.pending)), error=err)
 
     def end_sync():
-        thread, box, mode = sync
+        thread, box, mode, targets = sync
         if mode == "drain":  # loads wait for in-flight requests; nothing is dispatched meanwhile
-            while any(g.pending for g in gens):
-                for g in gens:
+            while any(g.pending for g in targets):
+                for g in targets:
                     while g.pending:
                         g.settle()
-        for g in gens:  # one load at a time, each joined with the router's work after it
-            assert g.load_started.wait(TIMEOUT)
-            g.load_gate.set()
-            g.load_thread.join(TIMEOUT)
+                quiet()
+        for g in targets:  # one load at a time, each joined with the router's work after it
+            # (a target opened during the sync was dropped from it: it does not load)
+            wait_until(lambda: g.gated_started.is_set() or not router.stats()[g.name]["draining"], what="load")
+            if g.gated_started.is_set():
+                g.load_gate.set()
+                g.gated_thread.join(TIMEOUT)
+            quiet()
         thread.join(TIMEOUT)
+        assert not thread.is_alive(), ("sync hangs", router.stats())
         for g in gens:
-            g.load_gate, g.load_error = None, None
-            g.load_started.clear()
+            g.load_gate = g.load_error = g.gate_only = None
+            g.gated_started.clear()
         return box
 
     sync_errors = []
     for step in range(steps):
-        op = rnd.choices(["submit", "settle", "settle_bad", "submit_raises", "instant", "heal", "sync"],
-                         weights=[10, 8, 1, 0.5, 1, 1, 0.6])[0]
+        op = rnd.choices(["submit", "settle", "settle_bad", "submit_raises", "instant", "heal", "sync", "time",
+                          "restart", "running"], weights=[10, 8, 1.5, 0.5, 1, 0.5, 0.6, 1.5, 0.3, 0.3])[0]
         if op == "submit":
             session = rnd.choice([None, "a", "b", "c", "d", "e", "f"])
-            futures.append(router.submit(rg.Request([step, 1], request_id=f"s{step}", session_id=session)))
+            timeout = rnd.choice([None, None, None, 1.0])
+            futures.append(router.submit(rg.Request([step, 1], request_id=f"s{step}", session_id=session),
+                                         timeout_s=timeout))
         elif op == "settle":
             settle_some(0.0)
         elif op == "settle_bad":
@@ -839,31 +1107,46 @@ def _script(rg, policy, cap, seed, steps=260):
             rnd.choice(gens).submit_error_once = RuntimeError("refused")
         elif op == "instant":  # its next request completes inside submit (nested router work)
             rnd.choice(gens).instant_once = True
-        elif op == "heal":
+        elif op == "heal" and sync is None:  # (a re-admission may load; loads are gated during syncs)
             router.mark_healthy(rnd.choice(gens).name)
+        elif op == "time":  # deadlines pass, back-offs end, re-admissions and probes happen
+            clock.advance(rnd.choice([0.3, 0.6, 1.1, 2.5]), between=quiet)
+        elif op == "restart":  # a new process: what it held fails; it is back at version 0
+            rnd.choice(gens).restart()
+        elif op == "running":  # its futures run at once: the router cannot cancel them, late results come
+            g = rnd.choice(gens)
+            g.running = not g.running
         elif op == "sync":
             if sync is None:
                 mode = rnd.choice(["drain", "hot_swap"])
                 version += 1
+                states = router.stats()
+                targets = [g for g in gens if states[g.name]["state"] in ("closed", "half_open")]
                 for g in gens:
-                    g.load_gate = threading.Event()
+                    g.load_gate, g.gate_only = threading.Event(), version
                     g.load_error = RuntimeError("load failed") if rnd.random() < 0.15 else None
                 thread, box = _start_sync(router, version, mode)
-                sync = (thread, box, mode)
-                if mode == "drain":
-                    wait_until(lambda: all(s["draining"] for s in router.stats().values()), what="drain")
+                sync = (thread, box, mode, targets)
+                if mode == "drain":  # the sync has taken its targets before the next event
+                    wait_until(lambda: all(router.stats()[g.name]["draining"] for g in targets), what="drain")
+                else:
+                    wait_until(lambda: all(g.gated_started.is_set() for g in targets), what="hot-swap loads")
             else:
                 box = end_sync()
                 sync_errors.append(type(box.get("error")).__name__)
                 sync = None
+        quiet()
     if sync is not None:
         sync_errors.append(type(end_sync().get("error")).__name__)
     for g in gens:
         g.submit_error_once, g.instant_once = None, False
-    while any(g.pending for g in gens):
+    for _ in range(200):  # settle everything, let every deadline and back-off pass
         for g in gens:
             while g.pending:
                 g.settle()
+        clock.advance(1.0, between=quiet)
+        if all(f.done() for f in futures):
+            break
     outcomes = []
     for f in futures:
         assert f.done(), "a request was left hanging"
@@ -874,7 +1157,8 @@ def _script(rg, policy, cap, seed, steps=260):
         else:
             outcomes.append(("error", type(exc).__name__, [n for n, _ in getattr(exc, "causes", [])]))
     stats = {k: {m: v for m, v in s.items() if m != "last_error"} for k, s in router.stats().items()}
-    return dict(log=log, outcomes=outcomes, stats=stats, sync_errors=sync_errors, queued=router.queued)
+    return dict(log=log, outcomes=outcomes, stats=stats, sync_errors=sync_errors, queued=router.queued,
+                events=router.health_events())
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "sticky", "power_of_two"])
@@ -884,22 +1168,28 @@ def test_ref_and_fast_make_the_same_decisions(policy, cap):
     for seed in range(3):
         a = _script(ref_rg, policy, cap, seed)
         b = _script(fast_rg, policy, cap, seed)
-        for key in ("log", "outcomes", "stats", "sync_errors", "queued"):
+        for key in ("log", "outcomes", "stats", "sync_errors", "queued", "events"):
             assert a[key] == b[key], f"ref and fast differ in {key} (policy={policy}, cap={cap}, seed={seed})"
         ids = Counter(rid for _, rid in a["log"])
+        events = Counter(e for _, _, e, _ in a["events"])
         seen.update(dispatches=len(a["log"]), retried=sum(n > 1 for n in ids.values()),
                     failed=sum(o[0] == "error" for o in a["outcomes"]),
                     served=sum(o[0] == "ok" for o in a["outcomes"]),
                     spans=sum(o[0] == "ok" and o[3] < o[4] for o in a["outcomes"]),
-                    syncs=len(a["sync_errors"]), failed_syncs=a["sync_errors"].count("RouterError"))
+                    syncs=len(a["sync_errors"]), failed_syncs=a["sync_errors"].count("RouterError"),
+                    timeouts=sum(s["timeouts"] for s in a["stats"].values()),
+                    late=sum(s["late"] for s in a["stats"].values()), **events)
     # The script must really exercise the router, or equality would prove little.
     assert seen["dispatches"] > 300 and seen["served"] > 250, seen
     assert seen["retried"] > 0 and seen["failed"] > 0 and seen["spans"] > 0, seen
     assert seen["syncs"] >= 3 and seen["failed_syncs"] > 0, seen
+    assert seen["timeouts"] > 0 and seen["opened"] > 0 and seen["half_open"] > 0 and seen["closed"] > 0, seen
+    assert seen["resynced"] > 0 and seen["late"] > 0 and (seen["fleet_down"] > 0 or cap is not None), seen
 
 
 def test_memory_stays_bounded(rg):
-    """The sticky map keeps at most max_sessions sessions; fast's lazy heap keeps O(n) entries."""
+    """The sticky map keeps at most max_sessions sessions; fast's lazy heaps (choice and deadlines)
+    keep O(n) and O(attempts in flight) entries."""
     gens = [InstantGen(rg, f"g{i}") for i in range(4)]
     for policy in ("sticky", "least_loaded", "round_robin"):
         router = rg.GeneratorRouter(gens, policy=policy, max_sessions=16, max_inflight=2)
@@ -908,3 +1198,4 @@ def test_memory_stays_bounded(rg):
         assert len(router._sessions) == (16 if policy == "sticky" else 0)
         if rg is fast_rg:
             assert len(router._heap) <= 2 * len(gens) + 64 + 1
+            assert len(router._deadlines) <= 64 + 1 and router._n_live == 0

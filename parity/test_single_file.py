@@ -51,7 +51,7 @@ ALLOWED_EXTRA = {
     ("fast", "OffloadActivations", "prefetch"): "storages reloaded ahead of use in backward (fast prefetches)",
     ("fast", "OffloadActivations", "max_inflight_bytes"): "device bytes whose async copy may be pending",
     ("fast", "OffloadActivations", "max_pool_bytes"): "cap on the free pinned-buffer pool (fast only pins)",
-    # routed_generator: the fast engine's knobs (the reference engine has a contiguous per-request
+    # generator_engine: the fast engine's knobs (the reference engine has a contiguous per-request
     # cache and plain attention, so it has nothing to tune or plug in).
     ("fast", "Generator", "varlen_attn"): "prefill attention plug-in of the paged engine",
     ("fast", "Generator", "flash_decode"): "decode attention plug-in of the paged engine",
@@ -59,7 +59,6 @@ ALLOWED_EXTRA = {
     ("fast", "Generator", "num_pages"): "paged KV cache: pool size",
     ("fast", "Generator", "max_batch_size"): "continuous batching: requests decoding at once",
     ("fast", "Generator", "max_prefill_tokens"): "continuous batching: prompt tokens per iteration",
-    ("fast", "DistributedWeightSync", "bucket_bytes"): "the fast transfer broadcasts flat buckets",
 }
 
 _IMPORT_PROBE = r"""
