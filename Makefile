@@ -17,6 +17,8 @@ help:
 
 # A PyTorch that is already installed is kept: GPU machines bring their own CUDA build.
 # Where none is installed we ask for torch==2.13.0 (a CPU build on the CI machines).
+# ray (2.40 .. 2.x; tested with 2.60) runs the generator fleet (fast/routed_generator.py's
+# ray_generators) and its test; nothing in ref/ or fast/ needs it at import.
 install:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 		echo "keeping torch $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
@@ -24,7 +26,7 @@ install:
 		$(PIP) install "torch==2.13.0"; \
 	fi
 	@$(PYTHON) -c "import triton" 2>/dev/null || $(PIP) install "triton>=3.4"
-	$(PIP) install "einops>=0.7" "numpy>=1.24" "pytest>=7.4" "pytest-benchmark>=4.0"
+	$(PIP) install "einops>=0.7" "numpy>=1.24" "pytest>=7.4" "pytest-benchmark>=4.0" "ray>=2.40,<3"
 
 # Everything under parity/, the ahead-of-time compile check included.
 parity:

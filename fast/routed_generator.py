@@ -87,7 +87,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 __all__ = ["SamplingParams", "Request", "Completion", "GeneratorProtocol", "RouterError", "GeneratorRouter",
-           "POLICIES", "SYNC_MODES"]
+           "POLICIES", "SYNC_MODES", "ray_generators"]
 
 POLICIES = ("round_robin", "least_loaded", "sticky", "power_of_two")
 SYNC_MODES = ("hot_swap", "drain")
@@ -1028,3 +1028,246 @@ def _seconds(name: str, value, zero: bool = False) -> float:
         raise ValueError(f"{name} must be a number of seconds {'>= 0' if zero else '> 0 (math.inf: none)'}, "
                          f"got {value!r}")
     return float(value)
+
+
+# ============================================================================= the fleet on Ray
+
+def ray_generators(make_generator, n: int, *, name_prefix: str = "ray-gen", max_restarts: int = 8,
+                   num_cpus: float = 1.0, num_gpus: float = 0.0, actor_options: dict | None = None,
+                   call_timeout_s: float = 300.0, startup_timeout_s: float = 600.0) -> list:
+    """Start ``n`` Ray actors, each serving ``make_generator()``; return n protocol handles.
+
+    ``make_generator`` is a picklable zero-argument callable that builds an engine (anything with
+    the protocol; its ``config.vocab_size`` / ``config.max_seq_len``, when present, let ``submit``
+    refuse bad input at once).  Actors restart on death up to ``max_restarts`` times (-1: forever);
+    Ray does not retry their calls (the router retries requests elsewhere).  ``actor_options`` are
+    passed to ``ActorClass.options`` (e.g. ``scheduling_strategy``, ``runtime_env``,
+    ``resources``).  ``call_timeout_s`` bounds a handle's ``load_weights``; ``startup_timeout_s`` the
+    wait for every engine to be built.  Uses the running Ray cluster (``ray.init()`` when none).
+    Each handle has ``name``, ``policy_version``, ``submit``, ``load_weights``, plus ``pid`` and
+    ``node_id`` of its actor's process (after a restart: refreshed on the first reply) and
+    ``close()`` (kills the actor).
+    """
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("ray_generators needs ray (pip install 'ray>=2.40'); the router itself does not") from None
+    if not _is_int(n) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    if not callable(make_generator):
+        raise TypeError(f"make_generator must be a zero-argument callable, got {type(make_generator).__name__}")
+    if not _is_int(max_restarts) or max_restarts < -1:
+        raise ValueError(f"max_restarts must be an int >= -1 (-1: forever), got {max_restarts!r}")
+    call_timeout_s = _seconds("call_timeout_s", call_timeout_s)
+    startup_timeout_s = _seconds("startup_timeout_s", startup_timeout_s)
+    if not ray.is_initialized():
+        ray.init()
+    options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_restarts, max_task_retries=0,
+                   scheduling_strategy="SPREAD", max_concurrency=1000)
+    options.update(actor_options or {})
+    actor_class = ray.remote(_EngineActor)
+    names = [f"{name_prefix}{i}" for i in range(n)]
+    actors = [actor_class.options(**options).remote(make_generator) for _ in names]
+    try:
+        infos = ray.get([a.describe.remote() for a in actors], timeout=startup_timeout_s)
+    except Exception:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        raise
+    store = _WeightStore()
+    return [_RayGenerator(name, actor, info, store, call_timeout_s) for name, actor, info in zip(names, actors, infos)]
+
+
+class _EngineActor:
+    """What runs inside each Ray actor (an async actor: one event loop awaits many requests)."""
+
+    def __init__(self, make_generator):
+        import os
+        self.engine = make_generator()
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"  # a new one after every restart
+
+    async def describe(self) -> dict:
+        import os
+
+        import ray
+        config = getattr(self.engine, "config", None)
+        return dict(incarnation=self.incarnation, version=self.engine.policy_version, pid=os.getpid(),
+                    node_id=ray.get_runtime_context().get_node_id(),
+                    vocab_size=getattr(config, "vocab_size", None), max_seq_len=getattr(config, "max_seq_len", None))
+
+    async def generate(self, request) -> tuple:
+        import asyncio
+        c = await asyncio.wrap_future(self.engine.submit(request))  # a cancelled call cancels the engine's future
+        return (self.incarnation, c.request_id, c.prompt_token_ids, c.token_ids, c.logprobs, c.finish_reason,
+                c.min_policy_version, c.max_policy_version)
+
+    async def load(self, packed: tuple, version: int) -> tuple:
+        import asyncio
+        tensors = _unpack_weights(packed)
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.load_weights, tensors, version)
+        return self.incarnation, self.engine.policy_version
+
+
+class _WeightStore:
+    """Each version goes into Ray's object store once; every handle's load_weights sends that reference."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._key, self._ref = None, None  # (version, id of the state dict): the object it was put as
+
+    def ref(self, state_dict, version: int):
+        import ray
+        with self._lock:
+            if self._key != (version, id(state_dict)):
+                self._ref = None  # the old version's object can go
+                self._ref = ray.put(_pack_weights(state_dict))
+                self._key = (version, id(state_dict))
+            return self._ref
+
+
+def _pack_weights(state_dict: Mapping) -> tuple:
+    """A state dict as (meta, one flat uint8 array): zero-copy for readers on the same node.
+    meta = [(name, dtype, shape, byte offset)]; offsets 64-byte aligned so every view is aligned."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
+    meta, offset = [], 0
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state_dict[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+        meta.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+        offset += -(-t.numel() * t.element_size() // 64) * 64
+    flat = torch.empty(offset, dtype=torch.uint8)
+    for (name, _, _, start), t in zip(meta, state_dict.values()):
+        raw = t.detach().reshape(-1).view(torch.uint8) if t.is_contiguous() else t.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat[start:start + raw.numel()].copy_(raw)  # from any device: one copy to host
+    return meta, flat.numpy()
+
+
+def _unpack_weights(packed: tuple) -> dict:
+    """Views of the flat buffer (read-only when it maps the object store: the engine copies them in)."""
+    import warnings
+    meta, array = packed
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: nothing writes to it
+        flat = torch.from_numpy(array)
+    out = {}
+    for name, dtype, shape, start in meta:
+        dtype = getattr(torch, dtype)
+        size = math.prod(shape) * dtype.itemsize
+        out[name] = flat[start:start + size].view(dtype).view(shape)
+    return out
+
+
+class _RayGenerator:
+    """A Ray actor behind ``GeneratorProtocol`` (made by ``ray_generators``)."""
+
+    def __init__(self, name: str, actor, info: dict, store: _WeightStore, call_timeout_s: float):
+        self.name, self._actor, self._store, self._call_timeout_s = name, actor, store, call_timeout_s
+        self._lock = threading.Lock()
+        self._incarnation, self._version = info["incarnation"], info["version"]
+        self.pid, self.node_id = info["pid"], info["node_id"]
+        self._vocab, self._max_seq_len = info["vocab_size"], info["max_seq_len"]
+
+    @property
+    def policy_version(self) -> int:
+        """What the actor's engine holds, as last heard; -1 after its process died, until the new one
+        is heard from."""
+        return self._version
+
+    def submit(self, request) -> Future:
+        prompt = request.prompt_token_ids
+        if not prompt or min(prompt) < 0 or (self._vocab is not None and max(prompt) >= self._vocab):
+            raise ValueError(f"prompt_token_ids must be token ids in [0, {self._vocab}), got {prompt[:8]}...")
+        if self._max_seq_len is not None and len(prompt) >= self._max_seq_len:
+            raise ValueError(f"prompt_token_ids: a prompt of {len(prompt)} tokens leaves no room to generate in "
+                             f"a context of max_seq_len={self._max_seq_len}")
+        future = Future()
+        ref = self._actor.generate.remote(request)
+        future.add_done_callback(lambda f: self._cancel(ref) if f.cancelled() else None)
+        ref.future().add_done_callback(lambda rf: self._reply(future, rf))
+        return future
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        import ray
+        if not _is_int(version):
+            raise TypeError(f"version must be an int, got {type(version).__name__}")
+        ref = self._store.ref(state_dict, version)
+        try:
+            incarnation, loaded = ray.get(self._actor.load.remote(ref, version), timeout=self._call_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"{self.name}: load_weights(version={version}) took over {self._call_timeout_s:g} s") from None
+        except ray.exceptions.RayActorError as exc:
+            self._died()
+            raise RuntimeError(f"{self.name}: its actor died during load_weights: {exc}") from None
+        except ray.exceptions.RayTaskError as exc:
+            raise RuntimeError(f"{self.name}: load_weights failed in the actor: {exc}") from None
+        self._heard(incarnation, loaded)
+
+    def close(self) -> None:
+        """Kill the actor (no restart); its requests fail, the router retries them elsewhere."""
+        import ray
+        ray.kill(self._actor, no_restart=True)
+
+    def _reply(self, future: Future, rf) -> None:
+        import ray
+        try:
+            incarnation, *fields = rf.result()
+        except ray.exceptions.RayActorError as exc:
+            self._died()
+            outcome = RuntimeError(f"{self.name}: its actor died: {type(exc).__name__}")
+        except (ray.exceptions.TaskCancelledError, CancelledError):
+            outcome = CancelledError(f"{self.name}: cancelled")
+        except Exception as exc:  # noqa: BLE001 - the engine's own failure, wrapped by Ray
+            outcome = RuntimeError(f"{self.name}: {exc}")
+        else:
+            self._heard(incarnation, None)
+            outcome = Completion(*fields[:5], self.name, *fields[5:])
+        try:
+            if isinstance(outcome, Completion):
+                future.set_result(outcome)
+            else:
+                future.set_exception(outcome)
+        except InvalidStateError:  # the router cancelled it (deadline): nobody waits for it
+            pass
+
+    def _heard(self, incarnation: str, version: int | None) -> None:
+        """A reply: a new incarnation means the actor restarted; learn what its engine holds."""
+        with self._lock:
+            if incarnation != self._incarnation:
+                self._incarnation = incarnation
+                self._version = -1 if version is None else version
+                self._refresh()
+            elif version is not None:
+                self._version = version
+
+    def _died(self) -> None:
+        with self._lock:
+            if self._version != -1:
+                self._version = -1
+                self._refresh()
+
+    def _refresh(self) -> None:
+        """Ask the (restarted) actor what it is; -1 meanwhile.  Under the lock."""
+        ref = self._actor.describe.remote()
+
+        def on_info(rf):
+            try:
+                info = rf.result()
+            except Exception:  # noqa: BLE001 - dead for good (out of restarts): stays -1
+                return
+            with self._lock:
+                if info["incarnation"] == self._incarnation:   # a reply or a load was heard first
+                    self.pid, self.node_id = info["pid"], info["node_id"]
+                    if self._version == -1:
+                        self._version = info["version"]
+                elif self._version == -1:                       # the first news of the new process
+                    self._incarnation, self._version = info["incarnation"], info["version"]
+                    self.pid, self.node_id = info["pid"], info["node_id"]
+        ref.future().add_done_callback(on_info)
+
+    def _cancel(self, ref) -> None:
+        import ray
+        try:
+            ray.cancel(ref)
+        except Exception:  # noqa: BLE001 - already finished, or the actor is gone
+            pass

@@ -33,6 +33,7 @@ import fast.generator_engine as fast_ge
 import fast.routed_generator as fast_rg
 import ref.generator_engine as ref_ge
 from conftest import DEVICE, requires_gpu
+from fleet_sim import wait_until
 
 TIMEOUT = 60.0
 LP_RTOL = 32 * torch.finfo(torch.float32).eps
@@ -102,14 +103,6 @@ def assert_same(expect, got, model=None, rtol=LP_RTOL):
 def run(gen, requests):
     with gen:
         return gen.generate(requests)
-
-
-def wait_until(predicate, timeout=TIMEOUT, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.001)
 
 
 # ----------------------------------------------------------------------------- a linear-layer plug-in

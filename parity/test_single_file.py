@@ -41,6 +41,8 @@ ALLOWED_ONE_SIDED: dict[tuple[str, str], str] = {
     ("gated_deltanet", "GatedDeltaNet"): "the Qwen3.5 layer is written once (ref) and takes its kernel "
                                          "functions as constructor arguments, so the fast ones drop in",
     ("gated_deltanet", "GatedDeltaNetCache"): "the layer's decode cache lives beside the layer in ref only",
+    ("routed_generator", "ray_generators"): "the Ray fleet is a deployment of the fast router's protocol; the "
+                                            "reference specifies routing, not process management",
 }
 
 # (folder, public name or "*", parameter name) -> why the parameter exists on one side only.
@@ -114,6 +116,10 @@ def test_imports_and_docstring(path):
     tree = ast.parse(path.read_text())
     doc = ast.get_docstring(tree)
     assert doc and len(doc.splitlines()) >= 10, f"{path.name}: the header docstring is missing or too thin"
+    # Anything else (ray, numpy, ...) only inside the function that needs it: the file still imports
+    # without it (test_imports_alone_quietly checks that part).
+    lazy = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             assert node.level == 0, f"{path.name}:{node.lineno}: relative import"
@@ -123,8 +129,9 @@ def test_imports_and_docstring(path):
         else:
             continue
         for m in mods:
-            assert m.split(".")[0] in ALLOWED_MODULES, (
-                f"{path.name}:{node.lineno}: imports {m!r}; only the standard library, torch, triton, einops")
+            assert m.split(".")[0] in ALLOWED_MODULES or id(node) in lazy, (
+                f"{path.name}:{node.lineno}: imports {m!r} at module level; only the standard library, torch, "
+                f"triton, einops (others inside the function that needs them)")
 
 
 def test_every_feature_has_both_files():
