@@ -224,13 +224,13 @@ class RouterError(RuntimeError):
 class _Slot:
     """The router's record of one generator, its breaker included."""
 
-    __slots__ = ("index", "gen", "name", "inflight", "dispatched", "completed", "failures", "timeouts", "late",
+    __slots__ = ("index", "gen", "name", "inflight", "dispatched", "completed", "failures", "timeouts", "late", "stale",
                  "state", "draining", "consecutive", "opened", "reopen_at", "probe_out", "close_on_return",
                  "loading", "readmit_deadline", "floor", "last_error", "last_chosen")
 
     def __init__(self, index: int, gen, last_chosen: int):
         self.index, self.gen, self.name = index, gen, gen.name
-        self.inflight = self.dispatched = self.completed = self.failures = self.timeouts = self.late = 0
+        self.inflight = self.dispatched = self.completed = self.failures = self.timeouts = self.late = self.stale = 0
         self.state, self.draining, self.probe_out, self.close_on_return, self.loading = CLOSED, False, False, False, False
         self.consecutive = self.opened = 0
         self.reopen_at = self.readmit_deadline = math.inf
@@ -498,11 +498,11 @@ class GeneratorRouter:
         self._run(work)
 
     def stats(self) -> dict[str, dict]:
-        """Per generator: dispatched, inflight, completed, failures, timeouts, late, state, healthy,
-        draining, floor, policy_version, last_error (repr or None)."""
+        """Per generator: the reference's counters (dispatched, inflight, completed, failures, timeouts,
+        late, stale, state, healthy, draining, floor, policy_version, last_error)."""
         with self._lock:
             out = {s.name: dict(dispatched=s.dispatched, inflight=s.inflight, completed=s.completed,
-                                failures=s.failures, timeouts=s.timeouts, late=s.late, state=s.state,
+                                failures=s.failures, timeouts=s.timeouts, late=s.late, stale=s.stale, state=s.state,
                                 healthy=s.state == CLOSED, draining=s.draining, floor=s.floor,
                                 last_error=None if s.last_error is None else repr(s.last_error))
                    for s in self._slots}
@@ -706,6 +706,7 @@ class GeneratorRouter:
         if exc is None:
             served = getattr(completion, "min_policy_version", None)
             if not (_is_int(served) and served >= attempt.floor):
+                s.stale += 1
                 exc = RuntimeError(f"{s.name} served version {served}, below the {attempt.floor} it was admitted "
                                    f"with: it lost its weights (restarted?)" if _is_int(served) else
                                    f"{s.name} returned a {type(completion).__name__}, not a Completion")

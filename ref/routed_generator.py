@@ -286,7 +286,7 @@ class _Slot:
     def __init__(self, index: int, gen, last_chosen: int):
         self.index, self.gen, self.name = index, gen, gen.name
         self.inflight = 0             # the load: attempts dispatched and not ended
-        self.dispatched = self.completed = self.failures = self.timeouts = self.late = 0
+        self.dispatched = self.completed = self.failures = self.timeouts = self.late = self.stale = 0
         self.state, self.draining = CLOSED, False
         self.consecutive = 0          # failures since the last success
         self.opened = 0               # k: times opened since it last closed
@@ -545,11 +545,12 @@ class GeneratorRouter:
         self._run(work)
 
     def stats(self) -> dict[str, dict]:
-        """Per generator: dispatched, inflight, completed, failures, timeouts, late, state, healthy
+        """Per generator: dispatched, inflight, completed, failures, timeouts, late (results after
+        their deadline, dropped), stale (completions below the floor, refused), state, healthy
         (state == "closed"), draining, floor, policy_version, last_error (repr or None)."""
         with self._lock:
             out = {s.name: dict(dispatched=s.dispatched, inflight=s.inflight, completed=s.completed,
-                                failures=s.failures, timeouts=s.timeouts, late=s.late, state=s.state,
+                                failures=s.failures, timeouts=s.timeouts, late=s.late, stale=s.stale, state=s.state,
                                 healthy=s.state == CLOSED, draining=s.draining, floor=s.floor,
                                 last_error=None if s.last_error is None else repr(s.last_error))
                    for s in self._slots}
@@ -713,6 +714,7 @@ class GeneratorRouter:
             slot.probe_out = False
         served = getattr(completion, "min_policy_version", None)
         if exc is None and not (_is_int(served) and served >= attempt.floor):
+            slot.stale += 1
             exc = RuntimeError(f"{slot.name} served version {served}, below the {attempt.floor} it was admitted "
                                f"with: it lost its weights (restarted?)" if _is_int(served) else
                                f"{slot.name} returned a {type(completion).__name__}, not a Completion")
