@@ -10,7 +10,8 @@ What it runs
     model        a tiny hybrid ``DecoderLM`` (fast/generator_engine.py): Gated DeltaNet layers
                  (ref/gated_deltanet.py's Qwen3.5 layer, plugged in as the "linear" layers) and
                  rotary GQA attention layers, 3:1 like Qwen3.5 on the GPU size, 1:1 on the CPU size
-    generators   two fast ``Generator``s (continuous batching, paged KV cache, seeded sampling);
+    generators   two fast ``Generator``s (continuous batching, paged KV cache, seeded sampling), in
+                 this process or (``--ray``) as Ray actors;
                  on a GPU their attention is this repo's fast varlen_attn (prefill) and
                  flash_decode (decode) and their Gated DeltaNet runs fast's Triton kernels; on a
                  CPU the in-file PyTorch attention and the reference delta rule
@@ -33,11 +34,21 @@ What it prints
 
     python bench/rl_loop.py               # CPU: ~35 s on 2 shared cores; reward ~0.25 -> ~0.85
     python bench/rl_loop.py --steps 60
+    python bench/rl_loop.py --ray         # the generators as Ray actors (ray_generators), a local Ray
+    python bench/rl_loop.py --ray --kill-at 10   # ... and SIGKILL one actor's process at step 10
+
+With ``--ray`` the two generators run as Ray actors on the local Ray instance (each builds its engine
+itself; weights reach them through the object store), and the fleet's health events are printed
+as they happen: with ``--kill-at`` the killed actor is opened, restarted by Ray, re-synced to the
+current version and closed again after a probe, while the loop goes on.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import os
+import signal
 import statistics
 import sys
 import time
@@ -130,11 +141,22 @@ def check_offload_is_exact(model, completions, group, device):
     return all(torch.equal(a, b) for a, b in zip(*grads)) and len(grads[0]) == len(grads[1])
 
 
+def build_generator(config, linear_layer, kw: dict):
+    """One engine (in this process, or inside a Ray actor: then with one intra-op thread on a CPU)."""
+    if kw["device"].type == "cpu":
+        torch.set_num_threads(1)
+    return ge.Generator(config, seed=0, linear_layer=linear_layer, **kw)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="gpu" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--ray", action="store_true", help="run the generators as Ray actors")
+    ap.add_argument("--kill-at", type=int, default=None, help="with --ray: SIGKILL one actor's process at this step")
     args = ap.parse_args(argv)
+    if args.kill_at is not None and not args.ray:
+        ap.error("--kill-at needs --ray")
     size = SIZES[args.size]
     on_gpu = args.size == "gpu"
     device = torch.device("cuda" if on_gpu else "cpu")
@@ -164,7 +186,17 @@ def main(argv=None) -> int:
     model = ge.DecoderLM(config, seed=0, linear_layer=train_layer, device=device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=size["lr"], weight_decay=0.0)
     offload = OffloadActivations(min_offload_bytes=4096, module=model)
-    gens = [ge.Generator(config, seed=0, name=f"gen{i}", linear_layer=gen_layer, **gen_kw) for i in range(2)]
+    if args.ray:
+        import ray
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        gens = rg.ray_generators(functools.partial(build_generator, config, gen_layer, gen_kw), 2,
+                                 name_prefix="gen", num_cpus=0, num_gpus=0.5 if on_gpu else 0)
+        kernels += f"; as Ray actors (pids {[g.pid for g in gens]})"
+    else:
+        gens = [build_generator(config, gen_layer, gen_kw) for _ in range(2)]
+        for i, g in enumerate(gens):
+            g.name = f"gen{i}"
     router = rg.GeneratorRouter(gens, policy="least_loaded")
     n_params = sum(p.numel() for p in model.parameters())
     print(f"hybrid model: {config.kinds}, {n_params / 1e6:.2f}M parameters; generators: {kernels}; "
@@ -196,7 +228,11 @@ def main(argv=None) -> int:
             lag = [version - c.min_policy_version for c in completions]
             span = [c.max_policy_version - c.min_policy_version for c in completions]
             version += 1
-            router.sync_weights({k: v.detach() for k, v in model.state_dict().items()}, version, mode="hot_swap")
+            snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}  # the optimizer updates in place
+            try:
+                router.sync_weights(snapshot, version, mode="hot_swap")
+            except rg.RouterError as exc:  # a generator missed it: it is re-synced when it returns
+                print(f"         sync {version}: {exc}")
             t3 = time.perf_counter()
             tokens = sum(len(c.token_ids) for c in completions)
             history.append(dict(reward=reward, tokens=tokens, lag=lag, span=span, train_s=t2 - t1,
@@ -205,8 +241,15 @@ def main(argv=None) -> int:
                   f"lag {statistics.fmean(lag):.2f} (max {max(lag)})  span {statistics.fmean(span):.2f}  "
                   f"train {1e3 * (t2 - t1):6.1f} ms  sync {1e3 * (t3 - t2):6.1f} ms  waited {1e3 * waited:6.1f} ms  "
                   f"offloaded {offload.stats['offloaded_bytes'] / 2**20:7.1f} MiB", flush=True)
+            for t, name, event, detail in router.health_events():
+                if event != "synced":
+                    print(f"         fleet: {name} {event}: {detail}")
+            if args.kill_at == step:
+                print(f"         killing {gens[0].name}'s process (pid {gens[0].pid})")
+                os.kill(gens[0].pid, signal.SIGKILL)
             pending = upcoming
     finally:
+        router.close()
         for g in gens:
             g.close()
     elapsed = time.perf_counter() - t_start
@@ -222,7 +265,10 @@ def main(argv=None) -> int:
           f"{statistics.fmean(all_lag):.2f} max {max(all_lag)}, rollouts spanning two versions "
           f"{100 * sum(x > 0 for x in all_span) / len(all_span):.0f}%")
     print(f"offload: {s['offloaded_storages']} storages / {s['offloaded_bytes'] / 2**20:.1f} MiB to host, "
-          f"{s['replayed_views']} views replayed, {s['kept']} small tensors kept; router {router.stats()}")
+          f"{s['replayed_views']} views replayed, {s['kept']} small tensors kept")
+    for name, st in router.stats().items():
+        print(f"generator {name}: {st['completed']} completions, {st['failures']} failures ({st['timeouts']} "
+              f"deadlines), state {st['state']}, serving version {st['policy_version']}")
     return 0
 
 

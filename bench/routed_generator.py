@@ -1,6 +1,6 @@
 """Routed generator benchmark: the router's cost and its scheduling quality, on the CPU by design.
 
-The router is host code, so every number here is meaningful on a CPU (these rows are committed).
+The router is host code, so every number here is meaningful on a CPU (recorded rows are committed).
 Generators are simulated engines (no model): ``SimEngine`` has ``lanes`` parallel lanes and draws
 each request's latency from a long-tailed log-normal, driven by one shared clock thread.
 
@@ -45,14 +45,31 @@ first submit to the last completion, prefill included)
                               load: how long a new request waits).  CPU: a 4M model; GPU: 0.1B..1B.  The
                               shadow weights are allocated by a first load before timing.
 
-    python bench/routed_generator.py            # all cases, appends to bench/results/routed_generator.csv
-    python bench/routed_generator.py --quick    # fewer repetitions, no CSV
-    python bench/routed_generator.py --part engine
+Fleet cases (the generators as Ray actors, ``fast/routed_generator.py``'s ``ray_generators``, on a
+local Ray instance bound to 127.0.0.1; the same 4M model, engines with one intra-op thread each)
+    fleet <kind> n=N          tokens/s of a batch of 32 requests (prompt 64, 32 new tokens) through
+                              the router over N engines, in this process (``inproc``) and as Ray
+                              actors (``ray``), N = 1, 2, 4: what the actor hop costs, and whether
+                              the fleet scales on this machine's cores.
+    fleet sync n=N            ``sync_weights`` wall time, hot swap with an idle fleet (``sync_ms``),
+                              and a drain with a batch in flight (``drain_sync_ms``: the in-flight
+                              requests finish, then every engine loads).
+    fleet restart n=2         an actor's process SIGKILLed under steady traffic: ``restart_s`` from the
+                              kill until that actor is back in rotation at the current version (Ray
+                              restarts it, the router re-syncs it, a probe served by the new process
+                              closes its breaker).
+
+    python bench/routed_generator.py                  # all cases; prints, writes nothing
+    python bench/routed_generator.py --record         # ... and appends the rows to bench/results/routed_generator.csv
+    python bench/routed_generator.py --quick          # fewer repetitions (never recorded)
+    python bench/routed_generator.py --part fleet     # router | engine | fleet
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import signal
 import random
 import statistics
 import sys
@@ -512,10 +529,100 @@ def bench_sync(rec, quick):
             rec.add(case, "fast", "drain_pause_ms", (t4 - t2) * 1e3, "ms")
 
 
+# ----------------------------------------------------------------------------- the fleet on Ray
+
+def _fleet_engine():
+    """What each actor (and each in-process engine) builds: the CPU model, one intra-op thread."""
+    torch.set_num_threads(1)
+    return fast_ge.Generator(fast_ge.ModelConfig(**CPU_MODEL), seed=0, num_pages=512, max_batch_size=32)
+
+
+def _fleet_batch(tag, n=32, prompt_len=64, out_len=32):
+    gen = torch.Generator().manual_seed(0)
+    return [fast_rg.Request(torch.randint(0, CPU_MODEL["vocab_size"], (prompt_len,), generator=gen).tolist(),
+                            fast_rg.SamplingParams(max_new_tokens=out_len), request_id=f"{tag}-{i}") for i in range(n)]
+
+
+def _fleet_tokens_per_s(router, tag) -> float:
+    router.generate(_fleet_batch(f"{tag}-warm", n=4, out_len=4))
+    t0 = time.perf_counter()
+    outs = router.generate(_fleet_batch(tag))
+    return sum(len(c.token_ids) for c in outs) / (time.perf_counter() - t0)
+
+
+def bench_fleet(rec, quick):
+    import ray
+    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, logging_level="ERROR",
+             log_to_driver=False, _node_ip_address="127.0.0.1")
+    weights = {k: v.clone() for k, v in fast_ge.DecoderLM(fast_ge.ModelConfig(**CPU_MODEL), seed=1).state_dict().items()}
+    try:
+        for n in ((1, 2) if quick else (1, 2, 4)):
+            local = [_fleet_engine() for _ in range(n)]
+            for i, g in enumerate(local):
+                g.name = f"local{i}"
+            actors = fast_rg.ray_generators(_fleet_engine, n, num_cpus=0, name_prefix=f"n{n}-")
+            for kind, gens in (("inproc", local), ("ray", actors)):
+                router = fast_rg.GeneratorRouter(gens, policy="least_loaded")
+                rec.add(f"fleet tokens n={n}", kind, "tokens_per_s", _fleet_tokens_per_s(router, f"{kind}{n}"), "tok/s")
+                t0 = time.perf_counter()
+                router.sync_weights(weights, 1, mode="hot_swap")
+                rec.add(f"fleet sync n={n}", kind, "sync_ms", (time.perf_counter() - t0) * 1e3, "ms")
+                inflight = [router.submit(r) for r in _fleet_batch(f"drain{kind}{n}")]
+                t0 = time.perf_counter()
+                router.sync_weights(weights, 2, mode="drain")
+                rec.add(f"fleet sync n={n}", kind, "drain_sync_ms", (time.perf_counter() - t0) * 1e3, "ms")
+                [f.result() for f in inflight]
+                router.close()
+            for g in local:
+                g.close()
+            for g in actors:
+                g.close()
+        rec.add("fleet restart n=2", "ray", "restart_s", _restart_time(weights), "s")
+    finally:
+        ray.shutdown()
+
+
+def _restart_time(weights) -> float:
+    """SIGKILL one of two actors under steady traffic; seconds until it is back in rotation at the current version."""
+    gens = fast_rg.ray_generators(_fleet_engine, 2, num_cpus=0, name_prefix="restart-")
+    router = fast_rg.GeneratorRouter(gens, policy="least_loaded", request_timeout_s=60.0)
+    router.sync_weights(weights, 1)
+    victim = gens[0]
+    stop = threading.Event()
+
+    def traffic():
+        i = 0
+        while not stop.is_set():
+            router.generate(_fleet_batch(f"t{i}", n=4, out_len=8))
+            i += 1
+    t = threading.Thread(target=traffic, daemon=True)
+    t.start()
+    time.sleep(1.0)
+    t_kill = time.perf_counter()
+    os.kill(victim.pid, signal.SIGKILL)
+    deadline, back, opened = t_kill + 120, None, False
+    while back is None and time.perf_counter() < deadline:  # out (opened), then closed again after its probe
+        state = router.stats()[victim.name]["state"]
+        opened |= state != "closed"
+        if opened and state == "closed" and victim.policy_version == 1:
+            back = time.perf_counter() - t_kill
+        time.sleep(0.01)
+    stop.set()
+    t.join(60)
+    events = [f"{e}" for _, g, e, _ in router.health_events() if g == victim.name]
+    print(f"  (restart: {victim.name} events {events})")
+    router.close()
+    for g in gens:
+        g.close()
+    return float("nan") if back is None else back
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions and requests; no CSV")
-    ap.add_argument("--part", choices=["all", "router", "engine"], default="all")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions and requests (never recorded)")
+    ap.add_argument("--record", action="store_true", default=os.environ.get("RECORD") == "1",
+                    help="append the rows to bench/results/routed_generator.csv (also RECORD=1)")
+    ap.add_argument("--part", choices=["all", "router", "engine", "fleet"], default="all")
     args = ap.parse_args(argv)
     rec = Recorder("routed_generator")
     reps = 3 if args.quick else 9
@@ -538,8 +645,17 @@ def main(argv=None) -> int:
         bench_engine(rec, args.quick)
         print("weight sync: hot swap vs drain")
         bench_sync(rec, args.quick)
-    if not args.quick:
+    if args.part in ("all", "fleet"):
+        if optional_import("ray") is None:
+            rec.missing("fleet", "ray", "ray is not installed")
+        else:
+            torch.set_num_threads(1)
+            print("the fleet on Ray (CPU, a local Ray instance) beside the same fleet in this process")
+            bench_fleet(rec, args.quick)
+    if args.record and not args.quick:
         rec.save()
+    elif args.record:
+        print("--quick rows are not recorded")
     return 0
 
 

@@ -1193,15 +1193,26 @@ class _RayGenerator:
         if not _is_int(version):
             raise TypeError(f"version must be an int, got {type(version).__name__}")
         ref = self._store.ref(state_dict, version)
-        try:
-            incarnation, loaded = ray.get(self._actor.load.remote(ref, version), timeout=self._call_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"{self.name}: load_weights(version={version}) took over {self._call_timeout_s:g} s") from None
-        except ray.exceptions.RayActorError as exc:
-            self._died()
-            raise RuntimeError(f"{self.name}: its actor died during load_weights: {exc}") from None
-        except ray.exceptions.RayTaskError as exc:
-            raise RuntimeError(f"{self.name}: load_weights failed in the actor: {exc}") from None
+        deadline = time.monotonic() + self._call_timeout_s
+        while True:
+            try:
+                left = max(0.0, deadline - time.monotonic())
+                incarnation, loaded = ray.get(self._actor.load.remote(ref, version), timeout=left)
+                break
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"{self.name}: load_weights(version={version}) took over "
+                                   f"{self._call_timeout_s:g} s") from None
+            except ray.exceptions.ActorUnavailableError:  # restarting: a load can be tried again
+                self._died()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name}: its actor was still restarting after "
+                                       f"{self._call_timeout_s:g} s") from None
+                time.sleep(0.2)
+            except ray.exceptions.RayActorError as exc:
+                self._died()
+                raise RuntimeError(f"{self.name}: its actor died during load_weights: {exc}") from None
+            except ray.exceptions.RayTaskError as exc:
+                raise RuntimeError(f"{self.name}: load_weights failed in the actor: {exc}") from None
         self._heard(incarnation, loaded)
 
     def close(self) -> None:
