@@ -103,8 +103,12 @@ class InstantGen:
 
     def submit(self, request):
         fut = Future()
-        fut.set_result(request.request_id)  # the router passes results through untouched
+        fut.set_result(self.completion(request))
         return fut
+
+    def completion(self, request):  # (the direct baseline builds the same object: it is not router cost)
+        return self.rg.Completion(request.request_id, request.prompt_token_ids, [0], [0.0], "length", self.name,
+                                  self.policy_version, self.policy_version)
 
     def load_weights(self, state_dict, version):
         self.policy_version = version
@@ -119,7 +123,7 @@ class HoldGen(InstantGen):
 
     def submit(self, request):
         fut = Future()
-        self.held.append((fut, request.request_id))
+        self.held.append((fut, self.completion(request)))
         return fut
 
 
@@ -218,10 +222,13 @@ def bench_overhead(rec, reps, batch=2000):
 
 
 def bench_overhead_queued(rec, reps, batch=2000, n=8, cap=4):
+    maker = InstantGen(ref_rg, "direct")
+    reqs = [ref_rg.Request([1, 2, 3], request_id=str(i)) for i in range(batch)]
+
     def direct():
         futs = [Future() for _ in range(batch)]
-        for f in futs:
-            f.set_result(None)
+        for f, r in zip(futs, reqs):
+            f.set_result(maker.completion(r))
         for f in futs:
             f.result()
     fns = [(direct, batch)]
@@ -233,8 +240,8 @@ def bench_overhead_queued(rec, reps, batch=2000, n=8, cap=4):
             while router.queued or any(g.held for g in gens):
                 for g in gens:  # release one per engine per round: each release re-dispatches
                     if g.held:
-                        fut, rid = g.held.popleft()
-                        fut.set_result(rid)
+                        fut, completion = g.held.popleft()
+                        fut.set_result(completion)
             for f in futs:
                 f.result()
         fns.append((routed, batch))

@@ -963,11 +963,12 @@ class GeneratorRouter:
             fut.add_done_callback(attempt)
 
     def _settled(self, attempt: _Attempt, fut: Future) -> None:
-        if fut.cancelled():
-            completion, exc = None, CancelledError(f"{attempt.slot.name} cancelled the request")
-        else:
-            exc = fut.exception()
-            completion = fut.result() if exc is None else None
+        try:  # one look at the future in the common case
+            completion, exc = fut.result(), None
+        except CancelledError as exc_:
+            completion, exc = None, CancelledError(f"{attempt.slot.name} cancelled the request") if fut.cancelled() else exc_
+        except Exception as exc_:  # noqa: BLE001 - whatever the engine failed with
+            completion, exc = None, exc_
         with self._lock:
             work = self._end(attempt, completion, exc)
         # Inside a work list, so a user callback that submits again from there appends to it
