@@ -686,23 +686,22 @@ class GeneratorRouter:
 
     # ------------------------------------------------------------------ attempts and breakers (under the lock)
 
-    def _end(self, attempt: _Attempt, completion, exc) -> list:
-        """An attempt ended (the reference's ``_end_attempt``)."""
+    def _end(self, attempt: _Attempt, completion, exc, blame: bool = True) -> list:
+        """An attempt ended (the reference's ``_end_attempt``; blame=False: the request's own fault)."""
         s, ticket = attempt.slot, attempt.ticket
         if not attempt.live:
-            s.late += exc is None or not isinstance(exc, CancelledError)
+            s.late += blame and (exc is None or not isinstance(exc, CancelledError))
             return []
         attempt.live = False
         self._n_live -= 1
         s.inflight -= 1
         if s.inflight == 0:
             self._changed.notify_all()
-        if attempt.probe and s.state == HALF_OPEN:
+        probe_back = attempt.probe and s.state == HALF_OPEN
+        if probe_back:
             s.probe_out = False
-        if s.draining:
-            pass
-        elif not self._rr or s.inflight == self._cap - 1:
-            self._push(s)  # key changed, or it was full and has room again
+        if not s.draining and (probe_back or not self._rr or s.inflight == self._cap - 1):
+            self._push(s)  # eligible again, its key changed, or it was full and has room again
         if exc is None:
             served = getattr(completion, "min_policy_version", None)
             if not (_is_int(served) and served >= attempt.floor):
@@ -716,6 +715,8 @@ class GeneratorRouter:
             if attempt.probe and s.state == HALF_OPEN:
                 self._to_closed(s)
             work = [(_set_result, ticket.future, completion)]
+        elif not blame:
+            work = [(_set_exception, ticket.future, exc)]
         else:
             s.failures += 1
             s.consecutive += 1
@@ -941,22 +942,9 @@ class GeneratorRouter:
             fut = s.gen.submit(attempt.ticket.request)
             if not isinstance(fut, Future):
                 raise RuntimeError(f"{s.name}.submit returned {type(fut).__name__}, not a Future")
-        except (ValueError, TypeError) as exc:  # the request's fault: fail it, keep the generator
+        except Exception as exc:  # noqa: BLE001 - ValueError / TypeError: the request's fault; else the generator's
             with self._lock:
-                work = []
-                if attempt.live:
-                    attempt.live = False
-                    self._n_live -= 1
-                    s.inflight -= 1
-                    if attempt.probe and s.state == HALF_OPEN:
-                        s.probe_out = False
-                    self._push(s)
-                    work = [(_set_exception, attempt.ticket.future, exc)] + self._readmit_due(self._clock.now(), (s,))
-                    work += self._pump()
-            self._run(work)
-        except Exception as exc:  # noqa: BLE001 - the generator is broken
-            with self._lock:
-                work = self._end(attempt, None, exc)
+                work = self._end(attempt, None, exc, not isinstance(exc, (ValueError, TypeError)))
             self._run(work)
         else:
             attempt.future = fut

@@ -46,16 +46,12 @@ Tensors and types
     logits          [B, T, vocab_size] fp32
     KV cache        [capacity, H_kv, head_dim] per attention layer, the model's dtype
     SamplingParams  max_new_tokens int >= 1 (16), temperature float >= 0 (0 = greedy), top_k
-                    int >= 0 (0 = off), top_p in (0, 1] (1 = off), stop_token_ids tuple[int],
-                    seed int or None
-    Request         prompt_token_ids list[int] (a 1-D integer tensor or any sequence of ints is
-                    accepted), sampling, request_id str (a unique "req-<n>" when None),
-                    session_id hashable or None
+                    int >= 0 (0 = off), top_p in (0, 1] (1 = off), stop_token_ids, seed int or None
+    Request         prompt_token_ids list[int], sampling, request_id str, session_id
     Completion      request_id, prompt_token_ids, token_ids, logprobs (one per token),
-                    finish_reason "stop" | "length", generator_id (the engine's name),
-                    min_policy_version, max_policy_version
-    These three are repeated in routed_generator.py so that each file works alone; ``submit``
-    reads a request by its fields, so either file's ``Request`` is served.
+                    finish_reason "stop" | "length", generator_id, min/max_policy_version
+    (Repeated in routed_generator.py so that each file works alone; ``submit`` reads a request
+    by its fields, so either file's ``Request`` is served.)
     ModelConfig     vocab_size, hidden_size, intermediate_size, num_layers, num_heads,
                     num_kv_heads, head_dim (even), max_seq_len, rope_theta, rms_eps,
                     tie_embeddings, layer_types (None = all "attention", else "attention" /

@@ -70,33 +70,20 @@ The clock
     deadline; tests pass a manual clock and advance it, so every timing rule is deterministic.
 
 Data types (the same in ref and fast, and in generator_engine.py)
-    SamplingParams  max_new_tokens int >= 1 (16), temperature float >= 0 (0 = greedy),
-                    top_k int >= 0 (0 = off), top_p in (0, 1] (1 = off), stop_token_ids
-                    tuple[int], seed int or None
-    Request         prompt_token_ids list[int] (a 1-D integer tensor or any sequence of ints
-                    is accepted), sampling, request_id str (a unique "req-<n>" when None),
-                    session_id hashable or None.  The router reads these fields, so either
-                    file's Request is routed.
-    Completion      request_id, prompt_token_ids, token_ids, logprobs (one per token),
-                    finish_reason, generator_id (the generator's name), min_policy_version,
-                    max_policy_version
-    state_dict      Mapping[str, torch.Tensor], passed to load_weights untouched; the router
-                    keeps the last one synced (a reference) to re-sync returning generators
+    SamplingParams (max_new_tokens, temperature, top_k, top_p, stop_token_ids, seed), Request
+    (prompt_token_ids list[int], sampling, request_id str, session_id hashable or None; the router
+    reads these fields, so either file's Request is routed), Completion (request_id,
+    prompt_token_ids, token_ids, logprobs, finish_reason, generator_id, min_policy_version,
+    max_policy_version), state_dict (Mapping[str, torch.Tensor], passed on untouched; the router
+    keeps the last one synced, a reference, to re-sync returning generators).
 
 Supported, and what raises
-    Any number of generators >= 1 with unique names; many threads may call every method at
-    once.  The router dispatches in the calling thread and in the threads that settle
-    generator futures; its clock thread handles deadlines and back-offs; each weight load runs
-    in a thread of its own.  ValueError for an unknown policy or mode (naming the choices), an
-    empty generator list, duplicate names, max_inflight / max_retries / max_sessions /
-    failure_threshold / timeouts / backoff_s out of range, a version that does not increase;
-    TypeError for an object that lacks a protocol member, a request without the Request
-    fields, a version that is not an int; RuntimeError for ``submit`` after ``close()``.
-    Limits: the request at the head of the queue can no longer be cancelled; a done-callback
-    of a router future runs in the thread that settled it and must not block on another router
-    future or call ``sync_weights``; state-dict tensors the trainer changes in place after a
-    sync reach a generator re-synced later with their new values under the old version (pass
-    a snapshot where that matters; the Ray fleet snapshots each version in its object store).
+    Generators >= 1 with unique names; every method may be called from many threads at once.
+    ValueError for an unknown policy or mode (naming the choices), an empty generator list,
+    duplicate names, an argument out of range, a version that does not increase; TypeError for
+    an object that lacks a protocol member, a request without the Request fields, a non-int
+    version; RuntimeError for ``submit`` after ``close()``.  Limits (README): a done-callback of
+    a router future must not block on another router future or call ``sync_weights``.
 
 References
     vLLM router / SGLang model-gateway policies (round robin, least-loaded, cache-aware
@@ -228,32 +215,19 @@ class Completion:
 class GeneratorProtocol(Protocol):
     """What the router needs from a generator (an inference engine), and nothing more.
 
-    ``name: str``
-        Unique among the generators of one router; constant.
-    ``policy_version: int``
-        The version of the weights it serves now; changes inside ``load_weights``.  It never
-        decreases, except when the engine restarts (a new process): then it reports what the
-        new engine holds, and the router re-syncs it before re-admitting it.  Reading it must
-        not block.
-    ``submit(request) -> concurrent.futures.Future[Completion]``
-        Queues the request and returns at once (never blocks on generation).  Thread-safe,
-        and callable from any thread, including from inside a done-callback of a future it
-        returned.  So an engine must never settle a future while it holds a lock that
-        ``submit`` takes.  ValueError / TypeError raised by ``submit`` mean the request can
-        never be served (bad input); any other exception, a future that fails or is
-        cancelled, or one that does not settle before the deadline means the generator is
-        broken.  The completion carries ``generator_id = name``, the request's id and prompt,
-        and the versions in force when the request was admitted and when it finished.
-    ``load_weights(state_dict, version) -> None``
-        Blocking.  May be called while requests are in flight: the engine keeps serving and
-        switches weights between decoding steps (a request running across the switch then
-        has min_policy_version < max_policy_version).  When it returns, ``policy_version ==
-        version`` and every request admitted afterwards uses the new weights.  Raises on
-        failure.
-
-    A wrapper around vLLM's ``LLMEngine`` is a few lines: ``submit`` adds the request and
-    returns a Future that the engine's step loop settles; ``load_weights`` calls the engine's
-    weight-update hook and then sets ``policy_version``.
+    ``name: str`` unique among one router's generators.  ``policy_version: int`` the version
+    it serves; changes inside ``load_weights``; drops only when the engine restarts (a new
+    process reports what it holds, and is re-synced before re-admission); reading it never blocks.
+    ``submit(request) -> concurrent.futures.Future[Completion]`` returns at once, from any thread
+    (also inside a done-callback of its own futures: so an engine never settles a future while
+    holding a lock ``submit`` takes).  ValueError / TypeError from ``submit`` = bad input; any
+    other exception, a failed or cancelled future, or none by the deadline = a broken generator.
+    The completion carries ``generator_id = name`` and the versions at admission and at finish.
+    ``load_weights(state_dict, version)`` blocks; the engine may keep serving and switch between
+    decoding steps (a request across the switch has min < max); afterwards ``policy_version ==
+    version`` and later requests use the new weights; raises on failure.
+    A vLLM ``LLMEngine`` wrapper is a few lines: ``submit`` adds the request and returns a Future
+    its step loop settles; ``load_weights`` calls the weight-update hook, then sets the version.
     """
 
     name: str
@@ -383,40 +357,8 @@ class GeneratorRouter:
                  max_retries: int = 2, max_sessions: int = 65536, seed: int | None = None,
                  request_timeout_s: float = 300.0, sync_timeout_s: float = 300.0, failure_threshold: int = 3,
                  backoff_s: tuple[float, float] = (0.5, 5.0), clock=None):
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
-        try:
-            generators = list(generators)
-        except TypeError:
-            raise TypeError(f"generators must be a list of generators, got {type(generators).__name__}") from None
-        if not generators:
-            raise ValueError("generators must be a non-empty list of objects following GeneratorProtocol "
-                             "(name, policy_version, submit, load_weights); got an empty list")
-        for i, g in enumerate(generators):
-            missing = [m for m in ("name", "policy_version", "submit", "load_weights") if not hasattr(g, m)]
-            if missing:
-                raise TypeError(f"generators[{i}] ({type(g).__name__}) does not follow GeneratorProtocol: "
-                                f"it lacks {', '.join(missing)}")
-            if not isinstance(g.name, str) or not _is_int(g.policy_version):
-                raise TypeError(f"generators[{i}] must have a str name and an int policy_version, got "
-                                f"{type(g.name).__name__} and {type(g.policy_version).__name__}")
-        names = [g.name for g in generators]
-        if len(set(names)) != len(names):
-            raise ValueError(f"generator names must be unique, got {names}")
-        if max_inflight is not None and (not _is_int(max_inflight) or max_inflight < 1):
-            raise ValueError(f"max_inflight must be None or an int >= 1, got {max_inflight!r}")
-        for name, value, low in (("max_retries", max_retries, 0), ("max_sessions", max_sessions, 1),
-                                 ("failure_threshold", failure_threshold, 1)):
-            if not _is_int(value) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        for name, value in (("request_timeout_s", request_timeout_s), ("sync_timeout_s", sync_timeout_s)):
-            _check_timeout(name, value)
-        if (not isinstance(backoff_s, tuple) or len(backoff_s) != 2 or not all(isinstance(b, (int, float)) for b in backoff_s)
-                or not 0 < backoff_s[0] <= backoff_s[1] < math.inf):
-            raise ValueError(f"backoff_s must be (first, cap) seconds with 0 < first <= cap, got {backoff_s!r}")
-        if clock is not None and not (callable(getattr(clock, "now", None)) and callable(getattr(clock, "call_at", None))):
-            raise TypeError(f"clock must have now() and call_at(t, fn), got {type(clock).__name__}")
-
+        generators = _checked_arguments(generators, policy, max_inflight, max_retries, max_sessions,
+                                        request_timeout_s, sync_timeout_s, failure_threshold, backoff_s, clock)
         n = len(generators)
         self.policy, self.max_inflight, self.max_retries, self.max_sessions = policy, max_inflight, max_retries, max_sessions
         self.request_timeout_s, self.sync_timeout_s = float(request_timeout_s), float(sync_timeout_s)
@@ -699,11 +641,12 @@ class GeneratorRouter:
 
     # ------------------------------------------------------------------ attempts (under the lock)
 
-    def _end_attempt(self, attempt: _Attempt, completion, exc) -> list:
-        """An attempt ended: serve the completion, or strike the generator and retry or fail."""
+    def _end_attempt(self, attempt: _Attempt, completion, exc, *, blame: bool = True) -> list:
+        """An attempt ended: serve the completion, or strike the generator and retry or fail.
+        ``blame=False``: the request's own fault (bad input): it fails alone, nobody is struck."""
         slot, ticket = attempt.slot, attempt.ticket
         if not attempt.live:  # it already ended (deadline passed): a late result, dropped
-            slot.late += exc is None or not isinstance(exc, CancelledError)
+            slot.late += blame and (exc is None or not isinstance(exc, CancelledError))
             return []
         attempt.live = False
         self._attempts.discard(attempt)
@@ -724,6 +667,8 @@ class GeneratorRouter:
             if attempt.probe and slot.state == HALF_OPEN:
                 self._close_breaker(slot)
             work = [("done", ticket.future, completion)]
+        elif not blame:
+            work = [("fail", ticket.future, exc)]
         else:
             self._strike(slot, exc, attempt.probe)
             ticket.causes.append((slot.name, exc))
@@ -960,21 +905,9 @@ class GeneratorRouter:
             fut = slot.gen.submit(attempt.ticket.request)
             if not isinstance(fut, Future):
                 raise RuntimeError(f"{slot.name}.submit returned {type(fut).__name__}, not a Future")
-        except (ValueError, TypeError) as exc:  # the request's fault: fail it, keep the generator
+        except Exception as exc:  # noqa: BLE001 - ValueError / TypeError: the request's fault; else the generator's
             with self._lock:
-                work = []
-                if attempt.live:
-                    attempt.live = False
-                    self._attempts.discard(attempt)
-                    slot.inflight -= 1
-                    if attempt.probe and slot.state == HALF_OPEN:
-                        slot.probe_out = False
-                    work = [("fail", attempt.ticket.future, exc)] + self._readmit_due(self._clock.now(), [slot])
-                    work += self._pump()
-            self._run(work)
-        except Exception as exc:  # noqa: BLE001 - the generator is broken
-            with self._lock:
-                work = self._end_attempt(attempt, None, exc)
+                work = self._end_attempt(attempt, None, exc, blame=not isinstance(exc, (ValueError, TypeError)))
             self._run(work)
         else:
             attempt.future = fut
@@ -1017,3 +950,42 @@ def _check_timeout(name: str, value, zero: bool = False) -> float:
         raise ValueError(f"{name} must be a number of seconds {'>= 0' if zero else '> 0 (math.inf: none)'}, "
                          f"got {value!r}")
     return float(value)
+
+
+def _checked_arguments(generators, policy, max_inflight, max_retries, max_sessions, request_timeout_s,
+                       sync_timeout_s, failure_threshold, backoff_s, clock) -> list:
+    """The router's constructor arguments checked; the generators as a list."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+    try:
+        generators = list(generators)
+    except TypeError:
+        raise TypeError(f"generators must be a list of generators, got {type(generators).__name__}") from None
+    if not generators:
+        raise ValueError("generators must be a non-empty list of objects following GeneratorProtocol "
+                         "(name, policy_version, submit, load_weights); got an empty list")
+    for i, g in enumerate(generators):
+        missing = [m for m in ("name", "policy_version", "submit", "load_weights") if not hasattr(g, m)]
+        if missing:
+            raise TypeError(f"generators[{i}] ({type(g).__name__}) does not follow GeneratorProtocol: "
+                            f"it lacks {', '.join(missing)}")
+        if not isinstance(g.name, str) or not _is_int(g.policy_version):
+            raise TypeError(f"generators[{i}] must have a str name and an int policy_version, got "
+                            f"{type(g.name).__name__} and {type(g.policy_version).__name__}")
+    names = [g.name for g in generators]
+    if len(set(names)) != len(names):
+        raise ValueError(f"generator names must be unique, got {names}")
+    if max_inflight is not None and (not _is_int(max_inflight) or max_inflight < 1):
+        raise ValueError(f"max_inflight must be None or an int >= 1, got {max_inflight!r}")
+    for name, value, low in (("max_retries", max_retries, 0), ("max_sessions", max_sessions, 1),
+                             ("failure_threshold", failure_threshold, 1)):
+        if not _is_int(value) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    for name, value in (("request_timeout_s", request_timeout_s), ("sync_timeout_s", sync_timeout_s)):
+        _check_timeout(name, value)
+    if (not isinstance(backoff_s, tuple) or len(backoff_s) != 2 or not all(isinstance(b, (int, float)) for b in backoff_s)
+            or not 0 < backoff_s[0] <= backoff_s[1] < math.inf):
+        raise ValueError(f"backoff_s must be (first, cap) seconds with 0 < first <= cap, got {backoff_s!r}")
+    if clock is not None and not (callable(getattr(clock, "now", None)) and callable(getattr(clock, "call_at", None))):
+        raise TypeError(f"clock must have now() and call_at(t, fn), got {type(clock).__name__}")
+    return generators
