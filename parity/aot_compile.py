@@ -3,8 +3,9 @@
     python parity/aot_compile.py fast/paged_varlen_attention.py [--arch 80 90] [--json out.json] [--shard I/N]
                                                                 [--first-config]
 
-The file under test lists what it launches in a private ``_compile_cases()`` function, one
-dict per launch shape::
+What a fast file launches is listed in ``parity/aot_cases/<same name>.py``: its ``cases(m)``
+reads the fast module ``m``'s private config tables (so the builds are the launches) and returns
+one dict per launch shape::
 
     dict(kernel=<@triton.jit, or @triton.autotune / @triton.heuristics over one>,
          name="attn_fwd[fp16,D=128]",            # shown in reports
@@ -145,14 +146,24 @@ def build(b: dict, arch: int) -> dict:
     return result
 
 
-def load_cases(path: Path) -> list[dict]:
-    spec = importlib.util.spec_from_file_location(f"aot_{path.stem}", path)
+CASES_DIR = Path(__file__).resolve().parent / "aot_cases"
+
+
+def _import(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
-    if not hasattr(mod, "_compile_cases"):
+    return mod
+
+
+def load_cases(path: Path) -> list[dict]:
+    """The build cases of fast file ``path``, from ``parity/aot_cases/<path.name>`` (none if absent)."""
+    table = CASES_DIR / path.name
+    if not table.exists():
         return []
-    return list(mod._compile_cases())
+    fast_module = _import(path, f"aot_{path.stem}")
+    return list(_import(table, f"aot_cases_{path.stem}").cases(fast_module))
 
 
 def main(argv=None) -> int:
