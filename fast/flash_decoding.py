@@ -1,52 +1,29 @@
 """FlashDecoding: split-KV decode attention over a KV cache, in Triton, with a runtime shape gate.
 
-What it computes
-    The same as ref/flash_decoding.py: attention of S_q new query rows per sequence (1 while
-    decoding, 2..16 while verifying speculative tokens) against that sequence's KV cache,
-    contiguous or paged, causal bottom-right inside the cache, after optionally writing the new
-    keys and values into the cache in place.  A kernel that runs one program per (sequence,
-    head) leaves most SMs idle when the batch is small and the context long; this one also
-    splits each sequence's keys across ``num_splits`` programs and merges their partial
-    results by log-sum-exp, so long-context decoding can run at memory bandwidth.
+The same as ref/flash_decoding.py: attention of S_q new query rows per sequence (1 while
+decoding, 2..16 while verifying speculative tokens) against that sequence's KV cache,
+contiguous or paged, causal bottom-right inside the cache, after optionally writing the new
+keys and values into the cache in place.  A kernel with one program per (sequence, head)
+leaves most SMs idle when the batch is small and the context long; this one also splits each
+sequence's keys across ``num_splits`` programs and merges their partial results by
+log-sum-exp, so long-context decoding can run at memory bandwidth.
 
-The math (see the reference for the full statement)
+The math (the reference states it in full)
     s_ij = scale <q_i, k_j> (softcap * tanh(s / softcap) when softcap > 0); row i of a
     sequence with L keys sees j <= L - S_q + i; lse_i = log(sum_j exp(s_ij) [+ exp(sink_h)]);
-    o_i = sum_j exp(s_ij - lse_i) v_j.  A row that sees no key: o = 0, lse = -inf (the sink with one).
-    Split s over key block range C_s gives (o_s, lse_s) without the sink; the merge is
+    o_i = sum_j exp(s_ij - lse_i) v_j; a row that sees no key: o = 0, lse = -inf.
+    Split s over key range C_s gives (o_s, lse_s) without the sink; the merge is
     lse = log(sum_s exp(lse_s) + exp(sink)), o = sum_s exp(lse_s - lse) o_s.
-
-    The kernels
-    1. ``_append_kv_kernel`` (only with k_new/v_new): one program per (sequence, new row, KV
-       head) writes the new key/value at position L - S_q + i of the cache, in place.
-    2. ``_decode_fwd_kernel``: one program per (sequence x KV head, split, query tile).  The
-       tile packs the S_q rows of all G query heads of one KV head (row r = i * G + g), so
-       K and V are read once per KV head, not once per query head.  It streams its share of
-       the key blocks (page ids looked up per key, so any page size works) with an online
-       softmax in fp32 (exp2, scale folded with log2 e).  With one split it adds the sink
-       and writes out / lse directly: no partials, and a sequence's result does not depend
-       on the rest of the batch (batch-invariant, deterministic).  With several splits it
-       writes fp32 partial outputs and LSEs.
-    3. ``_merge_splits_kernel``: one program per (sequence, row, query head) merges the
-       splits' partials in a fixed order and adds the sink once.
-    ``merge_attention_states`` runs ``_merge_states_kernel``, the same merge for two states.
-
-    The shape gate: ``num_splits=None`` calls ``choose_num_splits`` with the device's SM count
-    (read once per device at call time, cached; the Triton interpreter on CPU has no SMs and
-    assumes an H100's 132 so the decisions match that GPU) and the cache's capacity (a shape,
-    so the choice needs no host copy and is the same under CUDA-graph capture).
-
-FLOPs and bytes (the numbers the benchmark compares with the hardware)
-    FLOPs ~= 4 * B * H_q * S_q * L_k * D        (QK^T and PV; causal rows see up to S_q - 1 fewer keys)
-    minimum bytes = B * L_k * H_kv * D * 2 * elt (K and V read once) + 2 * B * S_q * H_q * D * elt
-                    (q read, out written), L_k the mean seqused_k.  Splitting adds
-                    2 * B * S_q * H_q * num_splits * (D + 1) * 4 bytes of fp32 partials
-                    (written once, read once), small next to the cache when S_q * H_q << L_k * H_kv.
+    A call runs ``_append_kv_kernel`` (with k_new / v_new), ``_decode_fwd_kernel`` and, with
+    several splits, ``_merge_splits_kernel``; each kernel's docstring gives its FLOPs and bytes.
+    ``num_splits=None`` asks ``choose_num_splits`` with the device's SM count (the interpreter
+    assumes an H100's 132) and the cache's capacity, a shape: no host copy, the same choice
+    under CUDA-graph capture.  ``num_splits=1`` is batch-invariant and deterministic.
 
 Tensors (B sequences, S_q rows, H_q / H_kv heads, D head dim)
-    q             [B, S_q, H_q, D]                  fp16 / bf16 / fp32, any strides (made unit-stride in D)
+    q             [B, S_q, H_q, D]                  fp16 / bf16 / fp32, unit stride in D (else copied)
     k_cache,      [B, S_max, H_kv, D]               contiguous, or
-    v_cache       [num_pages, page_size, H_kv, D]   paged with block_table; any strides, unit stride in D
+    v_cache       [num_pages, page_size, H_kv, D]   paged with block_table; unit stride in D
     seqused_k     [B] int32                         keys per sequence, new ones included
     block_table   [B, max_pages] int32
     k_new, v_new  [B, S_q, H_kv, D]                 q's dtype
@@ -55,20 +32,13 @@ Tensors (B sequences, S_q rows, H_q / H_kv heads, D head dim)
     lse           [B, H_q, S_q] fp32                natural log
 
 Supported, and what raises
-    fp16 / bf16 / fp32 (fp32 dots in IEEE precision, no silent tf32), head dims 1..256
-    (padded to a power of two inside), any page size, any GQA ratio, S_q >= 1 (best at
-    S_q * G <= 64 rows per tile; more rows take more tiles, each reading K/V again),
-    CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.  Everything the reference
-    rejects raises the same ValueError / TypeError here, plus fp64, D > 256, and caches or out
-    without unit stride in D (they are written in place; q, k_new, v_new are copied).  The value
-    checks (seqused_k within capacity, not 0 < seqused_k < S_q, page ids inside the pool)
-    cost one small device-to-host copy per call; they are skipped while a CUDA graph is being
-    captured (``torch.cuda.is_current_stream_capturing()``), where a copy is impossible: a
-    captured call trusts its inputs.  The launches are ``torch.library.custom_op``s
-    (``twofold::flash_decode``, which writes ``out``; ``twofold::kv_cache_append``, which
-    declares that it mutates k_cache and v_cache; ``twofold::merge_attention_states``), so
-    ``torch.compile(fullgraph=True)`` traces through them.  Inference only: no autograd.
-    ``num_splits`` is capped at the number of key blocks of the cache capacity (and 1024).
+    fp16 / bf16 / fp32 (IEEE fp32 dots), head dims up to 256, any page size and GQA ratio,
+    CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``).  Everything the reference rejects
+    raises the same ValueError / TypeError here, plus fp64, D > 256 and caches or ``out``
+    without unit stride in D.  The value checks cost one small device-to-host copy per call and
+    are skipped during CUDA-graph capture.  The ops are ``torch.library.custom_op``s, so
+    ``torch.compile(fullgraph=True)`` traces through them.  Inference only.  The README's
+    "Known limits" lists the rest.
 
 References
     Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference" (2023); flash-attn's
@@ -94,7 +64,68 @@ _PROGRAMS_PER_SM = 2         # decode programs resident per SM (40-115 KB of sha
 _MAX_SPLITS = 1024
 
 
-# ----------------------------------------------------------------------------- the shape gate
+# ----------------------------------------------------------------------------- public API
+
+def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None, v_new=None, scale=None,
+                 num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None):
+    """Decode attention of q against the KV cache; see the module docstring for shapes.
+
+    With ``k_new``/``v_new`` the cache is written in place first.  ``num_splits=None`` lets
+    ``choose_num_splits`` decide; ``num_splits=1`` is batch-invariant and deterministic.
+    Returns ``out [B, S_q, H_q, D]``, or ``(out, lse [B, H_q, S_q] fp32)`` when ``return_lse``;
+    with ``out=`` the result is written there.
+    """
+    _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new, v_new=v_new,
+                  scale=scale, num_splits=num_splits, softcap=softcap, sinks=sinks, out=out)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    seqused_k = seqused_k.contiguous()
+    if block_table is not None and block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    sinks = sinks.contiguous() if sinks is not None else None
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if k_new is not None:
+        k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
+        v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
+        # The append validates the index tensors (one host copy); the attention then skips it.
+        torch.ops.twofold.kv_cache_append(k_cache, v_cache, k_new, v_new, seqused_k, block_table)
+    lse = torch.ops.twofold.flash_decode(q, k_cache, v_cache, seqused_k, block_table, sinks, out, scale,
+                                         float(softcap), num_splits or 0, k_new is None)
+    return (out, lse) if return_lse else out
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b):
+    """Merge two attention states over disjoint key sets into the state over their union.
+
+    ``out_* [..., T, H, D]`` (fp16 / bf16 / fp32) and ``lse_* [..., H, T]`` fp32 (natural log),
+    the layouts ``flash_decode`` returns ([B, S_q, H_q, D] and [B, H_q, S_q]) and varlen
+    attention returns ([T, H, D] and [H, T]).  Returns ``(out in out_a's dtype, lse fp32)``.
+    Associative and commutative; a side with lse = -inf (no keys) leaves the other side exactly
+    as it is; two empty sides give out 0 and lse -inf, never NaN.
+    """
+    for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating torch.Tensor")
+    if out_a.dim() < 3:
+        raise ValueError(f"out_a must be [..., T, H, D], got shape {tuple(out_a.shape)}")
+    if out_b.shape != out_a.shape or out_b.dtype != out_a.dtype:
+        raise ValueError(f"out_b must match out_a {tuple(out_a.shape)} {out_a.dtype}, "
+                         f"got {tuple(out_b.shape)} {out_b.dtype}")
+    if out_a.dtype not in _DTYPES:
+        raise TypeError(f"out_a must be float16, bfloat16 or float32 in the fast path, got {out_a.dtype}")
+    lse_shape = (*out_a.shape[:-3], out_a.shape[-2], out_a.shape[-3])
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if tuple(t.shape) != lse_shape:
+            raise ValueError(f"{name} must be [..., H, T] = {lse_shape} for out {tuple(out_a.shape)}, "
+                             f"got shape {tuple(t.shape)}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be torch.float32, got {t.dtype}")
+    devices = {t.device for t in (out_a, lse_a, out_b, lse_b)}
+    if len(devices) > 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    return _merge_attention_states(out_a, lse_a, out_b, lse_b)
+
 
 def choose_num_splits(batch, num_kv_heads, max_seqlen_k, *, num_sms, num_q_tiles=1, block_n=64,
                       programs_per_sm=2, max_splits=128):
@@ -138,408 +169,6 @@ def choose_num_splits(batch, num_kv_heads, max_seqlen_k, *, num_sms, num_q_tiles
 
     best = max(efficiency(s) for s in candidates)
     return next(s for s in candidates if efficiency(s) >= 0.85 * best)
-
-
-# ----------------------------------------------------------------------------- kernels
-
-@triton.jit
-def _tanh(x):
-    # tanh through exp (the interpreter has no libdevice); saturates to +-1, never NaN.
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def _append_kv_kernel(
-    kn_ptr, vn_ptr, k_ptr, v_ptr, seqused_ptr, bt_ptr,
-    stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
-    S_q, PAGE_SIZE,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_PAGED: tl.constexpr,
-):
-    i_bs, i_h = tl.program_id(0), tl.program_id(1)
-    i_b, i_s = i_bs // S_q, i_bs % S_q
-    i_b64 = i_b.to(tl.int64)
-    seqlen = tl.load(seqused_ptr + i_b)
-    pos = seqlen - S_q + i_s
-    if pos >= 0:                                   # < 0 only for an empty (padding) sequence: no write
-        if IS_PAGED:
-            page = tl.load(bt_ptr + i_b64 * stride_btb + pos // PAGE_SIZE).to(tl.int64)
-            o_k = page * stride_kb + (pos % PAGE_SIZE) * stride_kt
-            o_v = page * stride_vb + (pos % PAGE_SIZE) * stride_vt
-        else:
-            o_k = i_b64 * stride_kb + pos.to(tl.int64) * stride_kt
-            o_v = i_b64 * stride_vb + pos.to(tl.int64) * stride_vt
-        o_d = tl.arange(0, BLOCK_D)
-        m_d = o_d < HEAD_DIM
-        b_k = tl.load(kn_ptr + i_b64 * stride_knb + i_s * stride_kns + i_h * stride_knh + o_d, mask=m_d)
-        b_v = tl.load(vn_ptr + i_b64 * stride_vnb + i_s * stride_vns + i_h * stride_vnh + o_d, mask=m_d)
-        tl.store(k_ptr + o_k + i_h * stride_kh + o_d, b_k, mask=m_d)
-        tl.store(v_ptr + o_v + i_h * stride_vh + o_d, b_v, mask=m_d)
-
-
-@triton.jit
-def _decode_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, seqused_ptr, bt_ptr, sinks_ptr, o_ptr, lse_ptr,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_os, stride_oh, stride_osplit,
-    stride_lb, stride_ls, stride_lh, stride_lsplit,
-    stride_btb,
-    H_kv, GROUP, S_q, PAGE_SIZE, NUM_SPLITS, scale, softcap,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_PAGED: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr,
-):
-    # o_ptr / lse_ptr are out [B, S_q, H_q, D] / lse [B, H_q, S_q] with one split, else the fp32
-    # partials [B, S_q, H_q, NUM_SPLITS, D] / [B, S_q, H_q, NUM_SPLITS]: the strides say which.
-    i_bh, i_split, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_hkv = i_bh // H_kv, i_bh % H_kv
-    i_b64 = i_b.to(tl.int64)
-    seqlen = tl.load(seqused_ptr + i_b)
-
-    # Tile rows pack (query row i, head g of the group) as r = i * GROUP + g: K/V are read once per KV head.
-    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    i_q = o_r // GROUP
-    i_hq = i_hkv * GROUP + o_r % GROUP
-    m_r = o_r < S_q * GROUP
-    o_d = tl.arange(0, BLOCK_D)
-    if BLOCK_D == HEAD_DIM:
-        m_d = tl.full([BLOCK_D], 1, tl.int1)      # a constant mask keeps the loads vectorized
-    else:
-        m_d = o_d < HEAD_DIM
-    p_q = q_ptr + i_b64 * stride_qb + i_q[:, None] * stride_qs + i_hq[:, None] * stride_qh + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)           # [BLOCK_M, BLOCK_D]
-
-    # This split's share of the sequence's key blocks (the split size follows the real length).
-    n_blocks = tl.cdiv(seqlen, BLOCK_N)
-    per_split = tl.cdiv(n_blocks, NUM_SPLITS)
-    start = i_split * per_split * BLOCK_N
-    end = tl.minimum(start + per_split * BLOCK_N, seqlen)
-    last_seen = seqlen - S_q + i_q                                             # row i sees keys j <= last_seen
-
-    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)                 # running max, log2 units
-    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)                                # running sum of exp2
-    b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    qk_scale = scale * 1.4426950408889634
-    for start_n in range(start, end, BLOCK_N):
-        o_n = start_n + tl.arange(0, BLOCK_N)
-        m_n = o_n < end
-        if IS_PAGED:
-            page = tl.load(bt_ptr + i_b64 * stride_btb + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
-            o_k = page * stride_kb + (o_n % PAGE_SIZE) * stride_kt + i_hkv * stride_kh
-            o_v = page * stride_vb + (o_n % PAGE_SIZE) * stride_vt + i_hkv * stride_vh
-        else:
-            o_k = i_b64 * stride_kb + o_n.to(tl.int64) * stride_kt + i_hkv * stride_kh
-            o_v = i_b64 * stride_vb + o_n.to(tl.int64) * stride_vt + i_hkv * stride_vh
-        if KV_ALIGN > 1:  # the host checked that every K/V row starts at a multiple of KV_ALIGN elements
-            o_k = tl.multiple_of(o_k, KV_ALIGN)
-            o_v = tl.multiple_of(o_v, KV_ALIGN)
-        m_kv = m_n[:, None] & m_d[None, :]
-        b_k = tl.load(k_ptr + o_k[:, None] + o_d[None, :], mask=m_kv, other=0.0)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)       # [BLOCK_M, BLOCK_N]
-        if HAS_SOFTCAP:
-            b_s = (softcap * 1.4426950408889634) * _tanh(b_s * (scale / softcap))
-        else:
-            b_s = b_s * qk_scale
-        b_s = tl.where(m_n[None, :] & (o_n[None, :] <= last_seen[:, None]), b_s, float("-inf"))
-        m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                  # a row that saw nothing yet
-        alpha = tl.exp2(b_m - m_safe)
-        b_p = tl.exp2(b_s - m_safe[:, None])
-        b_l = b_l * alpha + tl.sum(b_p, 1)
-        b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_kv, other=0.0)
-        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-        b_m = m_new
-
-    if not IS_SPLIT:
-        if HAS_SINKS:  # the sink joins the denominator once, here (never in a partial)
-            b_sink = tl.load(sinks_ptr + i_hq, mask=m_r, other=0.0).to(tl.float32) * 1.4426950408889634
-            m_fin = tl.maximum(b_m, b_sink)
-            m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
-            alpha = tl.exp2(b_m - m_fin)
-            b_l = b_l * alpha + tl.exp2(b_sink - m_fin)
-            b_acc = b_acc * alpha[:, None]
-            b_m = m_fin
-    b_l_safe = tl.where(b_l > 0, b_l, 1.0)                                     # l = 0: a row with no key
-    b_o = b_acc / b_l_safe[:, None]
-    b_lse = tl.where(b_l > 0, (b_m + tl.log2(b_l_safe)) * 0.6931471805599453, float("-inf"))
-    p_o = (o_ptr + i_b64 * stride_ob + i_q[:, None] * stride_os + i_hq[:, None] * stride_oh
-           + i_split * stride_osplit + o_d[None, :])
-    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
-    p_lse = lse_ptr + i_b64 * stride_lb + i_q * stride_ls + i_hq * stride_lh + i_split * stride_lsplit
-    tl.store(p_lse, b_lse, mask=m_r)
-
-
-@triton.jit
-def _merge_splits_kernel(
-    po_ptr, plse_ptr, sinks_ptr, o_ptr, lse_ptr,
-    stride_ob, stride_os, stride_oh,
-    S_q, H_q, NUM_SPLITS,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
-):
-    # One program per row (b, i, h), numbered like the partials [B, S_q, H_q, NUM_SPLITS, ...].
-    i_row = tl.program_id(0)
-    i_h, i_s, i_b = i_row % H_q, (i_row // H_q) % S_q, i_row // (H_q * S_q)
-    base = i_row.to(tl.int64) * NUM_SPLITS
-    o_sp = tl.arange(0, BLOCK_S)
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < HEAD_DIM
-
-    b_max = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        b_lse = tl.load(plse_ptr + base + s0 + o_sp, mask=s0 + o_sp < NUM_SPLITS, other=float("-inf"))
-        b_max = tl.maximum(b_max, b_lse)
-    m = tl.max(b_max, 0)
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + i_h).to(tl.float32)
-        m = tl.maximum(m, sink)
-    m = tl.where(m == float("-inf"), 0.0, m)                                   # every split empty, no sink
-
-    b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    b_den = tl.zeros([BLOCK_S], dtype=tl.float32)
-    for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        m_sp = s0 + o_sp < NUM_SPLITS
-        b_w = tl.exp(tl.load(plse_ptr + base + s0 + o_sp, mask=m_sp, other=float("-inf")) - m)   # [BLOCK_S]
-        p_po = po_ptr + (base + s0 + o_sp)[:, None] * HEAD_DIM + o_d[None, :]
-        b_po = tl.load(p_po, mask=m_sp[:, None] & m_d[None, :], other=0.0)                     # [BLOCK_S, BLOCK_D]
-        b_acc += tl.sum(tl.where(b_w[:, None] > 0, b_w[:, None] * b_po, 0.0), 0)
-        b_den += b_w
-    den = tl.sum(b_den, 0)
-    if HAS_SINKS:
-        den += tl.exp(sink - m)
-    den_safe = tl.where(den > 0, den, 1.0)
-    b_o = b_acc / den_safe
-    lse = tl.where(den > 0, m + tl.log(den_safe), float("-inf"))
-    p_o = o_ptr + i_b.to(tl.int64) * stride_ob + i_s * stride_os + i_h * stride_oh + o_d
-    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_d)
-    tl.store(lse_ptr + (i_b.to(tl.int64) * H_q + i_h) * S_q + i_s, lse)
-
-
-@triton.jit
-def _merge_states_kernel(
-    oa_ptr, la_ptr, ob_ptr, lb_ptr, o_ptr, lse_ptr, T, H,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    # One program per row (n, t, h) of contiguous out [N, T, H, D]; lse is [N, H, T].
-    i_row = tl.program_id(0)
-    i_h, i_t, i_n = i_row % H, (i_row // H) % T, i_row // (H * T)
-    o_l = (i_n.to(tl.int64) * H + i_h) * T + i_t
-    b_la = tl.load(la_ptr + o_l)
-    b_lb = tl.load(lb_ptr + o_l)
-    m = tl.maximum(b_la, b_lb)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w_a = tl.exp(b_la - m)                      # exactly 1 and 0 when one side is empty
-    w_b = tl.exp(b_lb - m)
-    den = w_a + w_b
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < HEAD_DIM
-    base = i_row.to(tl.int64) * HEAD_DIM
-    b_oa = tl.load(oa_ptr + base + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_ob = tl.load(ob_ptr + base + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_o = tl.where(w_a > 0, w_a * b_oa, 0.0) + tl.where(w_b > 0, w_b * b_ob, 0.0)
-    den_safe = tl.where(den > 0, den, 1.0)
-    b_o = b_o / den_safe
-    tl.store(o_ptr + base + o_d, b_o.to(o_ptr.dtype.element_ty), mask=m_d)
-    tl.store(lse_ptr + o_l, tl.where(den > 0, m + tl.log(den_safe), float("-inf")))
-
-
-# ----------------------------------------------------------------------------- host helpers
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    """The SM count of ``device``, read at call time (never at import) and cached per device."""
-    if device.type == "cuda":
-        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return _INTERPRETER_SMS
-
-
-def _kv_align(*tensors) -> int:
-    """The largest power of two (<= 16) dividing every non-unit stride of K and V, in elements."""
-    align = 16
-    for t in tensors:
-        for stride in t.stride()[:-1]:
-            while stride % align:
-                align //= 2
-    return align
-
-
-def _fwd_config(head_dim: int, dtype: torch.dtype, rows: int, paged: bool, kv_align: int,
-                device: torch.device) -> dict:
-    """Tile sizes and launch options of the decode kernel.
-
-    Fixed, not autotuned: a config that depended on the batch would break batch invariance, and
-    autotuning cannot run under CUDA-graph capture.  Chosen so that every config builds without
-    register spills for sm_80 and sm_90 (parity/test_compile.py):
-    - BLOCK_M rows of (query row, group head) per tile: up to 64 (32 at D = 256).
-    - BLOCK_N keys per step: ~16 KB per K (or V) tile at D <= 128 in 16-bit types.
-    - fp32 (IEEE dots on FMA units, which hold much more in registers): 16 x 16 tiles, 8 warps.
-    - Paged loads are indirect (page id, then K/V) and Triton's pipeliner spreads the stages
-      over both levels: 5 stages give the K/V loads two buffers, as 3 stages do for the
-      contiguous cache (~40-115 KB of shared memory).
-    - 8 warps for the wider tiles and for rows not aligned to 16 bytes (narrower vectors, more
-      addresses in registers); 4 otherwise.
-    """
-    elt = torch.finfo(dtype).bits // 8
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    max_m = 16 if elt == 4 else (64 if block_d <= 128 else 32)
-    block_m = min(max_m, max(16, triton.next_power_of_2(rows)))
-    block_n = 16 if elt == 4 else (64 if block_d <= 128 else 32)
-    if device.type != "cuda":
-        block_n = 16  # the interpreter: small blocks so small test shapes still loop over several
-    num_warps = 8 if block_m >= 32 or elt == 4 or kv_align * elt < 16 else 4
-    return dict(BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, KV_ALIGN=kv_align, num_warps=num_warps,
-                num_stages=5 if paged else 3, num_q_tiles=-(-rows // block_m))
-
-
-def _new_partials(o_shape, lse_shape, device):
-    """The fp32 partial buffers of a split launch (a function so tests can poison them)."""
-    return (torch.empty(o_shape, dtype=torch.float32, device=device),
-            torch.empty(lse_shape, dtype=torch.float32, device=device))
-
-
-def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, scale, num_splits,
-                  softcap, sinks, out):
-    """Shapes, dtypes, devices and strides (no device-to-host copy: this runs under torch.compile)."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, S_q, H_q, D], got shape {tuple(q.shape)}")
-    batch, s_q, h_q, d = q.shape
-    if s_q < 1:
-        raise ValueError(f"q must have S_q >= 1 query rows per sequence, got shape {tuple(q.shape)}")
-    paged = block_table is not None
-    layout = "[num_pages, page_size, H_kv, D] (paged)" if paged else "[B, S_max, H_kv, D]"
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} "
-                         f"and {tuple(v_cache.shape)}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"q must be float16, bfloat16 or float32 in the fast path, got {q.dtype}")
-    if not paged and k_cache.shape[0] != batch:
-        raise ValueError(f"k_cache must be [B={batch}, S_max, H_kv, D] without a block_table, "
-                         f"got shape {tuple(k_cache.shape)}")
-    if k_cache.shape[-1] != d:
-        raise ValueError(f"head dim mismatch: q has D={d}, k_cache/v_cache have D={k_cache.shape[-1]}")
-    if d > 256:
-        raise ValueError(f"head dim D must be <= 256 in the fast path, got D={d}")
-    h_kv = k_cache.shape[2]
-    if h_kv == 0 or h_q % h_kv != 0:
-        raise ValueError(f"the number of query heads must be a multiple of the KV heads, got H_q={h_q} "
-                         f"and H_kv={h_kv}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have unit stride in the head dim (it is written in place), "
-                             f"got strides {tuple(t.stride())}")
-
-    def index_tensor(name, t, shape_text, dim):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32, got {t.dtype}")
-        if t.dim() != dim or t.shape[0] != batch:
-            raise ValueError(f"{name} must be {shape_text}, got shape {tuple(t.shape)}")
-
-    index_tensor("seqused_k", seqused_k, f"[B={batch}]", 1)
-    if paged:
-        index_tensor("block_table", block_table, f"[B={batch}, max_pages]", 2)
-    if (k_new is None) != (v_new is None):
-        raise ValueError("k_new and v_new must be given together")
-    if k_new is not None:
-        expect = (batch, s_q, h_kv, d)
-        for name, t in (("k_new", k_new), ("v_new", v_new)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if tuple(t.shape) != expect:
-                raise ValueError(f"{name} must be [B, S_q, H_kv, D] = {expect}, got shape {tuple(t.shape)}")
-            if t.dtype != q.dtype:
-                raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
-    if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
-            raise TypeError("sinks must be a floating torch.Tensor of shape [H_q]")
-        if tuple(sinks.shape) != (h_q,):
-            raise ValueError(f"sinks must be [H_q={h_q}], got shape {tuple(sinks.shape)}")
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if out.shape != q.shape or out.dtype != q.dtype:
-            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} like q, got {tuple(out.shape)} {out.dtype}")
-        if out.stride(-1) != 1:
-            raise ValueError(f"out must have unit stride in the head dim, got strides {tuple(out.stride())}")
-    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seqused_k", seqused_k),
-             ("block_table", block_table), ("k_new", k_new), ("v_new", v_new), ("sinks", sinks), ("out", out)]
-    devices = {name: t.device for name, t in named if t is not None}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"all tensors must be on one device, got mixed devices {devices}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if not isinstance(softcap, (int, float)) or softcap < 0:
-        raise ValueError(f"softcap must be a float >= 0, got {softcap!r}")
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
-
-
-def _check_device(t: torch.Tensor):
-    if t.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"the fast kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), "
-                         f"got a tensor on {t.device}")
-
-
-def _check_values(seqused_k, block_table, *, s_q, capacity, num_pages, page_size):
-    """seqused_k within capacity, not 0 < seqused_k < S_q, used page ids inside the pool.
-
-    Reduced on the device to four numbers, then one small device-to-host copy; skipped while a
-    CUDA graph is captured (no copy is possible there).  The error path re-reads the index
-    tensors to name the offending sequence, like the reference.
-    """
-    if seqused_k.numel() == 0:
-        return
-    if seqused_k.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
-    lens = seqused_k.to(torch.int64)
-    stats = [lens.min(), lens.max(), ((lens > 0) & (lens < s_q)).sum()]
-    if block_table is not None:
-        cols = torch.arange(block_table.shape[1], device=lens.device)
-        used = cols[None, :] < ((lens + page_size - 1) // page_size)[:, None]   # [B, max_pages]
-        stats.append((used & ((block_table < 0) | (block_table >= num_pages))).sum())
-    lo, hi, short, *bad_pages = torch.stack(stats).tolist()                     # the one copy
-    if lo >= 0 and hi <= capacity and short == 0 and not any(bad_pages):
-        return
-    lengths = seqused_k.tolist()
-    where = (f"the {block_table.shape[1]} pages of {page_size} keys that block_table holds per sequence"
-             if block_table is not None else f"the S_max = {capacity} slots of the contiguous cache")
-    for b, length in enumerate(lengths):
-        if not 0 <= length <= capacity:
-            raise ValueError(f"seqused_k[{b}] = {length} is beyond {where} (capacity {capacity})")
-        if 0 < length < s_q:
-            raise ValueError(f"seqused_k[{b}] = {length} is smaller than S_q = {s_q}: the query rows are the "
-                             f"last S_q keys of the sequence (0 marks an empty sequence)")
-    table = block_table.tolist()
-    for b, length in enumerate(lengths):
-        bad = [p for p in table[b][:-(-length // page_size)] if not 0 <= p < num_pages]
-        if bad:
-            raise ValueError(f"block_table[{b}] points at page {bad[0]}, outside the pool of {num_pages} pages")
-
-
-def _capacity(k_cache, block_table) -> int:
-    return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
 
 
 # ----------------------------------------------------------------------------- launchers (custom ops)
@@ -658,68 +287,431 @@ def _(out_a, lse_a, out_b, lse_b):
     return torch.empty_like(out_a), torch.empty_like(lse_a, dtype=torch.float32)
 
 
-# ----------------------------------------------------------------------------- public API
+# ----------------------------------------------------------------------------- kernels, in call order
 
-def merge_attention_states(out_a, lse_a, out_b, lse_b):
-    """Merge two attention states over disjoint key sets into the state over their union.
+@triton.jit
+def _append_kv_kernel(
+    kn_ptr, vn_ptr, k_ptr, v_ptr, seqused_ptr, bt_ptr,
+    stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_btb,
+    S_q, PAGE_SIZE,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_PAGED: tl.constexpr,
+):
+    """One program per (sequence x new row, KV head) writes k_new / v_new row i at position
+    L - S_q + i of the cache, in place.  No FLOPs; bytes = 4 * B * S_q * H_kv * D * elt."""
+    i_bs, i_h = tl.program_id(0), tl.program_id(1)
+    i_b, i_s = i_bs // S_q, i_bs % S_q
+    i_b64 = i_b.to(tl.int64)
+    seqlen = tl.load(seqused_ptr + i_b)
+    pos = seqlen - S_q + i_s
+    if pos >= 0:                                   # < 0 only for an empty (padding) sequence: no write
+        if IS_PAGED:
+            page = tl.load(bt_ptr + i_b64 * stride_btb + pos // PAGE_SIZE).to(tl.int64)
+            o_k = page * stride_kb + (pos % PAGE_SIZE) * stride_kt
+            o_v = page * stride_vb + (pos % PAGE_SIZE) * stride_vt
+        else:
+            o_k = i_b64 * stride_kb + pos.to(tl.int64) * stride_kt
+            o_v = i_b64 * stride_vb + pos.to(tl.int64) * stride_vt
+        o_d = tl.arange(0, BLOCK_D)
+        m_d = o_d < HEAD_DIM
+        b_k = tl.load(kn_ptr + i_b64 * stride_knb + i_s * stride_kns + i_h * stride_knh + o_d, mask=m_d)
+        b_v = tl.load(vn_ptr + i_b64 * stride_vnb + i_s * stride_vns + i_h * stride_vnh + o_d, mask=m_d)
+        tl.store(k_ptr + o_k + i_h * stride_kh + o_d, b_k, mask=m_d)
+        tl.store(v_ptr + o_v + i_h * stride_vh + o_d, b_v, mask=m_d)
 
-    ``out_* [..., T, H, D]`` (fp16 / bf16 / fp32) and ``lse_* [..., H, T]`` fp32 (natural log),
-    the layouts ``flash_decode`` returns ([B, S_q, H_q, D] and [B, H_q, S_q]) and varlen
-    attention returns ([T, H, D] and [H, T]).  Returns ``(out in out_a's dtype, lse fp32)``.
-    Associative and commutative; a side with lse = -inf (no keys) leaves the other side exactly
-    as it is; two empty sides give out 0 and lse -inf, never NaN.
+
+@triton.jit
+def _decode_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, seqused_ptr, bt_ptr, sinks_ptr, o_ptr, lse_ptr,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_os, stride_oh, stride_osplit,
+    stride_lb, stride_ls, stride_lh, stride_lsplit,
+    stride_btb,
+    H_kv, GROUP, S_q, PAGE_SIZE, NUM_SPLITS, scale, softcap,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_PAGED: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr,
+):
+    """One program per (sequence x KV head, split, query tile).  The tile packs the S_q rows of
+    all G query heads of one KV head (row r = i * G + g), so K and V are read once per KV head,
+    not once per query head.  It streams its share of the key blocks (page ids looked up per
+    key, so any page size works) through an online softmax in fp32 (exp2, scale folded with
+    log2 e).  With one split it adds the sink and writes out / lse: no partials, and a
+    sequence's result does not depend on the rest of the batch.  With several it writes fp32
+    partial outputs and LSEs for ``_merge_splits_kernel``.
+
+    FLOPs ~= 4 * B * H_q * S_q * L * D (QK^T and PV; L the mean seqused_k).
+    Minimum bytes = 2 * B * L * H_kv * D * elt (K and V once) + 2 * B * S_q * H_q * D * elt
+    (q, out); several splits add 2 * B * S_q * H_q * num_splits * (D + 1) * 4 (fp32 partials
+    written here, read by the merge).
     """
-    for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating torch.Tensor")
-    if out_a.dim() < 3:
-        raise ValueError(f"out_a must be [..., T, H, D], got shape {tuple(out_a.shape)}")
-    if out_b.shape != out_a.shape or out_b.dtype != out_a.dtype:
-        raise ValueError(f"out_b must match out_a {tuple(out_a.shape)} {out_a.dtype}, "
-                         f"got {tuple(out_b.shape)} {out_b.dtype}")
-    if out_a.dtype not in _DTYPES:
-        raise TypeError(f"out_a must be float16, bfloat16 or float32 in the fast path, got {out_a.dtype}")
-    lse_shape = (*out_a.shape[:-3], out_a.shape[-2], out_a.shape[-3])
-    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
-        if tuple(t.shape) != lse_shape:
-            raise ValueError(f"{name} must be [..., H, T] = {lse_shape} for out {tuple(out_a.shape)}, "
-                             f"got shape {tuple(t.shape)}")
-        if t.dtype != torch.float32:
-            raise TypeError(f"{name} must be torch.float32, got {t.dtype}")
-    devices = {t.device for t in (out_a, lse_a, out_b, lse_b)}
-    if len(devices) > 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    return _merge_attention_states(out_a, lse_a, out_b, lse_b)
+    # o_ptr / lse_ptr are out [B, S_q, H_q, D] / lse [B, H_q, S_q] with one split, else the fp32
+    # partials [B, S_q, H_q, NUM_SPLITS, D] / [B, S_q, H_q, NUM_SPLITS]: the strides say which.
+    i_bh, i_split, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_hkv = i_bh // H_kv, i_bh % H_kv
+    i_b64 = i_b.to(tl.int64)
+    seqlen = tl.load(seqused_ptr + i_b)
+
+    # Tile rows pack (query row i, head g of the group) as r = i * GROUP + g: K/V are read once per KV head.
+    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    i_q = o_r // GROUP
+    i_hq = i_hkv * GROUP + o_r % GROUP
+    m_r = o_r < S_q * GROUP
+    o_d = tl.arange(0, BLOCK_D)
+    if BLOCK_D == HEAD_DIM:
+        m_d = tl.full([BLOCK_D], 1, tl.int1)      # a constant mask keeps the loads vectorized
+    else:
+        m_d = o_d < HEAD_DIM
+    p_q = q_ptr + i_b64 * stride_qb + i_q[:, None] * stride_qs + i_hq[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)           # [BLOCK_M, BLOCK_D]
+
+    # This split's share of the sequence's key blocks (the split size follows the real length).
+    n_blocks = tl.cdiv(seqlen, BLOCK_N)
+    per_split = tl.cdiv(n_blocks, NUM_SPLITS)
+    start = i_split * per_split * BLOCK_N
+    end = tl.minimum(start + per_split * BLOCK_N, seqlen)
+    last_seen = seqlen - S_q + i_q                                             # row i sees keys j <= last_seen
+
+    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)                 # running max, log2 units
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)                                # running sum of exp2
+    b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    qk_scale = scale * 1.4426950408889634
+    for start_n in range(start, end, BLOCK_N):
+        o_n = start_n + tl.arange(0, BLOCK_N)
+        m_n = o_n < end
+        if IS_PAGED:
+            page = tl.load(bt_ptr + i_b64 * stride_btb + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
+            o_k = page * stride_kb + (o_n % PAGE_SIZE) * stride_kt + i_hkv * stride_kh
+            o_v = page * stride_vb + (o_n % PAGE_SIZE) * stride_vt + i_hkv * stride_vh
+        else:
+            o_k = i_b64 * stride_kb + o_n.to(tl.int64) * stride_kt + i_hkv * stride_kh
+            o_v = i_b64 * stride_vb + o_n.to(tl.int64) * stride_vt + i_hkv * stride_vh
+        if KV_ALIGN > 1:  # the host checked that every K/V row starts at a multiple of KV_ALIGN elements
+            o_k = tl.multiple_of(o_k, KV_ALIGN)
+            o_v = tl.multiple_of(o_v, KV_ALIGN)
+        m_kv = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(k_ptr + o_k[:, None] + o_d[None, :], mask=m_kv, other=0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)       # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:
+            b_s = (softcap * 1.4426950408889634) * _tanh(b_s * (scale / softcap))
+        else:
+            b_s = b_s * qk_scale
+        b_s = tl.where(m_n[None, :] & (o_n[None, :] <= last_seen[:, None]), b_s, float("-inf"))
+        m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                  # a row that saw nothing yet
+        alpha = tl.exp2(b_m - m_safe)
+        b_p = tl.exp2(b_s - m_safe[:, None])
+        b_l = b_l * alpha + tl.sum(b_p, 1)
+        b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_kv, other=0.0)
+        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+        b_m = m_new
+
+    if not IS_SPLIT:
+        if HAS_SINKS:  # the sink joins the denominator once, here (never in a partial)
+            b_sink = tl.load(sinks_ptr + i_hq, mask=m_r, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_fin = tl.maximum(b_m, b_sink)
+            m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+            alpha = tl.exp2(b_m - m_fin)
+            b_l = b_l * alpha + tl.exp2(b_sink - m_fin)
+            b_acc = b_acc * alpha[:, None]
+            b_m = m_fin
+    b_l_safe = tl.where(b_l > 0, b_l, 1.0)                                     # l = 0: a row with no key
+    b_o = b_acc / b_l_safe[:, None]
+    b_lse = tl.where(b_l > 0, (b_m + tl.log2(b_l_safe)) * 0.6931471805599453, float("-inf"))
+    p_o = (o_ptr + i_b64 * stride_ob + i_q[:, None] * stride_os + i_hq[:, None] * stride_oh
+           + i_split * stride_osplit + o_d[None, :])
+    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+    p_lse = lse_ptr + i_b64 * stride_lb + i_q * stride_ls + i_hq * stride_lh + i_split * stride_lsplit
+    tl.store(p_lse, b_lse, mask=m_r)
 
 
-def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None, v_new=None, scale=None,
-                 num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None):
-    """Decode attention of q against the KV cache; see the module docstring for shapes.
+@triton.jit
+def _tanh(x):
+    # tanh through exp (the interpreter has no libdevice); saturates to +-1, never NaN.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
-    With ``k_new``/``v_new`` the cache is written in place first.  ``num_splits=None`` lets
-    ``choose_num_splits`` decide; ``num_splits=1`` is batch-invariant and deterministic.
-    Returns ``out [B, S_q, H_q, D]``, or ``(out, lse [B, H_q, S_q] fp32)`` when ``return_lse``;
-    with ``out=`` the result is written there.
+
+@triton.jit
+def _merge_splits_kernel(
+    po_ptr, plse_ptr, sinks_ptr, o_ptr, lse_ptr,
+    stride_ob, stride_os, stride_oh,
+    S_q, H_q, NUM_SPLITS,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    """One program per (sequence, row, query head) merges the splits' fp32 partials in a fixed
+    order and adds the sink once.  FLOPs ~= 3 * B * S_q * H_q * num_splits * D; bytes =
+    B * S_q * H_q * (num_splits * (D + 1) * 4 + D * elt + 4)."""
+    # One program per row (b, i, h), numbered like the partials [B, S_q, H_q, NUM_SPLITS, ...].
+    i_row = tl.program_id(0)
+    i_h, i_s, i_b = i_row % H_q, (i_row // H_q) % S_q, i_row // (H_q * S_q)
+    base = i_row.to(tl.int64) * NUM_SPLITS
+    o_sp = tl.arange(0, BLOCK_S)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+
+    b_max = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        b_lse = tl.load(plse_ptr + base + s0 + o_sp, mask=s0 + o_sp < NUM_SPLITS, other=float("-inf"))
+        b_max = tl.maximum(b_max, b_lse)
+    m = tl.max(b_max, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + i_h).to(tl.float32)
+        m = tl.maximum(m, sink)
+    m = tl.where(m == float("-inf"), 0.0, m)                                   # every split empty, no sink
+
+    b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    b_den = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for s0 in range(0, NUM_SPLITS, BLOCK_S):
+        m_sp = s0 + o_sp < NUM_SPLITS
+        b_w = tl.exp(tl.load(plse_ptr + base + s0 + o_sp, mask=m_sp, other=float("-inf")) - m)   # [BLOCK_S]
+        p_po = po_ptr + (base + s0 + o_sp)[:, None] * HEAD_DIM + o_d[None, :]
+        b_po = tl.load(p_po, mask=m_sp[:, None] & m_d[None, :], other=0.0)                     # [BLOCK_S, BLOCK_D]
+        b_acc += tl.sum(tl.where(b_w[:, None] > 0, b_w[:, None] * b_po, 0.0), 0)
+        b_den += b_w
+    den = tl.sum(b_den, 0)
+    if HAS_SINKS:
+        den += tl.exp(sink - m)
+    den_safe = tl.where(den > 0, den, 1.0)
+    b_o = b_acc / den_safe
+    lse = tl.where(den > 0, m + tl.log(den_safe), float("-inf"))
+    p_o = o_ptr + i_b.to(tl.int64) * stride_ob + i_s * stride_os + i_h * stride_oh + o_d
+    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_d)
+    tl.store(lse_ptr + (i_b.to(tl.int64) * H_q + i_h) * S_q + i_s, lse)
+
+
+@triton.jit
+def _merge_states_kernel(
+    oa_ptr, la_ptr, ob_ptr, lb_ptr, o_ptr, lse_ptr, T, H,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``merge_attention_states``: one program per row.  FLOPs ~= 3 * rows * D; bytes =
+    rows * (3 * D * elt + 12)."""
+    # One program per row (n, t, h) of contiguous out [N, T, H, D]; lse is [N, H, T].
+    i_row = tl.program_id(0)
+    i_h, i_t, i_n = i_row % H, (i_row // H) % T, i_row // (H * T)
+    o_l = (i_n.to(tl.int64) * H + i_h) * T + i_t
+    b_la = tl.load(la_ptr + o_l)
+    b_lb = tl.load(lb_ptr + o_l)
+    m = tl.maximum(b_la, b_lb)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w_a = tl.exp(b_la - m)                      # exactly 1 and 0 when one side is empty
+    w_b = tl.exp(b_lb - m)
+    den = w_a + w_b
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    base = i_row.to(tl.int64) * HEAD_DIM
+    b_oa = tl.load(oa_ptr + base + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_ob = tl.load(ob_ptr + base + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_o = tl.where(w_a > 0, w_a * b_oa, 0.0) + tl.where(w_b > 0, w_b * b_ob, 0.0)
+    den_safe = tl.where(den > 0, den, 1.0)
+    b_o = b_o / den_safe
+    tl.store(o_ptr + base + o_d, b_o.to(o_ptr.dtype.element_ty), mask=m_d)
+    tl.store(lse_ptr + o_l, tl.where(den > 0, m + tl.log(den_safe), float("-inf")))
+
+
+# ----------------------------------------------------------------------------- launch configuration
+
+def _fwd_config(head_dim: int, dtype: torch.dtype, rows: int, paged: bool, kv_align: int,
+                device: torch.device) -> dict:
+    """Tile sizes and launch options of the decode kernel.
+
+    Fixed, not autotuned: a config that depended on the batch would break batch invariance, and
+    autotuning cannot run under CUDA-graph capture.  Chosen so that every config builds without
+    register spills for sm_80 and sm_90 (parity/test_compile.py):
+    - BLOCK_M rows of (query row, group head) per tile: up to 64 (32 at D = 256).
+    - BLOCK_N keys per step: ~16 KB per K (or V) tile at D <= 128 in 16-bit types.
+    - fp32 (IEEE dots on FMA units, which hold much more in registers): 16 x 16 tiles, 8 warps.
+    - Paged loads are indirect (page id, then K/V) and Triton's pipeliner spreads the stages
+      over both levels: 5 stages give the K/V loads two buffers, as 3 stages do for the
+      contiguous cache (~40-115 KB of shared memory).
+    - 8 warps for the wider tiles and for rows not aligned to 16 bytes (narrower vectors, more
+      addresses in registers); 4 otherwise.
     """
-    _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new, v_new=v_new,
-                  scale=scale, num_splits=num_splits, softcap=softcap, sinks=sinks, out=out)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    seqused_k = seqused_k.contiguous()
-    if block_table is not None and block_table.stride(-1) != 1:
-        block_table = block_table.contiguous()
-    sinks = sinks.contiguous() if sinks is not None else None
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elt = torch.finfo(dtype).bits // 8
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    max_m = 16 if elt == 4 else (64 if block_d <= 128 else 32)
+    block_m = min(max_m, max(16, triton.next_power_of_2(rows)))
+    block_n = 16 if elt == 4 else (64 if block_d <= 128 else 32)
+    if device.type != "cuda":
+        block_n = 16  # the interpreter: small blocks so small test shapes still loop over several
+    num_warps = 8 if block_m >= 32 or elt == 4 or kv_align * elt < 16 else 4
+    return dict(BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, KV_ALIGN=kv_align, num_warps=num_warps,
+                num_stages=5 if paged else 3, num_q_tiles=-(-rows // block_m))
+
+
+def _kv_align(*tensors) -> int:
+    """The largest power of two (<= 16) dividing every non-unit stride of K and V, in elements."""
+    align = 16
+    for t in tensors:
+        for stride in t.stride()[:-1]:
+            while stride % align:
+                align //= 2
+    return align
+
+
+def _sm_count(device: torch.device) -> int:
+    """The SM count of ``device``, read at call time (never at import) and cached per device."""
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _INTERPRETER_SMS
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _new_partials(o_shape, lse_shape, device):
+    """The fp32 partial buffers of a split launch (a function so tests can poison them)."""
+    return (torch.empty(o_shape, dtype=torch.float32, device=device),
+            torch.empty(lse_shape, dtype=torch.float32, device=device))
+
+
+def _capacity(k_cache, block_table) -> int:
+    return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+
+
+# ----------------------------------------------------------------------------- input checks
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, scale, num_splits,
+                  softcap, sinks, out):
+    """Shapes, dtypes, devices and strides (no device-to-host copy: this runs under torch.compile)."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, S_q, H_q, D], got shape {tuple(q.shape)}")
+    batch, s_q, h_q, d = q.shape
+    if s_q < 1:
+        raise ValueError(f"q must have S_q >= 1 query rows per sequence, got shape {tuple(q.shape)}")
+    paged = block_table is not None
+    layout = "[num_pages, page_size, H_kv, D] (paged)" if paged else "[B, S_max, H_kv, D]"
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q must be float16, bfloat16 or float32 in the fast path, got {q.dtype}")
+    if not paged and k_cache.shape[0] != batch:
+        raise ValueError(f"k_cache must be [B={batch}, S_max, H_kv, D] without a block_table, "
+                         f"got shape {tuple(k_cache.shape)}")
+    if k_cache.shape[-1] != d:
+        raise ValueError(f"head dim mismatch: q has D={d}, k_cache/v_cache have D={k_cache.shape[-1]}")
+    if d > 256:
+        raise ValueError(f"head dim D must be <= 256 in the fast path, got D={d}")
+    h_kv = k_cache.shape[2]
+    if h_kv == 0 or h_q % h_kv != 0:
+        raise ValueError(f"the number of query heads must be a multiple of the KV heads, got H_q={h_q} "
+                         f"and H_kv={h_kv}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride in the head dim (it is written in place), "
+                             f"got strides {tuple(t.stride())}")
+
+    def index_tensor(name, t, shape_text, dim):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+        if t.dim() != dim or t.shape[0] != batch:
+            raise ValueError(f"{name} must be {shape_text}, got shape {tuple(t.shape)}")
+
+    index_tensor("seqused_k", seqused_k, f"[B={batch}]", 1)
+    if paged:
+        index_tensor("block_table", block_table, f"[B={batch}, max_pages]", 2)
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
     if k_new is not None:
-        k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
-        v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
-        # The append validates the index tensors (one host copy); the attention then skips it.
-        torch.ops.twofold.kv_cache_append(k_cache, v_cache, k_new, v_new, seqused_k, block_table)
-    lse = torch.ops.twofold.flash_decode(q, k_cache, v_cache, seqused_k, block_table, sinks, out, scale,
-                                         float(softcap), num_splits or 0, k_new is None)
-    return (out, lse) if return_lse else out
+        expect = (batch, s_q, h_kv, d)
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != expect:
+                raise ValueError(f"{name} must be [B, S_q, H_kv, D] = {expect}, got shape {tuple(t.shape)}")
+            if t.dtype != q.dtype:
+                raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+            raise TypeError("sinks must be a floating torch.Tensor of shape [H_q]")
+        if tuple(sinks.shape) != (h_q,):
+            raise ValueError(f"sinks must be [H_q={h_q}], got shape {tuple(sinks.shape)}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out.shape != q.shape or out.dtype != q.dtype:
+            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} like q, got {tuple(out.shape)} {out.dtype}")
+        if out.stride(-1) != 1:
+            raise ValueError(f"out must have unit stride in the head dim, got strides {tuple(out.stride())}")
+    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seqused_k", seqused_k),
+             ("block_table", block_table), ("k_new", k_new), ("v_new", v_new), ("sinks", sinks), ("out", out)]
+    devices = {name: t.device for name, t in named if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got mixed devices {devices}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not isinstance(softcap, (int, float)) or softcap < 0:
+        raise ValueError(f"softcap must be a float >= 0, got {softcap!r}")
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
 
+
+def _check_device(t: torch.Tensor):
+    if t.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"the fast kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), "
+                         f"got a tensor on {t.device}")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_values(seqused_k, block_table, *, s_q, capacity, num_pages, page_size):
+    """seqused_k within capacity, not 0 < seqused_k < S_q, used page ids inside the pool.
+
+    Reduced on the device to four numbers, then one small device-to-host copy; skipped while a
+    CUDA graph is captured (no copy is possible there).  The error path re-reads the index
+    tensors to name the offending sequence, like the reference.
+    """
+    if seqused_k.numel() == 0:
+        return
+    if seqused_k.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    lens = seqused_k.to(torch.int64)
+    stats = [lens.min(), lens.max(), ((lens > 0) & (lens < s_q)).sum()]
+    if block_table is not None:
+        cols = torch.arange(block_table.shape[1], device=lens.device)
+        used = cols[None, :] < ((lens + page_size - 1) // page_size)[:, None]   # [B, max_pages]
+        stats.append((used & ((block_table < 0) | (block_table >= num_pages))).sum())
+    lo, hi, short, *bad_pages = torch.stack(stats).tolist()                     # the one copy
+    if lo >= 0 and hi <= capacity and short == 0 and not any(bad_pages):
+        return
+    lengths = seqused_k.tolist()
+    where = (f"the {block_table.shape[1]} pages of {page_size} keys that block_table holds per sequence"
+             if block_table is not None else f"the S_max = {capacity} slots of the contiguous cache")
+    for b, length in enumerate(lengths):
+        if not 0 <= length <= capacity:
+            raise ValueError(f"seqused_k[{b}] = {length} is beyond {where} (capacity {capacity})")
+        if 0 < length < s_q:
+            raise ValueError(f"seqused_k[{b}] = {length} is smaller than S_q = {s_q}: the query rows are the "
+                             f"last S_q keys of the sequence (0 marks an empty sequence)")
+    table = block_table.tolist()
+    for b, length in enumerate(lengths):
+        bad = [p for p in table[b][:-(-length // page_size)] if not 0 <= p < num_pages]
+        if bad:
+            raise ValueError(f"block_table[{b}] points at page {bad[0]}, outside the pool of {num_pages} pages")
+
+
+# ----------------------------------------------------------------------------- self-check
 
 if __name__ == "__main__":
     # A tiny self-check on the GPU (or CPU with TRITON_INTERPRET=1): split and unsplit agree.

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 import fast.paged_varlen_attention as fast
 import ref.paged_varlen_attention as ref
-from conftest import (DEVICE, ON_GPU, build_page_pools, check_close, cu_seqlens, dtype_params, fp64, gpu_case,
-                      make_generator, nan_like, randn, random_lengths)
+from conftest import (DEVICE, ON_GPU, build_page_pools, check_close, cu_seqlens, dtype_params, gpu_case,
+                      make_generator, nan_like, randn, random_lengths, requires_gpu)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -180,29 +180,44 @@ def test_fast_matches_ref_large(batch, page, window, dtype):
     check_fast_against_ref(b, dtype, paged_size=page, window=window)
 
 
+def config_key(d, dtype):
+    """The (GPU family, head-dim class, element size) key of the fast file's config tables."""
+    return (fast._gpu_family(torch.cuda.current_device()), fast._block_d(d),
+            torch.tensor([], dtype=dtype).element_size())
+
+
+def launch_options(cfg):
+    """A triton.Config as the keyword arguments the fast file's _FORCED_* hooks take."""
+    return dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def force_tiles(monkeypatch, block_m, block_n):
+    """Run every kernel (forward, dK/dV, dQ) with one tile shape: forced configs on a GPU, the
+    interpreter's fixed blocks on CPU."""
+    if ON_GPU:
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2)
+        monkeypatch.setattr(fast, "_FORCED_CONFIG", cfg)
+        monkeypatch.setattr(fast, "_FORCED_BWD_CONFIGS", (cfg, cfg))
+    else:
+        monkeypatch.setattr(fast, "_INTERPRET_BLOCKS", dict(BLOCK_M=block_m, BLOCK_N=block_n))
+
+
+@requires_gpu
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="GPU tier: needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_every_autotune_config(d, dtype, monkeypatch):
     """Each config the autotuner may pick gives the right answer, not just the fastest one."""
     b = make_batch(seed=5, n=4, max_q=300, max_k=500, h_q=6, h_kv=2, d=d)
-    family = fast._gpu_family(torch.cuda.current_device())
-    elt = torch.tensor([], dtype=dtype).element_size()
-    for cfg in fast._TUNED[(family, fast._block_d(d), elt)].configs:
-        monkeypatch.setattr(fast, "_FORCED_CONFIG", dict(cfg.kwargs, num_warps=cfg.num_warps,
-                                                         num_stages=cfg.num_stages))
+    for cfg in fast._TUNED[config_key(d, dtype)].configs:
+        monkeypatch.setattr(fast, "_FORCED_CONFIG", launch_options(cfg))
         check_fast_against_ref(b, dtype, paged_size=16, window=(-1, 0))
 
 
 @pytest.mark.parametrize("blocks", [(32, 16), (16, 32), (64, 64)], ids=str)
 def test_interpreter_tile_shapes(blocks, monkeypatch):
     """Other tile shapes move the tile/segment boundaries: same answer."""
-    if ON_GPU:
-        monkeypatch.setattr(fast, "_FORCED_CONFIG", dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], num_warps=4,
-                                                         num_stages=2))
-    else:
-        monkeypatch.setattr(fast, "_INTERPRET_BLOCKS", dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1]))
+    force_tiles(monkeypatch, *blocks)
     b = make_batch(seed=7, n=4, max_q=40, max_k=70, h_q=6, h_kv=2, d=32)
     check_fast_against_ref(b, torch.float32, window=(9, 2))
     check_fast_against_ref(b, torch.float32, paged_size=5, window=(-1, 0))

@@ -22,9 +22,9 @@ import torch
 
 import fast.paged_varlen_attention as fast
 import ref.paged_varlen_attention as ref
-from conftest import (DEVICE, ON_GPU, check_close, cu_seqlens, dtype_params, gpu_case, make_generator,
-                      nan_allocations, randn)
-from test_paged_varlen_attention import make_batch, paged_view
+from conftest import (DEVICE, check_close, cu_seqlens, dtype_params, gpu_case, make_generator, nan_allocations, randn,
+                      requires_gpu)
+from test_paged_varlen_attention import config_key, force_tiles, launch_options, make_batch, paged_view
 
 NAMES = ("dq", "dk", "dv", "dsinks")
 
@@ -112,31 +112,25 @@ def test_grads_match_ref_large(batch, kw, dtype):
     check_grads(b, dtype, **kw)
 
 
+@requires_gpu
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="GPU tier: needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_every_backward_config(d, dtype, monkeypatch):
     """Each config either backward autotuner may pick gives the right gradients."""
     b = make_batch(seed=22, n=4, max_q=300, max_k=500, h_q=6, h_kv=2, d=d)
-    key = (fast._gpu_family(torch.cuda.current_device()), fast._block_d(d),
-           torch.tensor([], dtype=dtype).element_size())
+    key = config_key(d, dtype)
     dkdv_configs, dq_configs = fast._TUNED_DKDV[key].configs, fast._TUNED_DQ[key].configs
     for i in range(max(len(dkdv_configs), len(dq_configs))):
         pair = [c[min(i, len(c) - 1)] for c in (dkdv_configs, dq_configs)]
-        monkeypatch.setattr(fast, "_FORCED_BWD_CONFIGS", tuple(
-            dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in pair))
+        monkeypatch.setattr(fast, "_FORCED_BWD_CONFIGS", tuple(launch_options(c) for c in pair))
         check_grads(b, dtype, window=(-1, 0), softcap=10.0)
 
 
 @pytest.mark.parametrize("blocks", [(32, 16), (16, 32), (64, 64)], ids=str)
 def test_other_tile_shapes(blocks, monkeypatch):
     """Other tiles move every segment boundary (rows of dK/dV's loops, keys of dQ's): same answer."""
-    if ON_GPU:
-        cfg = dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], num_warps=4, num_stages=2)
-        monkeypatch.setattr(fast, "_FORCED_BWD_CONFIGS", (cfg, cfg))
-    else:
-        monkeypatch.setattr(fast, "_INTERPRET_BLOCKS", dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1]))
+    force_tiles(monkeypatch, *blocks)
     b = make_batch(seed=23, n=4, max_q=40, max_k=70, h_q=6, h_kv=2, d=32)
     check_grads(b, torch.float32, window=(9, 2))
     check_grads(b, torch.float32, window=(-1, 0))
