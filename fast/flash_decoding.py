@@ -11,9 +11,12 @@ log-sum-exp, so long-context decoding can run at memory bandwidth.
 The math (the reference states it in full)
     s_ij = scale <q_i, k_j> (softcap * tanh(s / softcap) when softcap > 0); row i of a
     sequence with L keys sees j <= L - S_q + i; lse_i = log(sum_j exp(s_ij) [+ exp(sink_h)]);
-    o_i = sum_j exp(s_ij - lse_i) v_j; a row that sees no key: o = 0, lse = -inf.
+    o_i = sum_j exp(s_ij - lse_i) v_j; a row that sees no key: o = 0, lse = -inf; a sink of -inf
+    is no sink, one of +inf takes all the mass (o = 0, lse = +inf); a NaN stays NaN.
     Split s over key range C_s gives (o_s, lse_s) without the sink; the merge is
-    lse = log(sum_s exp(lse_s) + exp(sink)), o = sum_s exp(lse_s - lse) o_s.
+    lse = log(sum_s exp(lse_s) + exp(sink)), o = sum_s exp(lse_s - lse) o_s, the largest lse
+    subtracted first.  ``merge_attention_states`` reads lse = +inf (PyTorch's CUDA varlen_attn
+    marks a row with no key that way) as an empty side, like -inf.
     A call runs ``_append_kv_kernel`` (with k_new / v_new), ``_decode_fwd_kernel`` and, with
     several splits, ``_merge_splits_kernel``; each kernel's docstring gives its FLOPs and bytes.
     ``num_splits=None`` asks ``choose_num_splits`` with the device's SM count (the interpreter
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 from typing import Optional
 
@@ -77,7 +81,9 @@ def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None
     """
     _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new, v_new=v_new,
                   scale=scale, num_splits=num_splits, softcap=softcap, sinks=sinks, out=out)
+    _check_device("q", q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    num_splits = 0 if num_splits is None else operator.index(num_splits)   # 0: the shape gate decides
     q = q if q.stride(-1) == 1 else q.contiguous()
     seqused_k = seqused_k.contiguous()
     if block_table is not None and block_table.stride(-1) != 1:
@@ -91,7 +97,7 @@ def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None
         # The append validates the index tensors (one host copy); the attention then skips it.
         torch.ops.twofold.kv_cache_append(k_cache, v_cache, k_new, v_new, seqused_k, block_table)
     lse = torch.ops.twofold.flash_decode(q, k_cache, v_cache, seqused_k, block_table, sinks, out, scale,
-                                         float(softcap), num_splits or 0, k_new is None)
+                                         float(softcap), num_splits, k_new is None)
     return (out, lse) if return_lse else out
 
 
@@ -101,8 +107,10 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     ``out_* [..., T, H, D]`` (fp16 / bf16 / fp32) and ``lse_* [..., H, T]`` fp32 (natural log),
     the layouts ``flash_decode`` returns ([B, S_q, H_q, D] and [B, H_q, S_q]) and varlen
     attention returns ([T, H, D] and [H, T]).  Returns ``(out in out_a's dtype, lse fp32)``.
-    Associative and commutative; a side with lse = -inf (no keys) leaves the other side exactly
-    as it is; two empty sides give out 0 and lse -inf, never NaN.
+    Associative and commutative, exact at any |lse| (the larger is subtracted
+    first).  A side with lse = -inf or +inf (no keys: this repo writes -inf, PyTorch's CUDA
+    varlen_attn, i.e. FlashAttention-2, writes +inf) leaves the other side exactly as it is; two
+    empty sides give out 0 and lse -inf.  A NaN lse on either side gives NaN, never the other side.
     """
     for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -124,6 +132,7 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     devices = {t.device for t in (out_a, lse_a, out_b, lse_b)}
     if len(devices) > 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    _check_device("out_a", out_a)
     return _merge_attention_states(out_a, lse_a, out_b, lse_b)
 
 
@@ -146,14 +155,12 @@ def choose_num_splits(batch, num_kv_heads, max_seqlen_k, *, num_sms, num_q_tiles
     Never more splits than KV blocks.  Pure: no device is queried (the op passes the SM count
     it reads once per device).
     """
-    for name, value in (("batch", batch), ("num_kv_heads", num_kv_heads), ("max_seqlen_k", max_seqlen_k),
-                        ("num_q_tiles", num_q_tiles)):
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    for name, value in (("num_sms", num_sms), ("block_n", block_n), ("programs_per_sm", programs_per_sm),
-                        ("max_splits", max_splits)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    batch, num_kv_heads, max_seqlen_k, num_q_tiles = (
+        _integer(name, value, 0) for name, value in (("batch", batch), ("num_kv_heads", num_kv_heads),
+                                                     ("max_seqlen_k", max_seqlen_k), ("num_q_tiles", num_q_tiles)))
+    num_sms, block_n, programs_per_sm, max_splits = (
+        _integer(name, value, 1) for name, value in (("num_sms", num_sms), ("block_n", block_n),
+                                                     ("programs_per_sm", programs_per_sm), ("max_splits", max_splits)))
     programs = batch * num_kv_heads * num_q_tiles
     slots = num_sms * programs_per_sm
     num_blocks = -(-max_seqlen_k // block_n)
@@ -177,7 +184,6 @@ def choose_num_splits(batch, num_kv_heads, max_seqlen_k, *, num_sms, num_q_tiles
 def _kv_cache_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                      seqused_k: torch.Tensor, block_table: Optional[torch.Tensor]) -> None:
     """Write k_new/v_new [B, S_q, H_kv, D] at positions L - S_q .. L - 1 of each sequence."""
-    _check_device(k_cache)
     batch, s_q, h_kv, d = k_new.shape
     paged = block_table is not None
     _check_values(seqused_k, block_table, s_q=s_q, capacity=_capacity(k_cache, block_table),
@@ -205,7 +211,6 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_table: Optional[torch.Tensor], sinks: Optional[torch.Tensor], out: torch.Tensor,
                   scale: float, softcap: float, num_splits: int, check_values: bool) -> torch.Tensor:
     """Writes out [B, S_q, H_q, D]; returns lse [B, H_q, S_q].  num_splits 0 = the shape gate."""
-    _check_device(q)
     batch, s_q, h_q, d = q.shape
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
@@ -268,7 +273,6 @@ def _(q, k_cache, v_cache, seqused_k, block_table, sinks, out, scale, softcap, n
 @torch.library.custom_op("twofold::merge_attention_states", mutates_args=())
 def _merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                             lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_device(out_a)
     out = torch.empty(out_a.shape, dtype=out_a.dtype, device=out_a.device)
     lse = torch.empty(lse_a.shape, dtype=torch.float32, device=out_a.device)
     if out.numel() == 0:
@@ -410,15 +414,19 @@ def _decode_fwd_kernel(
     if not IS_SPLIT:
         if HAS_SINKS:  # the sink joins the denominator once, here (never in a partial)
             b_sink = tl.load(sinks_ptr + i_hq, mask=m_r, other=0.0).to(tl.float32) * 1.4426950408889634
+            # A sink of -inf is no sink; one of +inf takes all the mass (its term is 1 against
+            # m = +inf, not 2^(inf - inf)): out 0, lse +inf.
             m_fin = tl.maximum(b_m, b_sink)
             m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
             alpha = tl.exp2(b_m - m_fin)
-            b_l = b_l * alpha + tl.exp2(b_sink - m_fin)
+            b_l = b_l * alpha + tl.exp2(tl.where(b_sink == m_fin, 0.0, b_sink - m_fin))
             b_acc = b_acc * alpha[:, None]
             b_m = m_fin
-    b_l_safe = tl.where(b_l > 0, b_l, 1.0)                                     # l = 0: a row with no key
+    # l = 0: the row saw no key (out 0, lse -inf).  Tested as == 0, so that a NaN stays NaN.
+    b_empty = b_l == 0.0
+    b_l_safe = tl.where(b_empty, 1.0, b_l)
     b_o = b_acc / b_l_safe[:, None]
-    b_lse = tl.where(b_l > 0, (b_m + tl.log2(b_l_safe)) * 0.6931471805599453, float("-inf"))
+    b_lse = tl.where(b_empty, float("-inf"), (b_m + tl.log2(b_l_safe)) * 0.6931471805599453)
     p_o = (o_ptr + i_b64 * stride_ob + i_q[:, None] * stride_os + i_hq[:, None] * stride_oh
            + i_split * stride_osplit + o_d[None, :])
     tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
@@ -458,7 +466,7 @@ def _merge_splits_kernel(
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + i_h).to(tl.float32)
         m = tl.maximum(m, sink)
-    m = tl.where(m == float("-inf"), 0.0, m)                                   # every split empty, no sink
+    m = tl.where(m == float("-inf"), 0.0, m)                   # every split empty, no sink (or one of -inf)
 
     b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     b_den = tl.zeros([BLOCK_S], dtype=tl.float32)
@@ -467,14 +475,15 @@ def _merge_splits_kernel(
         b_w = tl.exp(tl.load(plse_ptr + base + s0 + o_sp, mask=m_sp, other=float("-inf")) - m)   # [BLOCK_S]
         p_po = po_ptr + (base + s0 + o_sp)[:, None] * HEAD_DIM + o_d[None, :]
         b_po = tl.load(p_po, mask=m_sp[:, None] & m_d[None, :], other=0.0)                     # [BLOCK_S, BLOCK_D]
-        b_acc += tl.sum(tl.where(b_w[:, None] > 0, b_w[:, None] * b_po, 0.0), 0)
+        b_acc += tl.sum(tl.where(b_w[:, None] == 0, 0.0, b_w[:, None] * b_po), 0)   # a NaN stays NaN
         b_den += b_w
     den = tl.sum(b_den, 0)
     if HAS_SINKS:
-        den += tl.exp(sink - m)
-    den_safe = tl.where(den > 0, den, 1.0)
+        den += tl.exp(tl.where(sink == m, 0.0, sink - m))     # 1 for a sink of +inf (then m = +inf)
+    empty = den == 0
+    den_safe = tl.where(empty, 1.0, den)
     b_o = b_acc / den_safe
-    lse = tl.where(den > 0, m + tl.log(den_safe), float("-inf"))
+    lse = tl.where(empty, float("-inf"), m + tl.log(den_safe))
     p_o = o_ptr + i_b.to(tl.int64) * stride_ob + i_s * stride_os + i_h * stride_oh + o_d
     tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_d)
     tl.store(lse_ptr + (i_b.to(tl.int64) * H_q + i_h) * S_q + i_s, lse)
@@ -491,11 +500,15 @@ def _merge_states_kernel(
     i_row = tl.program_id(0)
     i_h, i_t, i_n = i_row % H, (i_row // H) % T, i_row // (H * T)
     o_l = (i_n.to(tl.int64) * H + i_h) * T + i_t
+    # PyTorch's CUDA varlen_attn (FlashAttention-2) marks a row that saw no key with lse = +inf,
+    # this repo with -inf: both are the empty side.
     b_la = tl.load(la_ptr + o_l)
+    b_la = tl.where(b_la == float("inf"), float("-inf"), b_la)
     b_lb = tl.load(lb_ptr + o_l)
+    b_lb = tl.where(b_lb == float("inf"), float("-inf"), b_lb)
     m = tl.maximum(b_la, b_lb)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w_a = tl.exp(b_la - m)                      # exactly 1 and 0 when one side is empty
+    w_a = tl.exp(b_la - m)                      # exactly 1 and 0 when one side is empty; NaN stays NaN
     w_b = tl.exp(b_lb - m)
     den = w_a + w_b
     o_d = tl.arange(0, BLOCK_D)
@@ -503,11 +516,12 @@ def _merge_states_kernel(
     base = i_row.to(tl.int64) * HEAD_DIM
     b_oa = tl.load(oa_ptr + base + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_ob = tl.load(ob_ptr + base + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_o = tl.where(w_a > 0, w_a * b_oa, 0.0) + tl.where(w_b > 0, w_b * b_ob, 0.0)
-    den_safe = tl.where(den > 0, den, 1.0)
+    b_o = tl.where(w_a == 0, 0.0, w_a * b_oa) + tl.where(w_b == 0, 0.0, w_b * b_ob)   # an empty side's o: garbage
+    empty = den == 0
+    den_safe = tl.where(empty, 1.0, den)
     b_o = b_o / den_safe
     tl.store(o_ptr + base + o_d, b_o.to(o_ptr.dtype.element_ty), mask=m_d)
-    tl.store(lse_ptr + o_l, tl.where(den > 0, m + tl.log(den_safe), float("-inf")))
+    tl.store(lse_ptr + o_l, tl.where(empty, float("-inf"), m + tl.log(den_safe)))
 
 
 # ----------------------------------------------------------------------------- launch configuration
@@ -661,18 +675,18 @@ def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, 
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not isinstance(softcap, (int, float)) or softcap < 0:
         raise ValueError(f"softcap must be a float >= 0, got {softcap!r}")
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+    if num_splits is not None:
+        _integer("num_splits", num_splits, 1)
 
 
-def _check_device(t: torch.Tensor):
-    if t.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"the fast kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), "
-                         f"got a tensor on {t.device}")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+def _check_device(name, t):
+    """Triton needs a GPU driver; say so on the host instead of failing inside Triton."""
+    if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            f"{name} is a {t.device.type} tensor, and fast/flash_decoding.py runs Triton kernels, which need "
+            f"CUDA tensors.  Move the inputs to a GPU; or set TRITON_INTERPRET=1 before triton is imported to "
+            f"run the kernels on CPU tensors in the Triton interpreter (slow: for tests); or use "
+            f"ref/flash_decoding.py, the same API in plain PyTorch, for CPU work.")
 
 
 def _check_values(seqused_k, block_table, *, s_q, capacity, num_pages, page_size):
@@ -709,6 +723,20 @@ def _check_values(seqused_k, block_table, *, s_q, capacity, num_pages, page_size
         bad = [p for p in table[b][:-(-length // page_size)] if not 0 <= p < num_pages]
         if bad:
             raise ValueError(f"block_table[{b}] points at page {bad[0]}, outside the pool of {num_pages} pages")
+
+
+def _integer(name, value, minimum):
+    """``value`` as an int: any integral number (int, numpy's integers: whatever has ``__index__``),
+    never a bool or a float, and at least ``minimum``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got bool {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return value
 
 
 # ----------------------------------------------------------------------------- self-check

@@ -14,6 +14,9 @@ The math (per query row i of a sequence, log2 domain inside the kernels)
     o_i = acc / l (0 when l = 0);  lse_i = (m + log2 l) * ln 2 (-inf when l = 0)
     Row i of a sequence with L_q queries and L_k keys sees key j iff
     i + L_k - L_q - left <= j <= i + L_k - L_q + right (-1 = unbounded; causal = (-1, 0)).
+    Edge cases as the reference defines them: a sink of -inf is no sink, one of +inf takes all the
+    mass (out 0, lse +inf); a NaN stays NaN (l = 0 is tested as == 0); rows past cu_seq_q[-1] of a
+    padded buffer get out 0 (untouched by varlen_attn_out), lse -inf and gradient 0.
     The backward (P recomputed from the saved lse, never stored), with delta_i = dO_i . O_i - dlse_i:
     dV = P^T dO;  dS = P * (dO V^T - delta) [* (1 - tanh^2) with softcap];  dQ = scale dS K;
     dK = scale dS^T Q;  d sink_h = -sum_i exp(sink_h - lse_i) delta_i.
@@ -22,7 +25,7 @@ Tensors (N sequences, T_q / T_k packed tokens, H_q / H_kv heads, D head dim, G =
     query        [T_q, H_q, D]                     fp16 / bf16 / fp32, any strides
     key, value   [T_k, H_kv, D]                    packed (cu_seq_k), or
                  [num_pages, page_size, H_kv, D]   paged (block_table + seqused_k)
-    cu_seq_q     [N + 1] int32;  cu_seq_k [N + 1] int32 or None when paged
+    cu_seq_q     [N + 1] int32, [-1] <= T_q;  cu_seq_k [N + 1] int32, [-1] <= T_k, or None when paged
     seqused_k    [N] int32;  block_table [N, max_pages] int32;  sinks [H_q] float
     out          [T_q, H_q, D] query dtype;  lse [H_q, T_q] fp32 natural log
 
@@ -45,6 +48,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -73,11 +78,12 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
 
     Returns ``out [T_q, H_q, D]``, or ``(out, lse [H_q, T_q])`` when ``return_aux.lse``.
     """
-    scale, left, right, softcap = _prepare(
-        query, key, value, cu_seq_q, cu_seq_k, scale=scale, window_size=window_size, enable_gqa=enable_gqa,
-        seqused_k=seqused_k, block_table=block_table, num_splits=num_splits, softcap=softcap, sinks=sinks)
-    out, lse = _varlen_attn_op(query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k), scale, left, right,
-                               seqused_k, block_table, softcap, sinks)
+    max_q, max_k, scale, left, right, softcap = _prepare(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
+        enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
+        softcap=softcap, sinks=sinks)
+    out, lse = _varlen_attn_op(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, left, right, seqused_k,
+                               block_table, softcap, sinks)
     if return_aux is not None and return_aux.lse:
         return out, lse
     return out
@@ -87,23 +93,27 @@ def varlen_attn_out(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
                     scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
                     num_splits=None, softcap=0.0, sinks=None):
     """``varlen_attn`` writing into ``out`` (same shape and dtype as ``query``); returns ``out``
-    or ``(out, lse)``."""
-    scale, left, right, softcap = _prepare(
-        query, key, value, cu_seq_q, cu_seq_k, scale=scale, window_size=window_size, enable_gqa=enable_gqa,
-        seqused_k=seqused_k, block_table=block_table, num_splits=num_splits, softcap=softcap, sinks=sinks,
-        out=out)
-    lse = _varlen_attn_out_op(out, query, key, value, cu_seq_q, cu_seq_k, int(max_q), int(max_k), scale, left,
-                              right, seqused_k, block_table, softcap, sinks)
+    or ``(out, lse)``.  Rows past cu_seq_q[-1] (padding) are left as they were."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    max_q, max_k, scale, left, right, softcap = _prepare(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
+        enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
+        softcap=softcap, sinks=sinks, out=out)
+    lse = _varlen_attn_out_op(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, left, right,
+                              seqused_k, block_table, softcap, sinks)
     if return_aux is not None and return_aux.lse:
         return out, lse
     return out
 
 
-def _prepare(query, key, value, cu_seq_q, cu_seq_k, *, scale, window_size, enable_gqa, seqused_k,
+def _prepare(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa, seqused_k,
              block_table, num_splits, softcap, sinks, out=None):
-    _check_meta(query, key, value, cu_seq_q, cu_seq_k, scale=scale, window_size=window_size,
-                enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
-                softcap=softcap, sinks=sinks, out=out)
+    """The host checks; returns the op's scalars (max_q, max_k, scale, left, right, softcap)."""
+    max_q, max_k, left, right = _check_meta(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
+        enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
+        softcap=softcap, sinks=sinks, out=out)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
         if block_table is not None:
             raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only, as in "
@@ -112,7 +122,7 @@ def _prepare(query, key, value, cu_seq_q, cu_seq_k, *, scale, window_size, enabl
             raise NotImplementedError("varlen_attn_out is forward-only, as in PyTorch: call it under "
                                       "torch.no_grad(), or use varlen_attn to train")
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    return scale, int(window_size[0]), int(window_size[1]), float(softcap)
+    return max_q, max_k, scale, left, right, float(softcap)
 
 
 # ----------------------------------------------------------------------------- custom ops: forward, backward, autograd
@@ -122,10 +132,10 @@ def _varlen_attn_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     cu_seq_k: Optional[torch.Tensor], max_q: int, max_k: int, scale: float, window_left: int,
                     window_right: int, seqused_k: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
                     softcap: float, sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table)
+    rows = _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table)
     out = query.new_empty(query.shape)
     lse = _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
-                  seqused_k, block_table, softcap, sinks)
+                  seqused_k, block_table, softcap, sinks, rows_used=rows, zero_padding=True)
     return out, lse
 
 
@@ -141,9 +151,9 @@ def _varlen_attn_out_op(out: torch.Tensor, query: torch.Tensor, key: torch.Tenso
                         scale: float, window_left: int, window_right: int, seqused_k: Optional[torch.Tensor],
                         block_table: Optional[torch.Tensor], softcap: float,
                         sinks: Optional[torch.Tensor]) -> torch.Tensor:
-    _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table)
+    rows = _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table)
     return _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
-                   seqused_k, block_table, softcap, sinks)
+                   seqused_k, block_table, softcap, sinks, rows_used=rows, zero_padding=False)
 
 
 @_varlen_attn_out_op.register_fake
@@ -196,6 +206,8 @@ def _backward(ctx, grad_out, grad_lse):
 def _no_double_backward(ctx, *grads):
     raise NotImplementedError("fast varlen_attn has no double backward (second derivative); "
                               "ref.paged_varlen_attention.varlen_attn has one through plain autograd")
+
+
 _varlen_attn_op.register_autograd(_backward, setup_context=_setup_context)
 _varlen_attn_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
@@ -203,13 +215,19 @@ _varlen_attn_bwd_op.register_autograd(_no_double_backward, setup_context=lambda 
 # ----------------------------------------------------------------------------- launchers
 
 def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
-            seqused_k, block_table, softcap, sinks):
-    """Writes ``out`` and returns ``lse [H_q, T_q]`` fp32.  Inputs were checked by the caller."""
+            seqused_k, block_table, softcap, sinks, *, rows_used, zero_padding):
+    """Writes ``out`` and returns ``lse [H_q, T_q]`` fp32.  Inputs were checked by the caller.
+
+    Rows past cu_seq_q[-1] (a padded buffer) get lse -inf and, with ``zero_padding`` (varlen_attn,
+    not varlen_attn_out), out 0.  ``rows_used`` is cu_seq_q[-1] when the value checks read it, else
+    None (CUDA-graph capture), and then the padding kernel runs whatever the data.
+    """
     t_q, h_q, head_dim = query.shape
     num_seqs = cu_seq_q.numel() - 1
     lse = torch.empty(h_q, t_q, dtype=torch.float32, device=query.device)
-    if t_q == 0 or num_seqs == 0 or max_q == 0 or head_dim == 0:
-        out.zero_()
+    if t_q == 0 or num_seqs == 0 or max_q == 0 or head_dim == 0:   # no row sees a key: all rows padding
+        if zero_padding:
+            out.zero_()
         lse.fill_(float("-inf"))
         return lse
     paged = block_table is not None
@@ -221,7 +239,7 @@ def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_lef
         # registers: stage through copies whose rows are 16-byte aligned (a slow path, for
         # odd head dims or strides; the common head dims never take it).
         query, key, value = (_padded_copy(t) for t in (query, key, value))
-        target = _padded_copy(out, copy=False)
+        target = _padded_copy(out, copy=not zero_padding)   # varlen_attn_out keeps its padding rows
         align = _pow2_divisor(*query.stride()[:-1], *target.stride()[:-1], *key.stride()[:-1],
                               *value.stride()[:-1])
     h_kv = key.shape[-2]
@@ -261,6 +279,8 @@ def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_lef
                 _TUNED[(family, _block_d(head_dim), query.element_size())][grid](*args, **flags)
     else:
         _attn_fwd_kernel[grid](*args, **flags, **_INTERPRET_BLOCKS, num_warps=4)
+    if rows_used is None or rows_used < t_q:
+        _fill_padding(cu_seq_q, lse=lse, zeros=(target,) if zero_padding else ())
     if target is not out:
         out.copy_(target)
     return lse
@@ -346,9 +366,35 @@ def _launch_bwd(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_se
             if max_k > 0:
                 _TUNED_DKDV[table_key][dkdv_grid](*dkdv_args, **flags)
             _TUNED_DQ[table_key][dq_grid](*dq_args, **flags)
+        # Rows past cu_seq_q[-1] / keys past cu_seq_k[-1] (padded buffers) belong to no sequence: no
+        # kernel above wrote them.  Without a host copy of the offsets, a small kernel zeroes them.
+        _fill_padding(cu_seq_q, zeros=(dq,))
+        if not (seqused_k is not None or max_k == 0):      # else dk, dv were zeroed whole
+            _fill_padding(cu_seq_k, zeros=(dk, dv))
     if padded:
         dq, dk, dv = (t[..., :head_dim].contiguous() for t in (dq, dk, dv))
     return dq, dk, dv, dsinks
+
+
+def _fill_padding(cu_seq, *, zeros=(), lse=None):
+    """Rows t >= cu_seq[-1] of the [T, H, D] tensors ``zeros`` become 0, and of ``lse`` [H, T] -inf.
+    Reads cu_seq[-1] on the device (no host copy), so it also runs under CUDA-graph capture."""
+    ref = zeros[0] if zeros else lse.t()
+    t, h = ref.shape[0], ref.shape[1]
+    if t == 0 or h == 0:
+        return
+    x = zeros[0] if zeros else cu_seq
+    y = zeros[1] if len(zeros) > 1 else x
+    block_d = _block_d(zeros[0].shape[-1]) if zeros else 16
+    device_ctx = torch.cuda.device(cu_seq.device) if cu_seq.is_cuda else contextlib.nullcontext()
+    with device_ctx:
+        _padding_rows_kernel[(triton.cdiv(t, 16), h)](
+            x, y, lse if lse is not None else cu_seq, cu_seq, cu_seq.numel() - 1, t,
+            x.stride(0) if zeros else 0, x.stride(1) if zeros else 0,
+            y.stride(0) if len(zeros) > 1 else 0, y.stride(1) if len(zeros) > 1 else 0,
+            lse.stride(0) if lse is not None else 0,
+            HEAD_DIM=zeros[0].shape[-1] if zeros else 0, NUM_ZEROS=len(zeros), HAS_LSE=lse is not None,
+            BLOCK_T=16, BLOCK_D=block_d, num_warps=1)
 
 
 # ----------------------------------------------------------------------------- forward kernel
@@ -465,16 +511,20 @@ def _attn_fwd_kernel(
         True, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, ALIGN, BLOCK_N)
 
     if HAS_SINKS:
-        # The sink is one more logit in the denominator, with no value vector.
+        # The sink is one more logit in the denominator, with no value vector.  A sink of -inf is no
+        # sink; one of +inf takes all the mass (its term is 1 against m = +inf, not 2^(inf - inf)).
         b_sink = tl.load(sinks_ptr + o_head, mask=m_r, other=0.0).to(tl.float32) * 1.4426950408889634
         m_fin = tl.maximum(m_i, b_sink)
+        m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)          # no key seen and a sink of -inf
         alpha = tl.exp2(m_i - m_fin)
-        l_i = l_i * alpha + tl.exp2(b_sink - m_fin)
+        l_i = l_i * alpha + tl.exp2(tl.where(b_sink == m_fin, 0.0, b_sink - m_fin))
         acc = acc * alpha[:, None]
         m_i = m_fin
-    seen = l_i > 0.0
-    b_o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    b_lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    # l = 0: the row saw nothing (out 0, lse -inf).  Tested as == 0, so that a NaN stays NaN.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    b_o = acc / l_safe[:, None]
+    b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
 
     p_o = o_ptr + o_o_row[:, None] + o_d[None, :]
     tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
@@ -581,6 +631,31 @@ def _tanh(x):
     return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
 
 
+@triton.jit
+def _padding_rows_kernel(x_ptr, y_ptr, lse_ptr, cu_ptr, num_seqs, T, stride_x_tok, stride_x_head, stride_y_tok,
+                         stride_y_head, stride_lse_head, HEAD_DIM: tl.constexpr, NUM_ZEROS: tl.constexpr,
+                         HAS_LSE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows past cu[num_seqs] of a padded buffer: zero rows in x and y ([T, H, D], NUM_ZEROS of them)
+    and lse [H, T] = -inf.  One program per (BLOCK_T rows, head).  No FLOPs; bytes = the padding rows
+    written (nothing when there are none: every store is masked)."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    first = tl.load(cu_ptr + num_seqs)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    m_t = (o_t >= first) & (o_t < T)
+    o_tok = o_t.to(tl.int64)
+    if HAS_LSE:
+        tl.store(lse_ptr + i_h * stride_lse_head + o_tok, tl.full([BLOCK_T], float("-inf"), tl.float32), mask=m_t)
+    if NUM_ZEROS > 0:
+        o_d = tl.arange(0, BLOCK_D)
+        m = m_t[:, None] & (o_d[None, :] < HEAD_DIM)
+        b_zero = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+        p_x = x_ptr + o_tok[:, None] * stride_x_tok + i_h * stride_x_head + o_d[None, :]
+        tl.store(p_x, b_zero.to(x_ptr.dtype.element_ty), mask=m)
+        if NUM_ZEROS > 1:
+            p_y = y_ptr + o_tok[:, None] * stride_y_tok + i_h * stride_y_head + o_d[None, :]
+            tl.store(p_y, b_zero.to(y_ptr.dtype.element_ty), mask=m)
+
+
 # ----------------------------------------------------------------------------- forward configs
 
 # Launch configs (BLOCK_M, BLOCK_N, num_warps, num_stages) per GPU family (90: Hopper, wgmma;
@@ -675,13 +750,15 @@ def _attn_bwd_preprocess_kernel(
     if HAS_DLSE:
         b_delta -= tl.load(dlse_ptr + i_h * stride_dlse_head + o_tok * stride_dlse_tok, mask=m_t, other=0.0)
     b_lse = tl.load(lse_ptr + i_h * T_q + o_tok, mask=m_t, other=0.0)
-    seen = b_lse > float("-inf")
+    seen = b_lse != float("-inf")                                         # NaN counts as seen: it stays NaN
     # A row that saw nothing (lse = -inf) gets +inf, so its recomputed probabilities 2^(s - inf) are 0.
     tl.store(lse2_ptr + i_h * T_q + o_tok, tl.where(seen, b_lse * 1.4426950408889634, float("inf")), mask=m_t)
     tl.store(delta_ptr + i_h * T_q + o_tok, b_delta, mask=m_t)
     if HAS_SINKS:
+        # The sink's probability exp(sink - lse): 1 for a sink of +inf (then lse = +inf too).
         b_sink = tl.load(sinks_ptr + i_h).to(tl.float32)
-        p_sink = tl.where(seen & m_t, tl.exp(b_sink - tl.where(seen, b_lse, 0.0)), 0.0)
+        p_sink = tl.exp(tl.where(b_sink == b_lse, 0.0, b_sink - tl.where(seen, b_lse, 0.0)))
+        p_sink = tl.where(seen & m_t, p_sink, 0.0)
         tl.store(dsink_part_ptr + i_h * tl.num_programs(0) + i_t, -tl.sum(p_sink * b_delta, 0))
 
 
@@ -1024,9 +1101,10 @@ def _padded_copy(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- input checks
 
-def _check_meta(query, key, value, cu_seq_q, cu_seq_k, *, scale, window_size, enable_gqa, seqused_k,
-                block_table, num_splits, softcap, sinks, out=None):
-    """Shape, dtype and device checks that need no data (they also run on fake tensors)."""
+def _check_meta(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa,
+                seqused_k, block_table, num_splits, softcap, sinks, out=None):
+    """Shape, dtype and device checks that need no data (they also run on fake tensors).
+    Returns (max_q, max_k, left, right) as ints."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -1098,30 +1176,57 @@ def _check_meta(query, key, value, cu_seq_q, cu_seq_k, *, scale, window_size, en
     devices = {name: t.device for name, t in named if t is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"all tensors must be on one device, got mixed devices {devices}")
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and all(isinstance(w, int) and w >= -1 for w in window_size)):
-        raise ValueError(f"window_size must be (left, right) ints >= -1, got {window_size!r}")
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        raise ValueError(f"window_size must be (left, right) integers >= -1, got {window_size!r}")
+    left, right = (_integer("window_size", w, -1) for w in window_size)
+    max_q, max_k = _integer("max_q", max_q, 0), _integer("max_k", max_k, 0)
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not isinstance(softcap, (int, float)) or softcap < 0:
         raise ValueError(f"softcap must be a float >= 0, got {softcap!r}")
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+    if num_splits is not None:
+        _integer("num_splits", num_splits, 1)
     # What this kernel adds to the contract's checks.
     if query.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"fast varlen_attn supports fp16, bf16, fp32; got {query.dtype} (the reference takes fp64)")
     if query.shape[-1] > 256:
         raise ValueError(f"fast varlen_attn supports head dims up to 256, got D={query.shape[-1]}")
+    _check_device("query", query)
+    return max_q, max_k, left, right
+
+
+def _check_device(name, t):
+    """Triton needs a GPU driver; say so on the host instead of failing inside Triton."""
+    if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            f"{name} is a {t.device.type} tensor, and fast/paged_varlen_attention.py runs Triton kernels, "
+            f"which need CUDA tensors.  Move the inputs to a GPU; or set TRITON_INTERPRET=1 before triton is "
+            f"imported to run the kernels on CPU tensors in the Triton interpreter (slow: for tests); or use "
+            f"ref/paged_varlen_attention.py, the same API in plain PyTorch, for CPU work.")
+
+
+def _integer(name, value, minimum):
+    """``value`` as an int: any integral number (int, numpy's integers: whatever has ``__index__``),
+    never a bool or a float, and at least ``minimum``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got bool {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return value
 
 
 def _check_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, *, seqused_k, block_table):
-    """Checks that read the index tensors (one small device-to-host copy)."""
+    """Checks that read the index tensors (one small device-to-host copy); returns cu_seq_q[-1]."""
     paged = block_table is not None
     cq = cu_seq_q.tolist()
     if cq[0] != 0 or any(b < a for a, b in zip(cq, cq[1:])):
         raise ValueError(f"cu_seq_q must start at 0 and be non-decreasing, got {cq[:8]}...")
-    if cq[-1] != query.shape[0]:
-        raise ValueError(f"cu_seq_q[-1] must equal T_q = query.shape[0] = {query.shape[0]}, got {cq[-1]}")
+    if cq[-1] > query.shape[0]:      # < T_q is a padded buffer: the rows past it belong to no sequence
+        raise ValueError(f"cu_seq_q[-1] must be <= T_q = query.shape[0] = {query.shape[0]}, got {cq[-1]}")
     q_lens = [b - a for a, b in zip(cq, cq[1:])]
     if paged:
         k_lens = seqused_k.tolist()
@@ -1140,8 +1245,8 @@ def _check_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, *, seqused_k, bl
         ck = cu_seq_k.tolist()
         if ck[0] != 0 or any(b < a for a, b in zip(ck, ck[1:])):
             raise ValueError(f"cu_seq_k must start at 0 and be non-decreasing, got {ck[:8]}...")
-        if ck[-1] != key.shape[0]:
-            raise ValueError(f"cu_seq_k[-1] must equal T_k = key.shape[0] = {key.shape[0]}, got {ck[-1]}")
+        if ck[-1] > key.shape[0]:
+            raise ValueError(f"cu_seq_k[-1] must be <= T_k = key.shape[0] = {key.shape[0]}, got {ck[-1]}")
         k_lens = [b - a for a, b in zip(ck, ck[1:])]
         if seqused_k is not None:
             used = seqused_k.tolist()
@@ -1153,9 +1258,12 @@ def _check_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, *, seqused_k, bl
         raise ValueError(f"max_q = {max_q} is smaller than the longest query sequence ({max(q_lens)})")
     if k_lens and max(k_lens) > max_k:
         raise ValueError(f"max_k = {max_k} is smaller than the longest key sequence ({max(k_lens)})")
+    return cq[-1]
 
 
 def _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table):
+    """cu_seq_q[-1] (the rows that belong to sequences), or None while a CUDA graph is captured: a
+    device-to-host copy is illegal there, so the values go unchecked."""
     if query.is_cuda and torch.cuda.is_current_stream_capturing():
-        return  # a device-to-host copy is illegal while a CUDA graph is captured
-    _check_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k=seqused_k, block_table=block_table)
+        return None
+    return _check_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k=seqused_k, block_table=block_table)

@@ -14,14 +14,18 @@ The math, for sequence b with L = seqused_k[b] keys, S_q query rows, query head 
     i sees j  iff  j <= L - S_q + i                  (row i is the key at position L - S_q + i)
     lse_i = log( sum_{j seen} exp(s_ij) [+ exp(sink_h)] )
     o_i   = sum_{j seen} exp(s_ij - lse_i) v_j
-    A row that sees no key gets o_i = 0 and lse_i = -inf (with a sink: lse_i = sink_h).
+    A row that sees no key gets o_i = 0 and lse_i = -inf (with a sink: lse_i = sink_h).  A sink
+    of -inf is no sink; one of +inf takes all the mass (o_i = 0, lse_i = +inf).  A NaN input gives
+    NaN in the rows it reaches, with any number of splits.
 
     Split and merge.  A chunk C of keys gives a partial state (o_C, lse_C) computed as above
     over j in C only, without the sink.  Two states merge exactly:
         lse = log(exp(lse_A) + exp(lse_B))
         o   = exp(lse_A - lse) o_A + exp(lse_B - lse) o_B
-    The merge is associative and commutative, and the empty state (o = 0, lse = -inf) is its
-    identity.  The sink is one more state, (o = 0, lse = sink_h), merged once at the end.
+    computed with the larger lse subtracted first.  The merge is associative and commutative, and
+    the empty state (o = 0, lse = -inf) is its identity.  The sink is one more state, (o = 0,
+    lse = sink_h), merged once at the end.  ``merge_attention_states`` also reads lse = +inf as
+    empty: PyTorch's CUDA varlen_attn (FlashAttention-2) marks a row with no key that way.
 
 Tensors (B sequences, S_q query rows each, H_q / H_kv heads, D head dim, G = H_q / H_kv)
     q             [B, S_q, H_q, D]                  fp16 / bf16 / fp32 / fp64
@@ -52,6 +56,7 @@ References
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -61,16 +66,30 @@ __all__ = ["choose_num_splits", "flash_decode", "merge_attention_states"]
 # ----------------------------------------------------------------------------- the math
 
 def _merge(o_a, lse_a, o_b, lse_b):
-    """The exact merge of two attention states, in the dtype of its inputs.
+    """The exact merge of two attention states, in the dtype of its inputs (o [..., T, H, D],
+    lse [..., H, T]), the max subtracted first so the weights stay in [0, 1]:
 
-    o [..., T, H, D], lse [..., H, T].  A side with lse = -inf contributes nothing (even if
-    its o holds garbage), so the empty state is the identity and nothing becomes NaN.
+        m = max(lse_a, lse_b),  w = exp(lse - m),  lse = m + log(w_a + w_b),  o = (w_a o_a + w_b o_b) / (w_a + w_b)
+
+    lse = -inf is the empty state (no keys; its o is ignored, so it is the identity); lse = +inf
+    takes all the mass (a sink of +inf: out 0, lse +inf); a NaN gives NaN, never "no keys".
     """
-    lse = torch.logaddexp(lse_a, lse_b)                             # -inf when both are empty
-    lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    w_a = torch.exp(lse_a - lse_safe).transpose(-1, -2)[..., None]  # [..., T, H, 1]
-    w_b = torch.exp(lse_b - lse_safe).transpose(-1, -2)[..., None]
-    o = torch.where(w_a > 0, w_a * o_a, 0) + torch.where(w_b > 0, w_b * o_b, 0)
+    m = torch.maximum(lse_a, lse_b)                                 # NaN if either side is NaN
+    m = torch.where(torch.isneginf(m), 0, m)                        # two empty sides: any finite shift
+
+    def weight(lse):                                                # exp(lse - m): 1 for a +inf side, not nan
+        return torch.exp(torch.where(torch.isposinf(lse), 0, lse - m))
+
+    w_a, w_b = weight(lse_a), weight(lse_b)
+    den = w_a + w_b                                                 # 0 only when both sides are empty
+    den_safe = torch.where(den == 0, 1, den)
+
+    def share(w, o):                                                # w o / den, as [..., T, H, 1] * [..., T, H, D]
+        w = (w / den_safe).transpose(-1, -2)[..., None]
+        return w * torch.where(w == 0, 0, o)                        # an empty side's o may hold garbage
+
+    o = share(w_a, o_a) + share(w_b, o_b)
+    lse = torch.where(den == 0, float("-inf"), m + torch.log(den_safe))
     return o, lse
 
 
@@ -112,7 +131,7 @@ def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None
     softcap = float(softcap)
     wide = torch.float64 if q.dtype == torch.float64 else torch.float32
     dtype = wide if upcast else q.dtype
-    splits = 1 if num_splits is None else num_splits
+    splits = 1 if num_splits is None else operator.index(num_splits)
     with torch.no_grad():
         if k_new is not None:
             _append_to_cache(k_cache, v_cache, k_new, v_new, lengths, block_table)
@@ -147,8 +166,10 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, *, upcast=True):
     ``out_* [..., T, H, D]`` (any float dtype) and ``lse_* [..., H, T]`` (natural log), the
     layouts ``flash_decode`` returns ([B, S_q, H_q, D] and [B, H_q, S_q]) and varlen
     attention returns ([T, H, D] and [H, T]).  Returns ``(out in out_a's dtype, lse fp32)``
-    (fp64 for fp64 inputs).  Associative and commutative; a side with lse = -inf (no keys)
-    leaves the other side exactly as it is; two empty sides give out 0 and lse -inf, never NaN.
+    (fp64 for fp64 inputs).  Associative and commutative, exact at any |lse| (the larger is subtracted
+    first).  A side with lse = -inf or +inf (no keys: this repo writes -inf, PyTorch's CUDA
+    varlen_attn, i.e. FlashAttention-2, writes +inf) leaves the other side exactly as it is; two
+    empty sides give out 0 and lse -inf.  A NaN lse on either side gives NaN, never the other side.
     """
     for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -170,6 +191,9 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, *, upcast=True):
     if len(devices) > 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
     dtype = wide if upcast else out_a.dtype
+    # PyTorch's CUDA varlen_attn (FlashAttention-2) marks a row that saw no key with lse = +inf, this
+    # repo with -inf: read both as the empty side.
+    lse_a, lse_b = (torch.where(torch.isposinf(t), float("-inf"), t) for t in (lse_a, lse_b))
     o, lse = _merge(out_a.to(dtype), lse_a.to(dtype), out_b.to(dtype), lse_b.to(dtype))
     return o.to(out_a.dtype), lse.to(wide)
 
@@ -223,14 +247,12 @@ def choose_num_splits(batch, num_kv_heads, max_seqlen_k, *, num_sms, num_q_tiles
     Never more splits than KV blocks.  Pure: no device is queried (the fast op passes the
     SM count it reads once per device).
     """
-    for name, value in (("batch", batch), ("num_kv_heads", num_kv_heads), ("max_seqlen_k", max_seqlen_k),
-                        ("num_q_tiles", num_q_tiles)):
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    for name, value in (("num_sms", num_sms), ("block_n", block_n), ("programs_per_sm", programs_per_sm),
-                        ("max_splits", max_splits)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    batch, num_kv_heads, max_seqlen_k, num_q_tiles = (
+        _integer(name, value, 0) for name, value in (("batch", batch), ("num_kv_heads", num_kv_heads),
+                                                     ("max_seqlen_k", max_seqlen_k), ("num_q_tiles", num_q_tiles)))
+    num_sms, block_n, programs_per_sm, max_splits = (
+        _integer(name, value, 1) for name, value in (("num_sms", num_sms), ("block_n", block_n),
+                                                     ("programs_per_sm", programs_per_sm), ("max_splits", max_splits)))
     programs = batch * num_kv_heads * num_q_tiles
     slots = num_sms * programs_per_sm
     num_blocks = -(-max_seqlen_k // block_n)
@@ -329,8 +351,8 @@ def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, 
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not isinstance(softcap, (int, float)) or softcap < 0:
         raise ValueError(f"softcap must be a float >= 0, got {softcap!r}")
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+    if num_splits is not None:
+        _integer("num_splits", num_splits, 1)
 
     # Value checks: one small device-to-host copy of the index tensors.
     lengths = seqused_k.tolist()
@@ -352,6 +374,20 @@ def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, 
             if bad:
                 raise ValueError(f"block_table[{b}] points at page {bad[0]}, outside the pool of {num_pages} pages")
     return lengths
+
+
+def _integer(name, value, minimum):
+    """``value`` as an int: any integral number (int, numpy's integers: whatever has ``__index__``),
+    never a bool or a float, and at least ``minimum``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got bool {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return value
 
 
 if __name__ == "__main__":
