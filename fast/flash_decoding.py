@@ -20,8 +20,9 @@ The math (the reference states it in full)
     A call runs ``_append_kv_kernel`` (with k_new / v_new), ``_decode_fwd_kernel`` and, with
     several splits, ``_merge_splits_kernel``; each kernel's docstring gives its FLOPs and bytes.
     ``num_splits=None`` asks ``choose_num_splits`` with the device's SM count (the interpreter
-    assumes an H100's 132) and the cache's capacity, a shape: no host copy, the same choice
-    under CUDA-graph capture.  ``num_splits=1`` is batch-invariant and deterministic.
+    assumes an H100's 132), one program per SM, and the cache's capacity, a shape: no host copy,
+    the same choice under CUDA-graph capture.  ``num_splits=1`` is batch-invariant and
+    deterministic.
 
 Tensors (B sequences, S_q rows, H_q / H_kv heads, D head dim)
     q             [B, S_q, H_q, D]                  fp16 / bf16 / fp32, unit stride in D (else copied)
@@ -64,7 +65,11 @@ import triton.language as tl
 __all__ = ["choose_num_splits", "flash_decode", "merge_attention_states"]
 
 _INTERPRETER_SMS = 132       # what the gate assumes for CPU tensors under the Triton interpreter (an H100)
-_PROGRAMS_PER_SM = 2         # decode programs resident per SM (40-115 KB of shared memory each, see _fwd_config)
+# The shape gate plans one program per SM: each keeps 24-32 KB of K/V loads in flight (see
+# _fwd_config), and every further split adds fp32 partials (written, then read by the merge) and
+# another read of q.  Programs past one per SM would only be worth that traffic if one program
+# cannot keep an SM's share of HBM bandwidth busy: the GPU benchmark that decides it is owed.
+_PROGRAMS_PER_SM = 1
 _MAX_SPLITS = 1024
 
 
@@ -346,9 +351,16 @@ def _decode_fwd_kernel(
     partial outputs and LSEs for ``_merge_splits_kernel``.
 
     FLOPs ~= 4 * B * H_q * S_q * L * D (QK^T and PV; L the mean seqused_k).
-    Minimum bytes = 2 * B * L * H_kv * D * elt (K and V once) + 2 * B * S_q * H_q * D * elt
-    (q, out); several splits add 2 * B * S_q * H_q * num_splits * (D + 1) * 4 (fp32 partials
-    written here, read by the merge).
+    Minimum bytes (the IO bound) = B * (2 * L * H_kv * D * elt (K, V once) + 2 * S_q * H_q * D * elt
+    (q, out) + 4 * S_q * H_q (lse) + 4 * ceil(L / page_size) (page ids)).
+    Issued bytes (active lanes) with s splits add, per sequence: (s - 1) * S_q * H_q * D * elt (each
+    split reads q), 4 * (H_kv * L - ceil(L / page_size)) (each program reads the page id of every
+    key it streams), 2 * s * S_q * H_q * (D + 1) * 4 + 4 * s * S_q * H_q (fp32 partials written
+    here, read by the merge, whose two passes read the partial lse twice) and 4 * H_kv * s
+    (seqused_k).  At B = 4, GQA 8/2, D = 128, fp16, page 16 the gate's s = 14 at L = 8k gives
+    issued / bound = 1.0246, s = 16 at L = 1k gives 1.163 (one 64-key chunk per program: the
+    partials buy 128 programs instead of 8); the Triton interpreter's count of active lanes
+    gives the same bytes exactly.
     """
     # o_ptr / lse_ptr are out [B, S_q, H_q, D] / lse [B, H_q, S_q] with one split, else the fp32
     # partials [B, S_q, H_q, NUM_SPLITS, D] / [B, S_q, H_q, NUM_SPLITS]: the strides say which.
@@ -528,30 +540,37 @@ def _merge_states_kernel(
 
 def _fwd_config(head_dim: int, dtype: torch.dtype, rows: int, paged: bool, kv_align: int,
                 device: torch.device) -> dict:
-    """Tile sizes and launch options of the decode kernel.
+    """Tile sizes and launch options of the decode kernel: one config per (dtype, head dim, rows,
+    layout), never per batch (a config that followed the batch would break batch invariance, and
+    autotuning cannot run under CUDA-graph capture).  BLOCK_N depends on the dtype and head dim only.
 
-    Fixed, not autotuned: a config that depended on the batch would break batch invariance, and
-    autotuning cannot run under CUDA-graph capture.  Chosen so that every config builds without
-    register spills for sm_80 and sm_90 (parity/test_compile.py):
-    - BLOCK_M rows of (query row, group head) per tile: up to 64 (32 at D = 256).
-    - BLOCK_N keys per step: ~16 KB per K (or V) tile at D <= 128 in 16-bit types.
-    - fp32 (IEEE dots on FMA units, which hold much more in registers): 16 x 16 tiles, 8 warps.
-    - Paged loads are indirect (page id, then K/V) and Triton's pipeliner spreads the stages
-      over both levels: 5 stages give the K/V loads two buffers, as 3 stages do for the
-      contiguous cache (~40-115 KB of shared memory).
-    - 8 warps for the wider tiles and for rows not aligned to 16 bytes (narrower vectors, more
-      addresses in registers); 4 otherwise.
+    Decode streams K and V once and does ~1 FLOP per byte, so the kernel is memory-bound: what
+    counts is the bytes each program keeps in flight, not tile width.
+    - BLOCK_N: about 8 KB of K and V per pipeline stage (2 * BLOCK_N * BLOCK_D * elt), at least 16
+      keys (one mma): 32 keys at D = 64, 16 at D = 128 and 256 in 16-bit types.
+    - Stages: three K/V buffers when a stage holds <= 8 KB (24 KB in flight), else two (32 KB).
+      Paged loads are indirect (page id, then K/V) and Triton's pipeliner spreads the stages over
+      both levels: 2 * buffers + 1 stages give the paged K/V loads ``buffers`` buffers, buffers + 1
+      do for the contiguous cache.
+    - BLOCK_M rows of (query row, group head): up to 64 (32 at D = 256, 16 in fp32); decoding
+      (S_q = 1, G <= 16) takes one 16-row tile.
+    - 4 warps, 8 for tiles of 32 rows or more, fp32 (IEEE dots on FMA units) and rows not aligned to
+      16 bytes (narrower vectors, more addresses in registers).
+    sm_90, D = 128, 16-bit, 16-row tile (parity/aot_compile.py, as a launch specializes it):
+    64-80 registers, 29 KB of shared memory (three 8 KB K/V stages, q and the P tile), so 6 programs
+    fit an SM; every config builds without spills for sm_80 and sm_90 (parity/test_compile.py).
     """
     elt = torch.finfo(dtype).bits // 8
     block_d = max(16, triton.next_power_of_2(head_dim))
     max_m = 16 if elt == 4 else (64 if block_d <= 128 else 32)
     block_m = min(max_m, max(16, triton.next_power_of_2(rows)))
-    block_n = 16 if elt == 4 else (64 if block_d <= 128 else 32)
+    block_n = max(16, 8192 // (2 * block_d * elt))
+    buffers = 3 if 2 * block_n * block_d * elt <= 8192 else 2
     if device.type != "cuda":
         block_n = 16  # the interpreter: small blocks so small test shapes still loop over several
     num_warps = 8 if block_m >= 32 or elt == 4 or kv_align * elt < 16 else 4
     return dict(BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, KV_ALIGN=kv_align, num_warps=num_warps,
-                num_stages=5 if paged else 3, num_q_tiles=-(-rows // block_m))
+                num_stages=2 * buffers + 1 if paged else buffers + 1, num_q_tiles=-(-rows // block_m))
 
 
 def _kv_align(*tensors) -> int:
