@@ -530,34 +530,36 @@ def test_fast_limits_raise():
 
 # ----------------------------------------------------------------------------- CPU tensors, no interpreter
 
-def run_copied_alone(fast_file: str, code: str, tmp_path: Path) -> list[str]:
-    """Copy ``fast/<fast_file>`` alone into ``tmp_path`` and run ``code`` there in a fresh Python
-    without TRITON_INTERPRET (this test session sets it); returns the lines it printed."""
+def assert_cpu_calls_raise_clearly(fast_file: str, setup: str, calls: list[str], tmp_path: Path):
+    """Copy ``fast/<fast_file>`` alone into ``tmp_path`` and, in a fresh Python without
+    TRITON_INTERPRET (this test session sets it), run ``setup`` and then each expression of ``calls``
+    on CPU tensors: each must raise a ValueError on the host that names the ways out (a CUDA tensor,
+    TRITON_INTERPRET=1, the reference file), instead of dying inside Triton ("0 active drivers")."""
     shutil.copy(Path(__file__).resolve().parents[1] / "fast" / fast_file, tmp_path)
-    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "TRITON_INTERPRET"}}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.splitlines()
-
-
-def test_cpu_tensors_without_the_interpreter(tmp_path):
-    """Called on CPU tensors without TRITON_INTERPRET=1, both entry points raise a ValueError on the
-    host that names the ways out (a CUDA tensor, TRITON_INTERPRET=1, the reference), instead of
-    dying inside Triton ("0 active drivers")."""
-    lines = run_copied_alone("paged_varlen_attention.py", """
-        import torch
-        from paged_varlen_attention import varlen_attn, varlen_attn_out
-        q = torch.randn(4, 2, 16)
-        cu = torch.tensor([0, 4], dtype=torch.int32)
-        for call in (lambda: varlen_attn(q, q, q, cu, cu, 4, 4),
-                     lambda: varlen_attn_out(torch.empty_like(q), q, q, q, cu, cu, 4, 4)):
+    probe = textwrap.dedent(setup) + textwrap.dedent(f"""
+        for call in ({", ".join(f"lambda: {c}" for c in calls)},):
             try:
                 call()
                 print("no error")
             except ValueError as e:
                 print(" ".join(str(e).split()))
-        """, tmp_path)
-    assert len(lines) == 2, lines
+        """)
+    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "TRITON_INTERPRET"}}
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == len(calls), lines
     for line in lines:
         assert "CUDA" in line and "TRITON_INTERPRET=1" in line and "ref/" in line, line
+
+
+def test_cpu_tensors_without_the_interpreter(tmp_path):
+    """Both entry points, called on CPU tensors without TRITON_INTERPRET=1, raise a clear error."""
+    assert_cpu_calls_raise_clearly("paged_varlen_attention.py", """
+        import torch
+        from paged_varlen_attention import varlen_attn, varlen_attn_out
+        q = torch.randn(4, 2, 16)
+        cu = torch.tensor([0, 4], dtype=torch.int32)
+        """, ["varlen_attn(q, q, q, cu, cu, 4, 4)", "varlen_attn_out(torch.empty_like(q), q, q, q, cu, cu, 4, 4)"],
+        tmp_path)

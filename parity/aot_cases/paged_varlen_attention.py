@@ -1,4 +1,5 @@
-"""Ahead-of-time build cases for fast/paged_varlen_attention.py (read by parity/aot_compile.py and parity/test_compile.py).
+"""Ahead-of-time build cases for fast/paged_varlen_attention.py (read by parity/aot_compile.py and
+parity/test_compile.py).
 
 ``cases(m)`` takes the fast module ``m`` (imported with the Triton compiler, not the interpreter)
 and lists its launches in aot_compile.py's case format, reading the module's private config tables
