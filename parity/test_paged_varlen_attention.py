@@ -345,6 +345,38 @@ def test_infinite_sinks(mod):
     check_close("lse", lse, lse_ref, None, atol=1e-5)
 
 
+@requires_gpu
+@pytest.mark.gpu
+def test_padded_buffers_under_cuda_graph_capture():
+    """Captured in a CUDA graph the offsets are never read on the host, so the padding kernel always
+    runs: replaying with fewer real rows zeroes the rest (varlen_attn) or leaves them (out=)."""
+    b = make_batch(seed=46, n=3, max_q=9, max_k=14, h_q=4, h_kv=2, d=64, dtype=torch.bfloat16)
+    k_pool, v_pool, table, used = paged_view(b, 16)
+    t = b["q"].shape[0]
+    q = torch.cat([b["q"], torch.randn(7, 4, 64, device=DEVICE, dtype=torch.bfloat16)])
+    cu_q = b["cu_q"].clone()
+    kw = dict(window_size=(-1, 0), enable_gqa=True, block_table=table, seqused_k=used,
+              return_aux=fast.AuxRequest(lse=True))
+    expect, expect_lse = fast.varlen_attn(q, k_pool, v_pool, cu_q, None, b["max_q"], b["max_k"], **kw)
+    out = torch.full_like(q, 7.0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):   # warm-up: compiles and autotunes outside the capture
+        fast.varlen_attn(q, k_pool, v_pool, cu_q, None, b["max_q"], b["max_k"], **kw)
+        fast.varlen_attn_out(out, q, k_pool, v_pool, cu_q, None, b["max_q"], b["max_k"], **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = fast.varlen_attn(q, k_pool, v_pool, cu_q, None, b["max_q"], b["max_k"], **kw)
+        _, lse_out = fast.varlen_attn_out(out, q, k_pool, v_pool, cu_q, None, b["max_q"], b["max_k"], **kw)
+    out.fill_(7.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o, expect) and torch.equal(lse, expect_lse)
+    assert torch.all(o[t:] == 0) and torch.isneginf(lse[:, t:]).all()
+    assert torch.equal(out[:t], expect[:t]) and torch.all(out[t:] == 7.0) and torch.isneginf(lse_out[:, t:]).all()
+
+
 def test_empty_batch_and_empty_queries():
     gen = make_generator(12)
     k, v = randn(5, 2, 16, gen=gen), randn(5, 2, 16, gen=gen)
