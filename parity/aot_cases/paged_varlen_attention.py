@@ -1,4 +1,5 @@
-"""Ahead-of-time build cases for fast/paged_varlen_attention.py (read by parity/aot_compile.py and parity/test_compile.py).
+"""Ahead-of-time build cases for fast/paged_varlen_attention.py (read by parity/aot_compile.py and
+parity/test_compile.py).
 
 ``cases(m)`` takes the fast module ``m`` (imported with the Triton compiler, not the interpreter)
 and lists its launches in aot_compile.py's case format, reading the module's private config tables
@@ -110,4 +111,14 @@ def _bwd_cases(m) -> list[dict]:
                 signature=_bwd_signature(m._attn_bwd_preprocess_kernel, dtype),
                 constexprs=dict(HAS_DLSE=True, HAS_SINKS=True, BLOCK_D=head_dim, BLOCK_T=max(16, 4096 // head_dim)),
                 num_warps=4))
+    # The padding rows of padded buffers: lse only and out (the forward), dq, dk + dv (the backward).
+    for dtype, num_zeros, has_lse, head_dim in (("bf16", 1, True, 128), ("fp32", 0, True, 64), ("fp16", 2, False, 100),
+                                                ("fp32", 1, False, 256)):
+        cases.append(dict(
+            kernel=m._padding_rows_kernel, name=f"padding_rows[{dtype},D={head_dim},zeros={num_zeros},lse={has_lse}]",
+            signature=dict(_bwd_signature(m._padding_rows_kernel, dtype), lse_ptr="*fp32", cu_ptr="*i32",
+                           stride_x_tok="i32", stride_x_head="i32", stride_y_tok="i32", stride_y_head="i32"),
+            constexprs=dict(HEAD_DIM=head_dim, NUM_ZEROS=num_zeros, HAS_LSE=has_lse, BLOCK_T=16,
+                            BLOCK_D=m._block_d(head_dim)),
+            num_warps=1))
     return cases
