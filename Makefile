@@ -4,7 +4,7 @@ PIP := $(PYTHON) -m pip
 FEATURE ?=
 PYTEST_ARGS ?=
 
-.PHONY: help install parity compile-check bench report demo lint
+.PHONY: help install parity compile-check bench report demo lint roofline
 
 help:
 	@echo "make install        install the dependencies into $(PYTHON) (keeps an installed torch)"
@@ -12,6 +12,7 @@ help:
 	@echo "make compile-check  ahead-of-time build of every Triton kernel and config for sm_80 and sm_90 (no GPU needed)"
 	@echo "make bench          every benchmark (FEATURE=name for one), then regenerate the README tables"
 	@echo "make report         regenerate the README tables from bench/results/*.csv"
+	@echo "make roofline       bytes each kernel moves vs its IO bound, and its sm_90 build, beside fla-core 0.6.0 (CPU; RECORD=1 saves)"
 	@echo "make demo           the end-to-end RL-style loop (bench/rl_loop.py)"
 	@echo "make lint           byte-compile everything and check the single-file house rules"
 
@@ -38,6 +39,14 @@ bench:
 
 report:
 	$(PYTHON) bench/report.py
+
+# The kernel observatory's report (bench/roofline.py): Triton interpreter on CPU, no GPU.  fla-core is
+# the peer it measures beside ours: installed for the report (ops only, no dependencies), never vendored.
+# RECORD=1 appends bench/results/roofline.csv, redraws roofline.png and the README's tables.
+roofline:
+	@$(PYTHON) -c "import sys, fla; sys.exit(fla.__version__ != '0.6.0')" 2>/dev/null || \
+		$(PIP) install --no-deps "fla-core==0.6.0"
+	$(PYTHON) bench/roofline.py $(if $(RECORD),--record)
 
 demo:
 	$(PYTHON) bench/rl_loop.py

@@ -195,13 +195,15 @@ H100 = dict(sms=132, regs=65536, reg_unit=256, smem=233472, smem_unit=128, smem_
 
 
 def sass_counts(cubin: bytes) -> dict:
-    """Instructions in the SASS (``cuobjdump -sass``), and how many are tensor-core MMAs: HGMMA
-    (Hopper's warpgroup MMA, wgmma) and HMMA (mma.sync)."""
+    """Instructions in the SASS (``cuobjdump -sass``, the trailing NOP padding left out), and how many
+    are tensor-core MMAs: HGMMA (Hopper's warpgroup MMA, wgmma) and HMMA (mma.sync)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         text = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True, check=True).stdout
     ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text, flags=re.M)
+    while ops and ops[-1] == "NOP":     # alignment padding after the final branch, never executed
+        ops.pop()
     return dict(sass=len(ops), hgmma=sum(op.startswith("HGMMA") for op in ops),
                 hmma=sum(op.startswith("HMMA") for op in ops))
 
