@@ -206,13 +206,17 @@ class GdnChunk(Case):
         nc = t // self.C
         if op == "fwd":
             self.bound = nbytes(*inputs) + nbytes(self.v)             # o has v's shape and dtype
-            self.formula = "read q, k, v, g, beta; write o"
+            self.formula = ("read q, k, v, g, beta, write o: (2 T H K + 2 T HV V) e + T HV (4 + e) bytes "
+                            "(g in fp32)")
+            self.short = "GDN chunk\nfwd"
             self.useful = nc * h * (6 * self.C ** 2 * k + 4 * self.C ** 2 * v + 6 * self.C * k * v + self.C ** 3 // 3)
             self.useful_formula = "per 64-token chunk and head 6C^2K + 4C^2V + 6CKV + C^3/3"
             self.output_names = ["o"]
         else:
             self.bound = 2 * nbytes(*inputs) + nbytes(self.do)
-            self.formula = "read q, k, v, g, beta, dO; write dq, dk, dv, dg, dbeta"
+            self.formula = ("read q, k, v, g, beta, dO, write dq, dk, dv, dg, dbeta: "
+                            "(4 T H K + 3 T HV V) e + 2 T HV (4 + e)")
+            self.short = "GDN chunk\nbwd"
             self.useful = nc * h * (20 * self.C ** 2 * k + 10 * self.C ** 2 * v + 16 * self.C * k * v)
             self.useful_formula = "per chunk and head 20C^2K + 10C^2V + 16CKV (recomputation included)"
             self.output_names = ["dq", "dk", "dv", "dg", "dbeta"]
@@ -252,7 +256,9 @@ class GdnDecode(Case):
         self.beta = torch.sigmoid(_randn(n, 1, h, gen=g, dtype=torch.float32)).half()
         self.h0 = _randn(n, h, k, v, gen=g, dtype=torch.float32, scale=0.1)
         self.bound = nbytes(self.q, self.k, self.v, self.g, self.beta, self.h0) + nbytes(self.v, self.h0)
-        self.formula = "read q, k, v, g, beta and the fp32 state; write o and the state"
+        self.formula = ("read q, k, v, g, beta and the fp32 state, write o and the state: "
+                        "(2 N H K + 2 N HV V) e + N HV (4 + e) + 2 N HV K V 4")
+        self.short = "GDN decode\nN=8"
         self.useful = n * h * 7 * k * v
         self.useful_formula = "7KV per token and head (decay, h^T k, k u^T, h^T q), none of it a matmul"
         self.output_names = ["o", "final_state"]
@@ -309,13 +315,16 @@ class Prefill(Case):
         lse = self.HQ * t * 4
         if op == "fwd":
             self.bound = nbytes(self.q, self.k, self.v, self.q) + lse
-            self.formula = "read Q, K, V; write O and the fp32 LSE"
+            self.formula = "read Q, K, V, write O and the fp32 LSE: T (2 H_q + 2 H_kv) D e + 4 H_q T"
+            self.short = "prefill\nfwd (paged)"
             self.useful = 4 * self.D * self.HQ * causal_pairs
             self.useful_formula = "4 D H_q per visible (query, key) pair: QK^T and PV, causal"
             self.output_names = ["o"]
         else:
             self.bound = nbytes(self.q, self.k, self.v, self.q, self.do) + lse + nbytes(self.q, self.k, self.v)
-            self.formula = "read Q, K, V, O, dO and the LSE; write dQ, dK, dV"
+            self.formula = ("read Q, K, V, O, dO and the LSE, write dQ, dK, dV: "
+                            "T (4 H_q + 4 H_kv) D e + 4 H_q T")
+            self.short = "prefill\nbwd"
             self.useful = 10 * self.D * self.HQ * causal_pairs
             self.useful_formula = "10 D H_q per visible pair: the five matmuls of the FlashAttention-2 backward"
             self.output_names = ["dq", "dk", "dv"]
@@ -366,7 +375,8 @@ class Decode(Case):
             self.v_cache = self.v.view(self.B, length, self.HKV, self.D)
             self.table = None
         self.bound = nbytes(self.q, self.k, self.v, self.q)
-        self.formula = "read q and the cache's K, V once; write o"
+        self.formula = "read q and the cache's K, V once, write o: 2 B H_q D e + 2 B L H_kv D e"
+        self.short = f"decode {length // 1024}k\n{'paged' if paged else 'contiguous'}"
         self.useful = 4 * self.B * self.HQ * length * self.D
         self.useful_formula = "4 B H_q L D: q K^T and P V"
         self.output_names = ["o"]
@@ -646,7 +656,7 @@ def plot(results):
     import matplotlib.pyplot as plt
     labels, ours, theirs = [], [], []
     for case, per_impl in results:
-        labels.append(f"{case.name.split(' GQA')[0].replace('prefill causal', 'prefill')}\n{case.op}")
+        labels.append(case.short)
         ours.append(per_impl["ours"]["summary"]["issued_over_bound"])
         theirs.append(per_impl["fla"]["summary"]["issued_over_bound"] if "fla" in per_impl else 0)
     fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(labels)), 4.5))
@@ -655,7 +665,10 @@ def plot(results):
     ax.bar([i + 0.2 for i in x], theirs, 0.4, label=f"fla-core {FLA_VERSION}")
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_xticks(list(x))
-    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_xticklabels(labels, fontsize=8)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        ax.text(i - 0.2, a, f"{a:.2f}", ha="center", va="bottom", fontsize=7)
+        ax.text(i + 0.2, b, f"{b:.2f}", ha="center", va="bottom", fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("issued bytes / IO lower bound (log)")
     ax.set_title("Bytes each op's kernels issue, over the bytes it must move (Triton interpreter, fp16)")
@@ -673,9 +686,12 @@ def readme_block(results, wall_s: float, quick: bool) -> str:
         formulas.setdefault((case.name.split(" ")[0], case.op), (case.formula, case.useful_formula))
     lines = [f"*Triton {triton.__version__} interpreter on CPU, fp16, sm_90 builds; fla-core {FLA_VERSION}; "
              f"`make roofline` took {wall_s / 60:.1f} min{' (--quick)' if quick else ''}.*", "",
-             summary_table(results), "", "IO lower bounds and useful FLOPs:", ""]
+             summary_table(results), "",
+             "IO lower bounds (e bytes per element, 2 in fp16; T tokens, H / HV query-key / value heads, "
+             "K / V their head dims, N sequences, B batch, L keys per sequence, D head dim, H_q / H_kv "
+             "query / KV heads) and useful FLOPs:", ""]
     for (family, op), (formula, useful) in formulas.items():
-        lines.append(f"- {family} {op}: {formula}; useful FLOPs {useful}.")
+        lines.append(f"- {family} {op}: {formula}; useful FLOPs: {useful}.")
     lines += ["", "![issued bytes over the IO bound, ours beside fla](bench/results/roofline.png)", "",
               "<details><summary>Every kernel launch at its first config, with its sm_90 build "
               "(occupancy and waves modelled)</summary>", "", kernel_table(results, first_only=True), "",
