@@ -7,7 +7,7 @@ RECORD ?= 0
 PYTEST_ARGS ?=
 FEATURES := paged_varlen_attention flash_decoding gated_deltanet view_replay_offload routed_generator
 
-.PHONY: help install parity compile-check bench report demo lint
+.PHONY: help install parity compile-check bench report demo lint roofline
 
 help:
 	@echo "Targets (durations measured on a 2-core CPU machine without a GPU):"
@@ -19,6 +19,8 @@ help:
 	@echo "                      bench/results/latest/; RECORD=1 also appends to the committed CSVs"
 	@echo "                      and regenerates the README tables and plots"
 	@echo "  make report         regenerate the README tables and plots from bench/results/*.csv       ~5 s"
+	@echo "  make roofline      bytes each kernel moves vs its IO bound, and its sm_90 build, beside    ~10 min"
+	@echo "                      fla-core 0.6.0 (Triton interpreter; RECORD=1 saves CSV, plot, README)"
 	@echo "  make demo           the end-to-end RL-style loop (bench/rl_loop.py)                        ~2 min"
 	@echo "  make lint           ruff, byte-compilation and the single-file rules                       ~40 s"
 	@echo "FEATURE names: $(FEATURES)"
@@ -45,6 +47,14 @@ bench:
 
 report:
 	$(PYTHON) bench/report.py
+
+# The kernel observatory's report (bench/roofline.py): Triton interpreter on CPU, no GPU.  fla-core is
+# the peer it measures beside ours: installed for the report (ops only, no dependencies), never vendored.
+# RECORD=1 appends bench/results/roofline.csv, redraws roofline.png and the README's tables.
+roofline:
+	@$(PYTHON) -c "import sys, fla; sys.exit(fla.__version__ != '0.6.0')" 2>/dev/null || \
+		$(PIP) install --no-deps "fla-core==0.6.0"
+	$(PYTHON) bench/roofline.py $(if $(filter 1,$(RECORD)),--record)
 
 demo:
 	$(PYTHON) bench/rl_loop.py

@@ -316,3 +316,20 @@ def pytest_runtest_logreport(report):
                                      f"{now - _PROGRESS['file_start']:.0f} s, "
                                      f"{(now - _PROGRESS['start']) / 60:.1f} min so far")
     _PROGRESS["file_start"] = now
+
+
+# ----------------------------------------------------------------------------- the sanitizer
+
+@pytest.fixture(autouse=True)
+def interpreter_sanitizer():
+    """In the interpreter tier, every Triton kernel a test launches runs under the observatory's bounds
+    check (parity/observatory.py, cheap mode: no unique-address sets): an active lane outside every
+    tensor argument of its launch raises OutOfBounds, and fails the test at teardown even if the test
+    swallowed the exception.  ``TWOFOLD_SANITIZE=0`` turns it off (to measure what it costs)."""
+    if not INTERPRET or os.environ.get("TWOFOLD_SANITIZE", "1") == "0":
+        yield None
+        return
+    from observatory import observe
+    with observe(unique=False) as obs:
+        yield obs
+    assert not obs.violations, "out-of-bounds accesses:\n" + "\n".join(obs.violations)
