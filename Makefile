@@ -1,19 +1,29 @@
 # twofold: `make install`, then `make parity`.  `make help` lists every target.
+# Everything runs with the Python that is active (a virtual environment's, when one is activated).
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 FEATURE ?=
+RECORD ?= 0
 PYTEST_ARGS ?=
+FEATURES := paged_varlen_attention flash_decoding gated_deltanet view_replay_offload routed_generator
 
-.PHONY: help install parity compile-check bench report demo lint
+.PHONY: help install parity compile-check bench report demo lint roofline
 
 help:
-	@echo "make install        install the dependencies into $(PYTHON) (keeps an installed torch)"
-	@echo "make parity         all parity tests: full grid on CUDA, else the Triton interpreter on small shapes"
-	@echo "make compile-check  ahead-of-time build of every Triton kernel and config for sm_80 and sm_90 (no GPU needed)"
-	@echo "make bench          every benchmark (FEATURE=name for one), then regenerate the README tables"
-	@echo "make report         regenerate the README tables from bench/results/*.csv"
-	@echo "make demo           the end-to-end RL-style loop (bench/rl_loop.py)"
-	@echo "make lint           byte-compile everything and check the single-file house rules"
+	@echo "Targets (durations measured on a 2-core CPU machine without a GPU):"
+	@echo "  make install        dependencies into the active Python (keeps an installed torch)      ~1 min"
+	@echo "  make parity         every parity test: the full grid on CUDA, else the Triton            ~15 min"
+	@echo "                      interpreter on small shapes, plus the sm_80/sm_90 build check"
+	@echo "  make compile-check  ahead-of-time build of every kernel and every config (no GPU needed)  ~15 min"
+	@echo "  make bench          every benchmark (FEATURE=name for one); prints its tables and writes  ~5 min"
+	@echo "                      bench/results/latest/; RECORD=1 also appends to the committed CSVs"
+	@echo "                      and regenerates the README tables and plots"
+	@echo "  make report         regenerate the README tables and plots from bench/results/*.csv       ~5 s"
+	@echo "  make roofline      bytes each kernel moves vs its IO bound, and its sm_90 build, beside    ~10 min"
+	@echo "                      fla-core 0.6.0 (Triton interpreter; RECORD=1 saves CSV, plot, README)"
+	@echo "  make demo           the end-to-end RL-style loop (bench/rl_loop.py)                        ~2 min"
+	@echo "  make lint           ruff, byte-compilation and the single-file rules                       ~40 s"
+	@echo "FEATURE names: $(FEATURES)"
 
 # A PyTorch that is already installed is kept: GPU machines bring their own CUDA build.
 # Where none is installed we ask for torch==2.13.0 (a CPU build on the CI machines).
@@ -26,9 +36,8 @@ install:
 		$(PIP) install "torch==2.13.0"; \
 	fi
 	@$(PYTHON) -c "import triton" 2>/dev/null || $(PIP) install "triton>=3.4"
-	$(PIP) install "einops>=0.7" "numpy>=1.24" "pytest>=7.4" "pytest-benchmark>=4.0" "ray>=2.40,<3"
+	$(PIP) install "einops>=0.7" "pytest>=7.4" "ray>=2.40,<3" "matplotlib>=3.7" "ruff>=0.6"
 
-# Everything under parity/, the ahead-of-time compile check included.
 parity:
 	$(PYTHON) -m pytest parity $(PYTEST_ARGS)
 
@@ -36,14 +45,23 @@ compile-check:
 	TWOFOLD_COMPILE_ALL=1 $(PYTHON) -m pytest parity/test_compile.py $(PYTEST_ARGS)
 
 bench:
-	$(PYTHON) bench/run.py $(if $(FEATURE),--feature $(FEATURE))
+	RECORD=$(RECORD) $(PYTHON) bench/run.py $(if $(FEATURE),--feature $(FEATURE))
 
 report:
 	$(PYTHON) bench/report.py
+
+# The kernel observatory's report (bench/roofline.py): Triton interpreter on CPU, no GPU.  fla-core is
+# the peer it measures beside ours: installed for the report (ops only, no dependencies), never vendored.
+# RECORD=1 appends bench/results/roofline.csv, redraws roofline.png and the README's tables.
+roofline:
+	@$(PYTHON) -c "import sys, fla; sys.exit(fla.__version__ != '0.6.0')" 2>/dev/null || \
+		$(PIP) install --no-deps "fla-core==0.6.0"
+	$(PYTHON) bench/roofline.py $(if $(filter 1,$(RECORD)),--record)
 
 demo:
 	$(PYTHON) bench/rl_loop.py
 
 lint:
+	$(PYTHON) -m ruff check .
 	$(PYTHON) -m compileall -q ref fast parity bench
-	$(PYTHON) -m pytest parity/test_single_file.py $(PYTEST_ARGS)
+	$(PYTHON) -m pytest parity/test_single_file.py -q $(PYTEST_ARGS)

@@ -29,12 +29,10 @@ Numbers
     not counted in GB/s.  TFLOP/s uses 4 * B * H_q * L * D.
 
 Without CUDA the script prints the shape gate's decision for every case (an H100's 132 SMs) and
-the reference's CPU time on one small case; no rows are written (kernel timings need CUDA) unless
-``--save-cpu`` is given.
+times the reference on one small CPU case (kernel timings need CUDA).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -44,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from harness import (DEVICE, ON_GPU, Recorder, copies_for_rotation, cpu_time_ms, device_ceilings,  # noqa: E402
-                     optional_import, rotating, time_ms)
+from harness import (DEVICE, Recorder, copies_for_rotation, device_ceilings, optional_import,  # noqa: E402
+                     rotating, run_bench, time_ms)
 
 import ref.flash_decoding as ref  # noqa: E402
 
@@ -107,7 +105,7 @@ def time_graphs(fns):
     return time_ms(rotating(lambda g: g.replay(), [(g,) for g in graphs]))
 
 
-def gpu_case(rec, fast, b, ctx, h_q, h_kv, *, peers, flex_all, copy_gbps):
+def gpu_case(rec, fast, b, ctx, h_q, h_kv, *, peers, flex_all, ceilings):
     name = case_name(b, ctx, h_q, h_kv)
     set_bytes = kv_bytes(b, ctx, h_kv)
     free, _ = torch.cuda.mem_get_info()
@@ -185,7 +183,7 @@ def gpu_case(rec, fast, b, ctx, h_q, h_kv, *, peers, flex_all, copy_gbps):
                 times["flash_attn"] = time_ms(fn)
             except Exception as e:
                 rec.missing(name, "flash_attn", f"failed: {type(e).__name__}: {str(e)[:120]}")
-    del dense
+    dense = None  # free the contiguous copy before the next peer
     if "flashinfer" in peers:
         fi = optional_import("flashinfer")
         if fi is None:
@@ -206,21 +204,16 @@ def gpu_case(rec, fast, b, ctx, h_q, h_kv, *, peers, flex_all, copy_gbps):
                 rec.missing(name, "flashinfer", f"failed: {type(e).__name__}: {str(e)[:120]}")
 
     for impl, ms in times.items():
-        gbps = total_bytes / (ms * 1e-3) / 1e9
-        rec.add(name, impl, "ms", ms, "ms")
-        rec.add(name, impl, "GB/s", gbps, "GB/s")
-        rec.add(name, impl, "frac_copy_bw", gbps / copy_gbps)
-        if impl.startswith("fast"):
-            rec.add(name, impl, "TFLOP/s", flops / (ms * 1e-3) / 1e12, "TFLOP/s")
-        if impl != "fast":
-            rec.add(name, "fast", f"speedup_vs_{impl.replace(' ', '_')}", ms / times["fast"], "x")
+        rec.time(name, impl, None, ms=ms, nbytes=total_bytes, ceilings=ceilings,
+                 flops=flops if impl.startswith("fast") else None)
+    rec.speedups(name)
     del sets, outs
     torch.cuda.empty_cache()
 
 
-def cpu_report(args):
+def bench_cpu(rec: Recorder, args):
     """What a CPU can say: the gate's decisions (pure) and the reference's own speed."""
-    print("No CUDA device: kernel timings need CUDA.  The shape gate on an H100 (132 SMs), D = 128, bf16:")
+    print("The shape gate on an H100 (132 SMs), D = 128, bf16:")
     print(f"  {'case':<22} num_splits")
     for h_q, h_kv in HEADS:
         for b in BATCHES:
@@ -232,42 +225,27 @@ def cpu_report(args):
     k = torch.randn(b, ctx, h_kv, HEAD_DIM, generator=g)
     v = torch.randn(b, ctx, h_kv, HEAD_DIM, generator=g)
     used = torch.full((b,), ctx, dtype=torch.int32)
-    ms = cpu_time_ms(lambda: ref.flash_decode(q, k, v, used))
-    name = case_name(b, ctx, h_q, h_kv) + "-fp32-cpu"
-    print(f"  reference on this CPU, {name}: {ms:.2f} ms")
-    if args.save_cpu:
-        rec = Recorder("flash_decoding")
-        rec.add(name, "ref", "ms", ms, "ms")
-        rec.save()
+    rec.time(case_name(b, ctx, h_q, h_kv) + "-fp32-cpu", "ref", lambda: ref.flash_decode(q, k, v, used),
+             nbytes=kv_bytes(b, ctx, h_kv, elt=4))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="B in {1, 16}, contexts {8k, 32k}, 32/8 heads")
-    ap.add_argument("--flex-all", action="store_true", help="FlexAttention on every case")
-    ap.add_argument("--no-peers", action="store_true", help="only fast and ref")
-    ap.add_argument("--save-cpu", action="store_true", help="on a CPU, write the reference timing row")
-    args = ap.parse_args(argv)
-    if not ON_GPU:
-        cpu_report(args)
-        return 0
+def bench_gpu(rec: Recorder, args):
     import fast.flash_decoding as fast
     peers = () if args.no_peers else ("sdpa", "flex", "flash_attn", "flashinfer")
     ceilings = device_ceilings()
-    rec = Recorder("flash_decoding")
     rec.add("device", "copy", "GB/s", ceilings["copy_gbps"], "GB/s")
     rec.add("device", "bf16 matmul", "TFLOP/s", ceilings["bf16_tflops"], "TFLOP/s")
     batches, contexts, heads = (BATCHES, CONTEXTS, HEADS) if not args.quick else ((1, 16), (8192, 32768), HEADS[:1])
-    try:
-        for h_q, h_kv in heads:
-            for ctx in contexts:
-                for b in batches:
-                    gpu_case(rec, fast, b, ctx, h_q, h_kv, peers=peers, flex_all=args.flex_all,
-                             copy_gbps=ceilings["copy_gbps"])
-    finally:
-        rec.save()
-    return 0
+    for h_q, h_kv in heads:
+        for ctx in contexts:
+            for b in batches:
+                gpu_case(rec, fast, b, ctx, h_q, h_kv, peers=peers, flex_all=args.flex_all, ceilings=ceilings)
+
+
+def _flags(ap):
+    ap.add_argument("--flex-all", action="store_true", help="FlexAttention on every case")
+    ap.add_argument("--no-peers", action="store_true", help="only fast and ref")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_bench("flash_decoding", __doc__, gpu=bench_gpu, cpu=bench_cpu, configure=_flags))

@@ -33,7 +33,6 @@ Without CUDA only the reference runs (its CPU speed, small shapes); kernel timin
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -44,8 +43,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.harness import (DEVICE, ON_GPU, Recorder, copies_for_rotation, device_ceilings,  # noqa: E402
-                           optional_import, peak_memory_mb, rotating, time_ms)
+from bench.harness import (DEVICE, copies_for_rotation, device_ceilings, optional_import,  # noqa: E402
+                           peak_memory_mb, rotating, run_bench)
 import ref.gated_deltanet as ref  # noqa: E402
 
 C = 64
@@ -115,23 +114,20 @@ def bench_forward(rec, cases, fast, fla, fla_version, ceilings, *, with_ref=True
         sets = [make_inputs(1, t, h, hv, dk, dv, seed=i)[:5] for i in range(copies_for_rotation(per_set, max_sets=4))]
         kw = dict(output_final_state=False, use_qk_l2norm_in_kernel=True)
         flops = chunk_flops(t, hv, dk, dv)
-        ms = time_ms(rotating(lambda *x: fast.chunk_gated_delta_rule(*x, cu_seqlens=cu, **kw), sets))
-        rec.add(name, "fast", "ms", ms, "ms")
-        rec.add(name, "fast", "TFLOP/s", flops / ms / 1e9, "TFLOP/s")
-        rec.add(name, "fast", "frac_bf16_peak", flops / ms / 1e9 / ceilings["bf16_tflops"], "")
+        rec.time(name, "fast", rotating(lambda *x: fast.chunk_gated_delta_rule(*x, cu_seqlens=cu, **kw), sets),
+                 flops=flops, ceilings=ceilings)
         if with_ref:
-            ms_ref = time_ms(lambda: ref.chunk_gated_delta_rule(*sets[0], cu_seqlens=cu, **kw), warmup=1, rep=1)
-            rec.add(name, "ref", "ms", ms_ref, "ms")
-            rec.add(name, "fast", "speedup_vs_ref", ms_ref / ms, "x")
+            rec.time(name, "ref", lambda: ref.chunk_gated_delta_rule(*sets[0], cu_seqlens=cu, **kw), warmup=1, rep=1)
         if fla is None:
             rec.missing(name, "fla chunk_gated_delta_rule", fla_version)
+            rec.speedups(name)
             continue
         cu64 = None if cu is None else cu.long()
         fla_fn = _fla_chunk(fla, h, hv)
         o_fla, _ = fla_fn(*sets[0], cu_seqlens=cu64, **kw)
-        ms_fla = time_ms(rotating(lambda *x: fla_fn(*x, cu_seqlens=cu64, **kw), sets))
-        rec.add(name, f"fla {fla_version}{fla_fn.label}", "ms", ms_fla, "ms")
-        rec.add(name, "fast", "speedup_vs_fla", ms_fla / ms, "x")
+        rec.time(name, f"fla {fla_version}{fla_fn.label}", rotating(lambda *x: fla_fn(*x, cu_seqlens=cu64, **kw), sets),
+                 flops=flops)
+        rec.speedups(name)
         o_fast, _ = fast.chunk_gated_delta_rule(*sets[0], cu_seqlens=cu, **kw)
         diff = (o_fast.float() - o_fla.float()).pow(2).mean().sqrt() / o_fla.float().pow(2).mean().sqrt()
         rec.add(name, "fast", "rms_diff_vs_fla", diff.item(), "")
@@ -157,28 +153,25 @@ def bench_train(rec, cases, fast, fla, fla_version, ceilings, *, h=16, dk=128, d
             x = [y.requires_grad_() for y in make_inputs(1, t, h, hv, dk, dv, dtype=dtype, seed=i)[:5]]
             sets.append(x + [torch.randn(1, t, hv, dv, device=DEVICE, dtype=dtype)])
         flops = chunk_flops(t, hv, dk, dv) + chunk_bwd_flops(t, hv, dk, dv)
-        ms = time_ms(rotating(lambda *x: _train_step(fast.chunk_gated_delta_rule, *x, cu), sets))
-        rec.add(name, "fast", "ms", ms, "ms")
-        rec.add(name, "fast", "TFLOP/s", flops / ms / 1e9, "TFLOP/s")
-        rec.add(name, "fast", "frac_bf16_peak", flops / ms / 1e9 / ceilings["bf16_tflops"], "")
+        rec.time(name, "fast", rotating(lambda *x: _train_step(fast.chunk_gated_delta_rule, *x, cu), sets),
+                 flops=flops, ceilings=ceilings)
         base = torch.cuda.memory_allocated() / 2**20            # the input sets, alive for both
         peak = peak_memory_mb(lambda: _train_step(fast.chunk_gated_delta_rule, *sets[0], cu))
         rec.add(name, "fast", "peak_MiB", peak, "MiB")
         rec.add(name, "fast", "step_MiB", peak - base, "MiB")
         if t <= ref_max_tokens:
-            ms_ref = time_ms(lambda: _train_step(ref.chunk_gated_delta_rule, *sets[0], cu), warmup=1, rep=1)
-            rec.add(name, "ref", "ms", ms_ref, "ms")
-            rec.add(name, "fast", "speedup_vs_ref", ms_ref / ms, "x")
+            rec.time(name, "ref", lambda: _train_step(ref.chunk_gated_delta_rule, *sets[0], cu), warmup=1, rep=1)
         if fla is None:
             rec.missing(name, "fla chunk_gated_delta_rule", fla_version)
+            rec.speedups(name)
             continue
         cu64 = None if cu is None else cu.long()
         fla_fn = _fla_chunk(fla, h, hv)
         _train_step(fla_fn, *sets[0], cu64)                    # (settles fla_fn.label before the peak)
         peak_fla = peak_memory_mb(lambda: _train_step(fla_fn, *sets[0], cu64))
-        ms_fla = time_ms(rotating(lambda *x: _train_step(fla_fn, *x, cu64), sets))
-        rec.add(name, f"fla {fla_version}{fla_fn.label}", "ms", ms_fla, "ms")
-        rec.add(name, "fast", "speedup_vs_fla", ms_fla / ms, "x")
+        rec.time(name, f"fla {fla_version}{fla_fn.label}", rotating(lambda *x: _train_step(fla_fn, *x, cu64), sets),
+                 flops=flops)
+        rec.speedups(name)
         rec.add(name, f"fla {fla_version}{fla_fn.label}", "peak_MiB", peak_fla, "MiB")
         rec.add(name, f"fla {fla_version}{fla_fn.label}", "step_MiB", peak_fla - base, "MiB")
         rec.add(name, "fast", "peak_vs_fla", peak / peak_fla, "x")
@@ -200,67 +193,48 @@ def bench_decode(rec, batches, fast, fla, fla_version, ceilings):
         def run(fn, q, k, v, g, beta, h0):
             return fn(q, k, v, g, beta, initial_state=h0, **kw)
 
-        ms = time_ms(rotating(lambda *x: run(fast.fused_recurrent_gated_delta_rule, *x), sets))
-        gbps = nbytes / ms / 1e6
-        rec.add(name, "fast", "ms", ms, "ms")
-        rec.add(name, "fast", "GB/s", gbps, "GB/s")
-        rec.add(name, "fast", "frac_copy_bw", gbps / ceilings["copy_gbps"], "")
-        ms_ref = time_ms(lambda: run(ref.fused_recurrent_gated_delta_rule, *sets[0]))
-        rec.add(name, "ref", "ms", ms_ref, "ms")
-        rec.add(name, "fast", "speedup_vs_ref", ms_ref / ms, "x")
+        rec.time(name, "fast", rotating(lambda *x: run(fast.fused_recurrent_gated_delta_rule, *x), sets),
+                 nbytes=nbytes, ceilings=ceilings)
+        rec.time(name, "ref", lambda: run(ref.fused_recurrent_gated_delta_rule, *sets[0]), nbytes=nbytes)
         if fla is None:
             rec.missing(name, "fla fused_recurrent", fla_version)
-            continue
-        ms_fla = time_ms(rotating(lambda q, k, v, g, beta, h0: fla.fused_recurrent_gated_delta_rule(
-            q, k, v, g=g, beta=beta, initial_state=h0, **kw), sets))
-        rec.add(name, f"fla {fla_version}", "ms", ms_fla, "ms")
-        rec.add(name, "fast", "speedup_vs_fla", ms_fla / ms, "x")
+        else:
+            rec.time(name, f"fla {fla_version}", rotating(lambda q, k, v, g, beta, h0: fla.fused_recurrent_gated_delta_rule(
+                q, k, v, g=g, beta=beta, initial_state=h0, **kw), sets), nbytes=nbytes)
+        rec.speedups(name)
 
 
-def bench_cpu_reference(rec):
+def bench_cpu(rec, args):
     """What a CPU can say: the reference's own speed (the spec, not a kernel)."""
     h, hv, dk, dv = 2, 4, 64, 64
-    for t in (256, 1024):
+    for t in (256,) if args.quick else (256, 1024):
         q, k, v, g, beta, _ = make_inputs(1, t, h, hv, dk, dv, dtype=torch.float32)
         kw = dict(use_qk_l2norm_in_kernel=True)
-        ms = time_ms(lambda: ref.chunk_gated_delta_rule(q, k, v, g, beta, **kw))
-        rec.add(f"cpu ref T={t} HV={hv} K=V={dk}", "ref chunk", "ms", ms, "ms")
-        rec.add(f"cpu ref T={t} HV={hv} K=V={dk}", "ref chunk", "tokens/s", t / ms * 1e3, "tok/s")
-        ms = time_ms(lambda: ref.fused_recurrent_gated_delta_rule(q, k, v, g, beta, **kw))
-        rec.add(f"cpu ref T={t} HV={hv} K=V={dk}", "ref recurrent", "ms", ms, "ms")
+        case = f"cpu ref T={t} HV={hv} K=V={dk}"
+        rec.time(case, "ref chunk", lambda: ref.chunk_gated_delta_rule(q, k, v, g, beta, **kw),
+                 flops=chunk_flops(t, hv, dk, dv))
+        rec.time(case, "ref recurrent", lambda: ref.fused_recurrent_gated_delta_rule(q, k, v, g, beta, **kw))
         leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
         do = torch.randn(1, t, hv, dv)
-        ms = time_ms(lambda: _train_step(ref.chunk_gated_delta_rule, *leaves, do, None))
-        rec.add(f"cpu ref T={t} HV={hv} K=V={dk}", "ref chunk", "fwd+bwd ms", ms, "ms")
+        rec.time(case + " fwd+bwd", "ref chunk", lambda: _train_step(ref.chunk_gated_delta_rule, *leaves, do, None),
+                 flops=chunk_flops(t, hv, dk, dv) + chunk_bwd_flops(t, hv, dk, dv))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one forward, one training and two decode cases")
-    ap.add_argument("--no-save", action="store_true", help="print only, append nothing to the CSV")
-    args = ap.parse_args(argv)
-    rec = Recorder("gated_deltanet")
-    if not ON_GPU:
-        print("No CUDA device: timing the reference on the CPU only; kernel timings need CUDA.")
-        bench_cpu_reference(rec)
-    else:
-        import fast.gated_deltanet as fast
-        fla, fla_version = _fla()
-        ceilings = device_ceilings()
-        print(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, bf16 matmul {ceilings['bf16_tflops']:.0f} TFLOP/s")
-        forward = [(f"fwd T={t // 1024}k HV={hv}", hv, [t]) for hv in (16, 32, 64) for t in (2048, 8192, 32768)]
-        forward += [("fwd varlen 32k (8x4k) HV=32", 32, [4096] * 8),
-                    ("fwd varlen 32k (mixed) HV=32", 32, [17000, 64, 1, 8191, 4096, 2000, 1416])]
-        batches = [1, 4, 16, 64, 128, 256]
-        if args.quick:
-            forward, batches = forward[4:5], [1, 64]
-        bench_forward(rec, forward, fast, fla, fla_version, ceilings)
-        bench_train(rec, forward, fast, fla, fla_version, ceilings)
-        bench_decode(rec, batches, fast, fla, fla_version, ceilings)
-    if not args.no_save:
-        rec.save()
-    return 0
+def bench_gpu(rec, args):
+    import fast.gated_deltanet as fast
+    fla, fla_version = _fla()
+    ceilings = device_ceilings()
+    print(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, bf16 matmul {ceilings['bf16_tflops']:.0f} TFLOP/s")
+    forward = [(f"fwd T={t // 1024}k HV={hv}", hv, [t]) for hv in (16, 32, 64) for t in (2048, 8192, 32768)]
+    forward += [("fwd varlen 32k (8x4k) HV=32", 32, [4096] * 8),
+                ("fwd varlen 32k (mixed) HV=32", 32, [17000, 64, 1, 8191, 4096, 2000, 1416])]
+    batches = [1, 4, 16, 64, 128, 256]
+    if args.quick:
+        forward, batches = forward[4:5], [1, 64]
+    bench_forward(rec, forward, fast, fla, fla_version, ceilings)
+    bench_train(rec, forward, fast, fla, fla_version, ceilings)
+    bench_decode(rec, batches, fast, fla, fla_version, ceilings)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_bench("gated_deltanet", __doc__, gpu=bench_gpu, cpu=bench_cpu))

@@ -1,4 +1,5 @@
-"""Timing, device ceilings and result rows, shared by the bench scripts (never by ref/ or fast/).
+"""Timing, device ceilings, result rows and the command line, shared by the bench scripts
+(never by ref/ or fast/).
 
 Timing
     ``time_ms(fn)`` is ``triton.testing.do_bench`` (median over repetitions after warm-up,
@@ -13,12 +14,24 @@ Ceilings
 
 Rows
     ``Recorder(feature)`` collects long-format rows (one number per row: case, impl,
-    metric, value, unit) stamped with device, torch, triton, git commit and date, and
-    appends them to ``bench/results/<feature>.csv``.  ``bench/report.py`` turns the CSVs
-    into the README tables.
+    metric, value, unit) stamped with device, torch, triton, git commit and date.
+    ``Recorder.time`` times one implementation on one case and records it under fixed metric
+    names: ``ms``, ``TFLOP/s`` and ``frac_bf16_peak`` (given its FLOPs), ``GB/s`` and
+    ``frac_copy_bw`` (given its minimum bytes); ``Recorder.speedups`` then adds
+    ``speedup_vs_<impl>`` to the fast row for every other implementation timed on that case.
+    ``save()`` always writes the run to ``bench/results/latest/<feature>.csv`` (untracked);
+    it appends to the committed ``bench/results/<feature>.csv`` only when recording was asked
+    for (``--record`` or ``RECORD=1``), so a plain ``make bench`` leaves the tree unchanged.
+    ``bench/report.py`` turns the committed CSVs into the README tables and plots.
+
+Command line
+    ``run_bench(feature, doc, gpu=..., cpu=...)`` is every script's ``main``: the same flags
+    everywhere (``--quick``, ``--no-save``, ``--record``, plus a script's own), the GPU body on
+    CUDA, the CPU body otherwise (saying that kernel timings need CUDA), and the save.
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime as _dt
 import functools
@@ -35,6 +48,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
+LATEST = RESULTS / "latest"   # untracked: every run lands here; the committed CSVs only on --record
 FIELDS = ["run_id", "date", "commit", "device", "torch", "triton", "feature", "case", "impl",
           "metric", "value", "unit"]
 
@@ -125,7 +139,7 @@ def device_ceilings() -> dict:
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src))
     copy_gbps = 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
-    del src, dst
+    src = dst = None  # free 1 GiB before the matmul
     m = 8192
     a = torch.randn(m, m, dtype=torch.bfloat16, device=DEVICE)
     b = torch.randn(m, m, dtype=torch.bfloat16, device=DEVICE)
@@ -146,15 +160,17 @@ def peak_memory_mb(fn) -> float:
 # ----------------------------------------------------------------------------- rows
 
 class Recorder:
-    """Collects result rows for one feature and appends them to its CSV."""
+    """Collects result rows for one feature; see the module docstring."""
 
-    def __init__(self, feature: str):
+    def __init__(self, feature: str, *, record: bool | None = None):
         self.feature = feature
+        self.record = os.environ.get("RECORD", "0") == "1" if record is None else record
         self.stamp = dict(
             run_id=_dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S"),
             date=_dt.date.today().isoformat(), commit=git_commit(), device=device_name(),
             torch=torch.__version__, triton=triton_version(), feature=feature)
         self.rows: list[dict] = []
+        self.timed: dict[tuple[str, str], float] = {}   # (case, impl) -> ms, for speedups and ratios
 
     def add(self, case: str, impl: str, metric: str, value, unit: str = ""):
         value = float(value) if value is not None else float("nan")
@@ -166,14 +182,88 @@ class Recorder:
         self.rows.append(dict(self.stamp, case=case, impl=impl, metric="missing", value="nan", unit=why))
         print(f"  {case:<40} {impl:<24} missing: {why}", flush=True)
 
+    def time(self, case: str, impl: str, fn, *, flops: float | None = None, nbytes: float | None = None,
+             ceilings: dict | None = None, ms: float | None = None, **timing) -> float:
+        """Time ``fn()`` (or take a measured ``ms``) and record ``ms`` plus the rates it implies:
+        ``TFLOP/s`` (and ``frac_bf16_peak``) from ``flops``, ``GB/s`` (and ``frac_copy_bw``) from
+        the minimum ``nbytes``.  ``timing`` goes to ``time_ms`` (warmup, rep)."""
+        ms = time_ms(fn, **timing) if ms is None else ms
+        self.timed[(case, impl)] = ms
+        self.add(case, impl, "ms", ms, "ms")
+        if flops is not None:
+            tflops = flops / (ms * 1e-3) / 1e12
+            self.add(case, impl, "TFLOP/s", tflops, "TFLOP/s")
+            if ceilings:
+                self.add(case, impl, "frac_bf16_peak", tflops / ceilings["bf16_tflops"], "fraction")
+        if nbytes is not None:
+            gbps = nbytes / (ms * 1e-3) / 1e9
+            self.add(case, impl, "GB/s", gbps, "GB/s")
+            if ceilings:
+                self.add(case, impl, "frac_copy_bw", gbps / ceilings["copy_gbps"], "fraction")
+        return ms
+
+    def speedups(self, case: str, of: str = "fast"):
+        """``speedup_vs_<impl>`` on ``of``'s row for every other implementation timed on ``case``."""
+        mine = self.timed.get((case, of))
+        if mine is None:
+            return
+        for (c, impl), ms in list(self.timed.items()):
+            if c == case and impl != of:
+                label = impl.split(" (")[0].replace(" ", "_")      # "fla 0.6.0 (q/k repeated)" -> fla_0.6.0
+                self.add(case, of, "speedup_vs_" + label, ms / mine, "x")
+
     def save(self) -> Path:
-        RESULTS.mkdir(parents=True, exist_ok=True)
+        """The run to bench/results/latest/ always; appended to the committed CSV when recording."""
+        LATEST.mkdir(parents=True, exist_ok=True)
+        latest = LATEST / f"{self.feature}.csv"
+        _write_rows(latest, self.rows, mode="w")
+        print(f"wrote {len(self.rows)} rows to {latest.relative_to(ROOT)}")
+        if not self.record:
+            return latest
         path = RESULTS / f"{self.feature}.csv"
-        new = not path.exists()
-        with path.open("a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=FIELDS)
-            if new:
-                writer.writeheader()
-            writer.writerows(self.rows)
-        print(f"appended {len(self.rows)} rows to {path.relative_to(ROOT)}")
+        _write_rows(path, self.rows, mode="a")
+        print(f"recorded: appended {len(self.rows)} rows to {path.relative_to(ROOT)}")
         return path
+
+
+def _write_rows(path: Path, rows: list[dict], mode: str):
+    header = mode == "w" or not path.exists()
+    with path.open(mode, newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        if header:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+# ----------------------------------------------------------------------------- command line
+
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The flags every bench script takes."""
+    ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a few representative cases only")
+    ap.add_argument("--no-save", action="store_true", help="print only; write no CSV at all")
+    ap.add_argument("--record", action="store_true",
+                    help="also append the rows to the committed bench/results/<feature>.csv (RECORD=1 does too)")
+    return ap
+
+
+def run_bench(feature: str, doc: str, *, gpu, cpu, configure=None, argv=None) -> int:
+    """A bench script's ``main``: parse the common flags (and ``configure(parser)``'s own), run
+    ``gpu(rec, args)`` on CUDA or ``cpu(rec, args)`` elsewhere, save the rows (also when a case
+    raised, so the rows before it are kept)."""
+    ap = bench_parser(doc)
+    if configure is not None:
+        configure(ap)
+    args = ap.parse_args(argv)
+    rec = Recorder(feature, record=args.record or None)
+    try:
+        if ON_GPU:
+            gpu(rec, args)
+        else:
+            print(f"No CUDA device: {feature}'s kernel timings need CUDA; running what a CPU can measure.")
+            cpu(rec, args)
+    finally:
+        if not args.no_save and rec.rows:
+            rec.save()
+    return 0

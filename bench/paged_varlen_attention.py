@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import DEVICE, ON_GPU, Recorder, device_ceilings, optional_import, time_ms  # noqa: E402
+from harness import DEVICE, Recorder, device_ceilings, optional_import, run_bench  # noqa: E402
 
 import ref.paged_varlen_attention as ref  # noqa: E402
 
@@ -142,7 +142,7 @@ def flex_document_causal(flex, c):
     return lambda: attend(q, k, v, block_mask=block_mask, enable_gqa=True)
 
 
-def bench_gpu(rec: Recorder):
+def bench_gpu(rec: Recorder, args):
     import fast.paged_varlen_attention as fast
     ceil = device_ceilings()
     rec.add("device", "measured", "bf16 matmul", ceil["bf16_tflops"], "TFLOP/s")
@@ -153,38 +153,29 @@ def bench_gpu(rec: Recorder):
     mixed_k = [4096] * 4 + [4096] * 64
     mixed = make_case(mixed_q, mixed_k, page_size=16, seed=1)
     cases = [("prefill-16k", prefill, False), ("prefill-16k-p16", prefill, True), ("mixed-p16", mixed, True)]
-    packed_ms = None
+    if args.quick:
+        cases = cases[:2]
     for name, c, paged in cases:
         flops = 4 * c["q"].shape[-1] * c["q"].shape[1] * sum(
             visible_pairs(lq, lk, -1, 0) for lq, lk in zip(c["q_lens"], c["k_lens"]))
         with torch.no_grad():
             fast_fn = call(fast, c, paged=paged)
             fast_fn()                                                           # autotune outside the timing
-            ms = time_ms(fast_fn)
-            rec.add(name, "fast", "time", ms, "ms")
-            rec.add(name, "fast", "throughput", flops / ms / 1e9, "TFLOP/s")
-            rec.add(name, "fast", "of bf16 peak", flops / ms / 1e9 / ceil["bf16_tflops"], "fraction")
-            if name == "prefill-16k":
-                packed_ms = ms
-            elif name == "prefill-16k-p16" and packed_ms:
-                rec.add(name, "fast", "paged / packed", ms / packed_ms, "ratio")
-            ref_ms = time_ms(call(ref, c, paged=paged), warmup=1, rep=3)
-            rec.add(name, "ref", "time", ref_ms, "ms")
-            rec.add(name, "fast", "speedup vs ref", ref_ms / ms, "x")
+            ms = rec.time(name, "fast", fast_fn, flops=flops, ceilings=ceil)
+            if name == "prefill-16k-p16" and ("prefill-16k", "fast") in rec.timed:
+                rec.add(name, "fast", "paged / packed", ms / rec.timed[("prefill-16k", "fast")], "ratio")
+            rec.time(name, "ref", call(ref, c, paged=paged), flops=flops, warmup=1, rep=3)
             for peer, fn, why in peers(c, paged=paged):
                 if fn is None:
                     rec.missing(name, peer, why)
                     continue
                 try:
                     fn()
-                    peer_ms = time_ms(fn)
+                    rec.time(name, peer, fn, flops=flops)
                 except Exception as e:  # a peer that cannot run this case is reported, not hidden
                     rec.missing(name, peer, f"failed: {type(e).__name__}: {str(e)[:80]}")
-                    continue
-                rec.add(name, peer, "time", peer_ms, "ms")
-                rec.add(name, peer, "throughput", flops / peer_ms / 1e9, "TFLOP/s")
-                rec.add(name, "fast", f"speedup vs {peer}", peer_ms / ms, "x")
-    bench_train(rec, ceil)
+            rec.speedups(name)
+    bench_train(rec, ceil, quick=args.quick)
 
 
 def train_step(fn, leaves, grad_out):
@@ -198,10 +189,10 @@ def train_step(fn, leaves, grad_out):
     return step
 
 
-def bench_train(rec: Recorder, ceil: dict):
+def bench_train(rec: Recorder, ceil: dict, *, quick: bool = False):
     import fast.paged_varlen_attention as fast
     docs = [8192, 4096, 2048, 1024, 512, 512]                                  # 16k tokens
-    for d in (128, 64):
+    for d in (128,) if quick else (128, 64):
         name = f"train-16k-d{d}"
         c = make_case(docs, docs, d=d, seed=2)
         leaves = [c[x].requires_grad_() for x in ("q", "k", "v")]
@@ -209,10 +200,7 @@ def bench_train(rec: Recorder, ceil: dict):
         flops = 3.5 * 4 * d * c["q"].shape[1] * sum(visible_pairs(n, n, -1, 0) for n in docs)
         fast_step = train_step(call(fast, c, paged=False), leaves, grad_out)
         fast_step()                                                         # autotune outside the timing
-        ms = time_ms(fast_step)
-        rec.add(name, "fast", "time", ms, "ms")
-        rec.add(name, "fast", "throughput", flops / ms / 1e9, "TFLOP/s")
-        rec.add(name, "fast", "of bf16 peak", flops / ms / 1e9 / ceil["bf16_tflops"], "fraction")
+        rec.time(name, "fast", fast_step, flops=flops, ceilings=ceil)
         contenders = [("ref", train_step(call(ref, c, paged=False), leaves, grad_out), None)]
         contenders += [(peer, fn and train_step(fn, leaves, grad_out), why) for peer, fn, why in peers(c, paged=False)
                        if peer != "FlashInfer"]
@@ -222,34 +210,19 @@ def bench_train(rec: Recorder, ceil: dict):
                 continue
             try:
                 fn()
-                other_ms = time_ms(fn, warmup=1, rep=3) if impl == "ref" else time_ms(fn)
+                rec.time(name, impl, fn, flops=flops, **(dict(warmup=1, rep=3) if impl == "ref" else {}))
             except Exception as e:  # out of memory (the ref's score matrices) or a peer that cannot train
                 rec.missing(name, impl, f"failed: {type(e).__name__}: {str(e)[:80]}")
                 torch.cuda.empty_cache()
-                continue
-            rec.add(name, impl, "time", other_ms, "ms")
-            rec.add(name, impl, "throughput", flops / other_ms / 1e9, "TFLOP/s")
-            rec.add(name, "fast", f"speedup vs {impl}", other_ms / ms, "x")
+        rec.speedups(name)
 
 
-def bench_cpu(rec: Recorder):
+def bench_cpu(rec: Recorder, args):
     docs = [512, 384, 128]
     c = make_case(docs, docs, h_q=8, h_kv=2, d=64, dtype=torch.float32)
     flops = 4 * 64 * 8 * sum(visible_pairs(n, n, -1, 0) for n in docs)
-    ms = time_ms(call(ref, c, paged=False))
-    rec.add("cpu-1k-causal-8/2-d64-fp32", "ref", "time", ms, "ms")
-    rec.add("cpu-1k-causal-8/2-d64-fp32", "ref", "throughput", flops / ms / 1e9, "TFLOP/s")
-
-
-def main():
-    rec = Recorder(FEATURE)
-    if ON_GPU:
-        bench_gpu(rec)
-    else:
-        print("no CUDA: timing only the reference on a small CPU case; kernel speedups need CUDA")
-        bench_cpu(rec)
-    rec.save()
+    rec.time("cpu-1k-causal-8/2-d64-fp32", "ref", call(ref, c, paged=False), flops=flops)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_bench(FEATURE, __doc__, gpu=bench_gpu, cpu=bench_cpu))

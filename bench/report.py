@@ -1,15 +1,25 @@
-"""Turn bench/results/*.csv into the README's result tables.
+"""Turn the recorded benchmark rows into the README's tables and plots.
 
-    python bench/report.py            # rewrite the block between the README's bench markers
-    python bench/report.py --print    # print the tables instead (what `make bench` shows on a CPU)
+    python bench/report.py                    # rewrite the README block + bench/results/*.png (make report)
+    python bench/report.py --print            # print the tables of the committed CSVs instead
+    python bench/report.py --print --latest   # print the tables of the last run (bench/results/latest/)
 
-For each feature and each device, the latest run (its ``run_id``) becomes one table: a row
-per (case, impl), a column per metric, the unit in the header.  Older runs stay in the CSVs.
+Rows are long-format (one number per row: case, impl, metric, value, unit; see harness.py).
+For each feature and each device, the newest run becomes a set of small tables, one per *case
+family* (cases that share a prefix, listed in FAMILIES below with a one-line caption: what is
+measured, its unit, what good looks like).  A family with a ``compare`` metric is pivoted: one
+row per case, one column per implementation, and the ratio ``ref / fast`` (or ``fast / ref``
+for higher-is-better metrics) as a speedup column, in bold where fast loses; other families list every metric of every
+(case, impl).  Counts print as integers.  Plots (matplotlib, a bench-only dependency) are drawn
+where a person would rather look than read, and are embedded in the README block.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
+import re
+import sys
 from collections import OrderedDict
 from pathlib import Path
 
@@ -19,9 +29,85 @@ README = ROOT / "README.md"
 BEGIN, END = "<!-- bench-tables:begin -->", "<!-- bench-tables:end -->"
 
 
-def load_rows() -> dict[str, list[dict]]:
+@dataclasses.dataclass(frozen=True)
+class Family:
+    prefix: str                 # cases starting with this belong here (the longest matching prefix wins)
+    title: str
+    caption: str                # what is measured, the unit, what good looks like
+    compare: str | None = None  # pivot this metric by impl, with a speedup column
+    higher_is_better: bool = False
+    baseline: str = "ref"       # the speedup column is baseline vs "fast"
+
+
+FAMILIES: dict[str, list[Family]] = {
+    "paged_varlen_attention": [
+        Family("device", "Device ceilings", "What this GPU measured itself: bf16 matmul TFLOP/s and copy GB/s; "
+               "every kernel row below is a fraction of one of them."),
+        Family("prefill", "Prefill forward", "Causal packed (or paged) prefill, bf16, D = 128, GQA 32/8: ms and "
+               "TFLOP/s; speedup_vs_<peer> > 1 means fast wins."),
+        Family("mixed", "Serving step", "Prefill chunks and decode rows in one launch over a paged cache: ms; "
+               "speedup_vs_<peer> > 1 means fast wins."),
+        Family("train", "Training (forward + backward)", "Autograd step, bf16, causal GQA 32/8, 16k packed "
+               "tokens: ms and TFLOP/s (3.5x the forward's FLOPs); target >= 0.9x PyTorch varlen_attn."),
+        Family("cpu", "Reference on CPU", "The reference's own speed on a small fp32 case (no kernel runs "
+               "on a CPU): ms.", compare="ms"),
+    ],
+    "flash_decoding": [
+        Family("device", "Device ceilings", "What this GPU measured itself: copy GB/s and bf16 matmul TFLOP/s."),
+        Family("B", "Decode", "One query token per sequence over a paged bf16 cache (page 16, D = 128): ms, GB/s "
+               "of the minimum bytes (K and V read once) and its fraction of copy bandwidth; speedup_vs_<peer> > 1 "
+               "means fast wins."),
+    ],
+    "gated_deltanet": [
+        Family("fwd T", "Chunk forward", "Prefill, bf16, K = V = 128, H = 16: ms and TFLOP/s (algorithmic "
+               "count); target >= 1.0x fla."),
+        Family("fwd varlen", "Chunk forward, varlen", "32k tokens in several documents: ms and TFLOP/s; "
+               "target >= 1.0x fla."),
+        Family("fwd+bwd", "Training (forward + backward)", "ms, TFLOP/s, peak memory beside fla's; targets "
+               ">= 1.0x fla speed, peak memory <= fla's."),
+        Family("decode", "Recurrent decode", "One token, fp32 state read and written once: ms, GB/s of the "
+               "minimum bytes; target >= 70% of copy bandwidth at batch >= 64."),
+        Family("cpu ref", "Reference on CPU", "The reference's own speed on small fp32 cases (no kernel runs on "
+               "a CPU): ms per call."),
+    ],
+    "view_replay_offload": [
+        Family("cpu hooks", "Hook cost on CPU", "Microseconds of pack + unpack work per saved tensor of a small "
+               "block stack (identity hooks are the floor of any Python hook); counts per step of what ref did."),
+        Family("bf16", "Training step on GPU", "Step time, peak activation memory and bytes moved per step; "
+               "targets: peak cut >= 50%, step overhead <= 10%, >= 1.3x faster than save_on_cpu."),
+    ],
+    "routed_generator": [
+        Family("overhead n=", "Router overhead", "CPU microseconds the router adds per request (instant fake "
+               "generators), by fleet size and policy; lower is better, fast vs ref > 1 means fast is cheaper.",
+               compare="overhead_cpu"),
+        Family("overhead_queued", "Router overhead with a full fleet", "As above with in-flight caps, so "
+               "requests wait in the router's queue: us per request.", compare="overhead_cpu"),
+        Family("throughput", "Fleet throughput", "Requests/s through the router over simulated generators of "
+               "known capacity; of_capacity near 100% means the router never starves a generator."),
+        Family("policy", "Policies under a slow generator", "One generator 5x slower: p50 / p99 latency and "
+               "the slow generator's share of requests; caps keep the tail short."),
+        Family("staleness", "Policy staleness", "Weight syncs while serving: versions a completion spans "
+               "(span) and how far behind the newest it finished (lag); drain keeps span at 0."),
+        Family("engine", "Engine tokens/s on CPU", "Generated tokens per second of one engine on a CPU, by "
+               "batch size; fast (continuous batching) vs ref (one request at a time).", compare="tokens_per_s",
+               higher_is_better=True),
+        Family("sync", "Weight sync pause", "Milliseconds to load new weights: hot_swap stages them while "
+               "decoding continues (stall is the pause seen by requests), drain waits for in-flight requests."),
+        Family("ray", "Ray fleet on CPU", "Generators as Ray actors on a local cluster: tokens/s by actor count, "
+               "the sync pause, and the time from an actor's death to its return at the current version."),
+    ],
+}
+
+
+# ----------------------------------------------------------------------------- loading
+
+# bench/roofline.py (the kernel observatory) writes its own README block from its CSV.
+OWN_REPORT = {"roofline"}
+
+
+def load_rows(directory: Path = RESULTS) -> dict[str, list[dict]]:
     out = {}
-    for path in sorted(RESULTS.glob("*.csv")):
+    for path in sorted(p for p in directory.glob("*.csv") if p.stem not in OWN_REPORT):
         with path.open() as f:
             out[path.stem] = list(csv.DictReader(f))
     return out
@@ -37,13 +123,27 @@ def latest_runs(rows: list[dict]) -> list[list[dict]]:
     return sorted(runs, key=lambda run: run[0]["run_id"], reverse=True)
 
 
-def _fmt(value: str) -> str:
+def family_of(feature: str, case: str) -> Family:
+    matches = [f for f in FAMILIES.get(feature, []) if case.startswith(f.prefix)]
+    if matches:
+        return max(matches, key=lambda f: len(f.prefix))
+    word = re.split(r"[\s=-]", case, maxsplit=1)[0]
+    return Family(word, word, "(no caption: add this family to FAMILIES in bench/report.py)")
+
+
+# ----------------------------------------------------------------------------- tables
+
+def fmt(value: str, unit: str = "") -> str:
+    """Integral values (counts, syncs, tokens) as integers with thousands separators; others with
+    three significant digits, or two decimals between 1 and 100."""
     try:
         v = float(value)
     except ValueError:
         return value
     if v != v:
         return "n/a"
+    if v == int(v) and abs(v) < 1e15:
+        return f"{int(v):,}"
     if abs(v) >= 100:
         return f"{v:,.0f}"
     if abs(v) >= 1:
@@ -51,13 +151,37 @@ def _fmt(value: str) -> str:
     return f"{v:.3g}"
 
 
-def table(run: list[dict], *, gpu_only: bool = False) -> str:
-    head = run[0]
-    if gpu_only and head["device"].startswith("CPU"):
-        return ""
+def _pivot(rows: list[dict], fam: Family) -> list[str]:
+    """One row per case, one column per impl of ``fam.compare``, and baseline vs fast."""
+    unit = next((r["unit"] for r in rows if r["metric"] == fam.compare), "")
+    impls: OrderedDict[str, None] = OrderedDict()
+    cells: OrderedDict[str, dict] = OrderedDict()
+    for r in rows:
+        if r["metric"] == fam.compare:
+            impls.setdefault(r["impl"], None)
+            cells.setdefault(r["case"], {})[r["impl"]] = float(r["value"])
+    fasts = [i for i in impls if i.startswith("fast")] if fam.baseline in impls else []
+    head = [f"{impl} ({unit})" if unit else impl for impl in impls]
+    head += [f"{f} vs {fam.baseline} (x)" for f in fasts]
+    lines = ["| case | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+    for case, vals in cells.items():
+        row = [fmt(str(vals[i]), unit) if i in vals else "" for i in impls]
+        for f in fasts:
+            base, mine = vals.get(fam.baseline), vals.get(f)
+            if not base or not mine:
+                row.append("")
+                continue
+            ratio = mine / base if fam.higher_is_better else base / mine
+            row.append(f"**{ratio:.2f}**" if ratio < 1 else f"{ratio:.2f}")   # bold: fast loses
+        lines.append(f"| {case} | " + " | ".join(row) + " |")
+    return lines
+
+
+def _listing(rows: list[dict]) -> list[str]:
+    """One row per (case, impl), one column per metric present in this family."""
     columns: OrderedDict[str, None] = OrderedDict()
     cells: OrderedDict[tuple, dict] = OrderedDict()
-    for r in run:
+    for r in rows:
         key = (r["case"], r["impl"])
         cells.setdefault(key, {})
         if r["metric"] == "missing":
@@ -66,33 +190,134 @@ def table(run: list[dict], *, gpu_only: bool = False) -> str:
             continue
         col = f"{r['metric']} ({r['unit']})" if r["unit"] else r["metric"]
         columns.setdefault(col, None)
-        cells[key][col] = _fmt(r["value"])
+        cells[key][col] = fmt(r["value"], r["unit"])
     cols = list(columns)
-    lines = [f"*{head['device']}, torch {head['torch']}, triton {head['triton']}, "
-             f"commit {head['commit']}, {head['date']}*", "",
-             "| case | impl | " + " | ".join(cols) + " |",
-             "|---|---|" + "---|" * len(cols)]
+    lines = ["| case | impl | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
     for (case, impl), vals in cells.items():
         lines.append(f"| {case} | {impl} | " + " | ".join(vals.get(c, "") for c in cols) + " |")
-    return "\n".join(lines)
+    return lines
 
 
-def render(*, gpu_only: bool = False) -> str:
+def tables(feature: str, run: list[dict]) -> str:
+    head = run[0]
+    groups: OrderedDict[Family, list[dict]] = OrderedDict()
+    for r in run:
+        groups.setdefault(family_of(feature, r["case"]), []).append(r)
+    parts = [f"*{head['device']}, torch {head['torch']}, triton {head['triton']}, "
+             f"commit {head['commit']}, {head['date']}*"]
+    for fam, rows in groups.items():
+        body = _pivot(rows, fam) if fam.compare else _listing(rows)
+        parts.append(f"**{fam.title}.** {fam.caption}\n\n" + "\n".join(body))
+    return "\n\n".join(parts)
+
+
+def render(directory: Path = RESULTS, *, gpu_only: bool = False, features=None, plots=()) -> str:
     parts = []
-    for feature, rows in load_rows().items():
-        tables = [t for t in (table(run, gpu_only=gpu_only) for run in latest_runs(rows)) if t]
-        if tables:
-            parts.append(f"#### {feature}\n\n" + "\n\n".join(tables))
-    return "\n\n".join(parts) if parts else "_No benchmark has been recorded yet._"
+    for feature, rows in load_rows(directory).items():
+        if features and feature not in features:
+            continue
+        runs = [run for run in latest_runs(rows) if not (gpu_only and run[0]["device"].startswith(("CPU", "cpu")))]
+        if not runs:
+            continue
+        body = "\n\n".join(tables(feature, run) for run in runs)
+        for png, caption in plots:
+            if png.name.startswith(feature):
+                body += f"\n\n![{caption}](bench/results/{png.name})"
+        parts.append(f"#### {feature}\n\n{body}")
+    if not parts:
+        return "_No GPU run has been recorded yet._" if gpu_only else "_No benchmark has been recorded yet._"
+    return "\n\n".join(parts)
 
 
-def update_readme() -> bool:
+# ----------------------------------------------------------------------------- plots
+
+def _series(rows, case_re: str, metric: str):
+    """{(label, impl): [(x, value), ...]} for cases matching ``case_re`` (groups: x, optional label)."""
+    out: dict[tuple, list] = {}
+    for r in rows:
+        m = re.fullmatch(case_re, r["case"])
+        if m and r["metric"] == metric:
+            label = m.groupdict().get("label") or ""
+            out.setdefault((label, r["impl"]), []).append((float(m.group("x")), float(r["value"])))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def draw_plots(all_rows: dict[str, list[dict]]) -> list[tuple[Path, str]]:
+    """PNG files under bench/results/ from the newest CPU or GPU run of each feature; returns
+    (path, caption) of each plot drawn."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)")
+        return []
+    drawn = []
+
+    def line_plot(name, caption, series, xlabel, ylabel, logx=False):
+        if not series:
+            return
+        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
+        labels = sorted({label for label, _ in series})
+        colors = {label: f"C{i}" for i, label in enumerate(labels)}     # one color per label, dashed = not fast
+        for (label, impl), pts in sorted(series.items()):
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o", color=colors[label] if len(labels) > 1 else None,
+                    linestyle="-" if impl.startswith("fast") else "--", label=f"{impl} {label}".strip())
+        if logx:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(caption, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        path = RESULTS / f"{name}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        drawn.append((path, caption))
+
+    def bar_plot(name, caption, values: dict, ylabel):
+        if not values:
+            return
+        fig, ax = plt.subplots(figsize=(6.4, 3.2), dpi=110)
+        ax.bar(list(values), list(values.values()), color="#4a7ebb")
+        for i, v in enumerate(values.values()):
+            ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_title(caption, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        path = RESULTS / f"{name}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        drawn.append((path, caption))
+
+    for feature, rows in all_rows.items():
+        for run in latest_runs(rows)[:1]:
+            if feature == "routed_generator":
+                line_plot("routed_generator_overhead", "Router overhead per request vs fleet size (CPU)",
+                          _series(run, r"overhead n=(?P<x>\d+) (?P<label>\w+)", "overhead_cpu"),
+                          "generators in the fleet", "us per request", logx=True)
+                line_plot("routed_generator_engine", "Engine tokens/s vs batch (CPU)",
+                          _series(run, r"engine cpu b=(?P<x>\d+) .*", "tokens_per_s"),
+                          "requests in flight", "tokens/s", logx=True)
+            elif feature == "view_replay_offload":
+                bar_plot("view_replay_offload_hooks", "Offload hook cost per saved tensor (CPU)",
+                         {r["impl"]: float(r["value"]) for r in run if r["metric"] == "hook_time_per_saved_tensor"},
+                         "us per saved tensor")
+    return drawn
+
+
+# ----------------------------------------------------------------------------- README
+
+def update_readme(block: str) -> bool:
     text = README.read_text()
     if BEGIN not in text or END not in text:
         raise SystemExit(f"README.md lacks the markers {BEGIN} ... {END}")
     before, rest = text.split(BEGIN, 1)
     _, after = rest.split(END, 1)
-    new = before + BEGIN + "\n" + render() + "\n" + END + after
+    new = before + BEGIN + "\n" + block + "\n" + END + after
     if new != text:
         README.write_text(new)
         return True
@@ -102,13 +327,19 @@ def update_readme() -> bool:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--print", action="store_true", help="print the tables instead of writing the README")
+    ap.add_argument("--latest", action="store_true", help="with --print: the last run (bench/results/latest/)")
     ap.add_argument("--gpu-only", action="store_true", help="only runs recorded on a GPU")
+    ap.add_argument("--feature", action="append", help="only this feature (repeatable)")
     args = ap.parse_args(argv)
     if args.print:
-        print(render(gpu_only=args.gpu_only))
-    else:
-        print("README.md " + ("updated" if update_readme() else "unchanged"))
+        directory = RESULTS / "latest" if args.latest else RESULTS
+        print(render(directory, gpu_only=args.gpu_only, features=args.feature))
+        return 0
+    plots = draw_plots(load_rows())
+    changed = update_readme(render(plots=plots))
+    print("README.md " + ("updated" if changed else "unchanged") + f"; {len(plots)} plots in bench/results/")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -32,7 +32,6 @@ the noise there).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import sys
@@ -46,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from harness import ON_GPU, Recorder, time_ms  # noqa: E402
+from harness import Recorder, run_bench, time_ms  # noqa: E402
 
 import fast.view_replay_offload as fast_mod  # noqa: E402
 import ref.view_replay_offload as ref_mod  # noqa: E402
@@ -259,7 +258,8 @@ def bench_cpu(rec: Recorder, args):
                 ctx.unpack_hook(h)
         return run
 
-    best = _interleaved_min_ms({k: hooks_only(m) for k, m in makers.items()}, args.cpu_budget_s * len(makers))
+    budget_s = 0.3 if args.quick else args.cpu_budget_s
+    best = _interleaved_min_ms({k: hooks_only(m) for k, m in makers.items()}, budget_s * len(makers))
     rec.add(case, "none", "saved_tensors", n_saved, "count/step")
     for impl, ms in best.items():
         rec.add(case, impl, "hook_time_per_saved_tensor", ms * 1e3 / n_saved, "us")
@@ -274,8 +274,7 @@ def bench_cpu(rec: Recorder, args):
           "separate host buffers); step time, peak memory and copy overlap need CUDA (run this on a GPU).")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _flags(ap):
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
@@ -284,17 +283,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rep-steps", type=int, default=20, help="GPU: about this many timed steps")
     ap.add_argument("--cpu-budget-s", type=float, default=2.0, help="CPU: seconds of timing per impl")
-    ap.add_argument("--no-save", action="store_true", help="print the rows, do not append them to the CSV")
-    args = ap.parse_args(argv)
-    rec = Recorder(FEATURE)
-    if ON_GPU:
-        bench_gpu(rec, args)
-    else:
-        bench_cpu(rec, args)
-    if not args.no_save:
-        rec.save()
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_bench(FEATURE, __doc__, gpu=bench_gpu, cpu=bench_cpu, configure=_flags))

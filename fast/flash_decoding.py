@@ -1,52 +1,33 @@
 """FlashDecoding: split-KV decode attention over a KV cache, in Triton, with a runtime shape gate.
 
-What it computes
-    The same as ref/flash_decoding.py: attention of S_q new query rows per sequence (1 while
-    decoding, 2..16 while verifying speculative tokens) against that sequence's KV cache,
-    contiguous or paged, causal bottom-right inside the cache, after optionally writing the new
-    keys and values into the cache in place.  A kernel that runs one program per (sequence,
-    head) leaves most SMs idle when the batch is small and the context long; this one also
-    splits each sequence's keys across ``num_splits`` programs and merges their partial
-    results by log-sum-exp, so long-context decoding can run at memory bandwidth.
+The same as ref/flash_decoding.py: attention of S_q new query rows per sequence (1 while
+decoding, 2..16 while verifying speculative tokens) against that sequence's KV cache,
+contiguous or paged, causal bottom-right inside the cache, after optionally writing the new
+keys and values into the cache in place.  A kernel with one program per (sequence, head)
+leaves most SMs idle when the batch is small and the context long; this one also splits each
+sequence's keys across ``num_splits`` programs and merges their partial results by
+log-sum-exp, so long-context decoding can run at memory bandwidth.
 
-The math (see the reference for the full statement)
+The math (the reference states it in full)
     s_ij = scale <q_i, k_j> (softcap * tanh(s / softcap) when softcap > 0); row i of a
     sequence with L keys sees j <= L - S_q + i; lse_i = log(sum_j exp(s_ij) [+ exp(sink_h)]);
-    o_i = sum_j exp(s_ij - lse_i) v_j.  A row that sees no key: o = 0, lse = -inf (the sink with one).
-    Split s over key block range C_s gives (o_s, lse_s) without the sink; the merge is
-    lse = log(sum_s exp(lse_s) + exp(sink)), o = sum_s exp(lse_s - lse) o_s.
-
-    The kernels
-    1. ``_append_kv_kernel`` (only with k_new/v_new): one program per (sequence, new row, KV
-       head) writes the new key/value at position L - S_q + i of the cache, in place.
-    2. ``_decode_fwd_kernel``: one program per (sequence x KV head, split, query tile).  The
-       tile packs the S_q rows of all G query heads of one KV head (row r = i * G + g), so
-       K and V are read once per KV head, not once per query head.  It streams its share of
-       the key blocks (page ids looked up per key, so any page size works) with an online
-       softmax in fp32 (exp2, scale folded with log2 e).  With one split it adds the sink
-       and writes out / lse directly: no partials, and a sequence's result does not depend
-       on the rest of the batch (batch-invariant, deterministic).  With several splits it
-       writes fp32 partial outputs and LSEs.
-    3. ``_merge_splits_kernel``: one program per (sequence, row, query head) merges the
-       splits' partials in a fixed order and adds the sink once.
-    ``merge_attention_states`` runs ``_merge_states_kernel``, the same merge for two states.
-
-    The shape gate: ``num_splits=None`` calls ``choose_num_splits`` with the device's SM count
-    (read once per device at call time, cached; the Triton interpreter on CPU has no SMs and
-    assumes an H100's 132 so the decisions match that GPU) and the cache's capacity (a shape,
-    so the choice needs no host copy and is the same under CUDA-graph capture).
-
-FLOPs and bytes (the numbers the benchmark compares with the hardware)
-    FLOPs ~= 4 * B * H_q * S_q * L_k * D        (QK^T and PV; causal rows see up to S_q - 1 fewer keys)
-    minimum bytes = B * L_k * H_kv * D * 2 * elt (K and V read once) + 2 * B * S_q * H_q * D * elt
-                    (q read, out written), L_k the mean seqused_k.  Splitting adds
-                    2 * B * S_q * H_q * num_splits * (D + 1) * 4 bytes of fp32 partials
-                    (written once, read once), small next to the cache when S_q * H_q << L_k * H_kv.
+    o_i = sum_j exp(s_ij - lse_i) v_j; a row that sees no key: o = 0, lse = -inf; a sink of -inf
+    is no sink, one of +inf takes all the mass (o = 0, lse = +inf); a NaN stays NaN.
+    Split s over key range C_s gives (o_s, lse_s) without the sink; the merge is
+    lse = log(sum_s exp(lse_s) + exp(sink)), o = sum_s exp(lse_s - lse) o_s, the largest lse
+    subtracted first.  ``merge_attention_states`` reads lse = +inf (PyTorch's CUDA varlen_attn
+    marks a row with no key that way) as an empty side, like -inf.
+    A call runs ``_append_kv_kernel`` (with k_new / v_new), ``_decode_fwd_kernel`` and, with
+    several splits, ``_merge_splits_kernel``; each kernel's docstring gives its FLOPs and bytes.
+    ``num_splits=None`` asks ``choose_num_splits`` with the device's SM count (the interpreter
+    assumes an H100's 132), one program per SM, and the cache's capacity, a shape: no host copy,
+    the same choice under CUDA-graph capture.  ``num_splits=1`` is batch-invariant and
+    deterministic.
 
 Tensors (B sequences, S_q rows, H_q / H_kv heads, D head dim)
-    q             [B, S_q, H_q, D]                  fp16 / bf16 / fp32, any strides (made unit-stride in D)
+    q             [B, S_q, H_q, D]                  fp16 / bf16 / fp32, unit stride in D (else copied)
     k_cache,      [B, S_max, H_kv, D]               contiguous, or
-    v_cache       [num_pages, page_size, H_kv, D]   paged with block_table; any strides, unit stride in D
+    v_cache       [num_pages, page_size, H_kv, D]   paged with block_table; unit stride in D
     seqused_k     [B] int32                         keys per sequence, new ones included
     block_table   [B, max_pages] int32
     k_new, v_new  [B, S_q, H_kv, D]                 q's dtype
@@ -55,20 +36,13 @@ Tensors (B sequences, S_q rows, H_q / H_kv heads, D head dim)
     lse           [B, H_q, S_q] fp32                natural log
 
 Supported, and what raises
-    fp16 / bf16 / fp32 (fp32 dots in IEEE precision, no silent tf32), head dims 1..256
-    (padded to a power of two inside), any page size, any GQA ratio, S_q >= 1 (best at
-    S_q * G <= 64 rows per tile; more rows take more tiles, each reading K/V again),
-    CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.  Everything the reference
-    rejects raises the same ValueError / TypeError here, plus fp64, D > 256, and caches or out
-    without unit stride in D (they are written in place; q, k_new, v_new are copied).  The value
-    checks (seqused_k within capacity, not 0 < seqused_k < S_q, page ids inside the pool)
-    cost one small device-to-host copy per call; they are skipped while a CUDA graph is being
-    captured (``torch.cuda.is_current_stream_capturing()``), where a copy is impossible: a
-    captured call trusts its inputs.  The launches are ``torch.library.custom_op``s
-    (``twofold::flash_decode``, which writes ``out``; ``twofold::kv_cache_append``, which
-    declares that it mutates k_cache and v_cache; ``twofold::merge_attention_states``), so
-    ``torch.compile(fullgraph=True)`` traces through them.  Inference only: no autograd.
-    ``num_splits`` is capped at the number of key blocks of the cache capacity (and 1024).
+    fp16 / bf16 / fp32 (IEEE fp32 dots), head dims up to 256, any page size and GQA ratio,
+    CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``).  Everything the reference rejects
+    raises the same ValueError / TypeError here, plus fp64, D > 256 and caches or ``out``
+    without unit stride in D.  The value checks cost one small device-to-host copy per call and
+    are skipped during CUDA-graph capture.  The ops are ``torch.library.custom_op``s, so
+    ``torch.compile(fullgraph=True)`` traces through them.  Inference only.  The README's
+    "Known limits" lists the rest.
 
 References
     Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference" (2023); flash-attn's
@@ -80,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 from typing import Optional
 
@@ -90,11 +65,81 @@ import triton.language as tl
 __all__ = ["choose_num_splits", "flash_decode", "merge_attention_states"]
 
 _INTERPRETER_SMS = 132       # what the gate assumes for CPU tensors under the Triton interpreter (an H100)
-_PROGRAMS_PER_SM = 2         # decode programs resident per SM (40-115 KB of shared memory each, see _fwd_config)
+# The shape gate plans one program per SM: each keeps 24-32 KB of K/V loads in flight (see
+# _fwd_config), and every further split adds fp32 partials (written, then read by the merge) and
+# another read of q.  Programs past one per SM would only be worth that traffic if one program
+# cannot keep an SM's share of HBM bandwidth busy: the GPU benchmark that decides it is owed.
+_PROGRAMS_PER_SM = 1
 _MAX_SPLITS = 1024
 
 
-# ----------------------------------------------------------------------------- the shape gate
+# ----------------------------------------------------------------------------- public API
+
+def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None, v_new=None, scale=None,
+                 num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None):
+    """Decode attention of q against the KV cache; see the module docstring for shapes.
+
+    With ``k_new``/``v_new`` the cache is written in place first.  ``num_splits=None`` lets
+    ``choose_num_splits`` decide; ``num_splits=1`` is batch-invariant and deterministic.
+    Returns ``out [B, S_q, H_q, D]``, or ``(out, lse [B, H_q, S_q] fp32)`` when ``return_lse``;
+    with ``out=`` the result is written there.
+    """
+    _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new, v_new=v_new,
+                  scale=scale, num_splits=num_splits, softcap=softcap, sinks=sinks, out=out)
+    _check_device("q", q)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    num_splits = 0 if num_splits is None else operator.index(num_splits)   # 0: the shape gate decides
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    seqused_k = seqused_k.contiguous()
+    if block_table is not None and block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    sinks = sinks.contiguous() if sinks is not None else None
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if k_new is not None:
+        k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
+        v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
+        # The append validates the index tensors (one host copy); the attention then skips it.
+        torch.ops.twofold.kv_cache_append(k_cache, v_cache, k_new, v_new, seqused_k, block_table)
+    lse = torch.ops.twofold.flash_decode(q, k_cache, v_cache, seqused_k, block_table, sinks, out, scale,
+                                         float(softcap), num_splits, k_new is None)
+    return (out, lse) if return_lse else out
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b):
+    """Merge two attention states over disjoint key sets into the state over their union.
+
+    ``out_* [..., T, H, D]`` (fp16 / bf16 / fp32) and ``lse_* [..., H, T]`` fp32 (natural log),
+    the layouts ``flash_decode`` returns ([B, S_q, H_q, D] and [B, H_q, S_q]) and varlen
+    attention returns ([T, H, D] and [H, T]).  Returns ``(out in out_a's dtype, lse fp32)``.
+    Associative and commutative, exact at any |lse| (the larger is subtracted
+    first).  A side with lse = -inf or +inf (no keys: this repo writes -inf, PyTorch's CUDA
+    varlen_attn, i.e. FlashAttention-2, writes +inf) leaves the other side exactly as it is; two
+    empty sides give out 0 and lse -inf.  A NaN lse on either side gives NaN, never the other side.
+    """
+    for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating torch.Tensor")
+    if out_a.dim() < 3:
+        raise ValueError(f"out_a must be [..., T, H, D], got shape {tuple(out_a.shape)}")
+    if out_b.shape != out_a.shape or out_b.dtype != out_a.dtype:
+        raise ValueError(f"out_b must match out_a {tuple(out_a.shape)} {out_a.dtype}, "
+                         f"got {tuple(out_b.shape)} {out_b.dtype}")
+    if out_a.dtype not in _DTYPES:
+        raise TypeError(f"out_a must be float16, bfloat16 or float32 in the fast path, got {out_a.dtype}")
+    lse_shape = (*out_a.shape[:-3], out_a.shape[-2], out_a.shape[-3])
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if tuple(t.shape) != lse_shape:
+            raise ValueError(f"{name} must be [..., H, T] = {lse_shape} for out {tuple(out_a.shape)}, "
+                             f"got shape {tuple(t.shape)}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be torch.float32, got {t.dtype}")
+    devices = {t.device for t in (out_a, lse_a, out_b, lse_b)}
+    if len(devices) > 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    _check_device("out_a", out_a)
+    return _merge_attention_states(out_a, lse_a, out_b, lse_b)
+
 
 def choose_num_splits(batch, num_kv_heads, max_seqlen_k, *, num_sms, num_q_tiles=1, block_n=64,
                       programs_per_sm=2, max_splits=128):
@@ -115,14 +160,12 @@ def choose_num_splits(batch, num_kv_heads, max_seqlen_k, *, num_sms, num_q_tiles
     Never more splits than KV blocks.  Pure: no device is queried (the op passes the SM count
     it reads once per device).
     """
-    for name, value in (("batch", batch), ("num_kv_heads", num_kv_heads), ("max_seqlen_k", max_seqlen_k),
-                        ("num_q_tiles", num_q_tiles)):
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    for name, value in (("num_sms", num_sms), ("block_n", block_n), ("programs_per_sm", programs_per_sm),
-                        ("max_splits", max_splits)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    batch, num_kv_heads, max_seqlen_k, num_q_tiles = (
+        _integer(name, value, 0) for name, value in (("batch", batch), ("num_kv_heads", num_kv_heads),
+                                                     ("max_seqlen_k", max_seqlen_k), ("num_q_tiles", num_q_tiles)))
+    num_sms, block_n, programs_per_sm, max_splits = (
+        _integer(name, value, 1) for name, value in (("num_sms", num_sms), ("block_n", block_n),
+                                                     ("programs_per_sm", programs_per_sm), ("max_splits", max_splits)))
     programs = batch * num_kv_heads * num_q_tiles
     slots = num_sms * programs_per_sm
     num_blocks = -(-max_seqlen_k // block_n)
@@ -140,13 +183,120 @@ def choose_num_splits(batch, num_kv_heads, max_seqlen_k, *, num_sms, num_q_tiles
     return next(s for s in candidates if efficiency(s) >= 0.85 * best)
 
 
-# ----------------------------------------------------------------------------- kernels
+# ----------------------------------------------------------------------------- launchers (custom ops)
 
-@triton.jit
-def _tanh(x):
-    # tanh through exp (the interpreter has no libdevice); saturates to +-1, never NaN.
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+@torch.library.custom_op("twofold::kv_cache_append", mutates_args=("k_cache", "v_cache"))
+def _kv_cache_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                     seqused_k: torch.Tensor, block_table: Optional[torch.Tensor]) -> None:
+    """Write k_new/v_new [B, S_q, H_kv, D] at positions L - S_q .. L - 1 of each sequence."""
+    batch, s_q, h_kv, d = k_new.shape
+    paged = block_table is not None
+    _check_values(seqused_k, block_table, s_q=s_q, capacity=_capacity(k_cache, block_table),
+                  num_pages=k_cache.shape[0], page_size=k_cache.shape[1])
+    if k_new.numel() == 0:
+        return
+    bt = block_table if paged else seqused_k   # a valid pointer the kernel never reads
+    _append_kv_kernel[(batch * s_q, h_kv)](
+        k_new, v_new, k_cache, v_cache, seqused_k, bt,
+        k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0) if paged else 0,
+        s_q, k_cache.shape[1],
+        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), IS_PAGED=paged, num_warps=1)
 
+
+@_kv_cache_append.register_fake
+def _(k_cache, v_cache, k_new, v_new, seqused_k, block_table):
+    return None
+
+
+@torch.library.custom_op("twofold::flash_decode", mutates_args=("out",))
+def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqused_k: torch.Tensor,
+                  block_table: Optional[torch.Tensor], sinks: Optional[torch.Tensor], out: torch.Tensor,
+                  scale: float, softcap: float, num_splits: int, check_values: bool) -> torch.Tensor:
+    """Writes out [B, S_q, H_q, D]; returns lse [B, H_q, S_q].  num_splits 0 = the shape gate."""
+    batch, s_q, h_q, d = q.shape
+    h_kv = k_cache.shape[2]
+    group = h_q // h_kv
+    paged = block_table is not None
+    capacity = _capacity(k_cache, block_table)
+    if check_values:
+        _check_values(seqused_k, block_table, s_q=s_q, capacity=capacity, num_pages=k_cache.shape[0],
+                      page_size=k_cache.shape[1])
+    lse = torch.empty(batch, h_q, s_q, dtype=torch.float32, device=q.device)
+    if q.numel() == 0:
+        return lse
+    cfg = _fwd_config(d, q.dtype, s_q * group, paged, _kv_align(k_cache, v_cache), q.device)
+    max_blocks = max(1, -(-capacity // cfg["BLOCK_N"]))
+    if num_splits == 0:
+        num_splits = choose_num_splits(batch, h_kv, capacity, num_sms=_sm_count(q.device),
+                                       num_q_tiles=cfg["num_q_tiles"], block_n=cfg["BLOCK_N"],
+                                       programs_per_sm=_PROGRAMS_PER_SM)
+    num_splits = max(1, min(num_splits, max_blocks, _MAX_SPLITS))
+    split = num_splits > 1
+    if split:
+        o_part, lse_part = _new_partials((batch, s_q, h_q, num_splits, d), (batch, s_q, h_q, num_splits), q.device)
+        o_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3))
+        l_strides = (lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), lse_part.stride(3))
+        o_dst, l_dst = o_part, lse_part
+    else:
+        o_strides = (out.stride(0), out.stride(1), out.stride(2), 0)
+        l_strides = (lse.stride(0), lse.stride(2), lse.stride(1), 0)   # lse is [B, H_q, S_q]
+        o_dst, l_dst = out, lse
+    bt = block_table if paged else seqused_k     # valid pointers the kernel never reads
+    sk = sinks if sinks is not None else seqused_k
+    grid = (batch * h_kv, num_splits, cfg["num_q_tiles"])
+    _decode_fwd_kernel[grid](
+        q, k_cache, v_cache, seqused_k, bt, sk, o_dst, l_dst,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *o_strides, *l_strides,
+        block_table.stride(0) if paged else 0,
+        h_kv, group, s_q, k_cache.shape[1], num_splits, scale, softcap,
+        HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        IS_PAGED=paged, IS_SPLIT=split, HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap > 0,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_ALIGN=cfg["KV_ALIGN"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split:
+        _merge_splits_kernel[(batch * s_q * h_q,)](
+            o_part, lse_part, sk, out, lse,
+            out.stride(0), out.stride(1), out.stride(2),
+            s_q, h_q, num_splits,
+            HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_S=min(16, triton.next_power_of_2(num_splits)),
+            HAS_SINKS=sinks is not None, num_warps=4)
+    return lse
+
+
+@_flash_decode.register_fake
+def _(q, k_cache, v_cache, seqused_k, block_table, sinks, out, scale, softcap, num_splits, check_values):
+    batch, s_q, h_q, _ = q.shape
+    return q.new_empty(batch, h_q, s_q, dtype=torch.float32)
+
+
+@torch.library.custom_op("twofold::merge_attention_states", mutates_args=())
+def _merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                            lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty(out_a.shape, dtype=out_a.dtype, device=out_a.device)
+    lse = torch.empty(lse_a.shape, dtype=torch.float32, device=out_a.device)
+    if out.numel() == 0:
+        return out, lse
+    t, h, d = out_a.shape[-3:]
+    oa, ob = out_a.contiguous(), out_b.contiguous()        # [..., T, H, D] as rows (n, t, h)
+    la, lb = lse_a.contiguous(), lse_b.contiguous()        # [..., H, T]
+    _merge_states_kernel[(out.numel() // d,)](
+        oa, la, ob, lb, out, lse, t, h,
+        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=1 if d <= 128 else 2)
+    return out, lse
+
+
+@_merge_attention_states.register_fake
+def _(out_a, lse_a, out_b, lse_b):
+    return torch.empty_like(out_a), torch.empty_like(lse_a, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- kernels, in call order
 
 @triton.jit
 def _append_kv_kernel(
@@ -156,6 +306,8 @@ def _append_kv_kernel(
     S_q, PAGE_SIZE,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_PAGED: tl.constexpr,
 ):
+    """One program per (sequence x new row, KV head) writes k_new / v_new row i at position
+    L - S_q + i of the cache, in place.  No FLOPs; bytes = 4 * B * S_q * H_kv * D * elt."""
     i_bs, i_h = tl.program_id(0), tl.program_id(1)
     i_b, i_s = i_bs // S_q, i_bs % S_q
     i_b64 = i_b.to(tl.int64)
@@ -190,6 +342,26 @@ def _decode_fwd_kernel(
     IS_PAGED: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr,
 ):
+    """One program per (sequence x KV head, split, query tile).  The tile packs the S_q rows of
+    all G query heads of one KV head (row r = i * G + g), so K and V are read once per KV head,
+    not once per query head.  It streams its share of the key blocks (page ids looked up per
+    key, so any page size works) through an online softmax in fp32 (exp2, scale folded with
+    log2 e).  With one split it adds the sink and writes out / lse: no partials, and a
+    sequence's result does not depend on the rest of the batch.  With several it writes fp32
+    partial outputs and LSEs for ``_merge_splits_kernel``.
+
+    FLOPs ~= 4 * B * H_q * S_q * L * D (QK^T and PV; L the mean seqused_k).
+    Minimum bytes (the IO bound) = B * (2 * L * H_kv * D * elt (K, V once) + 2 * S_q * H_q * D * elt
+    (q, out) + 4 * S_q * H_q (lse) + 4 * ceil(L / page_size) (page ids)).
+    Issued bytes (active lanes) with s splits add, per sequence: (s - 1) * S_q * H_q * D * elt (each
+    split reads q), 4 * (H_kv * L - ceil(L / page_size)) (each program reads the page id of every
+    key it streams), 2 * s * S_q * H_q * (D + 1) * 4 + 4 * s * S_q * H_q (fp32 partials written
+    here, read by the merge, whose two passes read the partial lse twice) and 4 * H_kv * s
+    (seqused_k).  At B = 4, GQA 8/2, D = 128, fp16, page 16 the gate's s = 14 at L = 8k gives
+    issued / bound = 1.0246, s = 16 at L = 1k gives 1.163 (one 64-key chunk per program: the
+    partials buy 128 programs instead of 8); the Triton interpreter's count of active lanes
+    gives the same bytes exactly.
+    """
     # o_ptr / lse_ptr are out [B, S_q, H_q, D] / lse [B, H_q, S_q] with one split, else the fp32
     # partials [B, S_q, H_q, NUM_SPLITS, D] / [B, S_q, H_q, NUM_SPLITS]: the strides say which.
     i_bh, i_split, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -254,20 +426,30 @@ def _decode_fwd_kernel(
     if not IS_SPLIT:
         if HAS_SINKS:  # the sink joins the denominator once, here (never in a partial)
             b_sink = tl.load(sinks_ptr + i_hq, mask=m_r, other=0.0).to(tl.float32) * 1.4426950408889634
+            # A sink of -inf is no sink; one of +inf takes all the mass (its term is 1 against
+            # m = +inf, not 2^(inf - inf)): out 0, lse +inf.
             m_fin = tl.maximum(b_m, b_sink)
             m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
             alpha = tl.exp2(b_m - m_fin)
-            b_l = b_l * alpha + tl.exp2(b_sink - m_fin)
+            b_l = b_l * alpha + tl.exp2(tl.where(b_sink == m_fin, 0.0, b_sink - m_fin))
             b_acc = b_acc * alpha[:, None]
             b_m = m_fin
-    b_l_safe = tl.where(b_l > 0, b_l, 1.0)                                     # l = 0: a row with no key
+    # l = 0: the row saw no key (out 0, lse -inf).  Tested as == 0, so that a NaN stays NaN.
+    b_empty = b_l == 0.0
+    b_l_safe = tl.where(b_empty, 1.0, b_l)
     b_o = b_acc / b_l_safe[:, None]
-    b_lse = tl.where(b_l > 0, (b_m + tl.log2(b_l_safe)) * 0.6931471805599453, float("-inf"))
+    b_lse = tl.where(b_empty, float("-inf"), (b_m + tl.log2(b_l_safe)) * 0.6931471805599453)
     p_o = (o_ptr + i_b64 * stride_ob + i_q[:, None] * stride_os + i_hq[:, None] * stride_oh
            + i_split * stride_osplit + o_d[None, :])
     tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
     p_lse = lse_ptr + i_b64 * stride_lb + i_q * stride_ls + i_hq * stride_lh + i_split * stride_lsplit
     tl.store(p_lse, b_lse, mask=m_r)
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp (the interpreter has no libdevice); saturates to +-1, never NaN.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 @triton.jit
@@ -277,6 +459,9 @@ def _merge_splits_kernel(
     S_q, H_q, NUM_SPLITS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
+    """One program per (sequence, row, query head) merges the splits' fp32 partials in a fixed
+    order and adds the sink once.  FLOPs ~= 3 * B * S_q * H_q * num_splits * D; bytes =
+    B * S_q * H_q * (num_splits * (D + 1) * 4 + D * elt + 4)."""
     # One program per row (b, i, h), numbered like the partials [B, S_q, H_q, NUM_SPLITS, ...].
     i_row = tl.program_id(0)
     i_h, i_s, i_b = i_row % H_q, (i_row // H_q) % S_q, i_row // (H_q * S_q)
@@ -293,7 +478,7 @@ def _merge_splits_kernel(
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + i_h).to(tl.float32)
         m = tl.maximum(m, sink)
-    m = tl.where(m == float("-inf"), 0.0, m)                                   # every split empty, no sink
+    m = tl.where(m == float("-inf"), 0.0, m)                   # every split empty, no sink (or one of -inf)
 
     b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     b_den = tl.zeros([BLOCK_S], dtype=tl.float32)
@@ -302,14 +487,15 @@ def _merge_splits_kernel(
         b_w = tl.exp(tl.load(plse_ptr + base + s0 + o_sp, mask=m_sp, other=float("-inf")) - m)   # [BLOCK_S]
         p_po = po_ptr + (base + s0 + o_sp)[:, None] * HEAD_DIM + o_d[None, :]
         b_po = tl.load(p_po, mask=m_sp[:, None] & m_d[None, :], other=0.0)                     # [BLOCK_S, BLOCK_D]
-        b_acc += tl.sum(tl.where(b_w[:, None] > 0, b_w[:, None] * b_po, 0.0), 0)
+        b_acc += tl.sum(tl.where(b_w[:, None] == 0, 0.0, b_w[:, None] * b_po), 0)   # a NaN stays NaN
         b_den += b_w
     den = tl.sum(b_den, 0)
     if HAS_SINKS:
-        den += tl.exp(sink - m)
-    den_safe = tl.where(den > 0, den, 1.0)
+        den += tl.exp(tl.where(sink == m, 0.0, sink - m))     # 1 for a sink of +inf (then m = +inf)
+    empty = den == 0
+    den_safe = tl.where(empty, 1.0, den)
     b_o = b_acc / den_safe
-    lse = tl.where(den > 0, m + tl.log(den_safe), float("-inf"))
+    lse = tl.where(empty, float("-inf"), m + tl.log(den_safe))
     p_o = o_ptr + i_b.to(tl.int64) * stride_ob + i_s * stride_os + i_h * stride_oh + o_d
     tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_d)
     tl.store(lse_ptr + (i_b.to(tl.int64) * H_q + i_h) * S_q + i_s, lse)
@@ -320,15 +506,21 @@ def _merge_states_kernel(
     oa_ptr, la_ptr, ob_ptr, lb_ptr, o_ptr, lse_ptr, T, H,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """``merge_attention_states``: one program per row.  FLOPs ~= 3 * rows * D; bytes =
+    rows * (3 * D * elt + 12)."""
     # One program per row (n, t, h) of contiguous out [N, T, H, D]; lse is [N, H, T].
     i_row = tl.program_id(0)
     i_h, i_t, i_n = i_row % H, (i_row // H) % T, i_row // (H * T)
     o_l = (i_n.to(tl.int64) * H + i_h) * T + i_t
+    # PyTorch's CUDA varlen_attn (FlashAttention-2) marks a row that saw no key with lse = +inf,
+    # this repo with -inf: both are the empty side.
     b_la = tl.load(la_ptr + o_l)
+    b_la = tl.where(b_la == float("inf"), float("-inf"), b_la)
     b_lb = tl.load(lb_ptr + o_l)
+    b_lb = tl.where(b_lb == float("inf"), float("-inf"), b_lb)
     m = tl.maximum(b_la, b_lb)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w_a = tl.exp(b_la - m)                      # exactly 1 and 0 when one side is empty
+    w_a = tl.exp(b_la - m)                      # exactly 1 and 0 when one side is empty; NaN stays NaN
     w_b = tl.exp(b_lb - m)
     den = w_a + w_b
     o_d = tl.arange(0, BLOCK_D)
@@ -336,32 +528,49 @@ def _merge_states_kernel(
     base = i_row.to(tl.int64) * HEAD_DIM
     b_oa = tl.load(oa_ptr + base + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_ob = tl.load(ob_ptr + base + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_o = tl.where(w_a > 0, w_a * b_oa, 0.0) + tl.where(w_b > 0, w_b * b_ob, 0.0)
-    den_safe = tl.where(den > 0, den, 1.0)
+    b_o = tl.where(w_a == 0, 0.0, w_a * b_oa) + tl.where(w_b == 0, 0.0, w_b * b_ob)   # an empty side's o: garbage
+    empty = den == 0
+    den_safe = tl.where(empty, 1.0, den)
     b_o = b_o / den_safe
     tl.store(o_ptr + base + o_d, b_o.to(o_ptr.dtype.element_ty), mask=m_d)
-    tl.store(lse_ptr + o_l, tl.where(den > 0, m + tl.log(den_safe), float("-inf")))
+    tl.store(lse_ptr + o_l, tl.where(empty, float("-inf"), m + tl.log(den_safe)))
 
 
-# ----------------------------------------------------------------------------- host helpers
+# ----------------------------------------------------------------------------- launch configuration
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+def _fwd_config(head_dim: int, dtype: torch.dtype, rows: int, paged: bool, kv_align: int,
+                device: torch.device) -> dict:
+    """Tile sizes and launch options of the decode kernel: one config per (dtype, head dim, rows,
+    layout), never per batch (a config that followed the batch would break batch invariance, and
+    autotuning cannot run under CUDA-graph capture).  BLOCK_N depends on the dtype and head dim only.
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    """The SM count of ``device``, read at call time (never at import) and cached per device."""
-    if device.type == "cuda":
-        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return _INTERPRETER_SMS
+    Decode streams K and V once and does ~1 FLOP per byte, so the kernel is memory-bound: what
+    counts is the bytes each program keeps in flight, not tile width.
+    - BLOCK_N: about 8 KB of K and V per pipeline stage (2 * BLOCK_N * BLOCK_D * elt), at least 16
+      keys (one mma): 32 keys at D = 64, 16 at D = 128 and 256 in 16-bit types.
+    - Stages: three K/V buffers when a stage holds <= 8 KB (24 KB in flight), else two (32 KB).
+      Paged loads are indirect (page id, then K/V) and Triton's pipeliner spreads the stages over
+      both levels: 2 * buffers + 1 stages give the paged K/V loads ``buffers`` buffers, buffers + 1
+      do for the contiguous cache.
+    - BLOCK_M rows of (query row, group head): up to 64 (32 at D = 256, 16 in fp32); decoding
+      (S_q = 1, G <= 16) takes one 16-row tile.
+    - 4 warps, 8 for tiles of 32 rows or more, fp32 (IEEE dots on FMA units) and rows not aligned to
+      16 bytes (narrower vectors, more addresses in registers).
+    sm_90, D = 128, 16-bit, 16-row tile (parity/aot_compile.py, as a launch specializes it):
+    64-80 registers, 29 KB of shared memory (three 8 KB K/V stages, q and the P tile), so 6 programs
+    fit an SM; every config builds without spills for sm_80 and sm_90 (parity/test_compile.py).
+    """
+    elt = torch.finfo(dtype).bits // 8
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    max_m = 16 if elt == 4 else (64 if block_d <= 128 else 32)
+    block_m = min(max_m, max(16, triton.next_power_of_2(rows)))
+    block_n = max(16, 8192 // (2 * block_d * elt))
+    buffers = 3 if 2 * block_n * block_d * elt <= 8192 else 2
+    if device.type != "cuda":
+        block_n = 16  # the interpreter: small blocks so small test shapes still loop over several
+    num_warps = 8 if block_m >= 32 or elt == 4 or kv_align * elt < 16 else 4
+    return dict(BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, KV_ALIGN=kv_align, num_warps=num_warps,
+                num_stages=2 * buffers + 1 if paged else buffers + 1, num_q_tiles=-(-rows // block_m))
 
 
 def _kv_align(*tensors) -> int:
@@ -374,38 +583,31 @@ def _kv_align(*tensors) -> int:
     return align
 
 
-def _fwd_config(head_dim: int, dtype: torch.dtype, rows: int, paged: bool, kv_align: int,
-                device: torch.device) -> dict:
-    """Tile sizes and launch options of the decode kernel.
+def _sm_count(device: torch.device) -> int:
+    """The SM count of ``device``, read at call time (never at import) and cached per device."""
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _INTERPRETER_SMS
 
-    Fixed, not autotuned: a config that depended on the batch would break batch invariance, and
-    autotuning cannot run under CUDA-graph capture.  Chosen so that every config builds without
-    register spills for sm_80 and sm_90 (parity/test_compile.py):
-    - BLOCK_M rows of (query row, group head) per tile: up to 64 (32 at D = 256).
-    - BLOCK_N keys per step: ~16 KB per K (or V) tile at D <= 128 in 16-bit types.
-    - fp32 (IEEE dots on FMA units, which hold much more in registers): 16 x 16 tiles, 8 warps.
-    - Paged loads are indirect (page id, then K/V) and Triton's pipeliner spreads the stages
-      over both levels: 5 stages give the K/V loads two buffers, as 3 stages do for the
-      contiguous cache (~40-115 KB of shared memory).
-    - 8 warps for the wider tiles and for rows not aligned to 16 bytes (narrower vectors, more
-      addresses in registers); 4 otherwise.
-    """
-    elt = torch.finfo(dtype).bits // 8
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    max_m = 16 if elt == 4 else (64 if block_d <= 128 else 32)
-    block_m = min(max_m, max(16, triton.next_power_of_2(rows)))
-    block_n = 16 if elt == 4 else (64 if block_d <= 128 else 32)
-    if device.type != "cuda":
-        block_n = 16  # the interpreter: small blocks so small test shapes still loop over several
-    num_warps = 8 if block_m >= 32 or elt == 4 or kv_align * elt < 16 else 4
-    return dict(BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, KV_ALIGN=kv_align, num_warps=num_warps,
-                num_stages=5 if paged else 3, num_q_tiles=-(-rows // block_m))
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _new_partials(o_shape, lse_shape, device):
     """The fp32 partial buffers of a split launch (a function so tests can poison them)."""
     return (torch.empty(o_shape, dtype=torch.float32, device=device),
             torch.empty(lse_shape, dtype=torch.float32, device=device))
+
+
+def _capacity(k_cache, block_table) -> int:
+    return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+
+
+# ----------------------------------------------------------------------------- input checks
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, scale, num_splits,
@@ -492,14 +694,18 @@ def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, 
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not isinstance(softcap, (int, float)) or softcap < 0:
         raise ValueError(f"softcap must be a float >= 0, got {softcap!r}")
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+    if num_splits is not None:
+        _integer("num_splits", num_splits, 1)
 
 
-def _check_device(t: torch.Tensor):
-    if t.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"the fast kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), "
-                         f"got a tensor on {t.device}")
+def _check_device(name, t):
+    """Triton needs a GPU driver; say so on the host instead of failing inside Triton."""
+    if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            f"{name} is a {t.device.type} tensor, and fast/flash_decoding.py runs Triton kernels, which need "
+            f"CUDA tensors.  Move the inputs to a GPU; or set TRITON_INTERPRET=1 before triton is imported to "
+            f"run the kernels on CPU tensors in the Triton interpreter (slow: for tests); or use "
+            f"ref/flash_decoding.py, the same API in plain PyTorch, for CPU work.")
 
 
 def _check_values(seqused_k, block_table, *, s_q, capacity, num_pages, page_size):
@@ -538,254 +744,21 @@ def _check_values(seqused_k, block_table, *, s_q, capacity, num_pages, page_size
             raise ValueError(f"block_table[{b}] points at page {bad[0]}, outside the pool of {num_pages} pages")
 
 
-def _capacity(k_cache, block_table) -> int:
-    return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+def _integer(name, value, minimum):
+    """``value`` as an int: any integral number (int, numpy's integers: whatever has ``__index__``),
+    never a bool or a float, and at least ``minimum``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got bool {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return value
 
 
-# ----------------------------------------------------------------------------- launchers (custom ops)
-
-@torch.library.custom_op("twofold::kv_cache_append", mutates_args=("k_cache", "v_cache"))
-def _kv_cache_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                     seqused_k: torch.Tensor, block_table: Optional[torch.Tensor]) -> None:
-    """Write k_new/v_new [B, S_q, H_kv, D] at positions L - S_q .. L - 1 of each sequence."""
-    _check_device(k_cache)
-    batch, s_q, h_kv, d = k_new.shape
-    paged = block_table is not None
-    _check_values(seqused_k, block_table, s_q=s_q, capacity=_capacity(k_cache, block_table),
-                  num_pages=k_cache.shape[0], page_size=k_cache.shape[1])
-    if k_new.numel() == 0:
-        return
-    bt = block_table if paged else seqused_k   # a valid pointer the kernel never reads
-    _append_kv_kernel[(batch * s_q, h_kv)](
-        k_new, v_new, k_cache, v_cache, seqused_k, bt,
-        k_new.stride(0), k_new.stride(1), k_new.stride(2), v_new.stride(0), v_new.stride(1), v_new.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0) if paged else 0,
-        s_q, k_cache.shape[1],
-        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), IS_PAGED=paged, num_warps=1)
-
-
-@_kv_cache_append.register_fake
-def _(k_cache, v_cache, k_new, v_new, seqused_k, block_table):
-    return None
-
-
-@torch.library.custom_op("twofold::flash_decode", mutates_args=("out",))
-def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqused_k: torch.Tensor,
-                  block_table: Optional[torch.Tensor], sinks: Optional[torch.Tensor], out: torch.Tensor,
-                  scale: float, softcap: float, num_splits: int, check_values: bool) -> torch.Tensor:
-    """Writes out [B, S_q, H_q, D]; returns lse [B, H_q, S_q].  num_splits 0 = the shape gate."""
-    _check_device(q)
-    batch, s_q, h_q, d = q.shape
-    h_kv = k_cache.shape[2]
-    group = h_q // h_kv
-    paged = block_table is not None
-    capacity = _capacity(k_cache, block_table)
-    if check_values:
-        _check_values(seqused_k, block_table, s_q=s_q, capacity=capacity, num_pages=k_cache.shape[0],
-                      page_size=k_cache.shape[1])
-    lse = torch.empty(batch, h_q, s_q, dtype=torch.float32, device=q.device)
-    if q.numel() == 0:
-        return lse
-    cfg = _fwd_config(d, q.dtype, s_q * group, paged, _kv_align(k_cache, v_cache), q.device)
-    max_blocks = max(1, -(-capacity // cfg["BLOCK_N"]))
-    if num_splits == 0:
-        num_splits = choose_num_splits(batch, h_kv, capacity, num_sms=_sm_count(q.device),
-                                       num_q_tiles=cfg["num_q_tiles"], block_n=cfg["BLOCK_N"],
-                                       programs_per_sm=_PROGRAMS_PER_SM)
-    num_splits = max(1, min(num_splits, max_blocks, _MAX_SPLITS))
-    split = num_splits > 1
-    if split:
-        o_part, lse_part = _new_partials((batch, s_q, h_q, num_splits, d), (batch, s_q, h_q, num_splits), q.device)
-        o_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3))
-        l_strides = (lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), lse_part.stride(3))
-        o_dst, l_dst = o_part, lse_part
-    else:
-        o_strides = (out.stride(0), out.stride(1), out.stride(2), 0)
-        l_strides = (lse.stride(0), lse.stride(2), lse.stride(1), 0)   # lse is [B, H_q, S_q]
-        o_dst, l_dst = out, lse
-    bt = block_table if paged else seqused_k     # valid pointers the kernel never reads
-    sk = sinks if sinks is not None else seqused_k
-    grid = (batch * h_kv, num_splits, cfg["num_q_tiles"])
-    _decode_fwd_kernel[grid](
-        q, k_cache, v_cache, seqused_k, bt, sk, o_dst, l_dst,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *o_strides, *l_strides,
-        block_table.stride(0) if paged else 0,
-        h_kv, group, s_q, k_cache.shape[1], num_splits, scale, softcap,
-        HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        IS_PAGED=paged, IS_SPLIT=split, HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap > 0,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_ALIGN=cfg["KV_ALIGN"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if split:
-        _merge_splits_kernel[(batch * s_q * h_q,)](
-            o_part, lse_part, sk, out, lse,
-            out.stride(0), out.stride(1), out.stride(2),
-            s_q, h_q, num_splits,
-            HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_S=min(16, triton.next_power_of_2(num_splits)),
-            HAS_SINKS=sinks is not None, num_warps=4)
-    return lse
-
-
-@_flash_decode.register_fake
-def _(q, k_cache, v_cache, seqused_k, block_table, sinks, out, scale, softcap, num_splits, check_values):
-    batch, s_q, h_q, _ = q.shape
-    return q.new_empty(batch, h_q, s_q, dtype=torch.float32)
-
-
-@torch.library.custom_op("twofold::merge_attention_states", mutates_args=())
-def _merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                            lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_device(out_a)
-    out = torch.empty(out_a.shape, dtype=out_a.dtype, device=out_a.device)
-    lse = torch.empty(lse_a.shape, dtype=torch.float32, device=out_a.device)
-    if out.numel() == 0:
-        return out, lse
-    t, h, d = out_a.shape[-3:]
-    oa, ob = out_a.contiguous(), out_b.contiguous()        # [..., T, H, D] as rows (n, t, h)
-    la, lb = lse_a.contiguous(), lse_b.contiguous()        # [..., H, T]
-    _merge_states_kernel[(out.numel() // d,)](
-        oa, la, ob, lb, out, lse, t, h,
-        HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=1 if d <= 128 else 2)
-    return out, lse
-
-
-@_merge_attention_states.register_fake
-def _(out_a, lse_a, out_b, lse_b):
-    return torch.empty_like(out_a), torch.empty_like(lse_a, dtype=torch.float32)
-
-
-# ----------------------------------------------------------------------------- public API
-
-def merge_attention_states(out_a, lse_a, out_b, lse_b):
-    """Merge two attention states over disjoint key sets into the state over their union.
-
-    ``out_* [..., T, H, D]`` (fp16 / bf16 / fp32) and ``lse_* [..., H, T]`` fp32 (natural log),
-    the layouts ``flash_decode`` returns ([B, S_q, H_q, D] and [B, H_q, S_q]) and varlen
-    attention returns ([T, H, D] and [H, T]).  Returns ``(out in out_a's dtype, lse fp32)``.
-    Associative and commutative; a side with lse = -inf (no keys) leaves the other side exactly
-    as it is; two empty sides give out 0 and lse -inf, never NaN.
-    """
-    for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating torch.Tensor")
-    if out_a.dim() < 3:
-        raise ValueError(f"out_a must be [..., T, H, D], got shape {tuple(out_a.shape)}")
-    if out_b.shape != out_a.shape or out_b.dtype != out_a.dtype:
-        raise ValueError(f"out_b must match out_a {tuple(out_a.shape)} {out_a.dtype}, "
-                         f"got {tuple(out_b.shape)} {out_b.dtype}")
-    if out_a.dtype not in _DTYPES:
-        raise TypeError(f"out_a must be float16, bfloat16 or float32 in the fast path, got {out_a.dtype}")
-    lse_shape = (*out_a.shape[:-3], out_a.shape[-2], out_a.shape[-3])
-    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
-        if tuple(t.shape) != lse_shape:
-            raise ValueError(f"{name} must be [..., H, T] = {lse_shape} for out {tuple(out_a.shape)}, "
-                             f"got shape {tuple(t.shape)}")
-        if t.dtype != torch.float32:
-            raise TypeError(f"{name} must be torch.float32, got {t.dtype}")
-    devices = {t.device for t in (out_a, lse_a, out_b, lse_b)}
-    if len(devices) > 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    return _merge_attention_states(out_a, lse_a, out_b, lse_b)
-
-
-def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None, v_new=None, scale=None,
-                 num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None):
-    """Decode attention of q against the KV cache; see the module docstring for shapes.
-
-    With ``k_new``/``v_new`` the cache is written in place first.  ``num_splits=None`` lets
-    ``choose_num_splits`` decide; ``num_splits=1`` is batch-invariant and deterministic.
-    Returns ``out [B, S_q, H_q, D]``, or ``(out, lse [B, H_q, S_q] fp32)`` when ``return_lse``;
-    with ``out=`` the result is written there.
-    """
-    _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new, v_new=v_new,
-                  scale=scale, num_splits=num_splits, softcap=softcap, sinks=sinks, out=out)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    seqused_k = seqused_k.contiguous()
-    if block_table is not None and block_table.stride(-1) != 1:
-        block_table = block_table.contiguous()
-    sinks = sinks.contiguous() if sinks is not None else None
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if k_new is not None:
-        k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
-        v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
-        # The append validates the index tensors (one host copy); the attention then skips it.
-        torch.ops.twofold.kv_cache_append(k_cache, v_cache, k_new, v_new, seqused_k, block_table)
-    lse = torch.ops.twofold.flash_decode(q, k_cache, v_cache, seqused_k, block_table, sinks, out, scale,
-                                         float(softcap), num_splits or 0, k_new is None)
-    return (out, lse) if return_lse else out
-
-
-# ----------------------------------------------------------------------------- ahead-of-time builds
-
-def _compile_cases():
-    """The decode kernel's distinct launch configs, plus the merge and append kernels."""
-    tt = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-    cuda = torch.device("cuda")
-    i32 = "i32"
-    fwd_sig = {name: i32 for name in (
-        "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt",
-        "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_osplit", "stride_lb", "stride_ls", "stride_lh",
-        "stride_lsplit", "stride_btb", "H_kv", "GROUP", "S_q", "PAGE_SIZE", "NUM_SPLITS")}
-    fwd_sig.update(seqused_ptr="*i32", bt_ptr="*i32", sinks_ptr="*fp32", lse_ptr="*fp32", scale="fp32",
-                   softcap="fp32")
-    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
-    # (dtype, D, rows = S_q * G, paged, KV alignment).  16-bit: every (BLOCK_M, BLOCK_N, warps, stages)
-    # that _fwd_config returns for D = 64 / 128 / 256 (the largest tiles of each BLOCK_D), in bf16, with
-    # two fp16 spot checks (same configs); D = 32 for the small head dims.  fp32: BLOCK_M = BLOCK_N = 16,
-    # both layouts.  D = 100 / 60 / 63 cover rows aligned to 4 or 1 elements only (8 warps).
-    shapes = [(bf16, d, rows, paged, 16) for d in (64, 128, 256) for rows in (8, 32, 64) for paged in (True, False)
-              if not (d == 256 and rows == 64)]
-    shapes += [(fp16, 128, 8, True, 16), (fp16, 128, 64, False, 16)]
-    shapes += [(fp32, d, 8, paged, 16) for d in (64, 128, 256) for paged in (True, False)]
-    shapes += [(bf16, 32, 64, True, 16), (fp32, 32, 8, False, 16)]
-    shapes += [(bf16, 100, 24, True, 4), (fp32, 100, 8, True, 4), (fp16, 60, 16, False, 4), (bf16, 63, 16, True, 1)]
-    cases = []
-    for i, (dt, d, rows, paged, align) in enumerate(shapes):
-        cfg = _fwd_config(d, dt, rows, paged, align, cuda)
-        split = i % 4 in (0, 3)
-        extras = i % 3 != 0
-        sig = dict(fwd_sig, q_ptr=f"*{tt[dt]}", k_ptr=f"*{tt[dt]}", v_ptr=f"*{tt[dt]}",
-                   o_ptr="*fp32" if split else f"*{tt[dt]}")
-        cases.append(dict(
-            kernel=_decode_fwd_kernel,
-            name=f"decode_fwd[{tt[dt]},D={d},M={cfg['BLOCK_M']},N={cfg['BLOCK_N']},w{cfg['num_warps']},"
-                 f"s{cfg['num_stages']},{'paged' if paged else 'dense'},{'split' if split else 'one'}]",
-            signature=sig,
-            constexprs=dict(HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                            IS_PAGED=paged, IS_SPLIT=split, HAS_SINKS=extras, HAS_SOFTCAP=extras,
-                            DOT_PRECISION="ieee" if dt == fp32 else "tf32", KV_ALIGN=cfg["KV_ALIGN"]),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            # fp32 dots are IEEE (FMA units); wgmma needs a 64-row tile, smaller tiles use mma.sync.
-            tensor_cores=dt != fp32, wgmma=cfg["BLOCK_M"] >= 64))
-    for dt in (fp16, bf16, fp32):
-        for d in (64, 256):
-            cases.append(dict(
-                kernel=_merge_splits_kernel, name=f"merge_splits[{tt[dt]},D={d}]",
-                signature=dict(po_ptr="*fp32", plse_ptr="*fp32", sinks_ptr="*fp32", o_ptr=f"*{tt[dt]}",
-                               lse_ptr="*fp32", stride_ob=i32, stride_os=i32, stride_oh=i32, S_q=i32, H_q=i32,
-                               NUM_SPLITS=i32),
-                constexprs=dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_S=16, HAS_SINKS=d == 64), num_warps=4, num_stages=1))
-            cases.append(dict(
-                kernel=_merge_states_kernel, name=f"merge_states[{tt[dt]},D={d}]",
-                signature=dict(oa_ptr=f"*{tt[dt]}", la_ptr="*fp32", ob_ptr=f"*{tt[dt]}", lb_ptr="*fp32",
-                               o_ptr=f"*{tt[dt]}", lse_ptr="*fp32", T=i32, H=i32),
-                constexprs=dict(HEAD_DIM=d, BLOCK_D=d), num_warps=1 if d <= 128 else 2, num_stages=1))
-            cases.append(dict(
-                kernel=_append_kv_kernel, name=f"append_kv[{tt[dt]},D={d}]",
-                signature=dict({n: i32 for n in (
-                    "stride_knb", "stride_kns", "stride_knh", "stride_vnb", "stride_vns", "stride_vnh", "stride_kb",
-                    "stride_kt", "stride_kh", "stride_vb", "stride_vt", "stride_vh", "stride_btb", "S_q",
-                    "PAGE_SIZE")}, kn_ptr=f"*{tt[dt]}", vn_ptr=f"*{tt[dt]}", k_ptr=f"*{tt[dt]}",
-                    v_ptr=f"*{tt[dt]}", seqused_ptr="*i32", bt_ptr="*i32"),
-                constexprs=dict(HEAD_DIM=d, BLOCK_D=d, IS_PAGED=d == 64), num_warps=1, num_stages=1))
-    return cases
-
+# ----------------------------------------------------------------------------- self-check
 
 if __name__ == "__main__":
     # A tiny self-check on the GPU (or CPU with TRITON_INTERPRET=1): split and unsplit agree.

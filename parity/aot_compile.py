@@ -3,8 +3,9 @@
     python parity/aot_compile.py fast/paged_varlen_attention.py [--arch 80 90] [--json out.json] [--shard I/N]
                                                                 [--first-config]
 
-The file under test lists what it launches in a private ``_compile_cases()`` function, one
-dict per launch shape::
+What a fast file launches is listed in ``parity/aot_cases/<same name>.py``: its ``cases(m)``
+reads the fast module ``m``'s private config tables (so the builds are the launches) and returns
+one dict per launch shape::
 
     dict(kernel=<@triton.jit, or @triton.autotune / @triton.heuristics over one>,
          name="attn_fwd[fp16,D=128]",            # shown in reports
@@ -145,14 +146,24 @@ def build(b: dict, arch: int) -> dict:
     return result
 
 
-def load_cases(path: Path) -> list[dict]:
-    spec = importlib.util.spec_from_file_location(f"aot_{path.stem}", path)
+CASES_DIR = Path(__file__).resolve().parent / "aot_cases"
+
+
+def _import(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
-    if not hasattr(mod, "_compile_cases"):
+    return mod
+
+
+def load_cases(path: Path) -> list[dict]:
+    """The build cases of fast file ``path``, from ``parity/aot_cases/<path.name>`` (none if absent)."""
+    table = CASES_DIR / path.name
+    if not table.exists():
         return []
-    return list(mod._compile_cases())
+    fast_module = _import(path, f"aot_{path.stem}")
+    return list(_import(table, f"aot_cases_{path.stem}").cases(fast_module))
 
 
 def main(argv=None) -> int:
@@ -183,3 +194,79 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ----------------------------------------------------------------------------- the observatory's static side
+# parity/observatory.py records a launch as the interpreter ran it (kernel, specialization, warps,
+# stages, grid); build_launch builds exactly that launch and reads what the GPU would get.
+
+# H100 SXM per-SM limits (CUDA occupancy calculator, compute capability 9.0) and its SM count.
+H100 = dict(sms=132, regs=65536, reg_unit=256, smem=233472, smem_unit=128, smem_reserved=1024,
+            threads=2048, blocks=32, warps=64)
+
+
+def sass_counts(cubin: bytes) -> dict:
+    """Instructions in the SASS (``cuobjdump -sass``, the trailing NOP padding left out), and how many
+    are tensor-core MMAs: HGMMA (Hopper's warpgroup MMA, wgmma) and HMMA (mma.sync)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text, flags=re.M)
+    while ops and ops[-1] == "NOP":     # alignment padding after the final branch, never executed
+        ops.pop()
+    return dict(sass=len(ops), hgmma=sum(op.startswith("HGMMA") for op in ops),
+                hmma=sum(op.startswith("HMMA") for op in ops))
+
+
+def occupancy(reg: int, shared: int, num_warps: int, programs: int, gpu: dict = H100) -> dict:
+    """Modelled, not measured: resident blocks per SM from the per-SM limits (registers allocated
+    per warp in units of 256, shared memory in units of 128 bytes plus 1 KB reserved per block,
+    threads, blocks), the fraction of warp slots filled, and the waves of ``programs`` programs."""
+    regs_per_warp = -(-max(reg, 1) * 32 // gpu["reg_unit"]) * gpu["reg_unit"]
+    by_regs = gpu["regs"] // regs_per_warp // num_warps
+    smem_per_block = -(-(shared + gpu["smem_reserved"]) // gpu["smem_unit"]) * gpu["smem_unit"]
+    by_smem = gpu["smem"] // smem_per_block
+    by_threads = gpu["threads"] // (32 * num_warps)
+    blocks = min(gpu["blocks"], by_regs, by_smem, by_threads)
+    limits = dict(registers=by_regs, shared=by_smem, threads=by_threads, blocks=gpu["blocks"])
+    return dict(blocks_per_sm=blocks, occupancy=blocks * num_warps / gpu["warps"],
+                limited_by=min(limits, key=limits.get),
+                waves=programs / (blocks * gpu["sms"]) if blocks else float("inf"))
+
+
+def _kernel(spec: dict):
+    """The @triton.jit function a recorded launch ran (importable by module name, else by file)."""
+    try:
+        mod = importlib.import_module(spec["module"])
+    except ImportError:
+        loader = importlib.util.spec_from_file_location(f"observed_{Path(spec['file']).stem}", spec["file"])
+        mod = importlib.util.module_from_spec(loader)
+        sys.modules[loader.name] = mod
+        loader.loader.exec_module(mod)
+    fn, _ = _unwrap(getattr(mod, spec["kernel"]))
+    return fn
+
+
+def build_launch(spec: dict, arch: int = 90) -> dict:
+    """Build one recorded launch (observatory ``Launch.spec()``) for ``arch``: ``build``'s figures
+    (registers, spills, shared memory, mma / wgmma in the PTX) plus SASS counts and modelled
+    occupancy and waves."""
+    label = spec["kernel"] + "{" + ",".join(f"{k}={v}" for k, v in spec["constexprs"].items()) + "}"
+    b = dict(fn=_kernel(spec), case=dict(name=label, signature=spec["signature"]), constexprs=spec["constexprs"],
+             num_warps=spec["num_warps"], num_stages=spec["num_stages"], label=label)
+    compiled = []
+    real_compile = triton.compile
+
+    def keep(*args, **kwargs):          # build() compiles once; keep the kernel for its SASS
+        compiled.append(real_compile(*args, **kwargs))
+        return compiled[-1]
+    triton.compile = keep
+    try:
+        result = build(b, arch)
+    finally:
+        triton.compile = real_compile
+    if compiled and result.get("reg") is not None:
+        result.update(sass_counts(compiled[-1].asm["cubin"]))
+        result.update(occupancy(result["reg"], result["shared"], spec["num_warps"], spec.get("programs", 0)))
+    return result

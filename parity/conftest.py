@@ -271,3 +271,65 @@ def pytest_collection_finish(session):
     builds = [item for item in session.items if item.path.name == "test_compile.py"]
     if builds and not session.config.option.collectonly:
         builds[0].module.start_builds()
+    _start_progress(session)
+
+
+# ----------------------------------------------------------------------------- progress
+
+_PROGRESS: dict = {}
+
+
+def _start_progress(session):
+    import collections
+    import time
+    now = time.monotonic()
+    _PROGRESS.update(remaining=collections.Counter(item.location[0] for item in session.items), counts={},
+                     start=now, file_start=now,
+                     reporter=session.config.pluginmanager.get_plugin("terminalreporter"))
+
+
+@pytest.hookimpl(trylast=True)   # after the terminal reporter wrote this test's dot
+def pytest_runtest_logreport(report):
+    """One summary line per test file as it finishes ("[ 3/14] parity/test_x.py: 35 passed, 4 skipped
+    in 52 s, 8.1 min so far"), so a long CPU run (the interpreter tier takes minutes) can be followed."""
+    if not _PROGRESS:
+        return
+    path = report.location[0]
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        outcome = "failed" if report.failed else ("skipped" if report.skipped else "passed")
+        counts = _PROGRESS["counts"].setdefault(path, {})
+        counts[outcome] = counts.get(outcome, 0) + 1
+    if report.when != "teardown":
+        return
+    remaining = _PROGRESS["remaining"]
+    remaining[path] -= 1
+    if remaining[path] or _PROGRESS["reporter"] is None:
+        return
+    import time
+    now = time.monotonic()
+    done = sum(1 for n in remaining.values() if n <= 0)
+    summary = ", ".join(f"{n} {k}" for k, n in sorted(_PROGRESS["counts"].get(path, {}).items()))
+    writer = _PROGRESS["reporter"]._tw             # the dots of -q share its line: start a new one
+    if writer.width_of_current_line:
+        writer.line()
+    _PROGRESS["reporter"].write_line(f"[{done:2d}/{len(remaining)}] {path}: {summary} in "
+                                     f"{now - _PROGRESS['file_start']:.0f} s, "
+                                     f"{(now - _PROGRESS['start']) / 60:.1f} min so far")
+    _PROGRESS["file_start"] = now
+
+
+# ----------------------------------------------------------------------------- the sanitizer
+
+@pytest.fixture(autouse=True)
+def interpreter_sanitizer():
+    """In the interpreter tier, every Triton kernel a test launches runs under the observatory's bounds
+    check (parity/observatory.py, cheap mode: no unique-address sets): an active lane outside every
+    tensor argument of its launch raises OutOfBounds, and fails the test at teardown even if the test
+    swallowed the exception.  ``TWOFOLD_SANITIZE=0`` turns it off (to measure what it costs)."""
+    if not INTERPRET or os.environ.get("TWOFOLD_SANITIZE", "1") == "0":
+        yield None
+        return
+    from observatory import observe
+    with observe(unique=False) as obs:
+        yield obs
+    assert not obs.violations, "out-of-bounds accesses:\n" + "\n".join(obs.violations)

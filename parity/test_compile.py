@@ -1,8 +1,8 @@
 """Every Triton kernel in fast/ builds for real GPUs (sm_80 and sm_90), without a GPU.
 
 The interpreter accepts code that the GPU compiler rejects (or compiles into something that
-spills registers to local memory), so each fast/ file's ``_compile_cases()`` launches are
-built ahead of time by ``parity/aot_compile.py`` in a separate interpreter (the Triton
+spills registers to local memory), so each fast/ file's launches, listed in
+``parity/aot_cases/<same name>.py``, are built ahead of time by ``parity/aot_compile.py`` in a separate interpreter (the Triton
 interpreter, switched on for the other tests, replaces ``@triton.jit`` and cannot compile).
 A case fails on a build error, on any local memory / stack (spills), and, for kernels that
 promise tensor cores, on PTX without ``mma.sync`` (sm_80) or ``wgmma`` (sm_90).
@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST_FILES = sorted(p for p in (ROOT / "fast").glob("*.py")
-                    if p.name != "__init__.py" and "_compile_cases" in p.read_text())
+FAST_FILES = sorted(ROOT / "fast" / p.name for p in (ROOT / "parity" / "aot_cases").glob("*.py"))
 
 
 # Each file's builds are split over SHARDS processes, all run side by side on the machine's cores:

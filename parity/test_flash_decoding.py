@@ -28,6 +28,7 @@ import ref.flash_decoding as ref
 from conftest import (DEVICE, ON_GPU, build_page_pools, check_close, dtype_params, gpu_case, make_generator, poison_,
                       random_lengths, randn, requires_gpu)
 from ref.paged_varlen_attention import AuxRequest, varlen_attn
+from test_paged_varlen_attention import assert_cpu_calls_raise_clearly, integer_kinds
 
 H100_SMS = 132
 
@@ -227,6 +228,70 @@ def test_auto_splits_use_the_gate(monkeypatch):
     assert kwargs["num_sms"] == expected_sms and kwargs["num_q_tiles"] == 1
 
 
+# The interpreter's max over a row that is all NaN warns (numpy's nanmax); the row is NaN all the same.
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("module", [ref, fast], ids=["ref", "fast"])
+def test_nan_in_query_reaches_its_row(module, splits):
+    """A NaN is never read as "no keys", with or without splits: one NaN in q makes that row of that
+    head NaN in out and lse; everything else is exactly what the clean input gives."""
+    case = as_dtype(build_case(batch=3, s_q=2, h_q=4, h_kv=2, d=32, page_size=5, max_len=40, seed=27,
+                               lengths=[40, 31, 17]), torch.float32)
+    clean, clean_lse = run(module, case, sinks=case["sinks"], num_splits=splits)
+    q = case["q"].clone()
+    q[1, 1, 3, 7] = float("nan")
+    out, lse = run(module, dict(case, q=q), sinks=case["sinks"], num_splits=splits)
+    assert torch.isnan(out[1, 1, 3]).all() and torch.isnan(lse[1, 3, 1])
+    out[1, 1, 3], lse[1, 3, 1], clean[1, 1, 3], clean_lse[1, 3, 1] = 0, 0, 0, 0
+    assert torch.equal(out, clean) and torch.equal(lse, clean_lse)
+
+
+# The interpreter evaluates both sides of a tl.where: inf - inf in the side a +inf sink never takes.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("module", [ref, fast], ids=["ref", "fast"])
+def test_infinite_sinks(module, splits):
+    """A sink of -inf is no sink (an empty sequence: out 0, lse -inf); a sink of +inf takes all the mass
+    (out 0, lse +inf); ref and fast agree."""
+    case = as_dtype(build_case(batch=3, s_q=2, h_q=4, h_kv=2, d=32, page_size=5, max_len=40, seed=28,
+                               lengths=[40, 0, 17]), torch.float32)
+    sinks = torch.tensor([float("-inf"), float("inf"), 0.5, float("-inf")], device=DEVICE)
+    plain, plain_lse = run(module, case, num_splits=splits)
+    out, lse = run(module, case, sinks=sinks, num_splits=splits)
+    for h in (0, 3):
+        assert torch.equal(out[:, :, h], plain[:, :, h]) and torch.equal(lse[:, h], plain_lse[:, h])
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1, [0, 3]]).all()
+    assert torch.all(out[:, :, 1] == 0) and torch.isposinf(lse[:, 1]).all()
+    o64, lse64 = run(ref, as_dtype(case, torch.float64), sinks=sinks.double())
+    check_close("out", out, o64, None, atol=1e-5)
+    check_close("lse", lse, lse64, None, atol=1e-5)
+
+
+def test_integral_num_splits():
+    case = as_dtype(build_case(batch=2, s_q=1, h_q=4, h_kv=2, d=16, page_size=4, max_len=30, seed=29),
+                    torch.float32)
+    for module in (ref, fast):
+        expect = run(module, case, num_splits=2)
+        for kind in integer_kinds():
+            got = run(module, case, num_splits=kind(2))
+            assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])
+        with pytest.raises(TypeError, match="num_splits"):
+            run(module, case, num_splits=True)
+
+
+def test_cpu_tensors_without_the_interpreter(tmp_path):
+    """flash_decode and merge_attention_states, called on CPU tensors without TRITON_INTERPRET=1,
+    raise a ValueError on the host that names the ways out, instead of dying inside Triton."""
+    assert_cpu_calls_raise_clearly("flash_decoding.py", """
+        import torch
+        from flash_decoding import flash_decode, merge_attention_states
+        q = torch.randn(2, 1, 4, 16)
+        cache = torch.randn(2, 8, 2, 16)
+        used = torch.tensor([8, 5], dtype=torch.int32)
+        o, lse = torch.randn(2, 1, 4, 16), torch.randn(2, 4, 1)
+        """, ["flash_decode(q, cache, cache, used)", "merge_attention_states(o, lse, o, lse)"], tmp_path)
+
+
 # ----------------------------------------------------------------------------- 3: cache writes, invariance
 
 @pytest.mark.parametrize("page", [3, None], ids=["paged", "dense"])
@@ -362,6 +427,39 @@ def test_merge_of_halves_is_attention_over_all(module):
     torch.testing.assert_close(merged[1], whole[1], atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("module", [ref, fast], ids=["ref", "fast"])
+def test_merge_nan_and_infinite_lse(module):
+    """A NaN lse makes the merged row NaN (it never reads as "no keys"); an lse of +inf, what PyTorch's
+    CUDA varlen_attn (FlashAttention-2) writes for a row that sees no key, is an empty side."""
+    gen = make_generator(26)
+    oa, la = random_state((2, 3, 4, 16), gen=gen, dtype=torch.float32)
+    ob, lb = random_state((2, 3, 4, 16), gen=gen, dtype=torch.float32)
+    nan_l = la.clone()
+    nan_l[0, 1, 2] = float("nan")
+    for o, lse in (module.merge_attention_states(oa, nan_l, ob, lb), module.merge_attention_states(ob, lb, oa, nan_l)):
+        assert torch.isnan(o[0, 2, 1]).all() and torch.isnan(lse[0, 1, 2])
+        o[0, 2, 1], lse[0, 1, 2] = 0, 0
+        assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    posinf = torch.full_like(lb, float("inf"))
+    garbage = torch.full_like(ob, 1e30)
+    o, lse = module.merge_attention_states(oa, la, garbage, posinf)
+    assert torch.equal(o, oa) and torch.equal(lse, la)
+    o, lse = module.merge_attention_states(garbage, posinf, garbage, posinf)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("module", [ref, fast], ids=["ref", "fast"])
+def test_merge_large_lse(module):
+    """Outputs 1 and 2 with lse 1e8 on both sides merge to 1.5, lse 1e8 + log 2: the max is subtracted
+    before exponentiating (log(exp(a) + exp(b)) rounds to a in fp32 there)."""
+    o1, o2 = (torch.full((1, 2, 4), value, device=DEVICE) for value in (1.0, 2.0))
+    for big in (1e8, -1e8, 3e38):
+        lse = torch.full((2, 1), big, device=DEVICE)
+        o, merged = module.merge_attention_states(o1, lse, o2, lse)
+        assert torch.all(o == 1.5), (big, o)
+        assert torch.equal(merged, (lse.double() + torch.log(torch.tensor(2.0, dtype=torch.float64))).float())
+
+
 def test_merge_bad_inputs():
     gen = make_generator(25)
     oa, la = random_state((2, 3, 4, 16), gen=gen, dtype=torch.float32)
@@ -410,6 +508,13 @@ def test_choose_num_splits_named_shapes(module):
         gate(1, 8, 1024, num_sms=0)
     with pytest.raises(ValueError, match="batch"):
         gate(-1, 8, 1024, num_sms=H100_SMS)
+    # Any integral number (numpy's too), never a bool.
+    for kind in integer_kinds():
+        assert gate(kind(4), kind(8), kind(32768), num_sms=kind(H100_SMS), block_n=kind(64)) == 7
+    with pytest.raises(TypeError, match="batch"):
+        gate(True, 8, 1024, num_sms=H100_SMS)
+    with pytest.raises(TypeError, match="num_sms"):
+        gate(4, 8, 1024, num_sms=132.0)
 
 
 # ----------------------------------------------------------------------------- 6: the contract

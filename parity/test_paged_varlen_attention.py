@@ -6,14 +6,21 @@ sequences up to 8k, head dims 64/128/256, every autotune config.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fast.paged_varlen_attention as fast
 import ref.paged_varlen_attention as ref
-from conftest import (DEVICE, ON_GPU, build_page_pools, check_close, cu_seqlens, dtype_params, fp64, gpu_case,
-                      make_generator, nan_like, randn, random_lengths)
+from conftest import (DEVICE, ON_GPU, build_page_pools, check_close, cu_seqlens, dtype_params, gpu_case,
+                      make_generator, nan_like, randn, random_lengths, requires_gpu)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -180,29 +187,44 @@ def test_fast_matches_ref_large(batch, page, window, dtype):
     check_fast_against_ref(b, dtype, paged_size=page, window=window)
 
 
+def config_key(d, dtype):
+    """The (GPU family, head-dim class, element size) key of the fast file's config tables."""
+    return (fast._gpu_family(torch.cuda.current_device()), fast._block_d(d),
+            torch.tensor([], dtype=dtype).element_size())
+
+
+def launch_options(cfg):
+    """A triton.Config as the keyword arguments the fast file's _FORCED_* hooks take."""
+    return dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def force_tiles(monkeypatch, block_m, block_n):
+    """Run every kernel (forward, dK/dV, dQ) with one tile shape: forced configs on a GPU, the
+    interpreter's fixed blocks on CPU."""
+    if ON_GPU:
+        cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=2)
+        monkeypatch.setattr(fast, "_FORCED_CONFIG", cfg)
+        monkeypatch.setattr(fast, "_FORCED_BWD_CONFIGS", (cfg, cfg))
+    else:
+        monkeypatch.setattr(fast, "_INTERPRET_BLOCKS", dict(BLOCK_M=block_m, BLOCK_N=block_n))
+
+
+@requires_gpu
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="GPU tier: needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_every_autotune_config(d, dtype, monkeypatch):
     """Each config the autotuner may pick gives the right answer, not just the fastest one."""
     b = make_batch(seed=5, n=4, max_q=300, max_k=500, h_q=6, h_kv=2, d=d)
-    family = fast._gpu_family(torch.cuda.current_device())
-    elt = torch.tensor([], dtype=dtype).element_size()
-    for cfg in fast._TUNED[(family, fast._block_d(d), elt)].configs:
-        monkeypatch.setattr(fast, "_FORCED_CONFIG", dict(cfg.kwargs, num_warps=cfg.num_warps,
-                                                         num_stages=cfg.num_stages))
+    for cfg in fast._TUNED[config_key(d, dtype)].configs:
+        monkeypatch.setattr(fast, "_FORCED_CONFIG", launch_options(cfg))
         check_fast_against_ref(b, dtype, paged_size=16, window=(-1, 0))
 
 
 @pytest.mark.parametrize("blocks", [(32, 16), (16, 32), (64, 64)], ids=str)
 def test_interpreter_tile_shapes(blocks, monkeypatch):
     """Other tile shapes move the tile/segment boundaries: same answer."""
-    if ON_GPU:
-        monkeypatch.setattr(fast, "_FORCED_CONFIG", dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1], num_warps=4,
-                                                         num_stages=2))
-    else:
-        monkeypatch.setattr(fast, "_INTERPRET_BLOCKS", dict(BLOCK_M=blocks[0], BLOCK_N=blocks[1]))
+    force_tiles(monkeypatch, *blocks)
     b = make_batch(seed=7, n=4, max_q=40, max_k=70, h_q=6, h_kv=2, d=32)
     check_fast_against_ref(b, torch.float32, window=(9, 2))
     check_fast_against_ref(b, torch.float32, paged_size=5, window=(-1, 0))
@@ -253,6 +275,106 @@ def test_rows_that_see_nothing(mod):
                              return_aux=mod.AuxRequest(lse=True))
     assert torch.all(o[:2] == 0) and torch.all(o[6:] == 0)
     torch.testing.assert_close(lse[:, 6:], sinks[:, None].expand(2, 3))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["packed", "paged"])
+@pytest.mark.parametrize("mod", [ref, fast], ids=["ref", "fast"])
+def test_padded_buffers(mod, paged):
+    """CUDA-graph serving pads its buffers: cu_seq_q[-1] < T_q and cu_seq_k[-1] < T_k are legal, as in
+    PyTorch and FlashAttention.  The real rows equal the unpadded call bitwise; rows past cu_seq_q[-1]
+    get out 0 and lse -inf, and varlen_attn_out leaves them as they were."""
+    b = make_batch(seed=40, n=3, max_q=9, max_k=14, h_q=4, h_kv=2, d=32)
+    pages = paged_view(b, 4) if paged else None
+    expect, expect_lse = run(mod, b, window=(-1, 0), paged=pages)
+    gen = make_generator(41)
+    padded = dict(b, q=torch.cat([b["q"], randn(5, 4, 32, gen=gen)]), k=torch.cat([b["k"], randn(7, 2, 32, gen=gen)]),
+                  v=torch.cat([b["v"], randn(7, 2, 32, gen=gen)]))
+    t = b["q"].shape[0]
+    o, lse = run(mod, padded, window=(-1, 0), paged=pages)
+    assert torch.equal(o[:t], expect) and torch.equal(lse[:, :t], expect_lse)
+    assert torch.all(o[t:] == 0) and torch.isneginf(lse[:, t:]).all()
+    out = torch.full_like(padded["q"], 7.0)
+    o, lse = run(mod, padded, window=(-1, 0), paged=pages, out=out)
+    assert torch.equal(out[:t], expect) and torch.equal(lse[:, :t], expect_lse)
+    assert torch.all(out[t:] == 7.0) and torch.isneginf(lse[:, t:]).all()
+    # Every row padding (no sequence at all, or only empty ones).
+    for cu in (cu_seqlens([]), cu_seqlens([0, 0])):
+        out = torch.full_like(b["q"], 7.0)
+        o, lse = mod.varlen_attn_out(out, b["q"], b["k"], b["v"], cu, cu, 0, 0, enable_gqa=True,
+                                     return_aux=mod.AuxRequest(lse=True))
+        assert torch.all(out == 7.0) and torch.isneginf(lse).all()
+        assert torch.all(mod.varlen_attn(b["q"], b["k"], b["v"], cu, cu, 0, 0, enable_gqa=True) == 0)
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+@pytest.mark.parametrize("mod", [ref, fast], ids=["ref", "fast"])
+def test_nan_in_query_reaches_its_row(mod, with_sinks):
+    """A NaN is never read as "no keys": one NaN in q makes that row of that head NaN in out and lse;
+    every other element is exactly what the clean input gives."""
+    b = make_batch(seed=43, n=3, max_q=9, max_k=14, h_q=4, h_kv=2, d=32, same_lengths=True)
+    sinks = randn(4, gen=b["gen"]) if with_sinks else None
+    clean, clean_lse = run(mod, b, window=(-1, 0), sinks=sinks)
+    row, head = 13, 2
+    b["q"] = b["q"].clone()
+    b["q"][row, head, 5] = float("nan")
+    o, lse = run(mod, b, window=(-1, 0), sinks=sinks)
+    assert torch.isnan(o[row, head]).all() and torch.isnan(lse[head, row])
+    o[row, head], lse[head, row], clean[row, head], clean_lse[head, row] = 0, 0, 0, 0
+    assert torch.equal(o, clean) and torch.equal(lse, clean_lse)
+
+
+# The interpreter evaluates both sides of a tl.where: inf - inf in the side a +inf sink never takes.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
+@pytest.mark.parametrize("mod", [ref, fast], ids=["ref", "fast"])
+def test_infinite_sinks(mod):
+    """A sink of -inf is no sink (a row that sees no key: out 0, lse -inf, never NaN); a sink of +inf
+    takes all the mass (out 0, lse +inf).  Rows 0-1 see no key under the causal mask."""
+    gen = make_generator(44)
+    q, k, v = randn(9, 4, 16, gen=gen), randn(7, 2, 16, gen=gen), randn(7, 2, 16, gen=gen)
+    cu_q, cu_k = cu_seqlens([6, 3]), cu_seqlens([4, 3])
+    sinks = torch.tensor([float("-inf"), float("inf"), 0.5, float("-inf")], device=DEVICE)
+    kw = dict(window_size=(-1, 0), enable_gqa=True, return_aux=mod.AuxRequest(lse=True))
+    plain, plain_lse = mod.varlen_attn(q, k, v, cu_q, cu_k, 6, 4, **kw)
+    o, lse = mod.varlen_attn(q, k, v, cu_q, cu_k, 6, 4, sinks=sinks, **kw)
+    for h in (0, 3):
+        assert torch.equal(o[:, h], plain[:, h]) and torch.equal(lse[h], plain_lse[h])
+    assert torch.isneginf(lse[0, :2]).all() and torch.all(o[:2] == 0)
+    assert torch.all(o[:, 1] == 0) and torch.isposinf(lse[1]).all()
+    o_ref, lse_ref = ref.varlen_attn(q.double(), k.double(), v.double(), cu_q, cu_k, 6, 4, sinks=sinks.double(), **kw)
+    check_close("out", o, o_ref, None, atol=1e-5)
+    check_close("lse", lse, lse_ref, None, atol=1e-5)
+
+
+@requires_gpu
+@pytest.mark.gpu
+def test_padded_buffers_under_cuda_graph_capture():
+    """Captured in a CUDA graph the offsets are never read on the host, so the padding kernel always
+    runs: replaying with fewer real rows zeroes the rest (varlen_attn) or leaves them (out=)."""
+    b = make_batch(seed=46, n=3, max_q=9, max_k=14, h_q=4, h_kv=2, d=64, dtype=torch.bfloat16)
+    k_pool, v_pool, table, used = paged_view(b, 16)
+    t = b["q"].shape[0]
+    q = torch.cat([b["q"], torch.randn(7, 4, 64, device=DEVICE, dtype=torch.bfloat16)])
+    cu_q = b["cu_q"].clone()
+    kw = dict(window_size=(-1, 0), enable_gqa=True, block_table=table, seqused_k=used,
+              return_aux=fast.AuxRequest(lse=True))
+    expect, expect_lse = fast.varlen_attn(q, k_pool, v_pool, cu_q, None, b["max_q"], b["max_k"], **kw)
+    out = torch.full_like(q, 7.0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):   # warm-up: compiles and autotunes outside the capture
+        fast.varlen_attn(q, k_pool, v_pool, cu_q, None, b["max_q"], b["max_k"], **kw)
+        fast.varlen_attn_out(out, q, k_pool, v_pool, cu_q, None, b["max_q"], b["max_k"], **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = fast.varlen_attn(q, k_pool, v_pool, cu_q, None, b["max_q"], b["max_k"], **kw)
+        _, lse_out = fast.varlen_attn_out(out, q, k_pool, v_pool, cu_q, None, b["max_q"], b["max_k"], **kw)
+    out.fill_(7.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o, expect) and torch.equal(lse, expect_lse)
+    assert torch.all(o[t:] == 0) and torch.isneginf(lse[:, t:]).all()
+    assert torch.equal(out[:t], expect[:t]) and torch.all(out[t:] == 7.0) and torch.isneginf(lse_out[:, t:]).all()
 
 
 def test_empty_batch_and_empty_queries():
@@ -348,7 +470,8 @@ def _bad_inputs():
         ("cu_k-not-int32", with_(base, 4, cu_k.long()), TypeError, "cu_seq_k"),
         ("table-not-int32", with_(paged, block_table=table.long()), TypeError, "block_table"),
         ("seqused-not-int32", with_(paged, seqused_k=used.long()), TypeError, "seqused_k"),
-        ("cu_q-last-not-T_q", with_(base, 3, cu_seqlens([2, 3])), ValueError, "cu_seq_q"),
+        ("cu_q-last-past-T_q", with_(base, 3, cu_seqlens([2, 5])), ValueError, "cu_seq_q"),
+        ("cu_k-last-past-T_k", with_(base, 4, cu_seqlens([3, 6])), ValueError, "cu_seq_k"),
         ("head-dim-mismatch", with_(with_(base, 1, randn(8, 2, 8, gen=gen)), 2, randn(8, 2, 8, gen=gen)),
          ValueError, "head dim"),
         ("seqused-beyond-pages", with_(paged, seqused_k=torch.tensor([3, 9], dtype=torch.int32, device=DEVICE)),
@@ -356,6 +479,11 @@ def _bad_inputs():
         ("page-outside-pool", with_(paged, block_table=torch.tensor([[0, 1], [2, 7]], dtype=torch.int32,
                                                                     device=DEVICE)), ValueError, "block_table"),
         ("max_q-too-small", with_(base, 5, 3), ValueError, "max_q"),
+        ("max_q-bool", with_(base, 5, True), TypeError, "max_q"),
+        ("max_k-float", with_(base, 6, 5.0), TypeError, "max_k"),
+        ("window-bool", with_(base, window_size=(True, 0)), TypeError, "window_size"),
+        ("window-float", with_(base, window_size=(2.0, 0)), TypeError, "window_size"),
+        ("num_splits-bool", with_(base, num_splits=True), TypeError, "num_splits"),
         ("dtype-mismatch", with_(base, 1, k.half()), TypeError, "dtype"),
         ("cu_k-none-unpaged", with_(base, 4, None), ValueError, "cu_seq_k"),
         ("bad-window", with_(base, window_size=(-2, 0)), ValueError, "window_size"),
@@ -385,6 +513,40 @@ def test_bad_out_raises(mod):
         mod.varlen_attn_out(torch.empty(3, 2, 16, device=DEVICE), *args)
     with pytest.raises(ValueError, match="out"):
         mod.varlen_attn_out(torch.empty_like(b["q"], dtype=torch.float16), *args)
+    with pytest.raises(TypeError, match="out must be a torch.Tensor"):
+        mod.varlen_attn_out(None, *args)
+
+
+class Index:
+    """An integer that is not a Python int, like numpy's: it only implements ``__index__``."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __index__(self):
+        return self.value
+
+
+def integer_kinds():
+    kinds = [Index]
+    try:
+        import numpy
+        kinds += [numpy.int64, numpy.int32]
+    except ImportError:   # numpy is not a dependency of the files; the protocol above is what they accept
+        pass
+    return kinds
+
+
+@pytest.mark.parametrize("mod", [ref, fast], ids=["ref", "fast"])
+def test_integral_arguments(mod):
+    """window_size, max_q, max_k and num_splits take any integral number (numpy's too), not only int."""
+    b = make_batch(seed=19, n=3, max_q=7, max_k=11, h_q=4, h_kv=2, d=16)
+    expect = run(mod, b, window=(3, 0), num_splits=2)
+    for kind in integer_kinds():
+        args = (b["q"], b["k"], b["v"], b["cu_q"], b["cu_k"], kind(b["max_q"]), kind(b["max_k"]))
+        got = mod.varlen_attn(*args, window_size=(kind(3), kind(0)), num_splits=kind(2), enable_gqa=True,
+                              return_aux=mod.AuxRequest(lse=True))
+        assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1]), kind
 
 
 def test_fast_limits_raise():
@@ -396,3 +558,40 @@ def test_fast_limits_raise():
     q = randn(3, 1, 16, gen=gen, dtype=torch.float64)
     with pytest.raises(TypeError, match="float64"):
         fast.varlen_attn(q, q, q, cu, cu, 3, 3)
+
+
+# ----------------------------------------------------------------------------- CPU tensors, no interpreter
+
+def assert_cpu_calls_raise_clearly(fast_file: str, setup: str, calls: list[str], tmp_path: Path):
+    """Copy ``fast/<fast_file>`` alone into ``tmp_path`` and, in a fresh Python without
+    TRITON_INTERPRET (this test session sets it), run ``setup`` and then each expression of ``calls``
+    on CPU tensors: each must raise a ValueError on the host that names the ways out (a CUDA tensor,
+    TRITON_INTERPRET=1, the reference file), instead of dying inside Triton ("0 active drivers")."""
+    shutil.copy(Path(__file__).resolve().parents[1] / "fast" / fast_file, tmp_path)
+    probe = textwrap.dedent(setup) + textwrap.dedent(f"""
+        for call in ({", ".join(f"lambda: {c}" for c in calls)},):
+            try:
+                call()
+                print("no error")
+            except ValueError as e:
+                print(" ".join(str(e).split()))
+        """)
+    env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "TRITON_INTERPRET"}}
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == len(calls), lines
+    for line in lines:
+        assert "CUDA" in line and "TRITON_INTERPRET=1" in line and "ref/" in line, line
+
+
+def test_cpu_tensors_without_the_interpreter(tmp_path):
+    """Both entry points, called on CPU tensors without TRITON_INTERPRET=1, raise a clear error."""
+    assert_cpu_calls_raise_clearly("paged_varlen_attention.py", """
+        import torch
+        from paged_varlen_attention import varlen_attn, varlen_attn_out
+        q = torch.randn(4, 2, 16)
+        cu = torch.tensor([0, 4], dtype=torch.int32)
+        """, ["varlen_attn(q, q, q, cu, cu, 4, 4)", "varlen_attn_out(torch.empty_like(q), q, q, q, cu, cu, 4, 4)"],
+        tmp_path)

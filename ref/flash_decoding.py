@@ -1,14 +1,12 @@
 """FlashDecoding: split-KV decode attention over a KV cache: the reference (readable PyTorch).
 
-What it computes
-    Attention of a few new query rows per sequence (one while decoding, 2..16 while verifying
-    speculative tokens) against that sequence's KV cache, contiguous or paged, causal
-    bottom-right inside the cache; optionally writing the new keys and values into the cache
-    first.  The FlashDecoding algorithm splits each sequence's keys into ``num_splits``
-    contiguous chunks, attends to each chunk on its own (a partial output and its
-    log-sum-exp), and merges the partial results exactly by their log-sum-exps.  This file
-    writes that algorithm plainly; ``merge_attention_states`` is the merge step and
-    ``choose_num_splits`` the rule the fast file uses to decide how many chunks to make.
+Attention of a few new query rows per sequence (one while decoding, 2..16 while verifying
+speculative tokens) against that sequence's KV cache, contiguous or paged, causal bottom-right
+inside the cache, optionally writing the new keys and values into the cache first.  The
+FlashDecoding algorithm splits each sequence's keys into ``num_splits`` chunks, attends to each
+chunk on its own (a partial output and its log-sum-exp) and merges the partial results exactly.
+``merge_attention_states`` is the merge step; ``choose_num_splits`` the rule the fast file uses
+to decide how many chunks to make.
 
 The math, for sequence b with L = seqused_k[b] keys, S_q query rows, query head h, KV head h // G
     s_ij  = scale * <q_i, k_j>                       scale defaults to D ** -0.5
@@ -16,57 +14,216 @@ The math, for sequence b with L = seqused_k[b] keys, S_q query rows, query head 
     i sees j  iff  j <= L - S_q + i                  (row i is the key at position L - S_q + i)
     lse_i = log( sum_{j seen} exp(s_ij) [+ exp(sink_h)] )
     o_i   = sum_{j seen} exp(s_ij - lse_i) v_j
-    A row that sees no key gets o_i = 0 and lse_i = -inf (with a sink: lse_i = sink_h).
+    A row that sees no key gets o_i = 0 and lse_i = -inf (with a sink: lse_i = sink_h).  A sink
+    of -inf is no sink; one of +inf takes all the mass (o_i = 0, lse_i = +inf).  A NaN input gives
+    NaN in the rows it reaches, with any number of splits.
 
     Split and merge.  A chunk C of keys gives a partial state (o_C, lse_C) computed as above
     over j in C only, without the sink.  Two states merge exactly:
         lse = log(exp(lse_A) + exp(lse_B))
         o   = exp(lse_A - lse) o_A + exp(lse_B - lse) o_B
-    The merge is associative and commutative, and the empty state (o = 0, lse = -inf) is
-    its identity, so the chunks may be merged in any grouping.  The sink is one more state,
-    (o = 0, lse = sink_h), merged once at the end: it only enlarges the denominator.
+    computed with the larger lse subtracted first.  The merge is associative and commutative, and
+    the empty state (o = 0, lse = -inf) is its identity.  The sink is one more state, (o = 0,
+    lse = sink_h), merged once at the end.  ``merge_attention_states`` also reads lse = +inf as
+    empty: PyTorch's CUDA varlen_attn (FlashAttention-2) marks a row with no key that way.
 
 Tensors (B sequences, S_q query rows each, H_q / H_kv heads, D head dim, G = H_q / H_kv)
-    q             [B, S_q, H_q, D]                  fp16 / bf16 / fp32 (fp64 in the reference)
+    q             [B, S_q, H_q, D]                  fp16 / bf16 / fp32 / fp64
     k_cache,      [B, S_max, H_kv, D]               contiguous: key j of sequence b at [b, j]
-    v_cache       [num_pages, page_size, H_kv, D]   paged, when block_table is given: key j of
-                                                    sequence b at [block_table[b, j // page_size],
-                                                    j % page_size]
+    v_cache       [num_pages, page_size, H_kv, D]   paged (block_table): key j of sequence b at
+                                                    [block_table[b, j // page_size], j % page_size]
     seqused_k     [B] int32                         valid keys per sequence, new ones included
     block_table   [B, max_pages] int32              page ids of each sequence
     k_new, v_new  [B, S_q, H_kv, D]                 written in place at positions L - S_q .. L - 1
     sinks         [H_q] float                       one sink logit per query head
     out           [B, S_q, H_q, D]                  q's dtype
-    lse           [B, H_q, S_q] fp32                natural log (fp64 for fp64 inputs here)
+    lse           [B, H_q, S_q] fp32                natural log (fp64 for fp64 inputs)
 
 Supported, and what raises
-    Any page size >= 1, any integer GQA ratio, any head dim (the fast file stops at 256),
-    S_q >= 1, any ``num_splits`` >= 1 (the result does not depend on it beyond rounding;
-    ``None`` means one chunk here, the fast file picks it with ``choose_num_splits``), CPU
-    and CUDA.  An empty sequence (seqused_k[b] == 0, e.g. a padding slot of a captured
-    batch) is legal: its rows see no key and its k_new rows are not written.  Bad input
-    raises ValueError or TypeError naming the argument: cache rank or shape mismatch, H_q
-    not a multiple of H_kv, head-dim / dtype / device mismatch, index tensors that are not
-    int32, seqused_k beyond the capacity of the cache or block table, 0 < seqused_k[b] < S_q,
-    block_table page ids outside the pool, k_new without v_new.  Inference only: no autograd.
-
-    ``upcast`` (reference only): True computes in fp32 (fp64 for fp64 inputs); False computes
-    in the input dtype, the "plain PyTorch in low precision" baseline of the parity tests.
+    Any page size, GQA ratio and head dim, S_q >= 1, any ``num_splits`` (the result does not
+    depend on it beyond rounding; ``None`` means one chunk here), CPU and CUDA.  An empty
+    sequence (seqused_k[b] == 0, a padding slot of a captured batch) is legal: its rows see no
+    key and its k_new rows are not written.  Bad input raises ValueError / TypeError naming the
+    argument.  Inference only.  ``upcast=False`` (reference only) computes in the input dtype,
+    the "plain PyTorch in low precision" baseline of the parity tests.
 
 References
-    Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference" (2023); Hong et
-    al., FlashDecoding++ (2023); Dao, FlashAttention-2 (2023) and flash-attn's
-    ``flash_attn_with_kvcache`` (the API this mirrors); Kwon et al., PagedAttention / vLLM
-    (2023); Ye et al., FlashInfer's attention-state merge (2025); Gemma 2 soft-capping;
-    gpt-oss learned sinks.
+    Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference" (2023); Hong et al.,
+    FlashDecoding++ (2023); flash-attn's ``flash_attn_with_kvcache`` (the API this mirrors);
+    Kwon et al., PagedAttention / vLLM (2023); Ye et al., FlashInfer's attention-state merge
+    (2025); Gemma 2 soft-capping; gpt-oss learned sinks.
 """
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
 __all__ = ["choose_num_splits", "flash_decode", "merge_attention_states"]
+
+
+# ----------------------------------------------------------------------------- the math
+
+def _merge(o_a, lse_a, o_b, lse_b):
+    """The exact merge of two attention states, in the dtype of its inputs (o [..., T, H, D],
+    lse [..., H, T]), the max subtracted first so the weights stay in [0, 1]:
+
+        m = max(lse_a, lse_b),  w = exp(lse - m),  lse = m + log(w_a + w_b),  o = (w_a o_a + w_b o_b) / (w_a + w_b)
+
+    lse = -inf is the empty state (no keys; its o is ignored, so it is the identity); lse = +inf
+    takes all the mass (a sink of +inf: out 0, lse +inf); a NaN gives NaN, never "no keys".
+    """
+    m = torch.maximum(lse_a, lse_b)                                 # NaN if either side is NaN
+    m = torch.where(torch.isneginf(m), 0, m)                        # two empty sides: any finite shift
+
+    def weight(lse):                                                # exp(lse - m): 1 for a +inf side, not nan
+        return torch.exp(torch.where(torch.isposinf(lse), 0, lse - m))
+
+    w_a, w_b = weight(lse_a), weight(lse_b)
+    den = w_a + w_b                                                 # 0 only when both sides are empty
+    den_safe = torch.where(den == 0, 1, den)
+
+    def share(w, o):                                                # w o / den, as [..., T, H, 1] * [..., T, H, D]
+        w = (w / den_safe).transpose(-1, -2)[..., None]
+        return w * torch.where(w == 0, 0, o)                        # an empty side's o may hold garbage
+
+    o = share(w_a, o_a) + share(w_b, o_b)
+    lse = torch.where(den == 0, float("-inf"), m + torch.log(den_safe))
+    return o, lse
+
+
+def _attend_chunk(q, k, v, first, length, *, scale, softcap):
+    """Attention of one sequence's S_q rows to one chunk of its keys, without the sink.
+
+    q [S_q, H_q, D]; k, v [n, H_kv, D] hold the keys at positions first .. first + n - 1 of a
+    sequence with ``length`` keys.  Returns the partial state (o [S_q, H_q, D], lse [H_q, S_q]).
+    """
+    s_q, h_q, _ = q.shape
+    h_kv = k.shape[1]
+    q = q.unflatten(1, (h_kv, h_q // h_kv))                         # [S_q, H_kv, G, D]: head h reads KV head h // G
+    s = torch.einsum("skgd,nkd->kgsn", q, k) * scale                # [H_kv, G, S_q, n]
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    key_pos = first + torch.arange(k.shape[0], device=q.device)     # [n]
+    last_seen = length - s_q + torch.arange(s_q, device=q.device)   # [S_q]: row i sees j <= L - S_q + i
+    s = s.masked_fill(key_pos[None, :] > last_seen[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                # [H_kv, G, S_q], -inf for a row that sees nothing
+    p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)[..., None])
+    o = torch.einsum("kgsn,nkd->skgd", p, v)                        # [S_q, H_kv, G, D]
+    return o.flatten(1, 2), lse.flatten(0, 1)                       # [S_q, H_q, D], [H_q, S_q]
+
+
+# ----------------------------------------------------------------------------- public API
+
+def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None, v_new=None, scale=None,
+                 num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None, upcast=True):
+    """Decode attention of q against the KV cache; see the module docstring for shapes.
+
+    With ``k_new``/``v_new`` the cache is written in place first.  Returns ``out [B, S_q, H_q, D]``,
+    or ``(out, lse [B, H_q, S_q])`` when ``return_lse``; with ``out=`` the result is written there.
+    """
+    lengths = _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new,
+                            v_new=v_new, scale=scale, num_splits=num_splits, softcap=softcap,
+                            sinks=sinks, out=out)
+    batch, s_q, h_q, d = q.shape
+    scale = d ** -0.5 if scale is None else float(scale)
+    softcap = float(softcap)
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = wide if upcast else q.dtype
+    splits = 1 if num_splits is None else operator.index(num_splits)
+    with torch.no_grad():
+        if k_new is not None:
+            _append_to_cache(k_cache, v_cache, k_new, v_new, lengths, block_table)
+        outs, lses = [], []
+        for b, length in enumerate(lengths):
+            k, v = _gather_sequence(k_cache, v_cache, b, length, block_table)
+            qb, k, v = q[b].to(dtype), k.to(dtype), v.to(dtype)
+            # Start from the empty state (o = 0, lse = -inf), the identity of the merge.
+            o = torch.zeros(s_q, h_q, d, dtype=dtype, device=q.device)
+            lse = torch.full((h_q, s_q), float("-inf"), dtype=dtype, device=q.device)
+            chunk = max(1, -(-length // splits))
+            for first in range(0, length, chunk):                   # the splits, one after another
+                o_c, lse_c = _attend_chunk(qb, k[first:first + chunk], v[first:first + chunk], first, length,
+                                           scale=scale, softcap=softcap)
+                o, lse = _merge(o, lse, o_c, lse_c)
+            if sinks is not None:                                   # the sink: a state with no value, once
+                sink = sinks.to(dtype)[:, None].expand(h_q, s_q)
+                o, lse = _merge(o, lse, torch.zeros_like(o), sink)
+            outs.append(o.to(q.dtype))
+            lses.append(lse.to(wide))
+        result = torch.stack(outs) if outs else q.new_zeros(q.shape)
+        lse = torch.stack(lses) if lses else torch.zeros(0, h_q, s_q, dtype=wide, device=q.device)
+        if out is not None:
+            out.copy_(result)
+            result = out
+    return (result, lse) if return_lse else result
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b, *, upcast=True):
+    """Merge two attention states over disjoint key sets into the state over their union.
+
+    ``out_* [..., T, H, D]`` (any float dtype) and ``lse_* [..., H, T]`` (natural log), the
+    layouts ``flash_decode`` returns ([B, S_q, H_q, D] and [B, H_q, S_q]) and varlen
+    attention returns ([T, H, D] and [H, T]).  Returns ``(out in out_a's dtype, lse fp32)``
+    (fp64 for fp64 inputs).  Associative and commutative, exact at any |lse| (the larger is subtracted
+    first).  A side with lse = -inf or +inf (no keys: this repo writes -inf, PyTorch's CUDA
+    varlen_attn, i.e. FlashAttention-2, writes +inf) leaves the other side exactly as it is; two
+    empty sides give out 0 and lse -inf.  A NaN lse on either side gives NaN, never the other side.
+    """
+    for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating torch.Tensor")
+    if out_a.dim() < 3:
+        raise ValueError(f"out_a must be [..., T, H, D], got shape {tuple(out_a.shape)}")
+    if out_b.shape != out_a.shape or out_b.dtype != out_a.dtype:
+        raise ValueError(f"out_b must match out_a {tuple(out_a.shape)} {out_a.dtype}, "
+                         f"got {tuple(out_b.shape)} {out_b.dtype}")
+    lse_shape = (*out_a.shape[:-3], out_a.shape[-2], out_a.shape[-3])
+    wide = torch.float64 if out_a.dtype == torch.float64 else torch.float32
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if tuple(t.shape) != lse_shape:
+            raise ValueError(f"{name} must be [..., H, T] = {lse_shape} for out {tuple(out_a.shape)}, "
+                             f"got shape {tuple(t.shape)}")
+        if t.dtype != wide:
+            raise TypeError(f"{name} must be {wide}, got {t.dtype}")
+    devices = {t.device for t in (out_a, lse_a, out_b, lse_b)}
+    if len(devices) > 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    dtype = wide if upcast else out_a.dtype
+    # PyTorch's CUDA varlen_attn (FlashAttention-2) marks a row that saw no key with lse = +inf, this
+    # repo with -inf: read both as the empty side.
+    lse_a, lse_b = (torch.where(torch.isposinf(t), float("-inf"), t) for t in (lse_a, lse_b))
+    o, lse = _merge(out_a.to(dtype), lse_a.to(dtype), out_b.to(dtype), lse_b.to(dtype))
+    return o.to(out_a.dtype), lse.to(wide)
+
+
+# ----------------------------------------------------------------------------- the cache
+
+def _gather_sequence(k_cache, v_cache, b, length, block_table):
+    """The ``length`` cached keys and values of sequence b, as [L, H_kv, D]."""
+    if block_table is None:
+        return k_cache[b, :length], v_cache[b, :length]
+    page_size = k_cache.shape[1]
+    pages = block_table[b, :-(-length // page_size)].long()        # the pages the sequence owns
+    return k_cache[pages].flatten(0, 1)[:length], v_cache[pages].flatten(0, 1)[:length]
+
+
+def _append_to_cache(k_cache, v_cache, k_new, v_new, lengths, block_table):
+    """Write k_new/v_new [B, S_q, H_kv, D] at positions L - S_q .. L - 1 of each sequence, in place."""
+    s_q = k_new.shape[1]
+    for b, length in enumerate(lengths):
+        if length == 0:                                             # an empty (padding) slot: nothing to write
+            continue
+        pos = torch.arange(length - s_q, length, device=k_cache.device)
+        if block_table is None:
+            k_cache[b, pos] = k_new[b]
+            v_cache[b, pos] = v_new[b]
+        else:
+            page_size = k_cache.shape[1]
+            pages = block_table[b].long()[pos // page_size]
+            k_cache[pages, pos % page_size] = k_new[b]
+            v_cache[pages, pos % page_size] = v_new[b]
 
 
 # ----------------------------------------------------------------------------- the shape gate
@@ -90,14 +247,12 @@ def choose_num_splits(batch, num_kv_heads, max_seqlen_k, *, num_sms, num_q_tiles
     Never more splits than KV blocks.  Pure: no device is queried (the fast op passes the
     SM count it reads once per device).
     """
-    for name, value in (("batch", batch), ("num_kv_heads", num_kv_heads), ("max_seqlen_k", max_seqlen_k),
-                        ("num_q_tiles", num_q_tiles)):
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    for name, value in (("num_sms", num_sms), ("block_n", block_n), ("programs_per_sm", programs_per_sm),
-                        ("max_splits", max_splits)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    batch, num_kv_heads, max_seqlen_k, num_q_tiles = (
+        _integer(name, value, 0) for name, value in (("batch", batch), ("num_kv_heads", num_kv_heads),
+                                                     ("max_seqlen_k", max_seqlen_k), ("num_q_tiles", num_q_tiles)))
+    num_sms, block_n, programs_per_sm, max_splits = (
+        _integer(name, value, 1) for name, value in (("num_sms", num_sms), ("block_n", block_n),
+                                                     ("programs_per_sm", programs_per_sm), ("max_splits", max_splits)))
     programs = batch * num_kv_heads * num_q_tiles
     slots = num_sms * programs_per_sm
     num_blocks = -(-max_seqlen_k // block_n)
@@ -196,8 +351,8 @@ def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, 
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not isinstance(softcap, (int, float)) or softcap < 0:
         raise ValueError(f"softcap must be a float >= 0, got {softcap!r}")
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+    if num_splits is not None:
+        _integer("num_splits", num_splits, 1)
 
     # Value checks: one small device-to-host copy of the index tensors.
     lengths = seqused_k.tolist()
@@ -221,146 +376,18 @@ def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, 
     return lengths
 
 
-# ----------------------------------------------------------------------------- the math
-
-def _merge(o_a, lse_a, o_b, lse_b):
-    """The exact merge of two attention states, in the dtype of its inputs.
-
-    o [..., T, H, D], lse [..., H, T].  A side with lse = -inf contributes nothing (even if
-    its o holds garbage), so the empty state is the identity and nothing becomes NaN.
-    """
-    lse = torch.logaddexp(lse_a, lse_b)                             # -inf when both are empty
-    lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    w_a = torch.exp(lse_a - lse_safe).transpose(-1, -2)[..., None]  # [..., T, H, 1]
-    w_b = torch.exp(lse_b - lse_safe).transpose(-1, -2)[..., None]
-    o = torch.where(w_a > 0, w_a * o_a, 0) + torch.where(w_b > 0, w_b * o_b, 0)
-    return o, lse
-
-
-def _attend_chunk(q, k, v, first, length, *, scale, softcap):
-    """Attention of one sequence's S_q rows to one chunk of its keys, without the sink.
-
-    q [S_q, H_q, D]; k, v [n, H_kv, D] hold the keys at positions first .. first + n - 1 of a
-    sequence with ``length`` keys.  Returns the partial state (o [S_q, H_q, D], lse [H_q, S_q]).
-    """
-    s_q, h_q, _ = q.shape
-    h_kv = k.shape[1]
-    q = q.unflatten(1, (h_kv, h_q // h_kv))                         # [S_q, H_kv, G, D]: head h reads KV head h // G
-    s = torch.einsum("skgd,nkd->kgsn", q, k) * scale                # [H_kv, G, S_q, n]
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    key_pos = first + torch.arange(k.shape[0], device=q.device)     # [n]
-    last_seen = length - s_q + torch.arange(s_q, device=q.device)   # [S_q]: row i sees j <= L - S_q + i
-    s = s.masked_fill(key_pos[None, :] > last_seen[:, None], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)                                # [H_kv, G, S_q], -inf for a row that sees nothing
-    p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)[..., None])
-    o = torch.einsum("kgsn,nkd->skgd", p, v)                        # [S_q, H_kv, G, D]
-    return o.flatten(1, 2), lse.flatten(0, 1)                       # [S_q, H_q, D], [H_q, S_q]
-
-
-def _gather_sequence(k_cache, v_cache, b, length, block_table):
-    """The ``length`` cached keys and values of sequence b, as [L, H_kv, D]."""
-    if block_table is None:
-        return k_cache[b, :length], v_cache[b, :length]
-    page_size = k_cache.shape[1]
-    pages = block_table[b, :-(-length // page_size)].long()        # the pages the sequence owns
-    return k_cache[pages].flatten(0, 1)[:length], v_cache[pages].flatten(0, 1)[:length]
-
-
-def _append_to_cache(k_cache, v_cache, k_new, v_new, lengths, block_table):
-    """Write k_new/v_new [B, S_q, H_kv, D] at positions L - S_q .. L - 1 of each sequence, in place."""
-    s_q = k_new.shape[1]
-    for b, length in enumerate(lengths):
-        if length == 0:                                             # an empty (padding) slot: nothing to write
-            continue
-        pos = torch.arange(length - s_q, length, device=k_cache.device)
-        if block_table is None:
-            k_cache[b, pos] = k_new[b]
-            v_cache[b, pos] = v_new[b]
-        else:
-            page_size = k_cache.shape[1]
-            pages = block_table[b].long()[pos // page_size]
-            k_cache[pages, pos % page_size] = k_new[b]
-            v_cache[pages, pos % page_size] = v_new[b]
-
-
-# ----------------------------------------------------------------------------- public API
-
-def merge_attention_states(out_a, lse_a, out_b, lse_b, *, upcast=True):
-    """Merge two attention states over disjoint key sets into the state over their union.
-
-    ``out_* [..., T, H, D]`` (any float dtype) and ``lse_* [..., H, T]`` (natural log), the
-    layouts ``flash_decode`` returns ([B, S_q, H_q, D] and [B, H_q, S_q]) and varlen
-    attention returns ([T, H, D] and [H, T]).  Returns ``(out in out_a's dtype, lse fp32)``
-    (fp64 for fp64 inputs).  Associative and commutative; a side with lse = -inf (no keys)
-    leaves the other side exactly as it is; two empty sides give out 0 and lse -inf, never NaN.
-    """
-    for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating torch.Tensor")
-    if out_a.dim() < 3:
-        raise ValueError(f"out_a must be [..., T, H, D], got shape {tuple(out_a.shape)}")
-    if out_b.shape != out_a.shape or out_b.dtype != out_a.dtype:
-        raise ValueError(f"out_b must match out_a {tuple(out_a.shape)} {out_a.dtype}, "
-                         f"got {tuple(out_b.shape)} {out_b.dtype}")
-    lse_shape = (*out_a.shape[:-3], out_a.shape[-2], out_a.shape[-3])
-    wide = torch.float64 if out_a.dtype == torch.float64 else torch.float32
-    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
-        if tuple(t.shape) != lse_shape:
-            raise ValueError(f"{name} must be [..., H, T] = {lse_shape} for out {tuple(out_a.shape)}, "
-                             f"got shape {tuple(t.shape)}")
-        if t.dtype != wide:
-            raise TypeError(f"{name} must be {wide}, got {t.dtype}")
-    devices = {t.device for t in (out_a, lse_a, out_b, lse_b)}
-    if len(devices) > 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    dtype = wide if upcast else out_a.dtype
-    o, lse = _merge(out_a.to(dtype), lse_a.to(dtype), out_b.to(dtype), lse_b.to(dtype))
-    return o.to(out_a.dtype), lse.to(wide)
-
-
-def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None, v_new=None, scale=None,
-                 num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None, upcast=True):
-    """Decode attention of q against the KV cache; see the module docstring for shapes.
-
-    With ``k_new``/``v_new`` the cache is written in place first.  Returns ``out [B, S_q, H_q, D]``,
-    or ``(out, lse [B, H_q, S_q])`` when ``return_lse``; with ``out=`` the result is written there.
-    """
-    lengths = _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new,
-                            v_new=v_new, scale=scale, num_splits=num_splits, softcap=softcap,
-                            sinks=sinks, out=out)
-    batch, s_q, h_q, d = q.shape
-    scale = d ** -0.5 if scale is None else float(scale)
-    softcap = float(softcap)
-    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dtype = wide if upcast else q.dtype
-    splits = 1 if num_splits is None else num_splits
-    with torch.no_grad():
-        if k_new is not None:
-            _append_to_cache(k_cache, v_cache, k_new, v_new, lengths, block_table)
-        outs, lses = [], []
-        for b, length in enumerate(lengths):
-            k, v = _gather_sequence(k_cache, v_cache, b, length, block_table)
-            qb, k, v = q[b].to(dtype), k.to(dtype), v.to(dtype)
-            # Start from the empty state (o = 0, lse = -inf), the identity of the merge.
-            o = torch.zeros(s_q, h_q, d, dtype=dtype, device=q.device)
-            lse = torch.full((h_q, s_q), float("-inf"), dtype=dtype, device=q.device)
-            chunk = max(1, -(-length // splits))
-            for first in range(0, length, chunk):                   # the splits, one after another
-                o_c, lse_c = _attend_chunk(qb, k[first:first + chunk], v[first:first + chunk], first, length,
-                                           scale=scale, softcap=softcap)
-                o, lse = _merge(o, lse, o_c, lse_c)
-            if sinks is not None:                                   # the sink: a state with no value, once
-                sink = sinks.to(dtype)[:, None].expand(h_q, s_q)
-                o, lse = _merge(o, lse, torch.zeros_like(o), sink)
-            outs.append(o.to(q.dtype))
-            lses.append(lse.to(wide))
-        result = torch.stack(outs) if outs else q.new_zeros(q.shape)
-        lse = torch.stack(lses) if lses else torch.zeros(0, h_q, s_q, dtype=wide, device=q.device)
-        if out is not None:
-            out.copy_(result)
-            result = out
-    return (result, lse) if return_lse else result
+def _integer(name, value, minimum):
+    """``value`` as an int: any integral number (int, numpy's integers: whatever has ``__index__``),
+    never a bool or a float, and at least ``minimum``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got bool {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return value
 
 
 if __name__ == "__main__":

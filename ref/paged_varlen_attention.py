@@ -1,10 +1,9 @@
 """Paged varlen attention: the reference (readable PyTorch, the specification).
 
-What it computes
-    Softmax attention over a batch of packed, variable-length sequences, the contract of
-    PyTorch's ``torch.nn.attention.varlen`` (``varlen_attn`` / ``varlen_attn_out``), with
-    keys and values either packed like the queries or stored in a paged KV cache, plus two
-    additions PyTorch lacks: logit soft-capping and attention sinks.
+Softmax attention over a batch of packed, variable-length sequences: the contract of PyTorch's
+``torch.nn.attention.varlen`` (``varlen_attn`` / ``varlen_attn_out``), with keys and values
+packed like the queries or stored in a paged KV cache, plus logit soft-capping and attention
+sinks, which PyTorch lacks.
 
 The math, for sequence b with L_q query rows and L_k keys, query head h, KV head h // G
     s_ij  = scale * <q_i, k_j>                       scale defaults to D ** -0.5
@@ -13,41 +12,34 @@ The math, for sequence b with L_q query rows and L_k keys, query head h, KV head
                                                      (bottom-right aligned; -1 = unbounded)
     lse_i = log( sum_{j seen} exp(s_ij) [+ exp(sink_h)] )
     o_i   = sum_{j seen} exp(s_ij - lse_i) v_j
-    causal is window (-1, 0).  A row that sees no key gets o_i = 0 and lse_i = -inf (with a
-    sink, its lse is the sink logit: the sink is then the only term of the denominator).
-    The sink ``sink_h`` is a logit with no value vector: it only enlarges the denominator,
-    so a head may put probability mass "nowhere" (gpt-oss, StreamingLLM).
+    Causal is window (-1, 0).  The sink is a logit with no value vector: it only enlarges the
+    denominator, so a head may put probability mass "nowhere" (gpt-oss, StreamingLLM).
+    Edge cases.  A row that sees no key gets o_i = 0 and lse_i = -inf (with a sink, lse_i = sink_h;
+    PyTorch's CUDA varlen_attn, i.e. FlashAttention-2, writes +inf there).  A sink of -inf is no
+    sink; a sink of +inf takes all the mass: o_i = 0, lse_i = +inf, d lse_i / d sink_h = 1.  A NaN
+    input gives NaN in the rows it reaches (out and lse).  Rows past cu_seq_q[-1] (a padded
+    buffer) belong to no sequence: o = 0, lse = -inf, gradient 0; varlen_attn_out leaves them.
 
 Tensors (N sequences, T_q / T_k packed tokens, H_q / H_kv heads, D head dim, G = H_q / H_kv)
-    query        [T_q, H_q, D]                     fp16 / bf16 / fp32 (fp64 in the reference)
-    key, value   [T_k, H_kv, D]                    packed, sequence b at cu_seq_k[b]:cu_seq_k[b+1]
+    query        [T_q, H_q, D]                     fp16 / bf16 / fp32 / fp64
+    key, value   [T_k, H_kv, D]                    packed: sequence b at cu_seq_k[b]:cu_seq_k[b+1]
                  [num_pages, page_size, H_kv, D]   paged, when block_table is given
-    cu_seq_q     [N + 1] int32                     query offsets, cu_seq_q[0] = 0, cu_seq_q[-1] = T_q
-    cu_seq_k     [N + 1] int32 or None             key offsets; may be None when paged
-    seqused_k    [N] int32                         keys used per sequence; L_k = seqused_k[b]
-                                                   (required with block_table; with packed keys it
-                                                   uses the first seqused_k[b] keys of the sequence)
-    block_table  [N, max_pages] int32              page ids: key position j of sequence b lives in
-                                                   page block_table[b, j // page_size], slot j % page_size
+    cu_seq_q     [N + 1] int32                     query offsets, cu_seq_q[0] = 0, cu_seq_q[-1] <= T_q
+    cu_seq_k     [N + 1] int32 or None             key offsets, cu_seq_k[-1] <= T_k; may be None when paged
+    seqused_k    [N] int32                         keys used per sequence (required when paged)
+    block_table  [N, max_pages] int32              key j of sequence b: page block_table[b, j // page_size],
+                                                   slot j % page_size
     sinks        [H_q] float                       one sink logit per query head
-    out          [T_q, H_q, D]                     the attention output, query's dtype
-    lse          [H_q, T_q] fp32                   natural-log log-sum-exp (fp64 for fp64 inputs here)
+    out          [T_q, H_q, D]                     query's dtype
+    lse          [H_q, T_q] fp32                   natural log (fp64 for fp64 inputs)
 
 Supported, and what raises
-    Any page size >= 1, any integer GQA ratio (``enable_gqa=True``), any head dim (the fast
-    file stops at 256), empty sequences, fp16 / bf16 / fp32 / fp64, CPU and CUDA.  Autograd
-    through ``varlen_attn`` with packed keys is the specification of the fast backward: q, k, v,
-    sinks, and a gradient reaching the returned lse all flow.  As in PyTorch, the paged path
-    (``block_table``) and ``varlen_attn_out`` are inference-only: with grad enabled and an input
-    that requires grad they raise NotImplementedError.  ``num_splits`` is accepted for API compatibility and does not
-    change the result (the reference does not split).  Bad input raises ValueError or
-    TypeError naming the argument: head-count mismatch without ``enable_gqa``, block_table
-    without seqused_k, index tensors that are not int32, cu_seq_q[-1] != T_q, head-dim or
-    device mismatch, seqused_k past the keys or pages a sequence owns, max_q / max_k smaller
-    than a real length.
-
-    ``upcast`` (reference only): True computes in fp32 (fp64 for fp64 inputs); False computes
-    in the input dtype, the "plain PyTorch in low precision" baseline of the parity tests.
+    Any page size, GQA ratio and head dim, empty sequences, CPU and CUDA.  Autograd with packed
+    keys (the specification of the fast backward); the paged path and ``varlen_attn_out`` are
+    inference-only, as in PyTorch (NotImplementedError with grad).  ``num_splits`` is accepted
+    and changes nothing.  Bad input raises ValueError / TypeError naming the argument.
+    ``upcast=False`` (reference only) computes in the input dtype: the "plain PyTorch in low
+    precision" baseline of the parity tests.
 
 References
     PyTorch 2.13 torch.nn.attention.varlen; Dao, FlashAttention-2 (2023); Kwon et al.,
@@ -57,6 +49,7 @@ References
 from __future__ import annotations
 
 import math
+import operator
 from typing import NamedTuple
 
 import torch
@@ -70,11 +63,177 @@ class AuxRequest(NamedTuple):
     lse: bool = False
 
 
+# ----------------------------------------------------------------------------- the math
+
+def _visible(l_q: int, l_k: int, left: int, right: int, device) -> torch.Tensor:
+    """[L_q, L_k] bool: query row i sees key j (bottom-right aligned window)."""
+    i = torch.arange(l_q, device=device)[:, None] + (l_k - l_q)  # the key position row i is aligned with
+    j = torch.arange(l_k, device=device)[None, :]
+    seen = torch.ones(l_q, l_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        seen &= j >= i - left
+    if right >= 0:
+        seen &= j <= i + right
+    return seen
+
+
+def _attend(q, k, v, *, scale, left, right, softcap, sinks, compute_dtype, q_block=1024):
+    """Attention of one sequence.  q [L_q, H_q, D]; k, v [L_k, H_kv, D].
+
+    Returns (o [L_q, H_q, D] in compute_dtype, lse [H_q, L_q] in compute_dtype).  Query
+    rows are processed ``q_block`` at a time only to bound the [H, rows, L_k] score matrix.
+    """
+    l_q, h_q, _ = q.shape
+    l_k, h_kv, _ = k.shape
+    group = h_q // h_kv
+    q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
+    k = k.repeat_interleave(group, dim=1)  # [L_k, H_q, D]: query head h reads KV head h // G
+    v = v.repeat_interleave(group, dim=1)
+    outs, lses = [], []
+    for start in range(0, l_q, q_block):
+        qb = q[start:start + q_block]                               # [R, H_q, D]
+        s = torch.einsum("rhd,khd->hrk", qb, k) * scale             # [H_q, R, L_k]
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        seen = _visible(l_q, l_k, left, right, q.device)[start:start + q_block]  # [R, L_k]
+        s = s.masked_fill(~seen, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)                            # [H_q, R]; -inf for a row that sees nothing
+        # exp(s - lse) is 0 on hidden keys; a row with lse = -inf would give exp(-inf + inf) = nan,
+        # so it subtracts 0 instead and its (all -inf) scores give probabilities 0.  A NaN stays NaN.
+        p = torch.exp(s - torch.where(torch.isneginf(lse), 0, lse)[..., None])
+        o = torch.einsum("hrk,khd->rhd", p, v)                      # [R, H_q, D]
+        if sinks is not None:
+            # The sink is one more attention state with no value: (o = 0, lse = sink_h), merged once.
+            sink = sinks.to(compute_dtype)[:, None].expand(h_q, s.shape[1])
+            o, lse = _merge(o, lse, torch.zeros_like(o), sink)
+        outs.append(o)
+        lses.append(lse)
+    if l_q == 0:
+        return q.new_zeros(0, h_q, v.shape[-1]), q.new_zeros(h_q, 0)
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
+
+
+def _merge(o_a, lse_a, o_b, lse_b):
+    """The exact merge of two attention states over disjoint key sets (o [R, H, D], lse [H, R]):
+
+        m = max(lse_a, lse_b),  w = exp(lse - m),  lse = m + log(w_a + w_b),  o = (w_a o_a + w_b o_b) / (w_a + w_b)
+
+    Subtracting the max keeps the weights in [0, 1].  lse = -inf is the empty state (no keys; its o
+    is ignored); lse = +inf takes all the mass (a sink of +inf: out 0, lse +inf); a NaN gives NaN.
+    Written so that autograd through it stays finite at every one of these.
+    """
+    m = torch.maximum(lse_a, lse_b)                                 # NaN if either side is NaN
+    m = torch.where(torch.isneginf(m), 0, m)                        # two empty sides: any finite shift
+
+    def weight(lse):                                                # exp(lse - m): 1 for a +inf side, not nan
+        return torch.exp(torch.where(torch.isposinf(lse), 0, lse - m))
+
+    w_a, w_b = weight(lse_a), weight(lse_b)
+    den = w_a + w_b                                                 # 0 only when both sides are empty
+    den_safe = torch.where(den == 0, 1, den)
+
+    def share(w, o):                                                # w o / den, as [R, H, 1] * [R, H, D]
+        w = (w / den_safe).transpose(-1, -2)[..., None]
+        return w * torch.where(w == 0, 0, o)                        # an empty side's o may hold garbage
+
+    o = share(w_a, o_a) + share(w_b, o_b)
+    lse = torch.where(den == 0, float("-inf"), m + torch.log(den_safe))
+    return o, lse
+
+
+# ----------------------------------------------------------------------------- public API
+
+def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
+                num_splits=None, softcap=0.0, sinks=None, upcast=True):
+    """Variable-length (optionally paged) attention; see the module docstring for shapes.
+
+    Returns ``out [T_q, H_q, D]``, or ``(out, lse [H_q, T_q])`` when ``return_aux.lse``.
+    """
+    out, lse = _varlen_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                               window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
+                               block_table=block_table, num_splits=num_splits, softcap=softcap,
+                               sinks=sinks, upcast=upcast)
+    if return_aux is not None and return_aux.lse:
+        return out, lse
+    return out
+
+
+def varlen_attn_out(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                    scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
+                    num_splits=None, softcap=0.0, sinks=None, upcast=True):
+    """``varlen_attn`` writing into ``out`` (same shape and dtype as ``query``); returns ``out``
+    or ``(out, lse)``.  Rows past cu_seq_q[-1] (padding) are left as they were."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    result, lse = _varlen_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
+                                  window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
+                                  block_table=block_table, num_splits=num_splits, softcap=softcap,
+                                  sinks=sinks, upcast=upcast, out=out)
+    rows = int(cu_seq_q[-1])                                        # validated: <= T_q
+    with torch.no_grad():
+        out[:rows].copy_(result[:rows])
+    if return_aux is not None and return_aux.lse:
+        return out, lse
+    return out
+
+
+# ----------------------------------------------------------------------------- one sequence at a time
+
+def _varlen_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size,
+                    enable_gqa, seqused_k, block_table, num_splits, softcap, sinks, upcast, out=None):
+    paged, q_lens, k_starts, k_lens, (left, right) = _check_inputs(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
+        enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
+        softcap=softcap, sinks=sinks, out=out)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
+        if paged:
+            raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only, as in "
+                                      "PyTorch: call it under torch.no_grad(), or pass packed key/value to train")
+        if out is not None:
+            raise NotImplementedError("varlen_attn_out is forward-only, as in PyTorch: call it under "
+                                      "torch.no_grad(), or use varlen_attn to train")
+    t_q, h_q, d = query.shape
+    scale = d ** -0.5 if scale is None else float(scale)
+    if upcast:
+        compute_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    else:
+        compute_dtype = query.dtype
+    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    o_parts, lse_parts = [], []
+    q_start = 0
+    for b, l_q in enumerate(q_lens):
+        q = query[q_start:q_start + l_q]
+        q_start += l_q
+        k, v = _gather_keys(key, value, b, paged=paged, k_starts=k_starts, k_lens=k_lens, block_table=block_table)
+        o, lse = _attend(q, k, v, scale=scale, left=left, right=right, softcap=float(softcap),
+                         sinks=sinks, compute_dtype=compute_dtype)
+        o_parts.append(o.to(query.dtype))
+        lse_parts.append(lse.to(lse_dtype))
+    # Rows past cu_seq_q[-1] (a padded buffer) belong to no sequence: out 0, lse -inf, gradient 0.
+    o_parts.append(query.new_zeros(t_q - q_start, h_q, d))
+    lse_parts.append(torch.full((h_q, t_q - q_start), float("-inf"), dtype=lse_dtype, device=query.device))
+    return torch.cat(o_parts, dim=0), torch.cat(lse_parts, dim=1)
+
+
+def _gather_keys(key, value, b, *, paged, k_starts, k_lens, block_table):
+    """The L_k used keys and values of sequence b, as [L_k, H_kv, D]."""
+    length = k_lens[b]
+    if not paged:
+        start = k_starts[b]
+        return key[start:start + length], value[start:start + length]
+    page_size = key.shape[1]
+    pages = block_table[b, :-(-length // page_size)].long()         # the pages this sequence owns
+    k = key[pages].flatten(0, 1)[:length]                           # [pages * page_size, H_kv, D] -> [L_k, ...]
+    v = value[pages].flatten(0, 1)[:length]
+    return k, v
+
+
 # ----------------------------------------------------------------------------- input checks
 
 def _check_inputs(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size,
                   enable_gqa, seqused_k, block_table, num_splits, softcap, sinks, out=None):
-    """Validate everything on the host; returns (paged, q_lens, k_starts, k_lens) as int lists.
+    """Validate everything on the host; returns (paged, q_lens, k_starts, k_lens, (left, right)), ints.
 
     Reading the index tensors costs one small device-to-host copy; a wrong length would
     otherwise give a silently wrong answer or an out-of-bounds read.
@@ -150,22 +309,23 @@ def _check_inputs(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale,
     devices = {name: t.device for name, t in named if t is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"all tensors must be on one device, got mixed devices {devices}")
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and all(isinstance(w, int) and w >= -1 for w in window_size)):
-        raise ValueError(f"window_size must be (left, right) ints >= -1, got {window_size!r}")
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        raise ValueError(f"window_size must be (left, right) integers >= -1, got {window_size!r}")
+    window = tuple(_integer("window_size", w, -1) for w in window_size)
+    max_q, max_k = _integer("max_q", max_q, 0), _integer("max_k", max_k, 0)
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not isinstance(softcap, (int, float)) or softcap < 0:
         raise ValueError(f"softcap must be a float >= 0, got {softcap!r}")
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+    if num_splits is not None:
+        _integer("num_splits", num_splits, 1)
 
     # Value checks: one small device-to-host copy of the index tensors.
     cq = cu_seq_q.tolist()
     if cq[0] != 0 or any(b < a for a, b in zip(cq, cq[1:])):
         raise ValueError(f"cu_seq_q must start at 0 and be non-decreasing, got {cq[:8]}...")
-    if cq[-1] != query.shape[0]:
-        raise ValueError(f"cu_seq_q[-1] must equal T_q = query.shape[0] = {query.shape[0]}, got {cq[-1]}")
+    if cq[-1] > query.shape[0]:      # < T_q is a padded buffer: the rows past it belong to no sequence
+        raise ValueError(f"cu_seq_q[-1] must be <= T_q = query.shape[0] = {query.shape[0]}, got {cq[-1]}")
     q_lens = [b - a for a, b in zip(cq, cq[1:])]
     if paged:
         k_lens = seqused_k.tolist()
@@ -186,8 +346,8 @@ def _check_inputs(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale,
         ck = cu_seq_k.tolist()
         if ck[0] != 0 or any(b < a for a, b in zip(ck, ck[1:])):
             raise ValueError(f"cu_seq_k must start at 0 and be non-decreasing, got {ck[:8]}...")
-        if ck[-1] != key.shape[0]:
-            raise ValueError(f"cu_seq_k[-1] must equal T_k = key.shape[0] = {key.shape[0]}, got {ck[-1]}")
+        if ck[-1] > key.shape[0]:
+            raise ValueError(f"cu_seq_k[-1] must be <= T_k = key.shape[0] = {key.shape[0]}, got {ck[-1]}")
         k_starts = ck[:-1]
         k_lens = [b - a for a, b in zip(ck, ck[1:])]
         if seqused_k is not None:
@@ -200,139 +360,21 @@ def _check_inputs(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale,
         raise ValueError(f"max_q = {max_q} is smaller than the longest query sequence ({max(q_lens)})")
     if n and max(k_lens) > max_k:
         raise ValueError(f"max_k = {max_k} is smaller than the longest key sequence ({max(k_lens)})")
-    return paged, q_lens, k_starts, k_lens
+    return paged, q_lens, k_starts, k_lens, window
 
 
-# ----------------------------------------------------------------------------- the math
-
-def _visible(l_q: int, l_k: int, left: int, right: int, device) -> torch.Tensor:
-    """[L_q, L_k] bool: query row i sees key j (bottom-right aligned window)."""
-    i = torch.arange(l_q, device=device)[:, None] + (l_k - l_q)  # the key position row i is aligned with
-    j = torch.arange(l_k, device=device)[None, :]
-    seen = torch.ones(l_q, l_k, dtype=torch.bool, device=device)
-    if left >= 0:
-        seen &= j >= i - left
-    if right >= 0:
-        seen &= j <= i + right
-    return seen
-
-
-def _attend(q, k, v, *, scale, left, right, softcap, sinks, compute_dtype, q_block=1024):
-    """Attention of one sequence.  q [L_q, H_q, D]; k, v [L_k, H_kv, D].
-
-    Returns (o [L_q, H_q, D] in compute_dtype, lse [H_q, L_q] in compute_dtype).  Query
-    rows are processed ``q_block`` at a time only to bound the [H, rows, L_k] score matrix.
-    """
-    l_q, h_q, _ = q.shape
-    l_k, h_kv, _ = k.shape
-    group = h_q // h_kv
-    q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
-    k = k.repeat_interleave(group, dim=1)  # [L_k, H_q, D]: query head h reads KV head h // G
-    v = v.repeat_interleave(group, dim=1)
-    outs, lses = [], []
-    for start in range(0, l_q, q_block):
-        qb = q[start:start + q_block]                               # [R, H_q, D]
-        s = torch.einsum("rhd,khd->hrk", qb, k) * scale             # [H_q, R, L_k]
-        if softcap > 0:
-            s = softcap * torch.tanh(s / softcap)
-        seen = _visible(l_q, l_k, left, right, q.device)[start:start + q_block]  # [R, L_k]
-        s = s.masked_fill(~seen, float("-inf"))
-        if sinks is not None:
-            sink = sinks.to(compute_dtype)[:, None, None].expand(h_q, s.shape[1], 1)
-            lse = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)    # [H_q, R]
-        else:
-            lse = torch.logsumexp(s, dim=-1)                        # -inf for a row that sees nothing
-        # exp(s - lse) is 0 on hidden keys; a row with lse = -inf would give exp(-inf + inf) = nan,
-        # so it subtracts 0 instead and its (all -inf) scores give probabilities 0.
-        p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
-        outs.append(torch.einsum("hrk,khd->rhd", p, v))             # [R, H_q, D]
-        lses.append(lse)
-    if l_q == 0:
-        return q.new_zeros(0, h_q, v.shape[-1]), q.new_zeros(h_q, 0)
-    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)
-
-
-def _gather_keys(key, value, b, *, paged, k_starts, k_lens, block_table):
-    """The L_k used keys and values of sequence b, as [L_k, H_kv, D]."""
-    length = k_lens[b]
-    if not paged:
-        start = k_starts[b]
-        return key[start:start + length], value[start:start + length]
-    page_size = key.shape[1]
-    pages = block_table[b, :-(-length // page_size)].long()         # the pages this sequence owns
-    k = key[pages].flatten(0, 1)[:length]                           # [pages * page_size, H_kv, D] -> [L_k, ...]
-    v = value[pages].flatten(0, 1)[:length]
-    return k, v
-
-
-def _varlen_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size,
-                    enable_gqa, seqused_k, block_table, num_splits, softcap, sinks, upcast, out=None):
-    paged, q_lens, k_starts, k_lens = _check_inputs(
-        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
-        enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
-        softcap=softcap, sinks=sinks, out=out)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
-        if paged:
-            raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only, as in "
-                                      "PyTorch: call it under torch.no_grad(), or pass packed key/value to train")
-        if out is not None:
-            raise NotImplementedError("varlen_attn_out is forward-only, as in PyTorch: call it under "
-                                      "torch.no_grad(), or use varlen_attn to train")
-    t_q, h_q, d = query.shape
-    scale = d ** -0.5 if scale is None else float(scale)
-    left, right = window_size
-    if upcast:
-        compute_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    else:
-        compute_dtype = query.dtype
-    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    o_parts, lse_parts = [], []
-    q_start = 0
-    for b, l_q in enumerate(q_lens):
-        q = query[q_start:q_start + l_q]
-        q_start += l_q
-        k, v = _gather_keys(key, value, b, paged=paged, k_starts=k_starts, k_lens=k_lens, block_table=block_table)
-        o, lse = _attend(q, k, v, scale=scale, left=left, right=right, softcap=float(softcap),
-                         sinks=sinks, compute_dtype=compute_dtype)
-        o_parts.append(o.to(query.dtype))
-        lse_parts.append(lse.to(lse_dtype))
-    o = torch.cat(o_parts, dim=0) if o_parts else query.new_zeros(0, h_q, d)
-    lse = torch.cat(lse_parts, dim=1) if lse_parts else torch.zeros(h_q, 0, dtype=lse_dtype, device=query.device)
-    return o, lse
-
-
-# ----------------------------------------------------------------------------- public API
-
-def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
-                num_splits=None, softcap=0.0, sinks=None, upcast=True):
-    """Variable-length (optionally paged) attention; see the module docstring for shapes.
-
-    Returns ``out [T_q, H_q, D]``, or ``(out, lse [H_q, T_q])`` when ``return_aux.lse``.
-    """
-    out, lse = _varlen_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                               window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
-                               block_table=block_table, num_splits=num_splits, softcap=softcap,
-                               sinks=sinks, upcast=upcast)
-    if return_aux is not None and return_aux.lse:
-        return out, lse
-    return out
-
-
-def varlen_attn_out(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
-                    scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
-                    num_splits=None, softcap=0.0, sinks=None, upcast=True):
-    """``varlen_attn`` writing into ``out`` (same shape and dtype as ``query``); returns ``out``
-    or ``(out, lse)``."""
-    result, lse = _varlen_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                                  window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
-                                  block_table=block_table, num_splits=num_splits, softcap=softcap,
-                                  sinks=sinks, upcast=upcast, out=out)
-    with torch.no_grad():
-        out.copy_(result)
-    if return_aux is not None and return_aux.lse:
-        return out, lse
-    return out
+def _integer(name, value, minimum):
+    """``value`` as an int: any integral number (int, numpy's integers: whatever has ``__index__``),
+    never a bool or a float, and at least ``minimum``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got bool {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
+    return value
 
 
 if __name__ == "__main__":

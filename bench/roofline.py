@@ -1,0 +1,765 @@
+"""The kernel observatory's report (``make roofline``): memory traffic against the IO lower bound and
+the sm_90 build of every kernel, ours beside fla-core 0.6.0's, measured without a GPU.
+
+    python bench/roofline.py            # measure and print the tables (CPU, Triton interpreter)
+    python bench/roofline.py --record   # also append bench/results/roofline.csv, draw roofline.png,
+                                        # rewrite the README's "Kernel observatory" tables
+    python bench/roofline.py --quick    # build only each kernel's first config for sm_90 (traffic of
+                                        # every config is measured either way)
+
+What is measured (parity/observatory.py has the instrument)
+    Each case runs once per autotune config in the Triton interpreter on CPU, fp16, at fixed shapes.
+    Per kernel launch: issued bytes (loads and stores of active lanes: an upper bound on DRAM
+    traffic, as if nothing were cached), unique bytes (distinct bytes: a lower bound, as if L2 were
+    infinite) and tensor-core FLOPs (every ``tl.dot``, padding included); the PyTorch ops between
+    the kernels (casts, head sums) count as kernels of their own.  Each launch is then built for
+    sm_90 exactly as it ran (parity/aot_compile.py): registers, spills, shared memory, HGMMA /
+    HMMA and SASS instructions; occupancy and waves on 132 SMs are modelled from H100's per-SM
+    limits, not measured.  No timing: the interpreter cannot time a GPU kernel.
+
+The IO lower bound of an op: every input it must read and every output it must write, once
+(the tensors and formulas are in the Case classes below and in the README).  issued / bound >= 1 is the
+re-reading a kernel does; unique / bound > 1 is traffic no cache can remove (intermediates).
+
+The runs are the GPU's launches, not the CPU tier's: shims below make our launchers take their
+CUDA paths (the autotuners, the sm_90 tile configs) and make fla answer as on an H100; the one
+autotuner shim then launches the r-th distinct config of each kernel in round r, where a GPU
+would have benchmarked them all.  fla's outputs are checked against ours on identical inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import builtins
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "parity"), str(ROOT / "bench")]
+BUILD_WORKER = "--build-worker" in sys.argv
+if not BUILD_WORKER:
+    os.environ["TRITON_INTERPRET"] = "1"            # before anything imports triton
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"    # fla's Triton kernels, not its TileLang / FlashQLA ones
+
+import torch
+
+FLA_VERSION = "0.6.0"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- roofline:begin -->", "<!-- roofline:end -->"
+PLOT = ROOT / "bench" / "results" / "roofline.png"
+MB = 1e6
+
+
+# ----------------------------------------------------------------------------- shims: a GPU's launches
+
+ROUND = [0]                   # round r: every autotuned kernel runs its r-th distinct config
+SPACES: dict = {}             # kernel name -> the configs its autotuner would benchmark (after pruning)
+
+
+def _distinct(configs):
+    seen = []
+    for c in configs:
+        if c.kwargs not in seen:
+            seen.append(c.kwargs)
+    return seen
+
+
+def _autotuner_run(self, *args, **kwargs):
+    """triton's Autotuner.run without the benchmark: the configs it would time (pruned as on a GPU),
+    the ROUND-th distinct one launched (configs differing only in warps or stages move the same bytes;
+    the static side builds each of them)."""
+    self.nargs = dict(zip(self.arg_names, args))
+    space = self.prune_configs(kwargs)
+    name = self.base_fn.__name__
+    SPACES[name] = space
+    kinds = _distinct(space)
+    chosen = kinds[min(ROUND[0], len(kinds) - 1)]
+    config = next(c for c in space if c.kwargs == chosen)
+    if config.pre_hook is not None:
+        config.pre_hook({**self.nargs, **kwargs, **config.all_kwargs()})
+    try:
+        return self.fn.run(*args, **kwargs, **config.all_kwargs())
+    finally:
+        self.nargs = None
+
+
+class _LoopIndex(int):
+    """A loop index with ``.to``: Triton gives a kernel's loop indices as i32 tensors, the interpreter
+    as Python ints, on which fla's ``i_t.to(tl.int64)`` fails."""
+
+    def to(self, dtype, **kwargs):
+        from triton.runtime.interpreter import interpreter_semantic
+        return interpreter_semantic.to_tensor(int(self), False).to(dtype, **kwargs)
+
+
+def _loop_range(*args):
+    return map(_LoopIndex, builtins.range(*(int(a) for a in args)))
+
+
+class _ViaAutotuner:
+    """Stands in for an attention kernel that the CPU path launches with small fixed tiles: the
+    launch goes to the autotuner the CUDA path uses, for sm_90 and the input's element size."""
+
+    def __init__(self, table: dict):
+        self.table = table
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            for fixed in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"):
+                kwargs.pop(fixed, None)
+            return self.table[(90, kwargs["BLOCK_D"], args[0].element_size())][grid](*args, **kwargs)
+        return launch
+
+
+def install_shims():
+    """Returns the modules: ours (fast/) and fla's, each launching what it launches on an H100."""
+    from triton.runtime.autotuner import Autotuner
+    Autotuner.run = _autotuner_run
+
+    import fast.flash_decoding as fd
+    import fast.gated_deltanet as gdn
+    import fast.paged_varlen_attention as pva
+    gdn._launch = lambda tuned, grid, args, meta: tuned[grid](*args, **meta)          # its CUDA branch
+    pva._attn_fwd_kernel = _ViaAutotuner(pva._TUNED)
+    pva._attn_bwd_dkdv_kernel = _ViaAutotuner(pva._TUNED_DKDV)
+    pva._attn_bwd_dq_kernel = _ViaAutotuner(pva._TUNED_DQ)
+    cpu_config = fd._fwd_config
+    fd._fwd_config = lambda *args: cpu_config(*args[:-1], torch.device("cuda"))      # the GPU's tiles
+
+    import fla.utils
+    from fla.utils.hardware import Backend
+    if fla.__version__ != FLA_VERSION:
+        raise SystemExit(f"the report compares with fla-core {FLA_VERSION}, found {fla.__version__}")
+    # fla reads the GPU at import (config lists) and at call time (tile sizes): answer as an H100,
+    # before its op modules import these names.
+    fla.utils.check_shared_mem = lambda arch="none", tensor_idx=0: Backend.HOPPER.value >= \
+        Backend.get_shared_memory(arch)
+    fla.utils.IS_NVIDIA_HOPPER = fla.utils.is_nvidia_hopper = True
+    fla.utils.IS_TF32_SUPPORTED = True
+    fla.utils.get_multiprocessor_count = lambda *a, **k: 132
+    import fla.ops.attn.decoding
+    import fla.ops.attn.parallel
+    import fla.ops.gated_delta_rule
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("fla.") and mod is not None:
+            mod.__dict__["range"] = _loop_range
+    return dict(gdn=gdn, pva=pva, fd=fd, fla=fla)
+
+
+# ----------------------------------------------------------------------------- the cases
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, gen, dtype=torch.float16, scale=1.0):
+    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Case:
+    """One op at fixed shapes: ``ours()`` / ``fla()`` run it (each returns its outputs), ``bound`` is
+    the IO lower bound in bytes with its ``formula``, ``useful`` the FLOPs the math needs."""
+    name: str
+    op: str
+    formula: str
+    useful_formula: str
+
+    def outputs_match(self, ours, fla) -> str:
+        """A one-line comparison; raises when the outputs differ by more than fp16 noise."""
+        lines = []
+        for name, a, b in zip(self.output_names, ours, fla):
+            a, b = a.detach().double(), b.detach().double()
+            err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+            lines.append(f"{name} {err:.1e}")
+            if not err <= self.rtol:
+                raise AssertionError(f"{self.name} {self.op}: {name} differs from fla's: relative error {err:.2e} "
+                                     f"> {self.rtol}")
+        return "rel. err. vs fla: " + ", ".join(lines)
+
+
+class GdnChunk(Case):
+    T, H, K, V, C = 512, 2, 128, 128, 64
+
+    def __init__(self, mods, op):
+        self.mods, self.op = mods, op
+        self.name = f"gdn_chunk T={self.T} H={self.H} K=V={self.K}"
+        g = _gen(1)
+        t, h, k, v = self.T, self.H, self.K, self.V
+        self.q = _randn(1, t, h, k, gen=g)
+        self.k = torch.nn.functional.normalize(_randn(1, t, h, k, gen=g, dtype=torch.float32), dim=-1).half()
+        self.v = _randn(1, t, h, v, gen=g)
+        self.g = torch.nn.functional.logsigmoid(_randn(1, t, h, gen=g, dtype=torch.float32))
+        self.beta = torch.sigmoid(_randn(1, t, h, gen=g, dtype=torch.float32)).half()
+        self.do = _randn(1, t, h, v, gen=g)
+        inputs = (self.q, self.k, self.v, self.g, self.beta)
+        nc = t // self.C
+        if op == "fwd":
+            self.bound = nbytes(*inputs) + nbytes(self.v)             # o has v's shape and dtype
+            self.formula = ("read q, k, v, g, beta, write o: (2 T H K + 2 T HV V) e + T HV (4 + e) bytes "
+                            "(g in fp32)")
+            self.short = "GDN chunk\nfwd"
+            self.useful = nc * h * (6 * self.C ** 2 * k + 4 * self.C ** 2 * v + 6 * self.C * k * v + self.C ** 3 // 3)
+            self.useful_formula = "per 64-token chunk and head 6C^2K + 4C^2V + 6CKV + C^3/3"
+            self.output_names = ["o"]
+        else:
+            self.bound = 2 * nbytes(*inputs) + nbytes(self.do)
+            self.formula = ("read q, k, v, g, beta, dO, write dq, dk, dv, dg, dbeta: "
+                            "(4 T H K + 3 T HV V) e + 2 T HV (4 + e)")
+            self.short = "GDN chunk\nbwd"
+            self.useful = nc * h * (20 * self.C ** 2 * k + 10 * self.C ** 2 * v + 16 * self.C * k * v)
+            self.useful_formula = "per chunk and head 20C^2K + 10C^2V + 16CKV (recomputation included)"
+            self.output_names = ["dq", "dk", "dv", "dg", "dbeta"]
+        self.rtol = 2e-2
+
+    def _run(self, fn, observed):
+        leaves = [x.clone().requires_grad_(True) for x in (self.q, self.k, self.v, self.g, self.beta)]
+        if self.op == "fwd":
+            with observed():
+                o, _ = fn(*leaves)
+            return [o]
+        o, _ = fn(*leaves)
+        with observed():
+            grads = torch.autograd.grad(o, leaves, self.do)
+        return list(grads)
+
+    def ours(self, observed):
+        return self._run(self.mods["gdn"].chunk_gated_delta_rule, observed)
+
+    def fla(self, observed):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        return self._run(chunk_gated_delta_rule, observed)
+
+
+class GdnDecode(Case):
+    N, H, K, V = 8, 2, 128, 128
+
+    def __init__(self, mods):
+        self.mods, self.op = mods, "fwd"
+        self.name = f"gdn_decode N={self.N} H={self.H} K=V={self.K}"
+        g = _gen(2)
+        n, h, k, v = self.N, self.H, self.K, self.V
+        self.q = _randn(n, 1, h, k, gen=g)
+        self.k = torch.nn.functional.normalize(_randn(n, 1, h, k, gen=g, dtype=torch.float32), dim=-1).half()
+        self.v = _randn(n, 1, h, v, gen=g)
+        self.g = torch.nn.functional.logsigmoid(_randn(n, 1, h, gen=g, dtype=torch.float32))
+        self.beta = torch.sigmoid(_randn(n, 1, h, gen=g, dtype=torch.float32)).half()
+        self.h0 = _randn(n, h, k, v, gen=g, dtype=torch.float32, scale=0.1)
+        self.bound = nbytes(self.q, self.k, self.v, self.g, self.beta, self.h0) + nbytes(self.v, self.h0)
+        self.formula = ("read q, k, v, g, beta and the fp32 state, write o and the state: "
+                        "(2 N H K + 2 N HV V) e + N HV (4 + e) + 2 N HV K V 4")
+        self.short = "GDN decode\nN=8"
+        self.useful = n * h * 7 * k * v
+        self.useful_formula = "7KV per token and head (decay, h^T k, k u^T, h^T q), none of it a matmul"
+        self.output_names = ["o", "final_state"]
+        self.rtol = 1e-2
+
+    def _run(self, fn, observed):
+        with observed():
+            o, ht = fn(self.q, self.k, self.v, g=self.g, beta=self.beta, initial_state=self.h0,
+                       output_final_state=True)   # keywords: fla's 4th to 6th positionals are g, gk, gv
+        return [o, ht]
+
+    def ours(self, observed):
+        return self._run(self.mods["gdn"].fused_recurrent_gated_delta_rule, observed)
+
+    def fla(self, observed):
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+        return self._run(fused_recurrent_gated_delta_rule, observed)
+
+
+def _paged(tensors, lengths, page, gen):
+    """Packed per-sequence [T, H, D] tensors -> (pools [pages, page, H, D] sharing one block table,
+    block table [N, pages per sequence] int32), pages in a random order."""
+    per_seq = [-(-n // page) for n in lengths]
+    order = torch.randperm(sum(per_seq), generator=gen).to(torch.int32)
+    table = torch.zeros(len(lengths), max(per_seq), dtype=torch.int32)
+    pools = [torch.zeros(sum(per_seq), page, *t.shape[1:], dtype=t.dtype) for t in tensors]
+    start, used = 0, 0
+    for i, (n, p) in enumerate(zip(lengths, per_seq)):
+        table[i, :p] = order[used:used + p]
+        for j in range(p):
+            rows = slice(start + j * page, start + min(n, (j + 1) * page))
+            for pool, t in zip(pools, tensors):
+                pool[int(table[i, j]), :rows.stop - rows.start] = t[rows]
+        start, used = start + n, used + p
+    return pools, table
+
+
+class Prefill(Case):
+    N, L, HQ, HKV, D, PAGE = 2, 512, 8, 2, 128, 16
+
+    def __init__(self, mods, op):
+        self.mods, self.op = mods, op
+        layout = f"paged, page {self.PAGE}" if op == "fwd" else "packed (our backward takes packed keys)"
+        self.name = f"prefill causal {self.N}x{self.L} GQA {self.HQ}/{self.HKV} D={self.D} {layout}"
+        g = _gen(3)
+        t = self.N * self.L
+        self.q = _randn(t, self.HQ, self.D, gen=g)
+        self.k = _randn(t, self.HKV, self.D, gen=g)
+        self.v = _randn(t, self.HKV, self.D, gen=g)
+        self.do = _randn(t, self.HQ, self.D, gen=g)
+        self.cu = torch.arange(0, t + 1, self.L, dtype=torch.int32)
+        (self.k_pool, self.v_pool), self.table = _paged([self.k, self.v], [self.L] * self.N, self.PAGE, g)
+        causal_pairs = self.N * self.L * (self.L + 1) // 2
+        lse = self.HQ * t * 4
+        if op == "fwd":
+            self.bound = nbytes(self.q, self.k, self.v, self.q) + lse
+            self.formula = "read Q, K, V, write O and the fp32 LSE: T (2 H_q + 2 H_kv) D e + 4 H_q T"
+            self.short = "prefill\nfwd (paged)"
+            self.useful = 4 * self.D * self.HQ * causal_pairs
+            self.useful_formula = "4 D H_q per visible (query, key) pair: QK^T and PV, causal"
+            self.output_names = ["o"]
+        else:
+            self.bound = nbytes(self.q, self.k, self.v, self.q, self.do) + lse + nbytes(self.q, self.k, self.v)
+            self.formula = ("read Q, K, V, O, dO and the LSE, write dQ, dK, dV: "
+                            "T (4 H_q + 4 H_kv) D e + 4 H_q T")
+            self.short = "prefill\nbwd"
+            self.useful = 10 * self.D * self.HQ * causal_pairs
+            self.useful_formula = "10 D H_q per visible pair: the five matmuls of the FlashAttention-2 backward"
+            self.output_names = ["dq", "dk", "dv"]
+        self.rtol = 2e-2
+
+    def ours(self, observed):
+        pva = self.mods["pva"]
+        used = torch.full((self.N,), self.L, dtype=torch.int32)
+        if self.op == "fwd":
+            with observed():
+                o = pva.varlen_attn(self.q, self.k_pool, self.v_pool, self.cu, None, self.L, self.L,
+                                    window_size=(-1, 0), enable_gqa=True, seqused_k=used, block_table=self.table)
+            return [o]
+        leaves = [x.clone().requires_grad_(True) for x in (self.q, self.k, self.v)]
+        o = pva.varlen_attn(*leaves, self.cu, self.cu, self.L, self.L, window_size=(-1, 0), enable_gqa=True)
+        with observed():
+            return list(torch.autograd.grad(o, leaves, self.do))
+
+    def fla(self, observed):
+        from fla.ops.attn.parallel import parallel_attn
+        cu = self.cu.long()
+        leaves = [x.clone().requires_grad_(self.op == "bwd") for x in (self.q, self.k, self.v)]
+        if self.op == "fwd":
+            with observed():
+                o = parallel_attn(*(x[None] for x in leaves), cu_seqlens=cu)
+            return [o[0]]
+        o = parallel_attn(*(x[None] for x in leaves), cu_seqlens=cu)
+        with observed():
+            return list(torch.autograd.grad(o, leaves, self.do[None]))
+
+
+class Decode(Case):
+    B, HQ, HKV, D, PAGE = 4, 8, 2, 128, 16
+
+    def __init__(self, mods, length: int, paged: bool = True):
+        self.mods, self.op, self.L, self.paged = mods, "fwd", length, paged
+        layout = f"paged, page {self.PAGE}" if paged else "contiguous cache"
+        self.name = f"decode B={self.B} L={length // 1024}k GQA {self.HQ}/{self.HKV} D={self.D} {layout}"
+        g = _gen(4)
+        t = self.B * length
+        self.q = _randn(self.B, 1, self.HQ, self.D, gen=g)
+        self.k = _randn(t, self.HKV, self.D, gen=g)
+        self.v = _randn(t, self.HKV, self.D, gen=g)
+        if paged:
+            (self.k_cache, self.v_cache), self.table = _paged([self.k, self.v], [length] * self.B, self.PAGE, g)
+        else:
+            self.k_cache = self.k.view(self.B, length, self.HKV, self.D)
+            self.v_cache = self.v.view(self.B, length, self.HKV, self.D)
+            self.table = None
+        self.bound = nbytes(self.q, self.k, self.v, self.q)
+        self.formula = "read q and the cache's K, V once, write o: 2 B H_q D e + 2 B L H_kv D e"
+        self.short = f"decode {length // 1024}k\n{'paged' if paged else 'contiguous'}"
+        self.useful = 4 * self.B * self.HQ * length * self.D
+        self.useful_formula = "4 B H_q L D: q K^T and P V"
+        self.output_names = ["o"]
+        self.rtol = 1e-2
+
+    def ours(self, observed):
+        used = torch.full((self.B,), self.L, dtype=torch.int32)
+        with observed():
+            o = self.mods["fd"].flash_decode(self.q, self.k_cache, self.v_cache, used, block_table=self.table)
+        return [o]
+
+    def fla(self, observed):
+        from fla.ops.attn.decoding import attn_decoding_one_step
+        cu = torch.arange(0, self.B * self.L + 1, self.L, dtype=torch.long)
+        with observed():
+            o = attn_decoding_one_step(self.q.view(1, self.B, self.HQ, self.D), self.k[None], self.v[None],
+                                       cu_seqlens=cu)
+        return [o.view(self.B, 1, self.HQ, self.D)]
+
+
+def make_cases(mods, quick: bool) -> list[Case]:
+    cases = [GdnChunk(mods, "fwd"), GdnChunk(mods, "bwd"), GdnDecode(mods),
+             Prefill(mods, "fwd"), Prefill(mods, "bwd"), Decode(mods, 1024), Decode(mods, 8192)]
+    if not quick:
+        cases.append(Decode(mods, 8192, paged=False))
+    return cases
+
+
+# ----------------------------------------------------------------------------- measuring
+
+IMPLS = {"ours": "twofold", "fla": f"fla-core {FLA_VERSION}"}
+
+
+class Measured:
+    """One case run by one implementation: its launches in order at the first config of every
+    kernel (``first``), every distinct config's launch (``by_config``) and the configs each kernel's
+    autotuner offers (``spaces``)."""
+
+    def __init__(self):
+        self.first: list = []
+        self.by_config: OrderedDict = OrderedDict()    # (kernel, occurrence, config kwargs) -> Launch
+        self.spaces: dict = {}
+        self.outputs = None
+        self.seconds = 0.0
+
+
+def _config_of(record, space) -> tuple:
+    if not space:
+        return ()
+    return tuple((k, record.constexprs.get(k)) for k in space[0].kwargs)
+
+
+def measure(case: Case, impl: str) -> Measured:
+    """Runs the case once per round (round r: each kernel's r-th distinct config) under the observatory."""
+    import contextlib
+
+    from observatory import observe
+    run = case.ours if impl == "ours" else case.fla
+    m = Measured()
+    t0 = time.perf_counter()
+    rounds, r = 1, 0
+    seen = []
+
+    @contextlib.contextmanager
+    def observed():                      # the case wraps the op it measures in this
+        with observe(torch_ops=True) as obs:
+            yield obs
+        seen.append(obs)
+    while r < rounds:
+        ROUND[0] = r
+        SPACES.clear()
+        seen.clear()
+        outputs = run(observed)
+        [obs] = seen
+        m.spaces.update(SPACES)
+        occurrence: dict = {}
+        for rec in obs.launches:
+            i = occurrence[rec.kernel] = occurrence.get(rec.kernel, -1) + 1
+            key = (rec.kernel, i, _config_of(rec, SPACES.get(rec.kernel)))
+            m.by_config.setdefault(key, rec)
+            if r == 0:
+                m.first.append(rec)
+        if r == 0:
+            m.outputs = outputs
+            rounds = max([len(_distinct(space)) for space in SPACES.values()] + [1])
+        r += 1
+    m.seconds = time.perf_counter() - t0
+    return m
+
+
+# ----------------------------------------------------------------------------- the sm_90 builds
+
+def _spec_key(spec: dict) -> str:
+    return json.dumps(spec, sort_keys=True)
+
+
+def variants(m: Measured):
+    """Every kernel launch as it ran, in each warps / stages variant its autotuner offers for that
+    config: (label, record, config or None, first, build spec); ``first`` marks the first config of
+    the autotune space (the one the headline totals use)."""
+    for (kernel, occurrence, config), rec in m.by_config.items():
+        if rec.module == "torch":
+            continue
+        space = m.spaces.get(kernel) or []
+        offered = [c for c in space if c.kwargs == dict(config)] or [None]
+        first_kind = not space or space[0].kwargs == dict(config)
+        for j, c in enumerate(offered):
+            spec = rec.spec()
+            if c is not None:
+                spec.update(num_warps=c.num_warps, num_stages=c.num_stages)
+            label = kernel + (f"#{occurrence + 1}" if occurrence else "")
+            yield label, rec, c, first_kind and j == 0, spec
+
+
+def build_specs(measured: list[Measured], quick: bool) -> dict:
+    """The sm_90 builds to make, by key (quick: each launch at its first config only)."""
+    return {_spec_key(spec): spec for m in measured for _, _, _, first, spec in variants(m) if first or not quick}
+
+
+def build_all(specs: dict, workers: int) -> dict:
+    """Builds in ``workers`` processes without the interpreter; returns spec key -> aot result."""
+    keys = list(specs)
+    if not keys:
+        return {}
+    shards = [keys[i::workers] for i in range(workers)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+    def run(shard):
+        with tempfile.TemporaryDirectory() as tmp:
+            src, dst = Path(tmp) / "specs.json", Path(tmp) / "built.json"
+            src.write_text(json.dumps([specs[k] for k in shard]))
+            proc = subprocess.run([sys.executable, __file__, "--build-worker", str(src), str(dst)], env=env,
+                                  capture_output=True, text=True, timeout=3000, cwd=ROOT)
+            if proc.returncode != 0 or not dst.exists():
+                raise RuntimeError(f"sm_90 build worker failed:\n{proc.stderr[-3000:]}")
+            return dict(zip(shard, json.loads(dst.read_text())))
+    with ThreadPoolExecutor(workers) as pool:
+        results = {}
+        for part in pool.map(run, [s for s in shards if s]):
+            results.update(part)
+    return results
+
+
+def build_worker(src: str, dst: str):
+    import aot_compile
+    out = []
+    for spec in json.loads(Path(src).read_text()):
+        try:
+            out.append(aot_compile.build_launch(spec))
+        except Exception as e:  # a kernel that cannot be imported or built is reported, not fatal
+            out.append(dict(ok=False, error=f"{type(e).__name__}: {str(e)[-500:]}"))
+    Path(dst).write_text(json.dumps(out))
+
+
+# ----------------------------------------------------------------------------- rows and tables
+
+def _config_label(rec, space, variant=None) -> str:
+    parts = [f"{k}={v}" for k, v in _config_of(rec, space)]
+    w, s = (variant.num_warps, variant.num_stages) if variant is not None else (rec.num_warps, rec.num_stages)
+    return ",".join(parts + [f"w{w}", f"s{s}"])
+
+
+def summarize(case: Case, m: Measured) -> dict:
+    issued = sum(r.issued_bytes for r in m.first)
+    unique = sum(r.unique_bytes for r in m.first)
+    flops = sum(r.dot_flops for r in m.first)
+    glue = sum(r.issued_bytes for r in m.first if r.module == "torch")
+    kernels = sum(r.module != "torch" for r in m.first)
+    return dict(issued=issued, unique=unique, bound=case.bound, flops=flops, useful=case.useful, glue=glue,
+                launches=kernels, issued_over_bound=issued / case.bound, unique_over_bound=unique / case.bound,
+                dot_over_useful=flops / case.useful)
+
+
+def kernel_rows(m: Measured, built: dict) -> list[dict]:
+    """A row per (launch, config variant): traffic, FLOPs and the sm_90 build; the PyTorch ops between
+    the kernels summed into one row."""
+    from observatory import Launch
+    rows = []
+    glue = [rec for rec in m.first if rec.module == "torch"]
+    if glue:
+        total = Launch(kernel=f"torch ops ({len(glue)})", module="torch", file="",
+                       read_bytes=sum(r.read_bytes for r in glue), write_bytes=sum(r.write_bytes for r in glue),
+                       unique_read_bytes=sum(r.unique_read_bytes for r in glue),
+                       unique_write_bytes=sum(r.unique_write_bytes for r in glue))
+        rows.append(dict(kernel=total.kernel, config=", ".join(sorted({r.kernel[6:] for r in glue})), first=True,
+                         record=total, static=None))
+    for label, rec, config, first, spec in variants(m):
+        space = m.spaces.get(rec.kernel) or []
+        rows.append(dict(kernel=label, config=_config_label(rec, space, config), first=first, record=rec,
+                         static=built.get(_spec_key(spec))))
+    return rows
+
+
+def _mb(x) -> str:
+    return f"{x / MB:.2f}"
+
+
+def _static_cells(st) -> list[str]:
+    if st is None:
+        return ["", "", "", "", "", ""]
+    if not st.get("ok") and st.get("reg") is None:
+        return ["build failed", "", "", "", "", ""]
+    spill = (st.get("local") or 0) + (st.get("stack") or 0)
+    return [f"{st['reg']}" + (f" +{spill} B spill" if spill else ""), f"{st['shared'] / 1024:.1f}",
+            f"{st.get('hgmma', 0)}/{st.get('hmma', 0)}", f"{st.get('sass', '')}",
+            f"{st.get('blocks_per_sm', '')} ({st.get('limited_by', '')}) {st.get('occupancy', 0):.2f}",
+            f"{st.get('waves', 0):.2f}"]
+
+
+def summary_table(results) -> str:
+    lines = ["| case | op | impl | kernels | issued MB | of which torch ops | unique MB | IO bound MB | "
+             "issued / bound | unique / bound | issued vs fla (kernels only) | dot / useful FLOPs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for case, per_impl in results:
+        fla_issued = per_impl["fla"]["summary"]["issued"] if "fla" in per_impl else None
+        for impl, res in per_impl.items():
+            s = res["summary"]
+            fla_kernels = fla_issued - per_impl["fla"]["summary"]["glue"] if fla_issued else None
+            versus = (f"{s['issued'] / fla_issued:.2f}x ({(s['issued'] - s['glue']) / fla_kernels:.2f}x)"
+                      if fla_issued else "")
+            dot = f"{s['dot_over_useful']:.2f}" if s["flops"] else "no dots"
+            lines.append(f"| {case.name} | {case.op} | {IMPLS[impl]} | {s['launches']} | {_mb(s['issued'])} | "
+                         f"{_mb(s['glue'])} | {_mb(s['unique'])} | {_mb(s['bound'])} | {s['issued_over_bound']:.2f} | "
+                         f"{s['unique_over_bound']:.2f} | {versus} | {dot} |")
+    return "\n".join(lines)
+
+
+def kernel_table(results, *, first_only: bool) -> str:
+    lines = ["| case | op | impl | kernel | config | issued MB | unique MB | dot GFLOP | regs | smem KB | "
+             "HGMMA/HMMA | SASS | blocks/SM (limit) occupancy | waves |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for case, per_impl in results:
+        for impl, res in per_impl.items():
+            for row in res["kernels"]:
+                if first_only and not row["first"]:
+                    continue
+                rec = row["record"]
+                cells = [case.name, case.op, IMPLS[impl], row["kernel"], row["config"], _mb(rec.issued_bytes),
+                         _mb(rec.unique_bytes), f"{rec.dot_flops / 1e9:.3f}", *_static_cells(row["static"])]
+                lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def record_rows(results, wall_s: float):
+    import triton
+    from harness import Recorder
+    rec = Recorder("roofline")
+    rec.stamp["device"] = "cpu-interpreter"
+    rec.stamp["triton"] = f"{triton.__version__}; fla-core {FLA_VERSION}"
+    for case, per_impl in results:
+        label = f"{case.name} {case.op}"
+        for impl, res in per_impl.items():
+            s = res["summary"]
+            for metric, unit in (("issued", "B"), ("unique", "B"), ("bound", "B"), ("issued_over_bound", "x"),
+                                 ("unique_over_bound", "x"), ("flops", "FLOP"), ("useful", "FLOP"),
+                                 ("dot_over_useful", "x"), ("glue", "B"), ("launches", "count")):
+                rec.add(label, IMPLS[impl], metric if metric not in ("flops", "glue") else
+                        {"flops": "dot_flops", "glue": "torch_op_bytes"}[metric], s[metric], unit)
+            for row in res["kernels"]:
+                r = row["record"]
+                name = f"{IMPLS[impl]}: {row['kernel']}" + (f" {{{row['config']}}}" if row["config"] else "")
+                for metric, value, unit in (("issued", r.issued_bytes, "B"), ("unique", r.unique_bytes, "B"),
+                                            ("dot_flops", r.dot_flops, "FLOP")):
+                    rec.add(label, name, metric, value, unit)
+                st = row["static"]
+                if st and st.get("reg") is not None:
+                    for metric in ("reg", "shared", "local", "hgmma", "hmma", "sass", "blocks_per_sm", "occupancy",
+                                   "waves"):
+                        rec.add(label, name, f"sm90_{metric}", st.get(metric), "")
+    rec.add("make roofline", "all", "wall_time", wall_s, "s")
+    return rec.save()
+
+
+def plot(results):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels, ours, theirs = [], [], []
+    for case, per_impl in results:
+        labels.append(case.short)
+        ours.append(per_impl["ours"]["summary"]["issued_over_bound"])
+        theirs.append(per_impl["fla"]["summary"]["issued_over_bound"] if "fla" in per_impl else 0)
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(labels)), 4.5))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], ours, 0.4, label="twofold")
+    ax.bar([i + 0.2 for i in x], theirs, 0.4, label=f"fla-core {FLA_VERSION}")
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=8)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        ax.text(i - 0.2, a, f"{a:.2f}", ha="center", va="bottom", fontsize=7)
+        ax.text(i + 0.2, b, f"{b:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("issued bytes / IO lower bound (log)")
+    ax.set_title("Bytes each op's kernels issue, over the bytes it must move (Triton interpreter, fp16)")
+    ax.legend()
+    fig.tight_layout()
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PLOT, dpi=120)
+    plt.close(fig)
+
+
+def readme_block(results, wall_s: float, quick: bool) -> str:
+    import triton
+    formulas = OrderedDict()
+    for case, _ in results:
+        formulas.setdefault((case.name.split(" ")[0], case.op), (case.formula, case.useful_formula))
+    lines = [f"*Triton {triton.__version__} interpreter on CPU, fp16, sm_90 builds; fla-core {FLA_VERSION}; "
+             f"`make roofline` took {wall_s / 60:.1f} min{' (--quick)' if quick else ''}.*", "",
+             summary_table(results), "",
+             "IO lower bounds (e bytes per element, 2 in fp16; T tokens, H / HV query-key / value heads, "
+             "K / V their head dims, N sequences, B batch, L keys per sequence, D head dim, H_q / H_kv "
+             "query / KV heads) and useful FLOPs:", ""]
+    for (family, op), (formula, useful) in formulas.items():
+        lines.append(f"- {family} {op}: {formula}; useful FLOPs: {useful}.")
+    lines += ["", "![issued bytes over the IO bound, ours beside fla](bench/results/roofline.png)", "",
+              "<details><summary>Every kernel launch at its first config, with its sm_90 build "
+              "(occupancy and waves modelled)</summary>", "", kernel_table(results, first_only=True), "",
+              "</details>", "",
+              "<details><summary>Every config of every autotuned kernel</summary>", "",
+              kernel_table(results, first_only=False), "", "</details>"]
+    return "\n".join(lines)
+
+
+def update_readme(block: str):
+    text = README.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"README.md lacks the markers {BEGIN} ... {END}")
+    before, rest = text.split(BEGIN, 1)
+    _, after = rest.split(END, 1)
+    README.write_text(before + BEGIN + "\n" + block + "\n" + END + after)
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--record", action="store_true", help="append the CSV rows, draw the plot, update the README")
+    ap.add_argument("--quick", action="store_true", help="build only each kernel's first config for sm_90")
+    ap.add_argument("--workers", type=int, default=max(1, min(4, os.cpu_count() or 1)),
+                    help="processes building for sm_90")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    mods = install_shims()
+    cases = make_cases(mods, args.quick)
+    measured = []
+    for case in cases:
+        per_impl = OrderedDict()
+        for impl in ("ours", "fla"):
+            m = measure(case, impl)
+            per_impl[impl] = dict(measured=m)
+            measured.append(m)
+        check = case.outputs_match(per_impl["ours"]["measured"].outputs, per_impl["fla"]["measured"].outputs)
+        print(f"{case.name} {case.op}: ours {per_impl['ours']['measured'].seconds:.0f} s, "
+              f"fla {per_impl['fla']['measured'].seconds:.0f} s; {check}", flush=True)
+        case.per_impl = per_impl
+    specs = build_specs(measured, args.quick)
+    t1 = time.perf_counter()
+    built = build_all(specs, args.workers)
+    print(f"{len(specs)} sm_90 builds in {time.perf_counter() - t1:.0f} s", flush=True)
+    results = []
+    for case in cases:
+        for impl, res in case.per_impl.items():
+            res["summary"] = summarize(case, res["measured"])
+            res["kernels"] = kernel_rows(res["measured"], built)
+        results.append((case, case.per_impl))
+    wall = time.perf_counter() - t0
+    print()
+    print(summary_table(results))
+    print()
+    print(kernel_table(results, first_only=False))
+    print(f"\nmake roofline: {wall:.0f} s")
+    if args.record:
+        record_rows(results, wall)
+        plot(results)
+        update_readme(readme_block(results, wall, args.quick))
+        print(f"wrote {PLOT.relative_to(ROOT)} and the README's kernel observatory tables")
+    return 0
+
+
+if __name__ == "__main__":
+    if BUILD_WORKER:
+        build_worker(*sys.argv[sys.argv.index("--build-worker") + 1:][:2])
+    else:
+        sys.exit(main())

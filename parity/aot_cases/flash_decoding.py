@@ -1,0 +1,139 @@
+"""Ahead-of-time build cases for fast/flash_decoding.py (read by parity/aot_compile.py and
+parity/test_compile.py).
+
+``cases(m)`` takes the fast module ``m`` (imported with the Triton compiler, not the interpreter)
+and lists its launches in aot_compile.py's case format, reading the module's private config table
+(``_fwd_config``) so that what is built is what the launcher launches.  The decode kernel is built
+with the specialization a real launch gets: Triton turns an int argument equal to 1 into a
+constant and marks one divisible by 16 as such, so each case derives its argument types from the
+strides and sizes of an example launch (the same arithmetic as ``_flash_decode``).  Every case is
+one build (the decode kernel is not autotuned).
+"""
+from __future__ import annotations
+
+import torch
+
+_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def _int_types(values: dict) -> tuple[dict, dict]:
+    """Signature entries and constants for int arguments, specialized as a launch would be."""
+    signature, constants = {}, {}
+    for name, value in values.items():
+        if value == 1:
+            signature[name], constants[name] = "constexpr", 1
+        else:
+            signature[name] = "i32:16" if value % 16 == 0 else "i32"
+    return signature, constants
+
+
+def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16, batch=4, seq=8192, page=16,
+                 num_splits=7):
+    """The decode kernel's build for one example launch: q [B, S_q, H_q, D], a paged pool of ``page``-key
+    pages (or a contiguous cache of ``seq`` slots), ``num_splits`` partials or the output directly.
+    ``kv_align`` < 16 pads the cache rows to a multiple of it (head dims like 100 or 63)."""
+    cfg = m._fwd_config(d, dtype, s_q * (h_q // h_kv), paged, kv_align, torch.device("cuda"))
+    row = -(-d // kv_align) * kv_align                       # the cache's row stride in elements
+    if paged:
+        pages_per_seq = seq // page + 1
+        k_strides = (page * h_kv * row, h_kv * row, row)     # [num_pages, page_size, H_kv, D]
+    else:
+        pages_per_seq = 0
+        k_strides = (seq * h_kv * row, h_kv * row, row)      # [B, S_max, H_kv, D]
+    q_strides = (s_q * h_q * d, h_q * d, d)
+    if split:
+        o_strides = (s_q * h_q * num_splits * d, h_q * num_splits * d, num_splits * d, d)
+        l_strides = (s_q * h_q * num_splits, h_q * num_splits, num_splits, 1)
+    else:
+        o_strides = (*q_strides, 0)
+        l_strides = (h_q * s_q, 1, s_q, 0)                   # lse [B, H_q, S_q], read as (b, i, h)
+    names = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
+             "stride_vt", "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_osplit", "stride_lb",
+             "stride_ls", "stride_lh", "stride_lsplit", "stride_btb", "H_kv", "GROUP", "S_q", "PAGE_SIZE",
+             "NUM_SPLITS")
+    values = (*q_strides, *k_strides, *k_strides, *o_strides, *l_strides, pages_per_seq, h_kv, h_q // h_kv, s_q,
+              page if paged else 1, num_splits if split else 1)
+    signature, constants = _int_types(dict(zip(names, values)))
+    t = _TYPES[dtype]
+    signature.update(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}", o_ptr="*fp32" if split else f"*{t}",
+                     seqused_ptr="*i32", bt_ptr="*i32", sinks_ptr="*fp32", lse_ptr="*fp32", scale="fp32",
+                     softcap="fp32")
+    layout = "paged" if paged else "dense"
+    return dict(
+        kernel=m._decode_fwd_kernel,
+        name=f"decode_fwd[{t},D={d},S_q={s_q},G={h_q // h_kv},{layout},{'split' if split else 'one'}"
+             f"{',sinks+softcap' if extras else ''}{f',align{kv_align}' if kv_align < 16 else ''}:"
+             f"M={cfg['BLOCK_M']},N={cfg['BLOCK_N']},w{cfg['num_warps']},s{cfg['num_stages']}]",
+        signature=signature,
+        constexprs=dict(constants, HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
+                        BLOCK_N=cfg["BLOCK_N"], IS_PAGED=paged, IS_SPLIT=split, HAS_SINKS=extras,
+                        HAS_SOFTCAP=extras, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                        KV_ALIGN=cfg["KV_ALIGN"]),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        # fp32 dots are IEEE (FMA units); wgmma needs a 64-row tile, smaller tiles use mma.sync.
+        tensor_cores=dtype != torch.float32, wgmma=cfg["BLOCK_M"] >= 64)
+
+
+def cases(m) -> list[dict]:
+    """The decode kernel at every tile class _fwd_config returns, plus the merge and append kernels.
+
+    16-bit: head dims 64 / 128 / 256; decode (S_q = 1, G = 4 / 8 / 16: 16-row tiles) and speculative
+    verification (S_q = 4 and 16: 32- and 64-row tiles), paged and contiguous, split and not, with and
+    without sinks + softcap; bf16 throughout, fp16 where the roofline report measures (D = 128).
+    fp32: 16 x 16 tiles, both layouts.  Head dims 32 / 60 / 63 / 100 cover the small and unaligned rows.
+    """
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    launches = [
+        # dtype, D, H_q, H_kv, S_q, paged, split, sinks + softcap
+        (fp16, 128, 8, 2, 1, True, True, False),       # the roofline shape: B = 4, page 16, GQA 8/2
+        (fp16, 128, 8, 2, 1, False, True, False),
+        (bf16, 128, 32, 8, 1, True, False, True),
+        (bf16, 128, 32, 8, 1, False, False, False),
+        (bf16, 128, 64, 4, 1, True, True, True),       # G = 16
+        (bf16, 128, 16, 2, 4, True, True, False),      # 32 rows
+        (bf16, 128, 16, 2, 4, False, False, True),
+        (bf16, 128, 8, 2, 16, True, False, True),      # 64 rows (wgmma)
+        (fp16, 128, 8, 2, 16, False, True, False),
+        (bf16, 64, 8, 2, 1, True, True, True),
+        (bf16, 64, 8, 2, 1, False, False, False),
+        (bf16, 64, 8, 2, 16, True, False, False),
+        (bf16, 256, 8, 2, 1, True, False, True),
+        (bf16, 256, 8, 2, 1, False, True, False),
+        (bf16, 256, 16, 2, 4, True, True, True),
+        (fp32, 64, 8, 2, 1, True, False, True),
+        (fp32, 128, 8, 2, 1, True, True, False),
+        (fp32, 128, 8, 2, 2, False, False, True),
+        (fp32, 256, 8, 2, 1, False, True, False),
+        (bf16, 32, 16, 2, 1, True, True, False),
+        (fp32, 32, 8, 2, 1, False, False, True),
+    ]
+    cases = [_decode_case(m, *launch) for launch in launches]
+    # Rows aligned to 4 or 1 elements only (8 warps, narrower vectors).
+    cases += [_decode_case(m, bf16, 100, 8, 2, 3, True, True, True, kv_align=4),
+              _decode_case(m, fp32, 100, 8, 2, 1, True, False, False, kv_align=4),
+              _decode_case(m, fp16, 60, 8, 2, 2, False, True, False, kv_align=4),
+              _decode_case(m, bf16, 63, 8, 2, 2, True, False, True, kv_align=1)]
+    i32 = "i32"
+    for dt in (fp16, bf16, fp32):
+        t = _TYPES[dt]
+        for d in (64, 256):
+            cases.append(dict(
+                kernel=m._merge_splits_kernel, name=f"merge_splits[{t},D={d}]",
+                signature=dict(po_ptr="*fp32", plse_ptr="*fp32", sinks_ptr="*fp32", o_ptr=f"*{t}",
+                               lse_ptr="*fp32", stride_ob=i32, stride_os=i32, stride_oh=i32, S_q=i32, H_q=i32,
+                               NUM_SPLITS=i32),
+                constexprs=dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_S=16, HAS_SINKS=d == 64), num_warps=4, num_stages=1))
+            cases.append(dict(
+                kernel=m._merge_states_kernel, name=f"merge_states[{t},D={d}]",
+                signature=dict(oa_ptr=f"*{t}", la_ptr="*fp32", ob_ptr=f"*{t}", lb_ptr="*fp32",
+                               o_ptr=f"*{t}", lse_ptr="*fp32", T=i32, H=i32),
+                constexprs=dict(HEAD_DIM=d, BLOCK_D=d), num_warps=1 if d <= 128 else 2, num_stages=1))
+            cases.append(dict(
+                kernel=m._append_kv_kernel, name=f"append_kv[{t},D={d}]",
+                signature=dict({n: i32 for n in (
+                    "stride_knb", "stride_kns", "stride_knh", "stride_vnb", "stride_vns", "stride_vnh", "stride_kb",
+                    "stride_kt", "stride_kh", "stride_vb", "stride_vt", "stride_vh", "stride_btb", "S_q",
+                    "PAGE_SIZE")}, kn_ptr=f"*{t}", vn_ptr=f"*{t}", k_ptr=f"*{t}",
+                    v_ptr=f"*{t}", seqused_ptr="*i32", bt_ptr="*i32"),
+                constexprs=dict(HEAD_DIM=d, BLOCK_D=d, IS_PAGED=d == 64), num_warps=1, num_stages=1))
+    return cases

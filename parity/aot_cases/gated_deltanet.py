@@ -1,0 +1,120 @@
+"""Ahead-of-time build cases for fast/gated_deltanet.py (read by parity/aot_compile.py and parity/test_compile.py).
+
+``cases(m)`` takes the fast module ``m`` (imported with the Triton compiler, not the interpreter)
+and lists its launches in aot_compile.py's case format, reading the module's private config tables
+so that what is built is what the launcher launches.  CI builds each case with its first config;
+``make compile-check`` builds every config.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+
+def cases(m) -> list[dict]:
+    """Every kernel at the shapes that decide its code: fp16 / bf16 / fp32 at K = V = 128; bf16 at
+    K = V = 100 (padded, masked) and 256 (four state tiles); fp32 at K = V = 256 (four tiles of FMA
+    products: the register-heaviest state and dhu builds); bf16 at K = V = 64 (one K tile) and fp32
+    at K = 64, V = 48 (one K tile, masked V).  Varlen, initial and final state on (the superset of
+    the code paths).  Autotuned kernels build every config their pruning keeps, except at the lean
+    shapes, which build the first one per kernel to keep the check's time down: fp16 compiles like
+    bf16 (the same registers in every build compared), and each of the last three shapes prunes to
+    a subset of the configs built at K = V = 128 of its dtype (fp32 state, dhu and output keep a
+    single config at every K: that one is built), so only its tile shapes are new."""
+    cases = []
+    full = [(torch.bfloat16, 128, 128), (torch.float32, 128, 128), (torch.bfloat16, 100, 100),
+            (torch.bfloat16, 256, 256)]
+    lean = [(torch.float16, 128, 128), (torch.float32, 256, 256), (torch.bfloat16, 64, 64), (torch.float32, 64, 48)]
+    heads = dict(H=16, HV=32)
+    for dtype, dk, dv, one in [(*x, False) for x in full] + [(*x, True) for x in lean]:
+        dt = m._TL_DTYPES[dtype]
+        tag = f"[{dt},K={dk},V={dv}]"
+        tc = dtype != torch.float32
+        prec = m._prec(dtype)
+        ptr, f32, i32 = f"*{dt}", "*fp32", "*i32"
+        named = dict(K=dk, V=dv, k=torch.empty(0, dtype=dtype), q=torch.empty(0, dtype=dtype))
+        bk_full = m._pow2(dk)
+        cases.append(dict(kernel=m._l2norm_kernel, name="l2norm" + tag, signature=dict(x=ptr, y=ptr, rstd=f32, R="i32"),
+                          constexprs=dict(D=dk, BR=4096 // bk_full, BD=bk_full), num_warps=4))
+        # 16-row blocks: mma.sync, too few rows for wgmma
+        cases.append(dict(kernel=m._chunk_kkt_solve_kernel, name="kkt_solve" + tag, tensor_cores=tc, wgmma=False,
+                          signature=dict(k=ptr, gc=f32, beta=f32, A=ptr, cu=i32, chunk_idx=i32, T="i32"),
+                          constexprs=dict(**heads, K=dk, BT=m.CHUNK, BK=min(64, bk_full), IS_VARLEN=True, PREC=prec),
+                          num_warps=m._KKT_WARPS))
+        wu = m._wu_tiles(dtype, dk, dv)
+        cases.append(dict(kernel=m._chunk_wu_kernel, name="wu" + tag, tensor_cores=tc,
+                          signature=dict(k=ptr, v=ptr, beta=f32, gc=f32, A=ptr, w=ptr, u=ptr, cu=i32, chunk_idx=i32,
+                                         T="i32"),
+                          constexprs=dict(**heads, K=dk, V=dv, BT=m.CHUNK, BK=wu["BK"], BV=wu["BV"], IS_VARLEN=True,
+                                          PREC=prec), num_warps=wu["num_warps"]))
+        cases.append(dict(kernel=m._chunk_h_tuned, name="state" + tag, tensor_cores=tc,
+                          configs=m._prune_state_configs(m._STATE_CONFIGS, named)[:1 if one else None],
+                          signature=dict(k=ptr, w=ptr, u=ptr, gc=f32, h=ptr, v_new=ptr, h0=f32, ht=f32, cu=i32,
+                                         chunk_off=i32, T="i32", NHV="i32"),
+                          constexprs=dict(**heads, K=dk, V=dv, BT=m.CHUNK, **m._state_rows(dtype, dk), USE_H0=True,
+                                          STORE_FINAL=True, IS_VARLEN=True, PREC=prec)))
+        cases.append(dict(kernel=m._chunk_o_tuned, name="output" + tag, tensor_cores=tc,
+                          configs=m._prune_out_configs(m._OUT_CONFIGS, named)[:1 if one else None],
+                          signature=dict(q=ptr, k=ptr, v_new=ptr, h=ptr, gc=f32, o=ptr, cu=i32, chunk_idx=i32,
+                                         scale="fp32", T="i32"),
+                          constexprs=dict(**heads, K=dk, V=dv, BT=m.CHUNK, BK=32 if not tc else min(64, bk_full),
+                                          IS_VARLEN=True, PREC=prec)))
+        cases.append(dict(kernel=m._recurrent_tuned, name="recurrent" + tag,
+                          configs=m._prune_rec_configs(m._REC_CONFIGS, named)[:1 if one else None],
+                          signature=dict(q=ptr, k=ptr, v=ptr, g=f32, beta=ptr, o=ptr, h0=f32, ht=f32, cu=i32,
+                                         scale="fp32", T="i32", NHV="i32"),
+                          constexprs=dict(**heads, K=dk, V=dv, BK=bk_full, USE_H0=True, STORE_FINAL=True,
+                                          IS_VARLEN=True, L2NORM=True)))
+        cases += _backward_cases(m, dtype, dk, dv, heads, one_config=one)
+    for hv in (16, 64):
+        cases.append(dict(kernel=m._chunk_dg_kernel, name=f"dg[HV={hv}]",
+                          signature=dict(db="*fp32", dg="*fp32", cu="*i32", chunk_idx="*i32", T="i32"),
+                          constexprs=dict(HV=hv, NB=6, BT=m.CHUNK, BH=hv, IS_VARLEN=True), num_warps=4))
+        cases.append(dict(kernel=m._chunk_cumsum_kernel, name=f"cumsum[HV={hv}]",
+                          signature=dict(g="*fp32", gc="*fp32", cu="*i32", chunk_idx="*i32", T="i32"),
+                          constexprs=dict(HV=hv, BT=m.CHUNK, BH=hv, IS_VARLEN=True), num_warps=4))
+    return cases
+
+
+def _backward_cases(m, dtype, dk: int, dv: int, heads: dict, one_config: bool) -> list:
+    """The backward kernels at one (dtype, K, V), for sm_80 and sm_90 with the tiles each launches."""
+    dt = m._TL_DTYPES[dtype]
+    tag = f"[{dt},K={dk},V={dv}]"
+    tc = dtype != torch.float32
+    prec = m._prec(dtype)
+    ptr, f32, i32 = f"*{dt}", "*fp32", "*i32"
+    cases = []
+    for arch in (80, 90):
+        common = dict(**heads, K=dk, V=dv, BT=m.CHUNK, IS_VARLEN=True, PREC=prec)
+        tiles = {name: m._bwd_tiles(name, dtype, arch, dk, dv) for name in ("dv_local", "dqkwg", "wy")}
+        launch = {name: dict(num_warps=t.pop("num_warps"), num_stages=t.pop("num_stages")) for name, t in tiles.items()}
+        nb = 2 * (triton.cdiv(dk, tiles["dqkwg"]["BK"]) + 1)
+        cases.append(dict(kernel=m._chunk_dv_local_kernel, name=f"dv_local{tag}", archs=[arch], tensor_cores=tc,
+                          signature=dict(q=ptr, k=ptr, gc=f32, do=ptr, dv=ptr, cu=i32, chunk_idx=i32, scale="fp32",
+                                         T="i32"),
+                          constexprs=dict(**common, **tiles["dv_local"]), **launch["dv_local"]))
+        cases.append(dict(kernel=m._chunk_dhu_tuned, name=f"dhu{tag}", archs=[arch], tensor_cores=tc,
+                          configs=m._dhu_keep(m._DHU_CONFIGS, dtype, arch, dk, dv)[:1 if one_config else None],
+                          signature=dict(q=ptr, k=ptr, w=ptr, gc=f32, do=ptr, dv_local=ptr, dv=ptr, dh=ptr, dht=f32,
+                                         dh0=f32, cu=i32, chunk_off=i32, scale="fp32", T="i32", NHV="i32"),
+                          constexprs=dict(**common, **m._dhu_rows(dtype, dk), USE_DHT=True, STORE_DH0=True)))
+        cases.append(dict(kernel=m._chunk_dqkwg_kernel, name=f"dqkwg{tag}", archs=[arch], tensor_cores=tc,
+                          signature=dict(q=ptr, k=ptr, v_new=ptr, gc=f32, h=ptr, do=ptr, dh=ptr, dv=ptr, dq=f32,
+                                         dk=f32, dw=ptr, db=f32, cu=i32, chunk_idx=i32, scale="fp32", T="i32"),
+                          constexprs=dict(**common, **tiles["dqkwg"], NB=nb), **launch["dqkwg"]))
+        cases.append(dict(kernel=m._chunk_wy_bwd_kernel, name=f"wy_bwd{tag}", archs=[arch], tensor_cores=tc,
+                          signature=dict(k=ptr, v=ptr, beta=ptr, gc=f32, A=ptr, w=ptr, u=ptr, dw=ptr, du=ptr, dk=f32,
+                                         dv=ptr, dbeta=ptr, db=f32, cu=i32, chunk_idx=i32, T="i32"),
+                          constexprs=dict(**common, **tiles["wy"], NB=nb), **launch["wy"]))
+    rec = m._rec_bwd_tiles(dk, dv)
+    cases.append(dict(kernel=m._recurrent_bwd_kernel, name=f"recurrent_bwd{tag}",
+                      signature=dict(q=ptr, k=ptr, v=ptr, g=f32, beta=ptr, do=ptr, h0=f32, dht=f32, dq=f32, dk1=f32,
+                                     dk2=f32, dv=ptr, dg=f32, dbeta=f32, dh0=f32, p_buf=f32, dp_buf=f32, z_buf=f32,
+                                     cu=i32, scale="fp32", T="i32", NTOK="i32"),
+                      constexprs=dict(**heads, K=dk, V=dv, BK=m._pow2(dk), BV=rec["BV"], USE_H0=True, USE_DHT=True,
+                                      IS_VARLEN=True, L2NORM=True), num_warps=rec["num_warps"],
+                      num_stages=rec["num_stages"]))
+    cases.append(dict(kernel=m._l2norm_bwd_kernel, name=f"l2norm_bwd{tag}",
+                      signature=dict(y=ptr, rstd=f32, dy=f32, dx=ptr, R="i32"),
+                      constexprs=dict(D=dk, BR=4096 // m._pow2(dk), BD=m._pow2(dk)), num_warps=4))
+    return cases

@@ -1,0 +1,278 @@
+"""The observatory's instrument (parity/observatory.py) against kernels whose counts are known exactly.
+
+Each trivial kernel below has a traffic and FLOP count that can be written down by hand: a copy,
+a kernel that re-reads its input, a masked load, atomics, a dot.  The sanitizer must stop a
+planted out-of-bounds read and an index computed in int32 past 2^31 (the same kernel with an
+int64 index must pass), naming the kernel, the argument, the offset and the program id.  The
+recorded specialization must match what Triton's JIT specializes on, and build for sm_90.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from conftest import INTERPRET
+from observatory import OutOfBounds, both_ends, observe
+
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="the observatory instruments the Triton interpreter")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@triton.jit
+def _copy_kernel(x, y, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    tl.store(y + o, tl.load(x + o, mask=m), mask=m)
+
+
+@triton.jit
+def _reread_kernel(x, y, REPEAT: tl.constexpr, BLOCK: tl.constexpr):
+    # every program reads all of x REPEAT times and writes one sum
+    o = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for _ in range(REPEAT):
+        acc += tl.load(x + o)
+    tl.store(y + tl.program_id(0), tl.sum(acc, 0))
+
+
+@triton.jit
+def _even_lanes_kernel(x, y, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    v = tl.load(x + o, mask=o % 2 == 0, other=0.0)
+    tl.store(y + o, v)
+
+
+@triton.jit
+def _atomic_count_kernel(counter, x, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.atomic_add(counter + tl.zeros([BLOCK], dtype=tl.int32), tl.load(x + o))   # BLOCK lanes, one address
+
+
+@triton.jit
+def _dot_kernel(a, b, c, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+    o_m, o_n, o_k = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+    b_a = tl.load(a + o_m[:, None] * K + o_k[None, :])
+    b_b = tl.load(b + o_k[:, None] * N + o_n[None, :])
+    tl.store(c + tl.program_id(0) * M * N + o_m[:, None] * N + o_n[None, :], tl.dot(b_a, b_b))
+
+
+@triton.jit
+def _off_by_one_kernel(x, y, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y + o, tl.load(x + o + 1, mask=o < n), mask=o < n)     # reads x[n] in the last program
+
+
+@triton.jit
+def _row_gather_kernel(x, y, stride, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    # row r of a [rows, stride] matrix: the int32 product r * stride wraps past 2^31 unless widened
+    row = tl.program_id(0)
+    if WIDE:
+        row = row.to(tl.int64)
+    o = tl.arange(0, BLOCK)
+    tl.store(y + tl.program_id(0) * BLOCK + o, tl.load(x + row * stride + o))
+
+
+@triton.jit(do_not_specialize=["n_plain"])
+def _signature_kernel(x, n16, n17, n_one, n_plain, scale, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    m = o < n16 + n17 + n_one + n_plain
+    tl.store(x + o, tl.load(x + o, mask=m) * scale, mask=m)
+
+
+def _only(obs):
+    assert len(obs.launches) == 1, [r.kernel for r in obs.launches]
+    return obs.launches[0]
+
+
+def test_copy_counts_every_byte_once():
+    n, block = 1000, 128                         # 8 programs, the last one masked past 1000
+    x = torch.randn(n)
+    y = torch.empty(n)
+    with observe() as obs:
+        _copy_kernel[(triton.cdiv(n, block),)](x, y, n, BLOCK=block)
+    r = _only(obs)
+    assert torch.equal(x, y)
+    assert (r.kernel, r.grid, r.programs_run) == ("_copy_kernel", (8, 1, 1), 8)
+    assert (r.read_bytes, r.write_bytes) == (4 * n, 4 * n)
+    assert (r.unique_read_bytes, r.unique_write_bytes) == (4 * n, 4 * n)
+    assert r.dot_flops == 0 and r.atomics == 0
+
+
+def test_rereads_issue_more_than_unique():
+    block, repeat, programs = 64, 3, 5
+    x = torch.randn(block, dtype=torch.float16)
+    y = torch.empty(programs)
+    with observe() as obs:
+        _reread_kernel[(programs,)](x, y, REPEAT=repeat, BLOCK=block)
+    r = _only(obs)
+    assert r.read_bytes == programs * repeat * block * 2
+    assert r.unique_read_bytes == block * 2
+    assert (r.write_bytes, r.unique_write_bytes) == (programs * 4, programs * 4)
+
+
+def test_masked_lanes_cost_nothing():
+    x = torch.randn(64)
+    y = torch.empty(64)
+    with observe() as obs:
+        _even_lanes_kernel[(1,)](x, y, BLOCK=64)
+    r = _only(obs)
+    assert (r.read_bytes, r.unique_read_bytes) == (32 * 4, 32 * 4)
+    assert (r.write_bytes, r.unique_write_bytes) == (64 * 4, 64 * 4)
+
+
+def test_atomics_read_and_write_each_lane():
+    block, programs = 16, 4
+    counter = torch.zeros(1, dtype=torch.int32)
+    x = torch.ones(block * programs, dtype=torch.int32)
+    with observe() as obs:
+        _atomic_count_kernel[(programs,)](counter, x, BLOCK=block)
+    r = _only(obs)
+    assert counter.item() == block * programs
+    lanes = block * programs
+    assert r.atomics == lanes
+    assert r.read_bytes == 4 * lanes + 4 * lanes             # the loads of x, then the atomics' reads
+    assert r.write_bytes == 4 * lanes
+    assert (r.unique_read_bytes, r.unique_write_bytes) == (4 * lanes + 4, 4)
+
+
+def test_dot_flops():
+    m, n, k, programs = 16, 32, 64, 3
+    a = torch.randn(m, k, dtype=torch.float16)
+    b = torch.randn(k, n, dtype=torch.float16)
+    c = torch.empty(programs, m, n)
+    with observe() as obs:
+        _dot_kernel[(programs,)](a, b, c, M=m, N=n, K=k)
+    r = _only(obs)
+    torch.testing.assert_close(c[2], a.float() @ b.float(), rtol=1e-3, atol=1e-3)
+    assert r.dot_flops == programs * 2 * m * n * k
+    assert r.read_bytes == programs * (m * k + k * n) * 2
+    assert r.unique_read_bytes == (m * k + k * n) * 2
+
+
+def test_planted_out_of_bounds_read_fails():
+    n, block = 100, 32
+    x = torch.randn(n)
+    y = torch.empty(n)
+    with pytest.raises(OutOfBounds) as info, observe(unique=False):
+        _off_by_one_kernel[(triton.cdiv(n, block),)](x, y, n, BLOCK=block)
+    text = str(info.value)
+    for part in ("_off_by_one_kernel", "'x'", "byte offset +400", "program id (3, 0, 0)"):
+        assert part in text, text
+
+
+def test_int32_index_overflow_is_caught():
+    """Rows of a > 2^31-element buffer (int8: 2 GiB, allocated lazily, three rows touched): the int32
+    product row * stride wraps at row 2, and the sanitizer names it; widened to int64 it passes."""
+    stride, rows, block = 2 ** 30, 3, 16
+    x = torch.empty(rows * stride, dtype=torch.int8)
+    assert x.numel() > 2 ** 31
+    for r in range(rows):
+        x[r * stride:r * stride + block] = r + 1
+    y = torch.zeros(rows * block, dtype=torch.int8)
+    with pytest.raises(OutOfBounds) as info, observe(unique=False):
+        _row_gather_kernel[(rows,)](x, y, stride, BLOCK=block, WIDE=False)
+    text = str(info.value)
+    for part in ("_row_gather_kernel", "'x'", "before its start", "program id (2, 0, 0)"):
+        assert part in text, text
+    with observe(unique=False) as obs:
+        _row_gather_kernel[(rows,)](x, y, stride, BLOCK=block, WIDE=True)
+    assert y.view(rows, block).tolist() == [[r + 1] * block for r in range(rows)]
+    assert _only(obs).read_bytes == rows * block
+
+
+def test_program_filter_runs_both_ends():
+    n, block = 64 * 20, 64
+    x = torch.randn(n)
+    y = torch.zeros(n)
+    with observe(programs=both_ends(2)) as obs:
+        _copy_kernel[(n // block,)](x, y, n, BLOCK=block)
+    r = _only(obs)
+    ran = [0, 1, 18, 19]
+    assert r.programs_run == len(ran)
+    assert r.read_bytes == len(ran) * block * 4
+    for i in range(n // block):
+        chunk = slice(i * block, (i + 1) * block)
+        assert torch.equal(y[chunk], x[chunk] if i in ran else torch.zeros(block))
+
+
+def test_nested_observations_record_in_the_innermost():
+    x = torch.randn(256)
+    y = torch.empty(256)
+    with observe(unique=False) as outer:
+        with observe() as inner:
+            _copy_kernel[(2,)](x, y, 256, BLOCK=128)
+        _copy_kernel[(2,)](x, y, 256, BLOCK=128)
+    assert len(inner.launches) == 1 and inner.launches[0].unique_bytes == 2048
+    assert len(outer.launches) == 1 and outer.launches[0].unique_bytes is None
+
+
+@torch.library.custom_op("observatory_test::halve", mutates_args=())
+def _halve(x: torch.Tensor) -> torch.Tensor:
+    return (x / 2).to(torch.float16)          # two ops inside a custom op: the counter must see them
+
+
+@_halve.register_fake
+def _(x):
+    return torch.empty_like(x, dtype=torch.float16)
+
+
+def test_torch_ops_between_kernels():
+    """Each PyTorch op reads its inputs and writes its outputs once; views and allocations are free;
+    a custom op's body is looked into; an op inside a launch (the interpreter's copies) is not one."""
+    x = torch.randn(1000)                                    # 4000 bytes
+    y = torch.empty(1000)
+    with observe(torch_ops=True) as obs:
+        z = x.view(10, 100).t()                              # free
+        w = z.to(torch.float16)                              # read 4000, write 2000
+        y.zero_()                                            # write 4000
+        y.add_(x)                                            # read 8000, write 4000
+        h = _halve(x)                                        # div: 4000 + 4000, to: 4000 + 2000
+        _copy_kernel[(8,)](x, y, 1000, BLOCK=128)            # a kernel: 4000 + 4000
+    got = [(r.kernel, r.read_bytes, r.write_bytes) for r in obs.launches]
+    assert got == [("torch._to_copy", 4000, 2000), ("torch.zero_", 0, 4000), ("torch.add_", 8000, 4000),
+                   ("torch.div", 4000, 4000), ("torch.to", 4000, 2000), ("_copy_kernel", 4000, 4000)], got
+    assert w.shape == (100, 10) and h.dtype == torch.float16
+
+
+def test_specialization_as_the_jit_sees_it():
+    x = torch.randn(64)
+    with observe() as obs:
+        _signature_kernel[(1,)](x, 16, 17, 1, 32, 0.5, BLOCK=64)
+    r = _only(obs)
+    assert r.signature == {"x": "*fp32:16", "n16": "i32:16", "n17": "i32", "n_one": "constexpr",
+                           "n_plain": "i32", "scale": "fp32"}
+    assert r.constexprs == {"n_one": 1, "BLOCK": 64}
+    assert (r.num_warps, r.num_stages) == (4, 3)
+
+
+def test_recorded_launch_builds_for_sm90():
+    """The static side: a fast kernel's recorded launch, built by parity/aot_compile.py in a process
+    without the interpreter, with its SASS counted and its occupancy modelled."""
+    from fast.flash_decoding import merge_attention_states
+    out = torch.randn(2, 3, 4, 64, dtype=torch.float16)
+    lse = torch.randn(2, 4, 3)
+    with observe() as obs:
+        merge_attention_states(out, lse, out, lse)
+    r = _only(obs)
+    assert r.kernel == "_merge_states_kernel" and r.grid == (24, 1, 1)
+    assert r.signature["T"] == "i32" and r.constexprs["HEAD_DIM"] == 64 and r.num_warps == 1
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import json, sys; sys.path[:0] = sys.argv[1:3]; import aot_compile; "
+            "print(json.dumps(aot_compile.build_launch(json.loads(sys.argv[3]))))")
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT), str(ROOT / "parity"), json.dumps(r.spec())],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    static = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert static["ok"], static
+    assert static["reg"] > 0 and static["sass"] > 0 and static["local"] == 0 and static["hgmma"] == 0
+    # one warp and few registers: the 32-blocks-per-SM limit binds, 32 of 64 warp slots filled
+    assert (static["blocks_per_sm"], static["occupancy"]) == (32, 0.5)
+    assert static["waves"] == pytest.approx(24 / (32 * 132))
