@@ -241,7 +241,7 @@ def main(argv=None) -> int:
                   f"lag {statistics.fmean(lag):.2f} (max {max(lag)})  span {statistics.fmean(span):.2f}  "
                   f"train {1e3 * (t2 - t1):6.1f} ms  sync {1e3 * (t3 - t2):6.1f} ms  waited {1e3 * waited:6.1f} ms  "
                   f"offloaded {offload.stats['offloaded_bytes'] / 2**20:7.1f} MiB", flush=True)
-            for t, name, event, detail in router.health_events():
+            for _, name, event, detail in router.health_events():
                 if event != "synced":
                     print(f"         fleet: {name} {event}: {detail}")
             if args.kill_at == step:

@@ -47,31 +47,30 @@ first submit to the last completion, prefill included)
 
 Fleet cases (the generators as Ray actors, ``fast/routed_generator.py``'s ``ray_generators``, on a
 local Ray instance bound to 127.0.0.1; the same 4M model, engines with one intra-op thread each)
-    fleet <kind> n=N          tokens/s of a batch of 32 requests (prompt 64, 32 new tokens) through
+    ray tokens n=N            tokens/s of a batch of 32 requests (prompt 64, 32 new tokens) through
                               the router over N engines, in this process (``inproc``) and as Ray
                               actors (``ray``), N = 1, 2, 4: what the actor hop costs, and whether
                               the fleet scales on this machine's cores.
-    fleet sync n=N            ``sync_weights`` wall time, hot swap with an idle fleet (``sync_ms``),
+    ray sync n=N              ``sync_weights`` wall time, hot swap with an idle fleet (``sync_ms``),
                               and a drain with a batch in flight (``drain_sync_ms``: the in-flight
                               requests finish, then every engine loads).
-    fleet restart n=2         an actor's process SIGKILLed under steady traffic: ``restart_s`` from the
+    ray restart n=2           an actor's process SIGKILLed under steady traffic: ``restart_s`` from the
                               kill until that actor is back in rotation at the current version (Ray
                               restarts it, the router re-syncs it, a probe served by the new process
                               closes its breaker).
 
-    python bench/routed_generator.py                  # all cases; prints, writes nothing
-    python bench/routed_generator.py --record         # ... and appends the rows to bench/results/routed_generator.csv
-    python bench/routed_generator.py --quick          # fewer repetitions (never recorded)
+    python bench/routed_generator.py                  # all cases; rows to bench/results/latest/ (untracked)
+    python bench/routed_generator.py --record         # ... and appended to bench/results/routed_generator.csv
+    python bench/routed_generator.py --quick          # fewer repetitions
     python bench/routed_generator.py --part fleet     # router | engine | fleet
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import os
-import signal
 import random
+import signal
 import statistics
 import sys
 import threading
@@ -84,7 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.harness import ON_GPU, Recorder, optional_import  # noqa: E402
+from bench.harness import ON_GPU, Recorder, bench_parser, optional_import  # noqa: E402
 import fast.generator_engine as fast_ge  # noqa: E402
 import fast.routed_generator as fast_rg  # noqa: E402
 import ref.generator_engine as ref_ge  # noqa: E402
@@ -516,7 +515,8 @@ def bench_sync(rec, quick):
         case = f"sync {name} b={batch}"
         with fast_ge.Generator(config, device=dev, dtype=dtype, flash_decode=clock,
                                num_pages=batch * (-(-(128 + out_len) // 16)) + 64) as gen:
-            new = {k: v.clone() for k, v in fast_ge.DecoderLM(config, seed=1, device=dev, dtype=dtype).state_dict().items()}
+            new = {k: v.clone()
+                   for k, v in fast_ge.DecoderLM(config, seed=1, device=dev, dtype=dtype).state_dict().items()}
             rec.add(case, "fast", "params", _n_params(gen.model) / 1e6, "M")
             gen.load_weights(new, 0)  # allocates the shadow weights (once per engine), outside the timing
             futures = [gen.submit(r) for r in _engine_requests(fast_ge, batch, 128, out_len, config.vocab_size)]
@@ -569,7 +569,8 @@ def bench_fleet(rec, quick):
     import ray
     ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, logging_level="ERROR",
              log_to_driver=False, _node_ip_address="127.0.0.1")
-    weights = {k: v.clone() for k, v in fast_ge.DecoderLM(fast_ge.ModelConfig(**CPU_MODEL), seed=1).state_dict().items()}
+    trained = fast_ge.DecoderLM(fast_ge.ModelConfig(**CPU_MODEL), seed=1)
+    weights = {k: v.clone() for k, v in trained.state_dict().items()}
     try:
         for n in ((1, 2) if quick else (1, 2, 4)):
             local = [_fleet_engine() for _ in range(n)]
@@ -578,21 +579,21 @@ def bench_fleet(rec, quick):
             actors = fast_rg.ray_generators(_fleet_engine, n, num_cpus=0, name_prefix=f"n{n}-")
             for kind, gens in (("inproc", local), ("ray", actors)):
                 router = fast_rg.GeneratorRouter(gens, policy="least_loaded")
-                rec.add(f"fleet tokens n={n}", kind, "tokens_per_s", _fleet_tokens_per_s(router, f"{kind}{n}"), "tok/s")
+                rec.add(f"ray tokens n={n}", kind, "tokens_per_s", _fleet_tokens_per_s(router, f"{kind}{n}"), "tok/s")
                 t0 = time.perf_counter()
                 router.sync_weights(weights, 1, mode="hot_swap")
-                rec.add(f"fleet sync n={n}", kind, "sync_ms", (time.perf_counter() - t0) * 1e3, "ms")
+                rec.add(f"ray sync n={n}", kind, "sync_ms", (time.perf_counter() - t0) * 1e3, "ms")
                 inflight = [router.submit(r) for r in _fleet_batch(f"drain{kind}{n}")]
                 t0 = time.perf_counter()
                 router.sync_weights(weights, 2, mode="drain")
-                rec.add(f"fleet sync n={n}", kind, "drain_sync_ms", (time.perf_counter() - t0) * 1e3, "ms")
+                rec.add(f"ray sync n={n}", kind, "drain_sync_ms", (time.perf_counter() - t0) * 1e3, "ms")
                 [f.result() for f in inflight]
                 router.close()
             for g in local:
                 g.close()
             for g in actors:
                 g.close()
-        rec.add("fleet restart n=2", "ray", "restart_s", _restart_time(weights), "s")
+        rec.add("ray restart n=2", "ray", "restart_s", _restart_time(weights), "s")
     finally:
         ray.shutdown()
 
@@ -633,13 +634,10 @@ def _restart_time(weights) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions and requests (never recorded)")
-    ap.add_argument("--record", action="store_true", default=os.environ.get("RECORD") == "1",
-                    help="append the rows to bench/results/routed_generator.csv (also RECORD=1)")
+    ap = bench_parser(__doc__)
     ap.add_argument("--part", choices=["all", "router", "engine", "fleet"], default="all")
     args = ap.parse_args(argv)
-    rec = Recorder("routed_generator")
+    rec = Recorder("routed_generator", record=args.record or None)
     reps = 3 if args.quick else 9
     if args.part in ("all", "router"):
         print("router overhead per request (instant generators; best of interleaved repetitions)")
@@ -662,15 +660,13 @@ def main(argv=None) -> int:
         bench_sync(rec, args.quick)
     if args.part in ("all", "fleet"):
         if optional_import("ray") is None:
-            rec.missing("fleet", "ray", "ray is not installed")
+            rec.missing("ray fleet", "ray", "ray is not installed")
         else:
             torch.set_num_threads(1)
             print("the fleet on Ray (CPU, a local Ray instance) beside the same fleet in this process")
             bench_fleet(rec, args.quick)
-    if args.record and not args.quick:
-        rec.save()
-    elif args.record:
-        print("--quick rows are not recorded")
+    if not args.no_save:
+        rec.save()  # bench/results/latest/ always; the committed CSV only with --record / RECORD=1
     return 0
 
 

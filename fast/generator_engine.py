@@ -362,7 +362,8 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Training: logits [B, T, V] fp32, causal per row (or per document of ``cu_seqlens``, B == 1)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-            raise TypeError(f"input_ids must be an integer tensor [B, T], got {getattr(input_ids, 'shape', input_ids)!r}")
+            raise TypeError(f"input_ids must be an integer tensor [B, T], got "
+                            f"{getattr(input_ids, 'shape', input_ids)!r}")
         b, t = input_ids.shape
         dev = input_ids.device
         if cu_seqlens is None:
@@ -375,7 +376,7 @@ class DecoderLM(nn.Module):
             lengths = cu.diff()
             if int(cu[-1]) != t or int(cu[0]) != 0 or bool((lengths < 0).any()):
                 raise ValueError(f"cu_seqlens must partition the {t} tokens, got {cu_seqlens.tolist()}")
-            doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths)    # [T] document of each token
+            doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths)    # [T] its document
             index = torch.arange(t, device=dev)
             positions = index - cu[doc]
             same_doc_causal = (doc[:, None] == doc[None, :]) & (index[None, :] <= index[:, None])   # [T, T]
@@ -559,8 +560,8 @@ def _sample_batch(logits: torch.Tensor, params: list, rngs: list) -> tuple[list,
             index = torch.minimum(index, last)
             tok = index if kind == 1 else order.gather(1, index[:, None])[:, 0]
             lp = logp.gather(1, tok[:, None])[:, 0]
-        for i, t, l in zip(rows, tok.tolist(), lp.tolist()):
-            tokens[i], logprobs[i] = t, l
+        for i, t, lp_i in zip(rows, tok.tolist(), lp.tolist()):
+            tokens[i], logprobs[i] = t, lp_i
     return tokens, logprobs
 
 # ----------------------------------------------------------------------------- the engine
@@ -720,10 +721,14 @@ class Generator:
             raise TypeError(f"request must be a Request (prompt_token_ids, sampling, request_id), "
                             f"got {type(request).__name__}")
         c, n = self.config, len(prompt)
-        problem = ("an empty prompt" if not n else
-                   f"token ids in [0, {c.vocab_size}), got {max(prompt)}" if max(prompt) >= c.vocab_size or min(prompt) < 0
-                   else f"a prompt shorter than max_seq_len={c.max_seq_len}, got {n} tokens (no room to generate)"
-                   if n >= c.max_seq_len else None)
+        if not n:
+            problem = "at least one token, got an empty prompt"
+        elif max(prompt) >= c.vocab_size or min(prompt) < 0:
+            problem = f"token ids in [0, {c.vocab_size}), got {max(prompt)}"
+        elif n >= c.max_seq_len:
+            problem = f"a prompt shorter than max_seq_len={c.max_seq_len}, got {n} tokens (no room to generate)"
+        else:
+            problem = None
         if problem:
             raise ValueError(f"prompt_token_ids must hold {problem}")
         kv_tokens = n + min(sp.max_new_tokens, c.max_seq_len - n) - 1   # the last token's K/V is never needed

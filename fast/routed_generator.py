@@ -231,7 +231,8 @@ class _Slot:
     def __init__(self, index: int, gen, last_chosen: int):
         self.index, self.gen, self.name = index, gen, gen.name
         self.inflight = self.dispatched = self.completed = self.failures = self.timeouts = self.late = self.stale = 0
-        self.state, self.draining, self.probe_out, self.close_on_return, self.loading = CLOSED, False, False, False, False
+        self.state = CLOSED
+        self.draining = self.probe_out = self.close_on_return = self.loading = False
         self.consecutive = self.opened = 0
         self.reopen_at = self.readmit_deadline = math.inf
         self.floor = gen.policy_version
@@ -364,10 +365,11 @@ class GeneratorRouter:
                 and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in backoff_s)
                 and 0 < backoff_s[0] <= backoff_s[1] < math.inf):
             raise ValueError(f"backoff_s must be (first, cap) seconds with 0 < first <= cap, got {backoff_s!r}")
-        if clock is not None and not (callable(getattr(clock, "now", None)) and callable(getattr(clock, "call_at", None))):
+        if clock is not None and not all(callable(getattr(clock, m, None)) for m in ("now", "call_at")):
             raise TypeError(f"clock must have now() and call_at(t, fn), got {type(clock).__name__}")
         n = len(generators)
-        self.policy, self.max_inflight, self.max_retries, self.max_sessions = policy, max_inflight, max_retries, max_sessions
+        self.policy, self.max_inflight, self.max_retries = policy, max_inflight, max_retries
+        self.max_sessions = max_sessions
         self.failure_threshold, self.backoff_s = failure_threshold, (float(backoff_s[0]), float(backoff_s[1]))
         self._own_clock, self._clock = clock is None, _Alarm() if clock is None else clock
         self._cap = _UNCAPPED if max_inflight is None else max_inflight
@@ -556,7 +558,8 @@ class GeneratorRouter:
             if len(self._heap) > 2 * len(self._slots) + 64:  # mostly stale entries: start over
                 self._rebuild_heap()
             else:
-                heapq.heappush(self._heap, (s.last_chosen, s.index) if self._rr else (s.inflight, s.last_chosen, s.index))
+                heapq.heappush(self._heap, (s.last_chosen, s.index) if self._rr else
+                               (s.inflight, s.last_chosen, s.index))
 
     def _rebuild_heap(self) -> None:
         self._heap = [(s.last_chosen, s.index) if self._rr else (s.inflight, s.last_chosen, s.index)
@@ -721,7 +724,8 @@ class GeneratorRouter:
             s.failures += 1
             s.consecutive += 1
             s.last_error = exc
-            if (attempt.probe and s.state == HALF_OPEN) or (s.state == CLOSED and s.consecutive >= self.failure_threshold):
+            if (attempt.probe and s.state == HALF_OPEN) or (
+                    s.state == CLOSED and s.consecutive >= self.failure_threshold):
                 self._to_open(s, f"{s.consecutive} consecutive failures; last: {exc!r}")
             if ticket.causes is None:
                 ticket.causes = []
@@ -954,7 +958,8 @@ class GeneratorRouter:
         try:  # one look at the future in the common case
             completion, exc = fut.result(), None
         except CancelledError as exc_:
-            completion, exc = None, CancelledError(f"{attempt.slot.name} cancelled the request") if fut.cancelled() else exc_
+            mine = fut.cancelled()  # (not an engine that failed it with a CancelledError of its own)
+            completion, exc = None, CancelledError(f"{attempt.slot.name} cancelled the request") if mine else exc_
         except Exception as exc_:  # noqa: BLE001 - whatever the engine failed with
             completion, exc = None, exc_
         with self._lock:
@@ -1127,8 +1132,8 @@ def _pack_weights(state_dict: Mapping) -> tuple:
         meta.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
         offset += -(-t.numel() * t.element_size() // 64) * 64
     flat = torch.empty(offset, dtype=torch.uint8)
-    for (name, _, _, start), t in zip(meta, state_dict.values()):
-        raw = t.detach().reshape(-1).view(torch.uint8) if t.is_contiguous() else t.detach().contiguous().reshape(-1).view(torch.uint8)
+    for (_, _, _, start), t in zip(meta, state_dict.values()):
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)  # (contiguous: no copy when it already is)
         flat[start:start + raw.numel()].copy_(raw)  # from any device: one copy to host
     return meta, flat.numpy()
 

@@ -44,5 +44,6 @@ def run_isolated(argv: list[str], *, timeout: float, cwd=None, env=None) -> subp
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # unshare dies, --kill-child takes the namespace's init with it
         out, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(argv)} did not finish within {timeout} s; its output:\n{out[-6000:]}")
+        raise AssertionError(f"{' '.join(argv)} did not finish within {timeout} s; "
+                             f"its output:\n{out[-6000:]}") from None
     return subprocess.CompletedProcess(argv, proc.returncode, out, None)

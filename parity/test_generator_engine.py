@@ -91,7 +91,8 @@ def assert_same(expect, got, model=None, rtol=LP_RTOL):
         greedy = model is not None and n < min(len(expect.token_ids), len(got.token_ids))
         margin = greedy_margin(model, expect.prompt_token_ids + expect.token_ids[:n]) if greedy else float("nan")
         assert greedy and margin < TIE, (
-            f"{got.request_id}: tokens differ at {n} (margin {margin:.2e}):\n ref  {expect.token_ids}\n fast {got.token_ids}")
+            f"{got.request_id}: tokens differ at {n} (margin {margin:.2e}):\n"
+            f" ref  {expect.token_ids}\n fast {got.token_ids}")
         print(f"{got.request_id}: near-tie at token {n} (margin {margin:.1e}); compared up to there")
     else:
         assert got.finish_reason == expect.finish_reason
@@ -180,7 +181,8 @@ def test_config_and_model(rg):
     other = ref_ge.DecoderLM(small_config(ref_ge), seed=3)
     for (n, x), (_, y), (_, z) in zip(a.state_dict().items(), b.state_dict().items(), other.state_dict().items()):
         assert torch.equal(x, y) and torch.equal(x, z), n  # same seed, same weights, in both files
-    assert not torch.equal(a.state_dict()["embed_tokens.weight"], rg.DecoderLM(cfg, seed=4).state_dict()["embed_tokens.weight"])
+    other_seed = rg.DecoderLM(cfg, seed=4).state_dict()["embed_tokens.weight"]
+    assert not torch.equal(a.state_dict()["embed_tokens.weight"], other_seed)
     tied = rg.DecoderLM(small_config(rg, tie_embeddings=True))
     assert "lm_head.weight" not in tied.state_dict()
     # Training forward: causal (a later token does not change earlier logits), per document with cu_seqlens.
@@ -266,7 +268,8 @@ def test_stops_and_context_limit(rg):
         free = gen.generate([rg.Request([1, 2, 3], rg.SamplingParams(max_new_tokens=8))])[0]
         stop_at = free.token_ids[3]
         first = free.token_ids.index(stop_at)
-        stopped = gen.generate([rg.Request([1, 2, 3], rg.SamplingParams(max_new_tokens=8, stop_token_ids=(stop_at,)))])[0]
+        sp = rg.SamplingParams(max_new_tokens=8, stop_token_ids=(stop_at,))
+        stopped = gen.generate([rg.Request([1, 2, 3], sp)])[0]
         capped = gen.generate([rg.Request(list(range(10)), rg.SamplingParams(max_new_tokens=50))])[0]
         edge = gen.generate([rg.Request(list(range(15)), rg.SamplingParams(max_new_tokens=50))])[0]
     assert stopped.token_ids == free.token_ids[:first + 1] and stopped.finish_reason == "stop"  # stop token kept

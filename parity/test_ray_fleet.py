@@ -126,7 +126,8 @@ def drill(out_path: str) -> None:
     assert back is not None, f"the killed actor never came back: {router.stats()[victim.name]}"
     facts["death_to_return_s"], mine, probe = back
     facts["returned_versions"] = sorted({(c.min_policy_version, c.max_policy_version) for c in mine})
-    facts["returned_tokens_equal"] = same_tokens(2, mine, [r for r in probe if r.request_id in {c.request_id for c in mine}])
+    served = {c.request_id for c in mine}
+    facts["returned_tokens_equal"] = same_tokens(2, mine, [r for r in probe if r.request_id in served])
     facts["returned_new_pid"] = victim.pid != killed_pid
     events = router.health_events()
     facts["victim_events"] = [e for _, g, e, _ in events if g == victim.name]
@@ -195,7 +196,8 @@ def test_ray_fleet_survives_a_killed_and_a_hung_actor(tmp_path):
     assert f["kill_victim_failures"] >= 1
     assert f["sync_during_restart_version"] == 2 and f["survivors_version"] == [2, 2]
     assert f["returned_new_pid"] and f["returned_versions"] == [[2, 2]] and f["returned_tokens_equal"]
-    assert "resynced" in f["victim_events"] and f["victim_events"].index("opened") < f["victim_events"].index("resynced")
+    events = f["victim_events"]
+    assert "resynced" in events and events.index("opened") < events.index("resynced")
     # a hung actor: requests finish elsewhere within their deadline; a drain sync drops it
     assert f["hung_inflight"] >= 1 and f["hung_timeouts"] >= 1 and "ray-gen1" not in f["hung_served_by"]
     assert f["hung_latency_s"] < 3.0 + 6.0 + 5.0  # its deadline, the sync's, and the work

@@ -222,7 +222,8 @@ def names(log):
 
 def test_data_types(rg):
     sp = rg.SamplingParams()
-    assert (sp.max_new_tokens, sp.temperature, sp.top_k, sp.top_p, sp.stop_token_ids, sp.seed) == (16, 0.0, 0, 1.0, (), None)
+    fields = (sp.max_new_tokens, sp.temperature, sp.top_k, sp.top_p, sp.stop_token_ids, sp.seed)
+    assert fields == (16, 0.0, 0, 1.0, (), None)
     assert rg.SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
     a, b = rg.Request([1, 2]), rg.Request(torch.tensor([5, 6, 7]))
     assert a.request_id != b.request_id and a.request_id.startswith("req-")
@@ -271,7 +272,8 @@ def test_constructor_and_argument_errors(rg):
     for kw, match in [(dict(max_inflight=0), "max_inflight"), (dict(max_retries=-1), "max_retries"),
                       (dict(max_sessions=0), "max_sessions"), (dict(failure_threshold=0), "failure_threshold"),
                       (dict(request_timeout_s=0), "request_timeout_s"), (dict(sync_timeout_s=-1.0), "sync_timeout_s"),
-                      (dict(request_timeout_s=float("nan")), "request_timeout_s"), (dict(backoff_s=(0.0, 1.0)), "backoff_s"),
+                      (dict(request_timeout_s=float("nan")), "request_timeout_s"),
+                      (dict(backoff_s=(0.0, 1.0)), "backoff_s"),
                       (dict(backoff_s=(2.0, 1.0)), "backoff_s"), (dict(backoff_s=0.5), "backoff_s")]:
         with pytest.raises(ValueError, match=match):
             rg.GeneratorRouter(gens, **kw)

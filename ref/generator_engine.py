@@ -388,7 +388,8 @@ class DecoderLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-            raise TypeError(f"input_ids must be an integer tensor [B, T], got {getattr(input_ids, 'shape', input_ids)!r}")
+            raise TypeError(f"input_ids must be an integer tensor [B, T], got "
+                            f"{getattr(input_ids, 'shape', input_ids)!r}")
         b, t = input_ids.shape
         if cu_seqlens is None:
             lengths = [t] * b
@@ -585,8 +586,8 @@ class Generator:
     def stats(self) -> dict:
         """waiting, running, completed, policy_version."""
         with self._cv:
-            return dict(waiting=sum(r is not None for r, _ in self._queue), running=self._running, completed=self._completed,
-                        policy_version=self._version)
+            waiting = sum(r is not None for r, _ in self._queue)
+            return dict(waiting=waiting, running=self._running, completed=self._completed, policy_version=self._version)
 
     def close(self) -> None:
         with self._cv:

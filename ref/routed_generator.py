@@ -360,7 +360,8 @@ class GeneratorRouter:
         generators = _checked_arguments(generators, policy, max_inflight, max_retries, max_sessions,
                                         request_timeout_s, sync_timeout_s, failure_threshold, backoff_s, clock)
         n = len(generators)
-        self.policy, self.max_inflight, self.max_retries, self.max_sessions = policy, max_inflight, max_retries, max_sessions
+        self.policy, self.max_inflight, self.max_retries = policy, max_inflight, max_retries
+        self.max_sessions = max_sessions
         self.request_timeout_s, self.sync_timeout_s = float(request_timeout_s), float(sync_timeout_s)
         self.failure_threshold, self.backoff_s = failure_threshold, (float(backoff_s[0]), float(backoff_s[1]))
         self._own_clock = clock is None
@@ -749,7 +750,9 @@ class GeneratorRouter:
             later = [a.deadline for a in self._attempts] + [s.reopen_at for s in self._slots
                                                              if s.state == OPEN and s.reopen_at > now]
             later += [s.readmit_deadline for s in self._slots if s.state == READMITTING]
-            self._schedule(min(later + ([sync.deadline] if sync is not None and sync.pending else []), default=math.inf))
+            if sync is not None and sync.pending:
+                later.append(sync.deadline)
+            self._schedule(min(later, default=math.inf))
         self._run(work)
 
     # ------------------------------------------------------------------ weights and re-admission
@@ -983,7 +986,8 @@ def _checked_arguments(generators, policy, max_inflight, max_retries, max_sessio
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     for name, value in (("request_timeout_s", request_timeout_s), ("sync_timeout_s", sync_timeout_s)):
         _check_timeout(name, value)
-    if (not isinstance(backoff_s, tuple) or len(backoff_s) != 2 or not all(isinstance(b, (int, float)) for b in backoff_s)
+    if (not isinstance(backoff_s, tuple) or len(backoff_s) != 2
+            or not all(isinstance(b, (int, float)) for b in backoff_s)
             or not 0 < backoff_s[0] <= backoff_s[1] < math.inf):
         raise ValueError(f"backoff_s must be (first, cap) seconds with 0 < first <= cap, got {backoff_s!r}")
     if clock is not None and not (callable(getattr(clock, "now", None)) and callable(getattr(clock, "call_at", None))):
