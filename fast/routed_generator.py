@@ -39,9 +39,10 @@ The fleet on Ray (``ray_generators``)
                  the reply settles.  The request is checked against the engine's vocabulary and
                  context first, so bad input still raises ValueError in ``submit``.
     supervision  actors restart on death (``max_restarts``; Ray does not retry their tasks: the
-                 router retries the requests elsewhere).  A handle that sees its actor die
-                 reports policy_version -1 until it learns what the new process holds, so the
-                 router refuses it, opens it, and re-syncs it before re-admitting it.
+                 router retries the requests elsewhere).  A handle that sees its actor die (or a
+                 reply from a new incarnation) reports policy_version -1 until it learns what the
+                 new process holds, so the router refuses it, opens it, and re-syncs it before
+                 re-admitting it; a load waits while Ray reports the actor as restarting.
     weights      each version is put into Ray's object store once, as one flat byte buffer
                  (zero-copy for the actors on the trainer's node, one transfer per other node),
                  and every actor loads from there; actors load independently, so one failing

@@ -16,9 +16,9 @@ What is compared, and how exactly
     one.  Sampling draws one uniform per token from each request's own generator, so the same
     request gives the same tokens alone, in a busy batch, after preemption, and in either engine.
 
-    Unverified here (no GPU on this machine): the bf16 GPU tier at the bottom (fast vs ref
-    within the DESIGN.md tolerance rule on logprobs, tokens up to the first near-tie), and the
-    CUDA side-stream copy of the hot swap.
+    Unverified here (no GPU on this machine): the bf16 GPU tier at the bottom (fast vs ref within
+    the tolerance rule of parity/conftest.py on logprobs, tokens up to the first near-tie), and
+    the CUDA side-stream copy of the hot swap.
 """
 from __future__ import annotations
 
@@ -579,9 +579,9 @@ def _gpu_config(rg):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernels", ["torch", "repo"])
 def test_gpu_bf16_fast_matches_ref(kernels):
-    """bf16 on the GPU: logprobs of fast within the DESIGN.md rule against the fp32 model (teacher-
-    forced on fast's tokens), with the reference engine in bf16 as the low-precision baseline;
-    greedy tokens equal the bf16 reference's up to the first near-tie."""
+    """bf16 on the GPU: logprobs of fast within the tolerance rule (parity/conftest.py) against the
+    fp32 model (teacher-forced on fast's tokens), with the reference engine in bf16 as the
+    low-precision baseline; greedy tokens equal the bf16 reference's up to the first near-tie."""
     plug = {}
     if kernels == "repo":
         from fast.paged_varlen_attention import varlen_attn
