@@ -93,8 +93,13 @@ FAMILIES: dict[str, list[Family]] = {
                higher_is_better=True),
         Family("sync", "Weight sync pause", "Milliseconds to load new weights: hot_swap stages them while "
                "decoding continues (stall is the pause seen by requests), drain waits for in-flight requests."),
-        Family("ray", "Ray fleet on CPU", "Generators as Ray actors on a local cluster: tokens/s by actor count, "
-               "the sync pause, and the time from an actor's death to its return at the current version."),
+        Family("ray tokens", "Fleet tokens/s: Ray actors vs in-process", "Tokens/s through 1, 2 and 4 engines, "
+               "as in-process threads and as Ray actors on a local cluster.  This machine has 2 cores, so more "
+               "engines cannot add throughput here; the rows show what Ray's transport costs."),
+        Family("ray sync", "Fleet weight sync", "Milliseconds for a hot_swap sync and for a drain sync, in-process "
+               "vs Ray (each version goes to the object store once, every actor loads it from there)."),
+        Family("ray restart", "Fleet recovery", "Seconds from SIGKILL of a Ray actor to its return at the current "
+               "weight version (restart, re-sync, probe)."),
     ],
 }
 
@@ -113,13 +118,21 @@ def load_rows(directory: Path = RESULTS) -> dict[str, list[dict]]:
     return out
 
 
+def _device_class(device: str) -> str:
+    """Every CPU is one class (CPU rows measure overheads, and older CPU runs ran older code);
+    each GPU model is its own."""
+    return "cpu" if device.lower().startswith("cpu") else device
+
+
 def latest_runs(rows: list[dict]) -> list[list[dict]]:
-    """The rows of the newest run on each device, newest device run first."""
-    by_device: dict[str, str] = {}
+    """The rows of the newest run of each device class, newest first."""
+    newest: dict[str, str] = {}
     for r in rows:
-        if r["run_id"] > by_device.get(r["device"], ""):
-            by_device[r["device"]] = r["run_id"]
-    runs = [[r for r in rows if r["device"] == dev and r["run_id"] == rid] for dev, rid in by_device.items()]
+        cls = _device_class(r["device"])
+        if r["run_id"] > newest.get(cls, ""):
+            newest[cls] = r["run_id"]
+    runs = [[r for r in rows if _device_class(r["device"]) == cls and r["run_id"] == rid]
+            for cls, rid in newest.items()]
     return sorted(runs, key=lambda run: run[0]["run_id"], reverse=True)
 
 
