@@ -5,6 +5,7 @@ PIP := $(PYTHON) -m pip
 FEATURE ?=
 RECORD ?= 0
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 FEATURES := paged_varlen_attention flash_decoding gated_deltanet view_replay_offload routed_generator
 
 .PHONY: help install parity compile-check bench report demo lint roofline
@@ -21,7 +22,8 @@ help:
 	@echo "  make report         regenerate the README tables and plots from bench/results/*.csv       ~5 s"
 	@echo "  make roofline      bytes each kernel moves vs its IO bound, and its sm_90 build, beside    ~10 min"
 	@echo "                      fla-core 0.6.0 (Triton interpreter; RECORD=1 saves CSV, plot, README)"
-	@echo "  make demo           the end-to-end RL-style loop (bench/rl_loop.py)                        ~2 min"
+	@echo "  make demo           the end-to-end RL-style loop (bench/rl_loop.py; DEMO_ARGS=--ray for a   ~1 min"
+	@echo "                      Ray fleet)"
 	@echo "  make lint           ruff, byte-compilation and the single-file rules                       ~40 s"
 	@echo "FEATURE names: $(FEATURES)"
 
@@ -59,7 +61,7 @@ roofline:
 	$(PYTHON) bench/roofline.py $(if $(filter 1,$(RECORD)),--record)
 
 demo:
-	$(PYTHON) bench/rl_loop.py
+	$(PYTHON) bench/rl_loop.py $(DEMO_ARGS)
 
 lint:
 	$(PYTHON) -m ruff check .

@@ -30,10 +30,10 @@ What it prints
     per step: mean reward, loss, generated tokens/s, staleness (lag = trainer version when the
     rollout is consumed minus the version it started on; span = max - min version inside one
     rollout), the hot-swap sync time, offloaded bytes; at the end the totals.  The CPU size runs
-    in well under a minute; ``--size gpu`` (default on CUDA) is larger.
+    in about a minute; ``--size gpu`` (default on CUDA) is larger.
 
-    python bench/rl_loop.py               # CPU: ~35 s on 2 shared cores; reward ~0.25 -> ~0.85
-    python bench/rl_loop.py --steps 60
+    python bench/rl_loop.py               # CPU: 60 steps, ~1 min on 2 cores; reward ~0.25 -> ~0.9
+    python bench/rl_loop.py --steps 30    # half as long; reward ~0.25 -> ~0.5
     python bench/rl_loop.py --ray         # the generators as Ray actors (ray_generators), a local Ray
     python bench/rl_loop.py --ray --kill-at 10   # ... and SIGKILL one actor's process at step 10
 
@@ -151,7 +151,7 @@ def build_generator(config, linear_layer, kw: dict):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="gpu" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--ray", action="store_true", help="run the generators as Ray actors")
     ap.add_argument("--kill-at", type=int, default=None, help="with --ray: SIGKILL one actor's process at this step")
     args = ap.parse_args(argv)
