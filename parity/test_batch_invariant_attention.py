@@ -341,3 +341,39 @@ def test_gradients_in_the_mode():
         grads.append([t.grad for t in (q, k, v, sinks)])
     for name, a, b in zip("q k v sinks".split(), *grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+# The interpreter evaluates both sides of a tl.where: inf - inf in the side a +inf sink never takes.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")
+def test_edge_cases_in_the_mode():
+    """The mode keeps the contract's edge cases: rows that see no key (out 0, lse -inf), an empty
+    sequence, padding rows past cu_seq_q[-1], a NaN that reaches only its row, sinks of -inf (none)
+    and +inf (all the mass), and a head dim (37) that takes the staging path.  Against the fp64
+    reference, NaN and inf in the same places."""
+    import ref.flash_decoding as ref_decoding
+    gen = make_generator(74)
+    d = 37
+    q, k, v = randn(13, 4, d, gen=gen), randn(9, 2, d, gen=gen), randn(9, 2, d, gen=gen)
+    q[7, 1, 3] = float("nan")
+    cu_q, cu_k = cu_seqlens([6, 0, 4]), cu_seqlens([4, 2, 3])      # 6 queries on 4 keys; rows 10..12: padding
+    sinks = torch.tensor([float("-inf"), float("inf"), 0.5, -1.0], device=DEVICE)
+    kw = dict(window_size=(-1, 0), enable_gqa=True, sinks=sinks)
+    out = torch.full_like(q, 7.0)
+    got, lse = fast.varlen_attn_out(out, q, k, v, cu_q, cu_k, 6, 4, batch_invariant=True,
+                                    return_aux=fast.AuxRequest(lse=True), **kw)
+    o64, lse64 = ref.varlen_attn(q.double(), k.double(), v.double(), cu_q, cu_k, 6, 4,
+                                 return_aux=ref.AuxRequest(lse=True), **{**kw, "sinks": sinks.double()})
+    assert torch.all(got[10:] == 7.0), "varlen_attn_out must leave the padding rows"
+    check_close("edge out", got[:10], o64[:10], None, atol=1e-5)
+    check_close("edge lse", lse, lse64, None, atol=1e-5)
+    assert torch.all(got[:2] == 0) and torch.isneginf(lse[0, :2]).all()     # rows 0, 1 see no key
+    # flash_decode: an empty sequence (seqused_k = 0) and the same sinks.
+    cache_k, cache_v = randn(3, 8, 2, d, gen=gen), randn(3, 8, 2, d, gen=gen)
+    used = torch.tensor([5, 0, 8], dtype=torch.int32, device=DEVICE)
+    qd = randn(3, 1, 4, d, gen=gen)
+    o, l_ = fast_decoding.flash_decode(qd, cache_k, cache_v, used, sinks=sinks, return_lse=True, batch_invariant=True)
+    o64, l64 = ref_decoding.flash_decode(qd.double(), cache_k.double(), cache_v.double(), used, sinks=sinks.double(),
+                                         return_lse=True)
+    check_close("decode edge out", o, o64, None, atol=1e-5)
+    check_close("decode edge lse", l_, l64, None, atol=1e-5)
