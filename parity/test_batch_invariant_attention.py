@@ -14,7 +14,9 @@ it is computed
 and in a batch of one as in the busy batch.  Also: speculative rows (S_q = 3) and prefill chunks
 at every offset of a tile; the two files' shared tiles and arithmetic code; gradients through the
 mode; bad arguments.  The mode must also be right: (a) is checked against the fp64 reference.  A
-negative control measures the default mode on the same inputs.
+negative control measures the default mode on the same inputs.  And, for the GPU the interpreter
+cannot stand in for: the sm_90 builds of the trainer's, a prefill's and a decode's launches hold
+the same floating-point instructions in their SASS, count for count.
 
 Interpreter tier: fp32 and fp16, short sequences (16 x 16 tiles, so rows still cross several key
 blocks and tile positions).  GPU tier: the same tests in bf16, plus sequences up to 700 tokens.
