@@ -21,8 +21,8 @@ The math (the reference states it in full)
     several splits, ``_merge_splits_kernel``; each kernel's docstring gives its FLOPs and bytes.
     ``num_splits=None`` asks ``choose_num_splits`` with the device's SM count (the interpreter
     assumes an H100's 132), one program per SM, and the cache's capacity, a shape: no host copy,
-    the same choice under CUDA-graph capture.  ``num_splits=1`` is batch-invariant and
-    deterministic.
+    the same choice under CUDA-graph capture.  ``num_splits=1`` is deterministic, and a sequence's
+    result does not depend on the rest of the batch.
 
 Tensors (B sequences, S_q rows, H_q / H_kv heads, D head dim)
     q             [B, S_q, H_q, D]                  fp16 / bf16 / fp32, unit stride in D (else copied)
@@ -44,11 +44,27 @@ Supported, and what raises
     ``torch.compile(fullgraph=True)`` traces through them.  Inference only.  The README's
     "Known limits" lists the rest.
 
+Batch invariance (``batch_invariant=True``; the default, False, keeps the fast path)
+    The contract: each query row's out and lse are bitwise equal (``torch.equal``) to what
+    fast/paged_varlen_attention.py's ``varlen_attn(..., batch_invariant=True)`` gives the same row
+    (causal, same keys, scale, softcap, sinks, dtype and head dim, one GPU family or the
+    interpreter, one Triton version) in a trainer's packed forward, a paged prefill chunk or a
+    decode step, whatever else shares either batch, the page size or the block table.  The decode
+    kernel then runs one split (``num_splits`` must be None or 1) with the varlen kernel's
+    invariant tile (BLOCK_M, BLOCK_N, num_warps from the same table), key blocks of BLOCK_N from
+    key 0, every block masked (a hidden block is an exact no-op), and the same code for the score
+    transform, the online-softmax step and the finalisation (the two files hold them character for
+    character).  The cost, against the default: no split (B * H_kv programs, so a small batch with
+    a long context leaves SMs idle where the shape gate would have split), and a 64-row tile
+    (16-bit) for the S_q * G rows, i.e. 64 / (S_q * G) times the useful MMA work (64 FLOPs per K/V
+    byte: memory-bound still); bytes are the IO bound (no partials).  GPU timings are owed.
+
 References
     Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference" (2023); flash-attn's
     ``flash_attn_with_kvcache`` and its split heuristic; Kwon et al., PagedAttention / vLLM
     (2023); FlashInfer's ``merge_state``; the Triton fused-attention tutorial; Gemma 2
-    soft-capping; gpt-oss learned sinks.
+    soft-capping; gpt-oss learned sinks; He, "Defeating Nondeterminism in LLM Inference"
+    (Thinking Machines, 2025), on batch-invariant kernels.
 """
 from __future__ import annotations
 
@@ -71,21 +87,26 @@ _INTERPRETER_SMS = 132       # what the gate assumes for CPU tensors under the T
 # cannot keep an SM's share of HBM bandwidth busy: the GPU benchmark that decides it is owed.
 _PROGRAMS_PER_SM = 1
 _MAX_SPLITS = 1024
+_LOG2E = 1.4426950408889634
 
 
 # ----------------------------------------------------------------------------- public API
 
 def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None, v_new=None, scale=None,
-                 num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None):
+                 num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None, batch_invariant=False):
     """Decode attention of q against the KV cache; see the module docstring for shapes.
 
     With ``k_new``/``v_new`` the cache is written in place first.  ``num_splits=None`` lets
-    ``choose_num_splits`` decide; ``num_splits=1`` is batch-invariant and deterministic.
+    ``choose_num_splits`` decide; ``num_splits=1`` is deterministic and independent of the rest of
+    the batch.  ``batch_invariant=True`` (one split; ``num_splits`` None or 1) also rounds exactly
+    like fast/paged_varlen_attention.py's ``varlen_attn(..., batch_invariant=True)``: see "Batch
+    invariance" in the module docstring.
     Returns ``out [B, S_q, H_q, D]``, or ``(out, lse [B, H_q, S_q] fp32)`` when ``return_lse``;
     with ``out=`` the result is written there.
     """
     _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new, v_new=v_new,
-                  scale=scale, num_splits=num_splits, softcap=softcap, sinks=sinks, out=out)
+                  scale=scale, num_splits=num_splits, softcap=softcap, sinks=sinks, out=out,
+                  batch_invariant=batch_invariant)
     _check_device("q", q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     num_splits = 0 if num_splits is None else operator.index(num_splits)   # 0: the shape gate decides
@@ -102,7 +123,7 @@ def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None
         # The append validates the index tensors (one host copy); the attention then skips it.
         torch.ops.twofold.kv_cache_append(k_cache, v_cache, k_new, v_new, seqused_k, block_table)
     lse = torch.ops.twofold.flash_decode(q, k_cache, v_cache, seqused_k, block_table, sinks, out, scale,
-                                         float(softcap), num_splits, k_new is None)
+                                         float(softcap), num_splits, k_new is None, batch_invariant)
     return (out, lse) if return_lse else out
 
 
@@ -214,7 +235,8 @@ def _(k_cache, v_cache, k_new, v_new, seqused_k, block_table):
 @torch.library.custom_op("twofold::flash_decode", mutates_args=("out",))
 def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqused_k: torch.Tensor,
                   block_table: Optional[torch.Tensor], sinks: Optional[torch.Tensor], out: torch.Tensor,
-                  scale: float, softcap: float, num_splits: int, check_values: bool) -> torch.Tensor:
+                  scale: float, softcap: float, num_splits: int, check_values: bool,
+                  batch_invariant: bool) -> torch.Tensor:
     """Writes out [B, S_q, H_q, D]; returns lse [B, H_q, S_q].  num_splits 0 = the shape gate."""
     batch, s_q, h_q, d = q.shape
     h_kv = k_cache.shape[2]
@@ -227,7 +249,13 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lse = torch.empty(batch, h_q, s_q, dtype=torch.float32, device=q.device)
     if q.numel() == 0:
         return lse
-    cfg = _fwd_config(d, q.dtype, s_q * group, paged, _kv_align(k_cache, v_cache), q.device)
+    if batch_invariant:
+        family = None if not q.is_cuda else _gpu_family(
+            q.device.index if q.device.index is not None else torch.cuda.current_device())
+        cfg = _invariant_config(d, q.dtype, s_q * group, _kv_align(k_cache, v_cache), family)
+        num_splits = 1
+    else:
+        cfg = _fwd_config(d, q.dtype, s_q * group, paged, _kv_align(k_cache, v_cache), q.device)
     max_blocks = max(1, -(-capacity // cfg["BLOCK_N"]))
     if num_splits == 0:
         num_splits = choose_num_splits(batch, h_kv, capacity, num_sms=_sm_count(q.device),
@@ -244,6 +272,7 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         o_strides = (out.stride(0), out.stride(1), out.stride(2), 0)
         l_strides = (lse.stride(0), lse.stride(2), lse.stride(1), 0)   # lse is [B, H_q, S_q]
         o_dst, l_dst = out, lse
+    qk_scale = scale / softcap if softcap > 0 else scale * _LOG2E   # what the varlen kernel passes, rounded alike
     bt = block_table if paged else seqused_k     # valid pointers the kernel never reads
     sk = sinks if sinks is not None else seqused_k
     grid = (batch * h_kv, num_splits, cfg["num_q_tiles"])
@@ -254,7 +283,7 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *o_strides, *l_strides,
         block_table.stride(0) if paged else 0,
-        h_kv, group, s_q, k_cache.shape[1], num_splits, scale, softcap,
+        h_kv, group, s_q, k_cache.shape[1], num_splits, qk_scale, softcap,
         HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         IS_PAGED=paged, IS_SPLIT=split, HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_ALIGN=cfg["KV_ALIGN"],
@@ -270,7 +299,8 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 @_flash_decode.register_fake
-def _(q, k_cache, v_cache, seqused_k, block_table, sinks, out, scale, softcap, num_splits, check_values):
+def _(q, k_cache, v_cache, seqused_k, block_table, sinks, out, scale, softcap, num_splits, check_values,
+      batch_invariant):
     batch, s_q, h_q, _ = q.shape
     return q.new_empty(batch, h_q, s_q, dtype=torch.float32)
 
@@ -337,7 +367,7 @@ def _decode_fwd_kernel(
     stride_ob, stride_os, stride_oh, stride_osplit,
     stride_lb, stride_ls, stride_lh, stride_lsplit,
     stride_btb,
-    H_kv, GROUP, S_q, PAGE_SIZE, NUM_SPLITS, scale, softcap,
+    H_kv, GROUP, S_q, PAGE_SIZE, NUM_SPLITS, qk_scale, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_PAGED: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr,
@@ -392,7 +422,6 @@ def _decode_fwd_kernel(
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)                 # running max, log2 units
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)                                # running sum of exp2
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    qk_scale = scale * 1.4426950408889634
     for start_n in range(start, end, BLOCK_N):
         o_n = start_n + tl.arange(0, BLOCK_N)
         m_n = o_n < end
@@ -408,37 +437,22 @@ def _decode_fwd_kernel(
             o_v = tl.multiple_of(o_v, KV_ALIGN)
         m_kv = m_n[:, None] & m_d[None, :]
         b_k = tl.load(k_ptr + o_k[:, None] + o_d[None, :], mask=m_kv, other=0.0)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)       # [BLOCK_M, BLOCK_N]
-        if HAS_SOFTCAP:
-            b_s = (softcap * 1.4426950408889634) * _tanh(b_s * (scale / softcap))
-        else:
-            b_s = b_s * qk_scale
-        b_s = tl.where(m_n[None, :] & (o_n[None, :] <= last_seen[:, None]), b_s, float("-inf"))
-        m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)                  # a row that saw nothing yet
-        alpha = tl.exp2(b_m - m_safe)
-        b_p = tl.exp2(b_s - m_safe[:, None])
-        b_l = b_l * alpha + tl.sum(b_p, 1)
         b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_kv, other=0.0)
-        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-        b_m = m_new
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)       # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:                                                # log2-domain scores
+            b_s = softcap * _tanh(b_s * qk_scale) * 1.4426950408889634     # qk_scale = scale / softcap
+        else:
+            b_s = b_s * qk_scale                                          # qk_scale = scale * log2(e)
+        b_s = tl.where(m_n[None, :] & (o_n[None, :] <= last_seen[:, None]), b_s, float("-inf"))
+        b_acc, b_l, b_m = _online_softmax_step(b_acc, b_l, b_m, b_s, b_v, DOT_PRECISION)
 
-    if not IS_SPLIT:
-        if HAS_SINKS:  # the sink joins the denominator once, here (never in a partial)
-            b_sink = tl.load(sinks_ptr + i_hq, mask=m_r, other=0.0).to(tl.float32) * 1.4426950408889634
-            # A sink of -inf is no sink; one of +inf takes all the mass (its term is 1 against
-            # m = +inf, not 2^(inf - inf)): out 0, lse +inf.
-            m_fin = tl.maximum(b_m, b_sink)
-            m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)
-            alpha = tl.exp2(b_m - m_fin)
-            b_l = b_l * alpha + tl.exp2(tl.where(b_sink == m_fin, 0.0, b_sink - m_fin))
-            b_acc = b_acc * alpha[:, None]
-            b_m = m_fin
-    # l = 0: the row saw no key (out 0, lse -inf).  Tested as == 0, so that a NaN stays NaN.
-    b_empty = b_l == 0.0
-    b_l_safe = tl.where(b_empty, 1.0, b_l)
-    b_o = b_acc / b_l_safe[:, None]
-    b_lse = tl.where(b_empty, float("-inf"), (b_m + tl.log2(b_l_safe)) * 0.6931471805599453)
+    b_sink = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if IS_SPLIT:    # a partial state: the sink joins the denominator once, in the merge
+        b_o, b_lse = _finish_rows(b_acc, b_l, b_m, b_sink, False)
+    else:
+        if HAS_SINKS:
+            b_sink = tl.load(sinks_ptr + i_hq, mask=m_r, other=0.0).to(tl.float32)
+        b_o, b_lse = _finish_rows(b_acc, b_l, b_m, b_sink, HAS_SINKS)
     p_o = (o_ptr + i_b64 * stride_ob + i_q[:, None] * stride_os + i_hq[:, None] * stride_oh
            + i_split * stride_osplit + o_d[None, :])
     tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
@@ -446,10 +460,51 @@ def _decode_fwd_kernel(
     tl.store(p_lse, b_lse, mask=m_r)
 
 
+# A row's result is made of the score transform in the decode loop and the next three functions.
+# fast/paged_varlen_attention.py holds the same code, character for character, so that the
+# batch-invariant decode rounds like its kernel.
+
+@triton.jit
+def _online_softmax_step(acc, l_i, m_i, b_s, b_v, DOT_PRECISION: tl.constexpr):
+    """One key block of the online softmax: b_s [BLOCK_M, BLOCK_N] log2-domain scores (-inf where
+    hidden), b_v [BLOCK_N, BLOCK_D]; returns the new (acc, l, m)."""
+    m_new = tl.maximum(m_i, tl.max(b_s, 1))
+    # A row that has seen nothing yet keeps m = -inf; subtracting 0 instead keeps its
+    # 2^(-inf) = 0 probabilities from turning into 2^(-inf + inf) = nan.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    b_p = tl.exp2(b_s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(b_p, 1)
+    acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _finish_rows(acc, l_i, m_i, b_sink, HAS_SINKS: tl.constexpr):
+    """(out, lse) of the rows: acc / l and (m + log2 l) ln 2, after the sink (b_sink, natural log)."""
+    if HAS_SINKS:
+        # The sink is one more logit in the denominator, with no value vector.  A sink of -inf is no
+        # sink; one of +inf takes all the mass (its term is 1 against m = +inf, not 2^(inf - inf)).
+        b_sink = b_sink * 1.4426950408889634
+        m_fin = tl.maximum(m_i, b_sink)
+        m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)          # no key seen and a sink of -inf
+        alpha = tl.exp2(m_i - m_fin)
+        l_i = l_i * alpha + tl.exp2(tl.where(b_sink == m_fin, 0.0, b_sink - m_fin))
+        acc = acc * alpha[:, None]
+        m_i = m_fin
+    # l = 0: the row saw nothing (out 0, lse -inf).  Tested as == 0, so that a NaN stays NaN.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    b_o = acc / l_safe[:, None]
+    b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    return b_o, b_lse
+
+
 @triton.jit
 def _tanh(x):
-    # tanh through exp (the interpreter has no libdevice); saturates to +-1, never NaN.
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    # tanh through exp2 (portable: the interpreter has no libdevice).  For large |x|, 2^(2x log2e)
+    # overflows to inf or underflows to 0 and the expression saturates to +-1 as it should.
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
 
 
 @triton.jit
@@ -573,6 +628,41 @@ def _fwd_config(head_dim: int, dtype: torch.dtype, rows: int, paged: bool, kv_al
                 num_stages=2 * buffers + 1 if paged else buffers + 1, num_q_tiles=-(-rows // block_m))
 
 
+# The batch-invariant mode's config: fast/paged_varlen_attention.py's table, copied (its comment gives
+# the reasons).  A row's bits depend on BLOCK_M, BLOCK_N and num_warps, so a decode step runs the
+# varlen kernel's tile to round like it.  Per GPU family, head-dim class and element size:
+# (BLOCK_M, BLOCK_N, num_warps, stages of the varlen kernel, stages of this file's decode kernel);
+# then the interpreter's (CPU tensors).
+_INVARIANT_CONFIG_TABLE = {
+    (90, 64, 2): (64, 64, 4, 3, 3), (90, 128, 2): (64, 64, 8, 3, 3), (90, 256, 2): (64, 32, 8, 3, 3),
+    (80, 64, 2): (64, 64, 4, 3, 3), (80, 128, 2): (64, 32, 8, 3, 2), (80, 256, 2): (64, 16, 8, 3, 3),
+    (90, 64, 4): (16, 16, 4, 2, 2), (90, 128, 4): (32, 16, 8, 2, 2), (90, 256, 4): (16, 16, 8, 1, 1),
+    (80, 64, 4): (16, 16, 4, 2, 2), (80, 128, 4): (32, 16, 8, 2, 2), (80, 256, 4): (16, 16, 4, 2, 2),
+}
+_INTERPRET_INVARIANT_CONFIG = (16, 16, 4, 1, 1)
+
+
+def _invariant_config(head_dim: int, dtype: torch.dtype, rows: int, kv_align: int, family: Optional[int]) -> dict:
+    """The decode kernel's batch-invariant launch on GPU family 80 or 90 (None: the interpreter): the
+    varlen kernel's invariant tile, one split.  Its costs against ``_fwd_config``: a 64-row tile
+    (16-bit) for S_q * G rows, so 64 / (S_q * G) times the useful MMA work (memory-bound all the
+    same), and no split: B * H_kv programs, however many SMs there are."""
+    elt = torch.finfo(dtype).bits // 8
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if family is None:
+        block_m, block_n, warps, _, stages = _INTERPRET_INVARIANT_CONFIG
+    else:
+        block_m, block_n, warps, _, stages = _INVARIANT_CONFIG_TABLE[(family, max(64, block_d), elt)]
+    return dict(BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, KV_ALIGN=kv_align, num_warps=warps,
+                num_stages=stages, num_q_tiles=-(-rows // block_m))
+
+
+@functools.cache
+def _gpu_family(device_index: int) -> int:
+    """90 for Hopper and newer, 80 for Ampere/Ada (queried at the first call, never at import)."""
+    return 90 if torch.cuda.get_device_capability(device_index)[0] >= 9 else 80
+
+
 def _kv_align(*tensors) -> int:
     """The largest power of two (<= 16) dividing every non-unit stride of K and V, in elements."""
     align = 16
@@ -611,7 +701,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, scale, num_splits,
-                  softcap, sinks, out):
+                  softcap, sinks, out, batch_invariant):
     """Shapes, dtypes, devices and strides (no device-to-host copy: this runs under torch.compile)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
@@ -696,6 +786,15 @@ def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, 
         raise ValueError(f"softcap must be a float >= 0, got {softcap!r}")
     if num_splits is not None:
         _integer("num_splits", num_splits, 1)
+    _check_batch_invariant(batch_invariant, num_splits)
+
+
+def _check_batch_invariant(batch_invariant, num_splits):
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
+    if batch_invariant and num_splits is not None and operator.index(num_splits) != 1:
+        raise ValueError(f"batch_invariant=True decodes in one split (a split count changes the rounding); "
+                         f"num_splits must be None or 1, got {num_splits}")
 
 
 def _check_device(name, t):

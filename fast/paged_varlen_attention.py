@@ -39,10 +39,39 @@ Supported, and what raises
     ``torch.library.custom_op``s (``torch.compile(fullgraph=True)`` traces forward and backward).
     ``num_splits`` is accepted; this kernel never splits.  The README's "Known limits" lists the rest.
 
+Batch invariance (``batch_invariant=True``; the default, False, keeps the autotuned fast path)
+    The contract: a query row's out and lse are bitwise equal (``torch.equal``) however the row is
+    batched, given the same keys and values, position, window, scale, softcap and sinks, dtype and
+    head dim, on one GPU family (or the interpreter) and one Triton version: in a packed forward
+    over any other sequences (a trainer's), in a paged prefill chunk of any length starting at any
+    position (any page size, block table, batch order), in a decode step of one row per sequence,
+    and in fast/flash_decoding.py's ``flash_decode(..., batch_invariant=True)``.  What makes it so:
+    * one config per (GPU family, element size, head-dim class), never autotuned or tuned by rows
+      (``_INVARIANT_CONFIG_TABLE``): a row's bits depend on BLOCK_N, BLOCK_M and num_warps;
+    * key blocks of BLOCK_N from key 0, in order, all through one masked loop: the default's
+      unmasked loop fuses the scale and the max-subtraction into one FMA (sm_90 PTX: fma.rn.f32)
+      where the masked loop rounds twice, so a block's bits there depend on the tile's other rows;
+    * a block hidden from a row leaves its (m, l, acc) exactly as they were (p = 2^-inf = 0, alpha
+      = 2^0 = 1; alpha = 0 on the zeros of a row that has seen nothing yet), so the blocks the
+      tile's other rows add change nothing;
+    * a row's arithmetic does not depend on where in the tile it sits (GQA packing puts it at
+      (position * G + head) mod BLOCK_M): with one tile shape the MMA and the row reductions treat
+      every row alike (on CPU the interpreter's dot is a numpy matmul of one fixed shape);
+    * no split-K, and the same finalisation (sink, 1 / l, lse) in both files.
+    The cost, against the default: 64-row tiles where the autotuner's first choice in 16-bit has 128
+    (a prefill reads K and V twice as often: K/V bytes = 2 D elt H_kv sum over tiles of the keys
+    they see, about L^2 G / (2 BLOCK_M) per causal sequence and KV head), every block pays the
+    mask (integer compares and a select per score), and a decode step through this kernel runs one
+    program per (sequence, KV head) with G of its 64 rows in use (no split: a small batch leaves
+    SMs idle; 64 FLOPs per K/V byte, memory-bound still).  fp32 keeps its default tile.  GPU
+    timings are owed.  Under the interpreter the default mode happens to be invariant as well
+    (one 16 x 16 tile, numpy's arithmetic alike in both loops); on a GPU it is not.
+
 References
     PyTorch 2.13 torch.nn.attention.varlen; Dao, FlashAttention-2 (2023); Kwon et al.,
     PagedAttention / vLLM (2023); Triton fused-attention tutorial; Gemma 2 soft-capping;
-    gpt-oss attention sinks.
+    gpt-oss attention sinks; He, "Defeating Nondeterminism in LLM Inference" (Thinking Machines,
+    2025), on batch-invariant kernels.
 """
 from __future__ import annotations
 
@@ -73,17 +102,19 @@ class AuxRequest(NamedTuple):
 
 def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                 window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None,
-                softcap=0.0, sinks=None):
+                softcap=0.0, sinks=None, batch_invariant=False):
     """Variable-length (optionally paged) attention; see the module docstring for shapes.
 
+    ``batch_invariant=True``: each row's out and lse are bitwise the same whatever else shares the
+    call (see "Batch invariance" in the module docstring).
     Returns ``out [T_q, H_q, D]``, or ``(out, lse [H_q, T_q])`` when ``return_aux.lse``.
     """
     max_q, max_k, scale, left, right, softcap = _prepare(
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
         enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
-        softcap=softcap, sinks=sinks)
+        softcap=softcap, sinks=sinks, batch_invariant=batch_invariant)
     out, lse = _varlen_attn_op(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, left, right, seqused_k,
-                               block_table, softcap, sinks)
+                               block_table, softcap, sinks, batch_invariant)
     if return_aux is not None and return_aux.lse:
         return out, lse
     return out
@@ -91,7 +122,7 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
 
 def varlen_attn_out(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
                     scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
-                    num_splits=None, softcap=0.0, sinks=None):
+                    num_splits=None, softcap=0.0, sinks=None, batch_invariant=False):
     """``varlen_attn`` writing into ``out`` (same shape and dtype as ``query``); returns ``out``
     or ``(out, lse)``.  Rows past cu_seq_q[-1] (padding) are left as they were."""
     if not isinstance(out, torch.Tensor):
@@ -99,21 +130,21 @@ def varlen_attn_out(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
     max_q, max_k, scale, left, right, softcap = _prepare(
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
         enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
-        softcap=softcap, sinks=sinks, out=out)
+        softcap=softcap, sinks=sinks, batch_invariant=batch_invariant, out=out)
     lse = _varlen_attn_out_op(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, left, right,
-                              seqused_k, block_table, softcap, sinks)
+                              seqused_k, block_table, softcap, sinks, batch_invariant)
     if return_aux is not None and return_aux.lse:
         return out, lse
     return out
 
 
 def _prepare(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa, seqused_k,
-             block_table, num_splits, softcap, sinks, out=None):
+             block_table, num_splits, softcap, sinks, batch_invariant, out=None):
     """The host checks; returns the op's scalars (max_q, max_k, scale, left, right, softcap)."""
     max_q, max_k, left, right = _check_meta(
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
         enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
-        softcap=softcap, sinks=sinks, out=out)
+        softcap=softcap, sinks=sinks, batch_invariant=batch_invariant, out=out)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
         if block_table is not None:
             raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only, as in "
@@ -131,17 +162,19 @@ def _prepare(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, wind
 def _varlen_attn_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
                     cu_seq_k: Optional[torch.Tensor], max_q: int, max_k: int, scale: float, window_left: int,
                     window_right: int, seqused_k: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
-                    softcap: float, sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                    softcap: float, sinks: Optional[torch.Tensor],
+                    batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
     rows = _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table)
     out = query.new_empty(query.shape)
     lse = _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
-                  seqused_k, block_table, softcap, sinks, rows_used=rows, zero_padding=True)
+                  seqused_k, block_table, softcap, sinks, rows_used=rows, zero_padding=True,
+                  batch_invariant=batch_invariant)
     return out, lse
 
 
 @_varlen_attn_op.register_fake
 def _varlen_attn_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_left, window_right,
-                      seqused_k, block_table, softcap, sinks):
+                      seqused_k, block_table, softcap, sinks, batch_invariant):
     return query.new_empty(query.shape), query.new_empty(query.shape[1], query.shape[0], dtype=torch.float32)
 
 
@@ -150,15 +183,16 @@ def _varlen_attn_out_op(out: torch.Tensor, query: torch.Tensor, key: torch.Tenso
                         cu_seq_q: torch.Tensor, cu_seq_k: Optional[torch.Tensor], max_q: int, max_k: int,
                         scale: float, window_left: int, window_right: int, seqused_k: Optional[torch.Tensor],
                         block_table: Optional[torch.Tensor], softcap: float,
-                        sinks: Optional[torch.Tensor]) -> torch.Tensor:
+                        sinks: Optional[torch.Tensor], batch_invariant: bool) -> torch.Tensor:
     rows = _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table)
     return _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
-                   seqused_k, block_table, softcap, sinks, rows_used=rows, zero_padding=False)
+                   seqused_k, block_table, softcap, sinks, rows_used=rows, zero_padding=False,
+                   batch_invariant=batch_invariant)
 
 
 @_varlen_attn_out_op.register_fake
 def _varlen_attn_out_fake(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_left,
-                          window_right, seqused_k, block_table, softcap, sinks):
+                          window_right, seqused_k, block_table, softcap, sinks, batch_invariant):
     return query.new_empty(query.shape[1], query.shape[0], dtype=torch.float32)
 
 
@@ -184,7 +218,7 @@ def _varlen_attn_bwd_fake(grad_out, grad_lse, query, key, value, out, lse, cu_se
 
 def _setup_context(ctx, inputs, output):
     (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_left, window_right, seqused_k,
-     block_table, softcap, sinks) = inputs
+     block_table, softcap, sinks, _) = inputs
     if block_table is not None:  # varlen_attn raised already; this guards direct calls of the op
         raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only")
     out, lse = output
@@ -200,7 +234,7 @@ def _backward(ctx, grad_out, grad_lse):
     dq, dk, dv, dsinks = _varlen_attn_bwd_op(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k,
                                              seqused_k, *ctx.scalars, sinks)
     return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None,
-            dsinks if sinks is not None else None)
+            dsinks if sinks is not None else None, None)
 
 
 def _no_double_backward(ctx, *grads):
@@ -215,7 +249,7 @@ _varlen_attn_bwd_op.register_autograd(_no_double_backward, setup_context=lambda 
 # ----------------------------------------------------------------------------- launchers
 
 def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
-            seqused_k, block_table, softcap, sinks, *, rows_used, zero_padding):
+            seqused_k, block_table, softcap, sinks, *, rows_used, zero_padding, batch_invariant):
     """Writes ``out`` and returns ``lse [H_q, T_q]`` fp32.  Inputs were checked by the caller.
 
     Rows past cu_seq_q[-1] (a padded buffer) get lse -inf and, with ``zero_padding`` (varlen_attn,
@@ -269,7 +303,14 @@ def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_lef
     def grid(meta):
         return (triton.cdiv(max_q * group, meta["BLOCK_M"]) * num_seqs, h_kv)
 
-    if query.is_cuda:
+    if batch_invariant:
+        # One fixed config per device family, dtype and head-dim class: never tuned, never forced.
+        family = None if not query.is_cuda else _gpu_family(
+            query.device.index if query.device.index is not None else torch.cuda.current_device())
+        config = _invariant_config(family, head_dim, query.element_size())
+        with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
+            _attn_fwd_kernel[grid](*args, **flags, **config, BATCH_INVARIANT=True)
+    elif query.is_cuda:
         with torch.cuda.device(query.device):
             if _FORCED_CONFIG is not None:
                 _attn_fwd_kernel[grid](*args, **flags, **_FORCED_CONFIG)
@@ -408,7 +449,7 @@ def _attn_fwd_kernel(
     GROUP: tl.constexpr, IS_PAGED: tl.constexpr, HAS_SEQUSED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BATCH_INVARIANT: tl.constexpr = False,
 ):
     """The forward.  Grid: (query tiles x sequences, KV heads), heaviest tile first (under a causal
     mask a sequence's last tile sees the most keys).
@@ -418,7 +459,10 @@ def _attn_fwd_kernel(
       sequences (L_q = 1) still fill G rows.
     * Mask skipping: the tile's visible key range [lo, hi) comes from the window; blocks outside
       it are never loaded, blocks fully inside it run without a mask, and only the (at most two)
-      edge segments pay for it.
+      edge segments pay for it.  With BATCH_INVARIANT every block of [lo, hi) runs through the one
+      masked loop instead: the compiler fuses scale and max-subtraction into one FMA in the
+      unmasked loop but not in the masked one (sm_90 PTX: fma.rn.f32 there, mul + sub here), so a
+      block's bits would otherwise depend on the segment the tile's other rows put it in.
     * Paged K/V: key j's row is at ``block_table[b, j // page_size]``, slot ``j % page_size``, so
       any page size works and the loads pipeline like packed ones.
     * fp32 inputs use IEEE fp32 dots (no silent tf32); fp16 / bf16 tensor cores, fp32 accumulation.
@@ -489,40 +533,39 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    if HAS_LEFT:
-        # Only a left window bound leaves partly hidden blocks before the fully visible ones.
-        # (Without one this loop would be empty; leaving it out of the code saves registers.)
+    if BATCH_INVARIANT:
+        # Blocks from key 0 in steps of BLOCK_N, all masked.  The blocks the tile's other rows add are
+        # hidden from this row, and a fully hidden block leaves (m, l, acc) exactly as they were
+        # (p = 2^-inf = 0 and alpha = 2^0 = 1; on a row that has seen nothing yet, alpha = 0 on zeros).
         acc, l_i, m_i = _attn_key_blocks(
             acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
-            blk_lo, edge_a_hi, qk_scale, softcap, window_left, window_right, page_size,
+            blk_lo, hi, qk_scale, softcap, window_left, window_right, page_size,
             stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
             True, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, ALIGN, BLOCK_N)
-    acc, l_i, m_i = _attn_key_blocks(
-        acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
-        full_blk_lo, full_blk_hi, qk_scale, softcap, window_left, window_right, page_size,
-        stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
-        False, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HEAD_DIM != BLOCK_D, DOT_PRECISION, ALIGN, BLOCK_N)
-    acc, l_i, m_i = _attn_key_blocks(
-        acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
-        edge_c_lo, hi, qk_scale, softcap, window_left, window_right, page_size,
-        stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
-        True, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, ALIGN, BLOCK_N)
+    else:
+        if HAS_LEFT:
+            # Only a left window bound leaves partly hidden blocks before the fully visible ones.
+            # (Without one this loop would be empty; leaving it out of the code saves registers.)
+            acc, l_i, m_i = _attn_key_blocks(
+                acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
+                blk_lo, edge_a_hi, qk_scale, softcap, window_left, window_right, page_size,
+                stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
+                True, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, ALIGN, BLOCK_N)
+        acc, l_i, m_i = _attn_key_blocks(
+            acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
+            full_blk_lo, full_blk_hi, qk_scale, softcap, window_left, window_right, page_size,
+            stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
+            False, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HEAD_DIM != BLOCK_D, DOT_PRECISION, ALIGN, BLOCK_N)
+        acc, l_i, m_i = _attn_key_blocks(
+            acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
+            edge_c_lo, hi, qk_scale, softcap, window_left, window_right, page_size,
+            stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
+            True, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, ALIGN, BLOCK_N)
 
+    b_sink = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_SINKS:
-        # The sink is one more logit in the denominator, with no value vector.  A sink of -inf is no
-        # sink; one of +inf takes all the mass (its term is 1 against m = +inf, not 2^(inf - inf)).
-        b_sink = tl.load(sinks_ptr + o_head, mask=m_r, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_fin = tl.maximum(m_i, b_sink)
-        m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)          # no key seen and a sink of -inf
-        alpha = tl.exp2(m_i - m_fin)
-        l_i = l_i * alpha + tl.exp2(tl.where(b_sink == m_fin, 0.0, b_sink - m_fin))
-        acc = acc * alpha[:, None]
-        m_i = m_fin
-    # l = 0: the row saw nothing (out 0, lse -inf).  Tested as == 0, so that a NaN stays NaN.
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    b_o = acc / l_safe[:, None]
-    b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+        b_sink = tl.load(sinks_ptr + o_head, mask=m_r, other=0.0).to(tl.float32)
+    b_o, b_lse = _finish_rows(acc, l_i, m_i, b_sink, HAS_SINKS)
 
     p_o = o_ptr + o_o_row[:, None] + o_d[None, :]
     tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
@@ -599,7 +642,7 @@ def _attn_key_blocks(acc, l_i, m_i, b_q, k_ptr, v_ptr, bt_row_ptr, bos_k, L_k, o
             b_k = tl.load(p_k)
             b_v = tl.load(p_v)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)   # [BLOCK_M, BLOCK_N] fp32
-        if HAS_SOFTCAP:
+        if HAS_SOFTCAP:                                                # log2-domain scores
             b_s = softcap * _tanh(b_s * qk_scale) * 1.4426950408889634     # qk_scale = scale / softcap
         else:
             b_s = b_s * qk_scale                                          # qk_scale = scale * log2(e)
@@ -610,16 +653,49 @@ def _attn_key_blocks(acc, l_i, m_i, b_q, k_ptr, v_ptr, bt_row_ptr, bos_k, L_k, o
             if HAS_RIGHT:
                 m_s = m_s & (o_n[None, :] <= o_key_pos[:, None] + window_right)
             b_s = tl.where(m_s, b_s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(b_s, 1))
-        # A row that has seen nothing yet keeps m = -inf; subtracting 0 instead keeps its
-        # 2^(-inf) = 0 probabilities from turning into 2^(-inf + inf) = nan.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        b_p = tl.exp2(b_s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(b_p, 1)
-        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, b_s, b_v, DOT_PRECISION)
     return acc, l_i, m_i
+
+
+# A row's result is made of the score transform in the loop above and the next three functions.
+# fast/flash_decoding.py holds the same code, character for character, so that its batch-invariant
+# decode rounds like this kernel.  (The transform stays inline: as a function called in the loop
+# it cost the fp32 D = 256 sm_90 build 8 bytes of stack.)
+
+@triton.jit
+def _online_softmax_step(acc, l_i, m_i, b_s, b_v, DOT_PRECISION: tl.constexpr):
+    """One key block of the online softmax: b_s [BLOCK_M, BLOCK_N] log2-domain scores (-inf where
+    hidden), b_v [BLOCK_N, BLOCK_D]; returns the new (acc, l, m)."""
+    m_new = tl.maximum(m_i, tl.max(b_s, 1))
+    # A row that has seen nothing yet keeps m = -inf; subtracting 0 instead keeps its
+    # 2^(-inf) = 0 probabilities from turning into 2^(-inf + inf) = nan.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    b_p = tl.exp2(b_s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(b_p, 1)
+    acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _finish_rows(acc, l_i, m_i, b_sink, HAS_SINKS: tl.constexpr):
+    """(out, lse) of the rows: acc / l and (m + log2 l) ln 2, after the sink (b_sink, natural log)."""
+    if HAS_SINKS:
+        # The sink is one more logit in the denominator, with no value vector.  A sink of -inf is no
+        # sink; one of +inf takes all the mass (its term is 1 against m = +inf, not 2^(inf - inf)).
+        b_sink = b_sink * 1.4426950408889634
+        m_fin = tl.maximum(m_i, b_sink)
+        m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)          # no key seen and a sink of -inf
+        alpha = tl.exp2(m_i - m_fin)
+        l_i = l_i * alpha + tl.exp2(tl.where(b_sink == m_fin, 0.0, b_sink - m_fin))
+        acc = acc * alpha[:, None]
+        m_i = m_fin
+    # l = 0: the row saw nothing (out 0, lse -inf).  Tested as == 0, so that a NaN stays NaN.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    b_o = acc / l_safe[:, None]
+    b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    return b_o, b_lse
 
 
 @triton.jit
@@ -713,6 +789,37 @@ _TUNED = {(family, block_d, elt): triton.autotune(
     configs=_configs(family, block_d, elt), key=_AUTOTUNE_KEY,
     prune_configs_by={"early_config_prune": _prune_by_alignment})(_attn_fwd_kernel)
     for family in (80, 90) for block_d in (16, 32, 64, 128, 256) for elt in (2, 4)}
+
+
+# The batch-invariant mode's config per GPU family, head-dim class and element size, whatever the
+# rows, the batch or the rows' alignment: (BLOCK_M, BLOCK_N, num_warps, stages of this file's
+# kernel, stages of fast/flash_decoding.py's decode kernel).  A row's bits depend on BLOCK_N (the
+# key blocks), BLOCK_M and num_warps (the MMA and reduction layouts), so a trainer's packed forward,
+# a paged prefill and a decode step must all run the same tile; the pipeline depth only moves loads
+# and is chosen per kernel (three stages, or two with BLOCK_N = 64, spill a few bytes in the decode
+# kernel's 32-row sm_80 D = 128 build).  64-row tiles (one wgmma warpgroup on sm_90) from the default
+# table's alignment-free lists: a prefill reads K/V once per 64 packed rows instead of the default's
+# first choice of 128 (2x the K/V bytes); a decode step fills S_q * G of the 64 rows (64 FLOPs per
+# K/V byte in 16-bit: memory-bound still, under the A100's and H100's tensor-FLOP/s-to-bytes/s
+# ratios).  fp32 keeps its default (only) tile.  fast/flash_decoding.py holds the same table.
+_INVARIANT_CONFIG_TABLE = {
+    (90, 64, 2): (64, 64, 4, 3, 3), (90, 128, 2): (64, 64, 8, 3, 3), (90, 256, 2): (64, 32, 8, 3, 3),
+    (80, 64, 2): (64, 64, 4, 3, 3), (80, 128, 2): (64, 32, 8, 3, 2), (80, 256, 2): (64, 16, 8, 3, 3),
+    (90, 64, 4): (16, 16, 4, 2, 2), (90, 128, 4): (32, 16, 8, 2, 2), (90, 256, 4): (16, 16, 8, 1, 1),
+    (80, 64, 4): (16, 16, 4, 2, 2), (80, 128, 4): (32, 16, 8, 2, 2), (80, 256, 4): (16, 16, 4, 2, 2),
+}
+# The Triton interpreter's (CPU tensors).
+_INTERPRET_INVARIANT_CONFIG = (16, 16, 4, 1, 1)
+
+
+def _invariant_config(family: Optional[int], head_dim: int, elt_size: int) -> dict:
+    """The batch-invariant launch options (BLOCK_M, BLOCK_N, num_warps, num_stages) for GPU family
+    80 or 90, or the interpreter's (None)."""
+    if family is None:
+        block_m, block_n, warps, stages, _ = _INTERPRET_INVARIANT_CONFIG
+    else:
+        block_m, block_n, warps, stages, _ = _INVARIANT_CONFIG_TABLE[(family, max(64, _block_d(head_dim)), elt_size)]
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
 
 # ----------------------------------------------------------------------------- backward kernels
@@ -1120,7 +1227,7 @@ def _padded_copy(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
 # ----------------------------------------------------------------------------- input checks
 
 def _check_meta(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa,
-                seqused_k, block_table, num_splits, softcap, sinks, out=None):
+                seqused_k, block_table, num_splits, softcap, sinks, batch_invariant, out=None):
     """Shape, dtype and device checks that need no data (they also run on fake tensors).
     Returns (max_q, max_k, left, right) as ints."""
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -1204,6 +1311,8 @@ def _check_meta(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, w
         raise ValueError(f"softcap must be a float >= 0, got {softcap!r}")
     if num_splits is not None:
         _integer("num_splits", num_splits, 1)
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
     # What this kernel adds to the contract's checks.
     if query.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"fast varlen_attn supports fp16, bf16, fp32; got {query.dtype} (the reference takes fp64)")

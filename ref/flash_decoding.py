@@ -47,6 +47,13 @@ Supported, and what raises
     argument.  Inference only.  ``upcast=False`` (reference only) computes in the input dtype,
     the "plain PyTorch in low precision" baseline of the parity tests.
 
+Batch invariance (``batch_invariant``, default False)
+    The fast kernel's contract with ``batch_invariant=True``: each row's out and lse are bitwise
+    those of ``varlen_attn(..., batch_invariant=True)`` of fast/paged_varlen_attention.py for the
+    same row, however either call is batched; it decodes in one split, so ``num_splits`` must be
+    None or 1 (ValueError otherwise, here too).  This reference computes the same values either
+    way and is not bitwise invariant itself (see ref/paged_varlen_attention.py).
+
 References
     Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference" (2023); Hong et al.,
     FlashDecoding++ (2023); flash-attn's ``flash_attn_with_kvcache`` (the API this mirrors);
@@ -117,15 +124,18 @@ def _attend_chunk(q, k, v, first, length, *, scale, softcap):
 # ----------------------------------------------------------------------------- public API
 
 def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None, v_new=None, scale=None,
-                 num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None, upcast=True):
+                 num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None, batch_invariant=False,
+                 upcast=True):
     """Decode attention of q against the KV cache; see the module docstring for shapes.
 
-    With ``k_new``/``v_new`` the cache is written in place first.  Returns ``out [B, S_q, H_q, D]``,
-    or ``(out, lse [B, H_q, S_q])`` when ``return_lse``; with ``out=`` the result is written there.
+    With ``k_new``/``v_new`` the cache is written in place first.  ``batch_invariant=True`` names the
+    fast kernel's bitwise contract (module docstring): one chunk (num_splits None or 1).
+    Returns ``out [B, S_q, H_q, D]``, or ``(out, lse [B, H_q, S_q])`` when ``return_lse``; with
+    ``out=`` the result is written there.
     """
     lengths = _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new,
                             v_new=v_new, scale=scale, num_splits=num_splits, softcap=softcap,
-                            sinks=sinks, out=out)
+                            sinks=sinks, out=out, batch_invariant=batch_invariant)
     batch, s_q, h_q, d = q.shape
     scale = d ** -0.5 if scale is None else float(scale)
     softcap = float(softcap)
@@ -273,7 +283,7 @@ def choose_num_splits(batch, num_kv_heads, max_seqlen_k, *, num_sms, num_q_tiles
 # ----------------------------------------------------------------------------- input checks
 
 def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, scale, num_splits,
-                  softcap, sinks, out):
+                  softcap, sinks, out, batch_invariant):
     """Validate shapes, dtypes and devices, then the values of the index tensors.
 
     Returns the sequence lengths as a host list.  Reading seqused_k and block_table costs one
@@ -353,6 +363,11 @@ def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, 
         raise ValueError(f"softcap must be a float >= 0, got {softcap!r}")
     if num_splits is not None:
         _integer("num_splits", num_splits, 1)
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
+    if batch_invariant and num_splits is not None and operator.index(num_splits) != 1:
+        raise ValueError(f"batch_invariant=True decodes in one split (a split count changes the rounding); "
+                         f"num_splits must be None or 1, got {num_splits}")
 
     # Value checks: one small device-to-host copy of the index tensors.
     lengths = seqused_k.tolist()

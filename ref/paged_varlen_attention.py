@@ -41,6 +41,19 @@ Supported, and what raises
     ``upcast=False`` (reference only) computes in the input dtype: the "plain PyTorch in low
     precision" baseline of the parity tests.
 
+Batch invariance (``batch_invariant``, default False)
+    The contract the fast kernel keeps with ``batch_invariant=True``: a query row's out and lse are
+    bitwise the same however the row is batched (a trainer's packed forward over other sequences,
+    a paged prefill chunk starting anywhere, any page size or block table, a decode step of one row
+    per sequence, or ``flash_decode(..., batch_invariant=True)``), given the same keys, values,
+    position, window, scale, softcap and sinks, on one device type and dtype.  That takes fixed key
+    blocks from key 0 reduced in one order, masked blocks that are exact no-ops, one fixed tile, no
+    split; see fast/paged_varlen_attention.py for the construction and its cost.  This reference
+    accepts the keyword and computes the same values either way, but is not bitwise invariant
+    itself: its einsums may take other kernels for other row counts (measured on CPU: a row's fp32
+    out differs in the last bits between a packed forward and a decode step).  It specifies the
+    values; the bits are the fast kernels' contract.
+
 References
     PyTorch 2.13 torch.nn.attention.varlen; Dao, FlashAttention-2 (2023); Kwon et al.,
     PagedAttention / vLLM (2023); Gemma 2 soft-capping (2024); Xiao et al., attention sinks
@@ -145,15 +158,17 @@ def _merge(o_a, lse_a, o_b, lse_b):
 
 def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                 window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
-                num_splits=None, softcap=0.0, sinks=None, upcast=True):
+                num_splits=None, softcap=0.0, sinks=None, batch_invariant=False, upcast=True):
     """Variable-length (optionally paged) attention; see the module docstring for shapes.
 
+    ``batch_invariant`` names the fast kernel's bitwise contract (module docstring); the
+    reference accepts it and computes the same values either way.
     Returns ``out [T_q, H_q, D]``, or ``(out, lse [H_q, T_q])`` when ``return_aux.lse``.
     """
     out, lse = _varlen_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
                                window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
                                block_table=block_table, num_splits=num_splits, softcap=softcap,
-                               sinks=sinks, upcast=upcast)
+                               sinks=sinks, batch_invariant=batch_invariant, upcast=upcast)
     if return_aux is not None and return_aux.lse:
         return out, lse
     return out
@@ -161,7 +176,7 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_a
 
 def varlen_attn_out(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
                     scale=None, window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
-                    num_splits=None, softcap=0.0, sinks=None, upcast=True):
+                    num_splits=None, softcap=0.0, sinks=None, batch_invariant=False, upcast=True):
     """``varlen_attn`` writing into ``out`` (same shape and dtype as ``query``); returns ``out``
     or ``(out, lse)``.  Rows past cu_seq_q[-1] (padding) are left as they were."""
     if not isinstance(out, torch.Tensor):
@@ -169,7 +184,7 @@ def varlen_attn_out(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
     result, lse = _varlen_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
                                   window_size=window_size, enable_gqa=enable_gqa, seqused_k=seqused_k,
                                   block_table=block_table, num_splits=num_splits, softcap=softcap,
-                                  sinks=sinks, upcast=upcast, out=out)
+                                  sinks=sinks, batch_invariant=batch_invariant, upcast=upcast, out=out)
     rows = int(cu_seq_q[-1])                                        # validated: <= T_q
     with torch.no_grad():
         out[:rows].copy_(result[:rows])
@@ -181,11 +196,12 @@ def varlen_attn_out(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
 # ----------------------------------------------------------------------------- one sequence at a time
 
 def _varlen_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size,
-                    enable_gqa, seqused_k, block_table, num_splits, softcap, sinks, upcast, out=None):
+                    enable_gqa, seqused_k, block_table, num_splits, softcap, sinks, batch_invariant, upcast,
+                    out=None):
     paged, q_lens, k_starts, k_lens, (left, right) = _check_inputs(
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
         enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
-        softcap=softcap, sinks=sinks, out=out)
+        softcap=softcap, sinks=sinks, batch_invariant=batch_invariant, out=out)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
         if paged:
             raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only, as in "
@@ -232,7 +248,7 @@ def _gather_keys(key, value, b, *, paged, k_starts, k_lens, block_table):
 # ----------------------------------------------------------------------------- input checks
 
 def _check_inputs(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size,
-                  enable_gqa, seqused_k, block_table, num_splits, softcap, sinks, out=None):
+                  enable_gqa, seqused_k, block_table, num_splits, softcap, sinks, batch_invariant, out=None):
     """Validate everything on the host; returns (paged, q_lens, k_starts, k_lens, (left, right)), ints.
 
     Reading the index tensors costs one small device-to-host copy; a wrong length would
@@ -319,6 +335,8 @@ def _check_inputs(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale,
         raise ValueError(f"softcap must be a float >= 0, got {softcap!r}")
     if num_splits is not None:
         _integer("num_splits", num_splits, 1)
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
 
     # Value checks: one small device-to-host copy of the index tensors.
     cq = cu_seq_q.tolist()

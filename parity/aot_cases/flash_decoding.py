@@ -28,11 +28,15 @@ def _int_types(values: dict) -> tuple[dict, dict]:
 
 
 def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16, batch=4, seq=8192, page=16,
-                 num_splits=7):
+                 num_splits=7, invariant_family=None):
     """The decode kernel's build for one example launch: q [B, S_q, H_q, D], a paged pool of ``page``-key
     pages (or a contiguous cache of ``seq`` slots), ``num_splits`` partials or the output directly.
-    ``kv_align`` < 16 pads the cache rows to a multiple of it (head dims like 100 or 63)."""
-    cfg = m._fwd_config(d, dtype, s_q * (h_q // h_kv), paged, kv_align, torch.device("cuda"))
+    ``kv_align`` < 16 pads the cache rows to a multiple of it (head dims like 100 or 63).
+    ``invariant_family`` (80 or 90): the batch-invariant launch on that family (its tile, one split)."""
+    if invariant_family is None:
+        cfg = m._fwd_config(d, dtype, s_q * (h_q // h_kv), paged, kv_align, torch.device("cuda"))
+    else:
+        cfg = m._invariant_config(d, dtype, s_q * (h_q // h_kv), kv_align, invariant_family)
     row = -(-d // kv_align) * kv_align                       # the cache's row stride in elements
     if paged:
         pages_per_seq = seq // page + 1
@@ -56,12 +60,13 @@ def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16,
     signature, constants = _int_types(dict(zip(names, values)))
     t = _TYPES[dtype]
     signature.update(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}", o_ptr="*fp32" if split else f"*{t}",
-                     seqused_ptr="*i32", bt_ptr="*i32", sinks_ptr="*fp32", lse_ptr="*fp32", scale="fp32",
+                     seqused_ptr="*i32", bt_ptr="*i32", sinks_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32",
                      softcap="fp32")
     layout = "paged" if paged else "dense"
+    mode = "" if invariant_family is None else f"invariant sm{invariant_family},"
     return dict(
-        kernel=m._decode_fwd_kernel,
-        name=f"decode_fwd[{t},D={d},S_q={s_q},G={h_q // h_kv},{layout},{'split' if split else 'one'}"
+        kernel=m._decode_fwd_kernel, archs=[80, 90] if invariant_family is None else [invariant_family],
+        name=f"decode_fwd[{mode}{t},D={d},S_q={s_q},G={h_q // h_kv},{layout},{'split' if split else 'one'}"
              f"{',sinks+softcap' if extras else ''}{f',align{kv_align}' if kv_align < 16 else ''}:"
              f"M={cfg['BLOCK_M']},N={cfg['BLOCK_N']},w{cfg['num_warps']},s{cfg['num_stages']}]",
         signature=signature,
@@ -108,6 +113,19 @@ def cases(m) -> list[dict]:
         (fp32, 32, 8, 2, 1, False, False, True),
     ]
     cases = [_decode_case(m, *launch) for launch in launches]
+    # batch_invariant=True: the varlen kernel's invariant tile on each family, one split.  Decoding
+    # (G = 4 / 8, paged and contiguous, D = 64 / 128 / 256, sinks + softcap), speculative rows, fp16,
+    # fp32, and rows aligned to 4 elements.
+    for family in (80, 90):
+        cases += [_decode_case(m, *launch, invariant_family=family) for launch in [
+            (bf16, 128, 32, 8, 1, True, False, True),
+            (bf16, 128, 64, 8, 1, False, False, False),
+            (bf16, 64, 8, 2, 1, True, False, True),
+            (bf16, 256, 8, 2, 1, True, False, True),
+            (fp16, 128, 16, 2, 4, True, False, False),
+            (fp32, 128, 8, 2, 1, True, False, True),
+            (fp32, 64, 8, 2, 1, False, False, False)]]
+        cases.append(_decode_case(m, bf16, 100, 8, 2, 1, True, False, True, kv_align=4, invariant_family=family))
     # Rows aligned to 4 or 1 elements only (8 warps, narrower vectors).
     cases += [_decode_case(m, bf16, 100, 8, 2, 3, True, True, True, kv_align=4),
               _decode_case(m, fp32, 100, 8, 2, 1, True, False, False, kv_align=4),

@@ -8,6 +8,7 @@ so that what is built is what the launcher launches.  CI builds each case with i
 """
 from __future__ import annotations
 
+import triton
 
 
 def cases(m) -> list[dict]:
@@ -30,17 +31,7 @@ def cases(m) -> list[dict]:
                 if align < 16:
                     variants = [] if dtype == "fp16" else [("full", full)]
                 block_d = m._block_d(head_dim)
-                sig = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "o_ptr": f"*{dtype}",
-                       "lse_ptr": "*fp32", "sinks_ptr": "*fp32", "cu_seq_q_ptr": "*i32", "cu_seq_k_ptr": "*i32",
-                       "seqused_k_ptr": "*i32", "block_table_ptr": "*i32", "qk_scale": "fp32", "softcap": "fp32"}
-                # Strides of [.., H, D] tensors are multiples of 16 when D is (Triton specializes on
-                # that at run time); otherwise the ALIGN constexpr carries the alignment.
-                for name in ("stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stride_k_page",
-                             "stride_k_tok", "stride_k_head", "stride_v_page", "stride_v_tok", "stride_v_head"):
-                    sig[name] = "i32:16" if align == 16 else "i32"
-                sig["rows_bucket"] = "i32:16"
-                for name in ("stride_lse_head", "stride_bt", "page_size", "num_seqs", "window_left", "window_right"):
-                    sig[name] = "i32"
+                sig = _fwd_signature(dtype, align)
                 tuned = m._TUNED[(family, block_d, elt)]
                 for label, flags in variants:
                     configs = m._prune_by_alignment(tuned.configs, {}, ALIGN=align)
@@ -50,7 +41,48 @@ def cases(m) -> list[dict]:
                         constexprs=dict(flags, DOT_PRECISION="ieee" if elt == 4 else None, HEAD_DIM=head_dim,
                                         BLOCK_D=block_d, ALIGN=align),
                         tensor_cores=elt == 2))
-    return cases + _bwd_cases(m)
+    return cases + _invariant_cases(m, lean, full) + _bwd_cases(m)
+
+
+def _fwd_signature(dtype: str, align: int) -> dict:
+    """The forward kernel's argument types for rows aligned to ``align`` elements."""
+    sig = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "o_ptr": f"*{dtype}",
+           "lse_ptr": "*fp32", "sinks_ptr": "*fp32", "cu_seq_q_ptr": "*i32", "cu_seq_k_ptr": "*i32",
+           "seqused_k_ptr": "*i32", "block_table_ptr": "*i32", "qk_scale": "fp32", "softcap": "fp32"}
+    # Strides of [.., H, D] tensors are multiples of 16 when D is (Triton specializes on
+    # that at run time); otherwise the ALIGN constexpr carries the alignment.
+    for name in ("stride_q_tok", "stride_q_head", "stride_o_tok", "stride_o_head", "stride_k_page",
+                 "stride_k_tok", "stride_k_head", "stride_v_page", "stride_v_tok", "stride_v_head"):
+        sig[name] = "i32:16" if align == 16 else "i32"
+    sig["rows_bucket"] = "i32:16"
+    for name in ("stride_lse_head", "stride_bt", "page_size", "num_seqs", "window_left", "window_right"):
+        sig[name] = "i32"
+    return sig
+
+
+def _invariant_cases(m, lean: dict, full: dict) -> list[dict]:
+    """The batch-invariant forward (BATCH_INVARIANT, one masked loop) with the one config per family,
+    element size and head-dim class that ``_invariant_config`` launches: the fullest path (paged,
+    two-sided window, softcap, sinks) at head dims 64 / 128 / 256 and 100 (rows aligned to 4) in bf16
+    and 64 / 128 / 256 in fp32; the leanest (packed causal, a trainer's forward) at D = 128 in bf16
+    and fp16."""
+    builds = [("bf16", 2, d, "full") for d in (64, 128, 256, 100)] + [("fp32", 4, d, "full") for d in (64, 128, 256)]
+    builds += [("bf16", 2, 128, "lean"), ("fp16", 2, 128, "lean")]
+    cases = []
+    for family in (80, 90):
+        for dtype, elt, head_dim, label in builds:
+            align = m._pow2_divisor(head_dim)
+            cfg = m._invariant_config(family, head_dim, elt)
+            config = triton.Config({"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]},
+                                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            cases.append(dict(
+                kernel=m._attn_fwd_kernel, archs=[family], configs=[config],
+                name=f"attn_fwd_invariant[sm{family},{dtype},D={head_dim},{label}]",
+                signature=_fwd_signature(dtype, align),
+                constexprs=dict(lean if label == "lean" else full, DOT_PRECISION="ieee" if elt == 4 else None,
+                                HEAD_DIM=head_dim, BLOCK_D=m._block_d(head_dim), ALIGN=align, BATCH_INVARIANT=True),
+                tensor_cores=elt == 2, wgmma=cfg["BLOCK_M"] >= 64))
+    return cases
 
 
 def _bwd_signature(kernel, dtype: str) -> dict:
