@@ -3,87 +3,40 @@ with fla's API.
 
 What it computes
     The gated delta rule of ref/gated_deltanet.py (the specification; its docstring derives the
-    chunk form from the recurrence): per value head a [K, V] fp32 state h,
+    chunk form from the recurrence).  Per value head, a [K, V] fp32 state h:
         h = exp(g_t) h;  u_t = beta_t (v_t - h^T k_t);  h = h + k_t u_t^T;  o_t = h^T (scale q_t).
-    ``chunk_gated_delta_rule`` (training / prefill) runs the chunk form, C = 64 tokens a chunk,
-    as five kernels, each with its own launcher (fla's decomposition):
-        1. cumsum     gc = within-chunk cumulative gate                       fp32 [B, T, HV]
-        2. kkt+solve  A = (I + tril(beta K K^T * exp(gc_i - gc_j), -1))^-1   [B, T, HV, 64]
-                      (16x16 diagonal blocks inverted in registers, merged blockwise; fp32)
-        3. w/u        w = A (beta exp(gc) K), u = A (beta V)
-        4. state h    the sequential pass over chunks: h per chunk start, v_new = u - w h,
-                      h = exp(gc_last) h + K^T (exp(gc_last - gc) v_new); final state
+    ``chunk_gated_delta_rule`` (training, prefill) runs the chunk form, C = 64 tokens a chunk, as
+    five kernels (fla's decomposition, written anew):
+        1. cumsum     gc = within-chunk cumulative gate                        fp32 [B, T, HV]
+        2. kkt+solve  A = (I + tril(beta K K^T * exp(gc_i - gc_j), -1))^-1    [B, T, HV, 64]
+        3. w/u        w = A (beta exp(gc) K),  u = A (beta V)
+        4. state      the sequential pass over chunks: h at each chunk start, v_new = u - w h,
+                      h = exp(gc_last) h + K^T (exp(gc_last - gc) v_new);  the final state
         5. output     o = scale (exp(gc) q h + (q K^T * exp(gc_i - gc_j))_causal v_new)
-    ``use_qk_l2norm_in_kernel`` runs an l2norm kernel on q and k first (fla does the same).
     ``fused_recurrent_gated_delta_rule`` (decode) is one kernel: a program per (sequence, value
-    head, V block) keeps its [K, BV] fp32 state block in registers, reads it once, steps through
-    the sequence's tokens (l2norm fused), writes it once.  It also serves T > 1.
-    Backward (both ops are trainable; section "chunk backward" below derives it):
-      chunk       recompute w, u (kernel 3) and the per-chunk states (kernel 4) from the saved gc
-                  and A, then five kernels: dv_local (the intra-chunk part of dv), dhu (the reverse
-                  pass over chunks carrying the state gradient in fp32), dqkwg (dq, dk, dw and the
-                  gate terms), wy (back through w, u and the triangular solve: dk, dv, dbeta), dg
-                  (the gate terms summed, reverse cumulative sum inside each chunk); then the l2norm
-                  backward when use_qk_l2norm_in_kernel.
-      recurrent   one kernel, a reverse recurrence: per (sequence, value head, V block) a forward
-                  pass (recompute h, dq), a reverse pass (the state gradient: dv, dbeta, dk, dg,
-                  d initial_state) and a forward pass (dk's remaining term).
-    Deterministic: no atomics.  Partial sums (dq / dk per value head under GVA, per V block in the
-    recurrent backward, the gate terms per K block) are written separately and summed in a fixed
-    order.
+    head, V block) holds its [K, BV] fp32 state block in registers, reads it once, steps through
+    the tokens, writes it once.  Both ops are trainable (the backward's math is written above
+    ``_chunk_backward`` and above the recurrent backward kernel); deterministic, no atomics.
 
-Tensors: exactly those of ref/gated_deltanet.py (q, k [B, T, H, K]; v [B, T, HV, V]; g, beta
-    [B, T, HV]; initial/final state [N, HV, K, V] fp32; cu_seqlens [N + 1] int32 or int64 with
-    B == 1; o [B, T, HV, V] in v's dtype).  q, k, v: fp16 / bf16 / fp32; g, beta: any of those.
-    Value head i reads q/k head i // (HV // H); q/k are never repeated in memory.
-    Gates are fp32 and log-space throughout: masked entries get exponent -inf before exp.
-    Precision (fla's choices): A, w, u, v_new and the per-chunk states are stored in the input
-    dtype and multiplied on tensor cores with fp32 accumulation; the carried state, the gates
-    and the solve are fp32.  fp32 inputs use IEEE fp32 dots (no silent tf32); as FMA products hold
-    a whole reduction row per thread, their state passes (kernel 4, dhu) multiply by the state read
-    back from its per-chunk store in 32-row K blocks, 16 tokens at a time, not by the register tiles.
+Tensors: those of ref/gated_deltanet.py
+    q, k            [B, T, H, K]      fp16 / bf16 / fp32      value head i reads q/k head i // (HV // H)
+    v               [B, T, HV, V]     fp16 / bf16 / fp32
+    g, beta         [B, T, HV]        any of those
+    initial_state   [N, HV, K, V]     fp32; None = zeros
+    cu_seqlens      [N + 1] int32 / int64, B == 1 (varlen)
+    o               [B, T, HV, V]     v's dtype
+    final_state     [N, HV, K, V]     fp32, or None unless output_final_state
 
 Supported, and what raises
-    K <= 256 (any, e.g. 100: blocks are padded and masked), any V, HV a multiple of H, empty
-    sequences / documents (final state = initial state), CUDA tensors (CPU tensors run only
-    under TRITON_INTERPRET=1).  Same errors as the reference for bad shapes, dtypes, devices,
-    cu_seqlens with B > 1, wrong initial_state; fp64 is the reference's only.  g > 0 is allowed
-    and unchecked (the caller's gate).  Gradients w.r.t. q, k, v, g, beta and initial_state, in
-    their dtypes; a second derivative (double backward) raises NotImplementedError.  Custom ops:
-    ``twofold::chunk_gated_delta_rule_fwd`` / ``_bwd``, ``twofold::fused_recurrent_gated_delta_rule_fwd``
-    / ``_bwd``, ``twofold::gdn_l2norm_fwd`` / ``_bwd`` (register_autograd ties each pair).
-
-Saved for the backward (activation memory O(T (K + V)) per head, never O(T / 64 K V))
-    The chunk op saves its inputs, ``gc`` fp32 [B, T, HV] (within-chunk cumulative gate) and ``A``
-    [B, T, HV, 64] in q's dtype (the solved triangular blocks, row t holds row t mod 64 of its
-    chunk's inverse, upper part zero); the l2norm op its output and ``rstd`` fp32 [B, T, H]; the
-    recurrent op its inputs.  w, u, the per-chunk states and v_new are recomputed in the backward
-    (fla's choice too).  Its transient buffers: w, u, v_new, dU, dw (input dtype), per-chunk states
-    and their gradients [T / 64, HV, K, V] (input dtype), dq / dk per value head (fp32).
-
-Cost (per value head; C = 64, T tokens, K / V head dims)
-    FLOPs of the chunk forward, per chunk:  K K^T 2C^2K + solve C^3/3 + w 2C^2K + u 2C^2V
-        + v_new = u - w h 2CKV + state update K^T v_new 2CKV + q h 2CKV + q K^T 2C^2K + (.)v_new 2C^2V
-        = 6C^2K + 4C^2V + 6CKV + C^3/3;  per token 6CK + 4CV + 6KV + C^2/3
-        (K = V = 128: 1.82e5 FLOP per token per value head).  Gate exponentials are not counted.
-    Minimum bytes, chunk forward: read q, k (B T H K), v (B T HV V), g, beta; write o; read/write
-        the states when given.  The decomposition adds its intermediates (gc, A, w, u, v_new,
-        per-chunk states): a few times the input bytes, still far below the FLOPs' time.
-    Minimum bytes, decode (T = 1): the fp32 state read and written, N HV K V 4 2, plus q, k
-        (N H K), v, o (N HV V) and g, beta (N HV) in their dtypes.
-    FLOPs of the chunk backward as executed, per chunk (fwd+bwd benchmarks add the forward's):
-        recompute w, u, states  2C^2K + 2C^2V + 4CKV;  dv_local 2C^2K + 2C^2V;  dhu 6CKV;
-        dqkwg 6C^2K + 2C^2V + 6CKV;  wy 10C^2K + 4C^2V  (no C^3 term: dL = -(dKbg w^T + dVb u^T))
-        = 20C^2K + 10C^2V + 16CKV;  per token 20CK + 10CV + 16KV  (K = V = 128: 5.08e5 FLOP per
-        token per value head; forward + backward 6.90e5).
-    Minimum bytes, chunk backward: read q, k, v, g, beta, do (and dht, initial_state), gc, A; write
-        dq, dk, dv, dg, dbeta (and d initial_state); the transient buffers above add a few times that.
+    CUDA tensors (CPU tensors only under TRITON_INTERPRET=1); K <= 256, any V; the reference's
+    errors for bad shapes, dtypes, devices; gradients w.r.t. every tensor input.  Double backward
+    raises NotImplementedError.  The README's "Known limits" lists the rest.
 
 References
-    fla (flash-linear-attention): chunk_gated_delta_rule / fused_recurrent_gated_delta_rule,
-    chunk_scaled_dot_kkt, solve_tril, recompute_w_u, chunk_fwd_h, chunk_fwd_o and the backward's
-    chunk_bwd_dv_local, chunk_gated_delta_rule_bwd_dhu, chunk_bwd_dqkwg, prepare_wy_repr_bwd (the
-    kernel split mirrored here, written anew); Yang et al., Gated Delta Networks (ICLR 2025).
+    fla (flash-linear-attention): chunk_gated_delta_rule / fused_recurrent_gated_delta_rule and the
+    kernels it splits them into (chunk_scaled_dot_kkt, solve_tril, recompute_w_u, chunk_fwd_h,
+    chunk_fwd_o; chunk_bwd_dv_local, chunk_gated_delta_rule_bwd_dhu, chunk_bwd_dqkwg,
+    prepare_wy_repr_bwd); Yang, Kautz, Hatamizadeh, Gated Delta Networks (ICLR 2025).
 """
 from __future__ import annotations
 
@@ -103,168 +56,176 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _TL_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
-# ----------------------------------------------------------------------------- input checks
-# (the same checks and messages as ref/gated_deltanet.py; each file stands alone)
+# ----------------------------------------------------------------------------- public API
 
-def _check_inputs(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, float_dtypes):
-    """Shape / dtype / device checks; returns N (number of sequences).  No device sync here."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in float_dtypes:
-            raise TypeError(f"{name} must have a dtype in {sorted(str(d) for d in float_dtypes)}, got {t.dtype}")
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {tuple(q.shape)} [B, T, H, K], got {tuple(k.shape)}")
-    b, t, h, dk = q.shape
-    if v.dim() != 4 or v.shape[:2] != (b, t):
-        raise ValueError(f"v must be [B={b}, T={t}, HV, V], got shape {tuple(v.shape)}")
-    hv = v.shape[2]
-    if h == 0 or hv % h != 0:
-        raise ValueError(f"v's head count HV={hv} must be a multiple of q/k's head count H={h}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    for name, x in (("g", g), ("beta", beta)):
-        if x.shape != (b, t, hv):
-            raise ValueError(f"{name} must be [B, T, HV] = {(b, t, hv)}, got shape {tuple(x.shape)}")
-    if dk > MAX_HEAD_DIM_K:
-        raise ValueError(f"head dim K = {dk} is not supported: K must be <= {MAX_HEAD_DIM_K}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    n = b
-    if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cu_seqlens must be an int32 or int64 torch.Tensor, got "
-                            f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-            raise ValueError(f"cu_seqlens must be [N + 1] with N >= 0, got shape {tuple(cu_seqlens.shape)}")
-        if b != 1:
-            raise ValueError(f"cu_seqlens requires batch size B == 1 (documents packed along T), got B={b}")
-        n = cu_seqlens.numel() - 1
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+    """The gated delta rule in chunk form (chunks of 64 tokens), Triton; see the module docstring.
+
+    Returns ``(o [B, T, HV, V], final_state [N, HV, K, V] fp32 or None)``."""
+    _check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                  float_dtypes=_FLOATS)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if use_qk_l2norm_in_kernel:
+        q, _ = _l2norm_op(q)
+        k, _ = _l2norm_op(k)
+    o, final, _, _ = _chunk_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state)
+    return o, (final if output_final_state else None)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
+                                     output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+    """The gated delta rule token by token in one Triton kernel (decode); same arguments and result
+    as ``chunk_gated_delta_rule``."""
+    _check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                  float_dtypes=_FLOATS)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    o, final = _recurrent_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
+                             use_qk_l2norm_in_kernel)
+    return o, (final if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------- the chunk forward
+# Precision (fla's choices): A, w, u, v_new and the per-chunk states are stored in the input dtype and
+# multiplied on tensor cores with fp32 accumulation; the carried state, the gates and the solve are
+# fp32.  fp32 inputs use IEEE fp32 dots (no silent tf32).
+# Cost per value head, per chunk (C = 64; gate exponentials not counted):
+#     K K^T 2C^2K + solve C^3/3 + w 2C^2K + u 2C^2V + v_new = u - w h 2CKV + K^T v_new 2CKV + q h 2CKV
+#     + q K^T 2C^2K + (.) v_new 2C^2V  =  6C^2K + 4C^2V + 6CKV + C^3/3,
+# per token 6CK + 4CV + 6KV + C^2/3 (K = V = 128: 1.82e5 FLOP per token per value head).  Minimum
+# bytes: q, k, v, g, beta read, o written (and the states when given); the intermediates (gc, A, w, u,
+# v_new, per-chunk states) add a few times the input bytes.  Decode (T = 1) moves at least the fp32
+# state twice, N HV K V 4 2 bytes, plus q, k, v, o, g, beta.
+
+def _chunk_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, output_final_state: bool):
+    """The five kernels in order.  Returns (o, final or None, gc, A)."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
-        if not isinstance(initial_state, torch.Tensor):
-            raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
-        state_dtypes = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
-        if initial_state.dtype not in state_dtypes:
-            raise TypeError(f"initial_state must be fp32, got {initial_state.dtype}")
-        if initial_state.shape != (n, hv, dk, v.shape[3]):
-            raise ValueError(f"initial_state must be [N, HV, K, V] = {(n, hv, dk, v.shape[3])}, "
-                             f"got shape {tuple(initial_state.shape)}")
-    named = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
-             ("cu_seqlens", cu_seqlens)]
-    devices = {name: x.device for name, x in named if x is not None}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"all tensors must be on one device, got mixed devices {devices}")
-    return n
+        initial_state = initial_state.contiguous()
+    seqs = _sequences(q.shape[0], q.shape[1], cu_seqlens, q.device)
+    gc = _chunk_cumsum(g, seqs)
+    a = _chunk_kkt_solve(k, gc, beta, v.shape[2], seqs)
+    w, u = _chunk_wu(k, v, beta, gc, a, seqs)
+    states, v_new, final = _chunk_h(k, w, u, gc, initial_state, output_final_state, seqs)
+    o = _chunk_o(q, k, v_new, states, gc, scale, seqs)
+    return o, final, gc, a
 
 
-def _check_cu_seqlens_values(cu: list[int], t: int):
-    if cu[0] != 0 or any(y < x for x, y in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}...")
-    if cu[-1] != t:
-        raise ValueError(f"cu_seqlens[-1] must equal T = q.shape[1] = {t}, got {cu[-1]}")
+# ----------------------------------------------------------------------------- the chunk backward
+
+# fla's decomposition, written anew.  Per chunk (b = gc, the within-chunk cumulative gate;
+# Gam_ij = exp(b_i - b_j) for j <= i; S / S' the state at the chunk's start / end; U = v_new;
+# T = A, the solved block), given dO and the gradient dS' of S':
+#   0. recompute  w, u (kernel 3), S per chunk and U (kernel 4) from the saved gc and A
+#   a. dv_local   dU_loc = scale (Q K^T * Gam)^T dO                        (chunks in parallel)
+#   b. dhu        the reverse pass over chunks, dS' carried in fp32 registers:
+#                   dU = dU_loc + exp(b_C - b) * (K dS');   dS = exp(b_C) dS' + (scale exp(b) Q)^T dO - W^T dU
+#   c. dqkwg      dQ = scale exp(b) dO S^T + dP K;  dK = exp(b_C - b) U dS'^T + dP^T Q;  dW = -dU S^T,
+#                 with dP = scale (dO U^T) * Gam (causal), and db, the gradient of the cumulative gate
+#   d. wy         through w = T diag(beta e^b) K, u = T diag(beta) V, T = (I + L)^-1:
+#                   dT = dW (beta e^b K)^T + dU (beta V)^T,  dL = -T^T dT T^T (strictly lower),
+#                   L_ij = beta_i Gam_ij k_i . k_j  ->  dK, dbeta, db
+#   e. dg         dg_t = sum_{i >= t} db_i inside each chunk (b_i = g_1 + .. + g_i), taken as below
+# Exact dg under strong decay: every term of db is either a single (its own exp(b_i) factor) or a
+# pair P_ij, i > j (+P to db_i, -P to db_j, carrying Gam_ij).  dg_t = sum_{i >= t} db_i would add
+# and cancel O(1) pairs (Gam_ij ~ 1 across a weak gate) to leave a tiny result when a strong gate
+# sits between; instead dg_t = revcumsum(singles)_t + sum_{i >= t > j} P_ij, each pair counted
+# only where it survives (the pairs with i == j cancel exactly and are left out), so dg keeps its
+# relative accuracy when exp(g) underflows towards 0.
+# GVA: dq / dk are written per value head (fp32) and summed over the value heads of a q/k head
+# in a fixed order on the host: deterministic, no atomics anywhere.
+# Saved for the backward (activation memory O(T (K + V)) per head, never O(T / 64 K V)): the inputs,
+# gc fp32 [B, T, HV] and A [B, T, HV, 64] (row t holds row t mod 64 of its chunk's inverse); w, u, the
+# per-chunk states and v_new are recomputed (fla's choice too).
+# Cost per chunk as executed: recompute w, u, states 2C^2K + 2C^2V + 4CKV;  dv_local 2C^2K + 2C^2V;
+# dhu 6CKV;  dqkwg 6C^2K + 2C^2V + 6CKV;  wy 10C^2K + 4C^2V (no C^3 term: dL = -(dKbg w^T + dVb u^T))
+# = 20C^2K + 10C^2V + 16CKV;  per token 20CK + 10CV + 16KV (K = V = 128: 5.08e5 FLOP per token per
+# value head; forward + backward 6.90e5).
 
 
-def _check_runnable(x: torch.Tensor):
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError(f"fast gated_deltanet runs on CUDA tensors (or any tensors under TRITON_INTERPRET=1), "
-                         f"got device {x.device}")
+def _chunk_backward(q, k, v, g, beta, gc, a, initial_state, cu_seqlens, scale: float, do, dht):
+    """-> (dq, dk, dv, dg, dbeta, dh0 fp32 or an empty tensor).  q, k as the chunk op saw them."""
+    q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
+    h = q.shape[2]
+    seqs = _sequences(q.shape[0], q.shape[1], cu_seqlens, q.device)
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    if dht is not None:
+        dht = dht.contiguous().float()
+    w, u = _chunk_wu(k, v, beta, gc, a, seqs)                                  # 0. recompute
+    states, v_new, _ = _chunk_h(k, w, u, gc, initial_state, False, seqs)
+    dv_local = _chunk_dv_local(q, k, gc, do, scale, seqs)                      # a.
+    dstates, du, dh0 = _chunk_dhu(q, k, w, gc, do, dv_local, dht, initial_state is not None, scale, seqs)   # b.
+    del dv_local
+    dq, dk, dw, db = _chunk_dqkwg(q, k, v_new, gc, states, do, dstates, du, scale, seqs)    # c.
+    del states, dstates, v_new
+    dv, dbeta = _chunk_wy_bwd(k, v, beta, gc, a, w, u, dw, du, dk, db, seqs)         # d.
+    dg = _chunk_dg(db, g, seqs)                                                # e.
+    return _group_sum(dq, h, q.dtype), _group_sum(dk, h, k.dtype), dv, dg, dbeta, dh0
 
 
-class _Seqs(NamedTuple):
-    """Where the sequences are.  Dense: B sequences of T tokens.  Varlen: cu (int32), and for the
-    chunk kernels a [NT, 2] table (sequence, chunk in it) and each sequence's first chunk row."""
-    n: int
-    nt: int                 # chunk programs per batch row (dense: cdiv(T, 64); varlen: all chunks)
-    rows: int               # chunk rows in total (rows of the per-chunk state tensor)
-    cu: torch.Tensor        # int32 [N + 1], or a 1-element dummy when dense
-    chunk_idx: torch.Tensor
-    chunk_off: torch.Tensor
-    varlen: bool
+# ----------------------------------------------------------------------------- the recurrent op (decode)
 
-
-def _sequences(b: int, t: int, cu_seqlens: Optional[torch.Tensor], device) -> _Seqs:
-    dummy = torch.zeros(1, dtype=torch.int32, device=device)
+def _recurrent_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, output_final_state: bool,
+                       use_l2norm: bool):
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    b, t, h, dk = q.shape
+    hv, dv = v.shape[2:]
+    dummy = torch.empty(1, dtype=torch.float32, device=q.device)
     if cu_seqlens is None:
-        nt = triton.cdiv(t, CHUNK)
-        return _Seqs(b, nt, b * nt, dummy, dummy, dummy, False)
-    cu = cu_seqlens.tolist()   # one small device-to-host copy: the chunk table is built on the host
-    _check_cu_seqlens_values(cu, t)
-    per_seq = [triton.cdiv(e - s, CHUNK) for s, e in zip(cu, cu[1:])]
-    table = [(n, c) for n, count in enumerate(per_seq) for c in range(count)]
-    offsets = [0, *itertools.accumulate(per_seq)][:max(1, len(per_seq))]   # each sequence's first chunk row
-    chunk_idx = torch.tensor(table or [(0, 0)], dtype=torch.int32).to(device)
-    chunk_off = torch.tensor(offsets, dtype=torch.int32).to(device)
-    return _Seqs(len(per_seq), len(table), len(table), cu_seqlens.to(torch.int32), chunk_idx, chunk_off, True)
-
-
-def _pow2(x: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(x))
-
-
-def _interpreting(x: torch.Tensor) -> bool:
-    return x.device.type != "cuda"
-
-
-def _prec(dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"   # tf32 is moot for 16-bit operands
-
-
-def _arch(x: torch.Tensor) -> int:
-    """Compute capability as 80, 90, ...; 90 under the interpreter (which has no GPU: it runs the
-    sm_90 choices, the benchmark target)."""
-    if x.device.type != "cuda":
-        return 90
-    major, minor = torch.cuda.get_device_capability(x.device)
-    return 10 * major + minor
-
-
-def _launch(tuned, grid, args: tuple, meta: dict):
-    """Launch an autotuned kernel.  CUDA: the autotuner (key and pruning documented at each kernel).
-    Interpreter: the same pruning call Triton makes (positional arguments as named_args, the rest
-    as keywords), then the last surviving config launched directly: the autotuner cannot benchmark
-    on a CPU, and this way the tests run the pruning and grid code the GPU runs."""
-    if not _interpreting(args[0]):
-        tuned[grid](*args, **meta)
-        return
-    configs = tuned.early_config_prune(tuned.configs, dict(zip(tuned.arg_names, args)), **meta)
-    cfg = configs[-1]
-    tuned.fn[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-# ----------------------------------------------------------------------------- shared device helpers
-
-@triton.jit
-def _chunk_span(cu, chunk_idx, i_t, i_b, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Chunk program i_t of batch row i_b: (first token, end of its sequence, its chunk row)."""
-    if IS_VARLEN:
-        i_n = tl.load(chunk_idx + 2 * i_t)
-        i_c = tl.load(chunk_idx + 2 * i_t + 1)
-        bos = tl.load(cu + i_n).to(tl.int64)
-        eos = tl.load(cu + i_n + 1).to(tl.int64)
-        i_row = i_t
+        n, cu = b, torch.zeros(1, dtype=torch.int32, device=q.device)
     else:
-        i_c = i_t
-        bos = i_b.to(tl.int64) * T
-        eos = bos + T
-        i_row = i_b * tl.cdiv(T, BT) + i_t
-    return bos + i_c * BT, eos, i_row
+        _check_cu_seqlens_values(cu_seqlens.tolist(), t)
+        n, cu = cu_seqlens.numel() - 1, cu_seqlens.to(torch.int32)
+    o = torch.empty_like(v)
+    final = torch.empty(n, hv, dk, dv, dtype=torch.float32, device=q.device) if output_final_state else None
+    if n * hv == 0:
+        return o, final
+    args = (q, k, v, g, beta, o, initial_state.contiguous() if initial_state is not None else dummy,
+            final if final is not None else dummy, cu, scale, t, triton.next_power_of_2(n * hv))
+    meta = dict(H=h, HV=hv, K=dk, V=dv, BK=_pow2(dk), USE_H0=initial_state is not None,
+                STORE_FINAL=final is not None, IS_VARLEN=cu_seqlens is not None, L2NORM=use_l2norm)
+    _launch(_recurrent_tuned, lambda c: (triton.cdiv(dv, c["BV"]), n * hv), args, meta)
+    return o, final
 
 
-@triton.jit
-def _seq_span(cu, chunk_off, i_n, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Sequence i_n: (first token, end, first chunk row)."""
-    if IS_VARLEN:
-        bos = tl.load(cu + i_n).to(tl.int64)
-        eos = tl.load(cu + i_n + 1).to(tl.int64)
-        row0 = tl.load(chunk_off + i_n)
+def _recurrent_backward(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, use_l2norm: bool, do, dht):
+    """-> (dq, dk, dv, dg, dbeta, dh0 fp32 or an empty tensor)."""
+    q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
+    b, t, h, dk = q.shape
+    hv, dv = v.shape[2:]
+    if cu_seqlens is None:
+        n, cu = b, torch.zeros(1, dtype=torch.int32, device=q.device)
     else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
-        row0 = i_n * tl.cdiv(T, BT)
-    return bos, eos, row0
+        _check_cu_seqlens_values(cu_seqlens.tolist(), t)
+        n, cu = cu_seqlens.numel() - 1, cu_seqlens.to(torch.int32)
+    tiles = _rec_bwd_tiles(dk, dv)
+    nv = triton.cdiv(dv, tiles["BV"])
+    ntok = b * t
+    dqk = torch.empty(3, nv, b, t, hv, dk, dtype=torch.float32, device=q.device)    # dq, dk (2 terms) per V block
+    dgb = torch.empty(3, nv, b, t, hv, dtype=torch.float32, device=q.device)        # dg, dbeta, scratch
+    p_buf = torch.empty(2, b, t, hv, dv, dtype=torch.float32, device=q.device)      # p and dp scratch
+    dvv = torch.empty_like(v)
+    dh0 = torch.empty(n if initial_state is not None else 0, hv, dk, dv, dtype=torch.float32, device=q.device)
+    if n * hv:
+        dummy = torch.empty(1, dtype=torch.float32, device=q.device)
+        _recurrent_bwd_kernel[(nv, n * hv)](
+            q, k, v, g, beta, do, initial_state.contiguous() if initial_state is not None else dummy,
+            dht.contiguous().float() if dht is not None else dummy, dqk[0], dqk[1], dqk[2], dvv, dgb[0], dgb[1],
+            dh0 if initial_state is not None else dummy, p_buf[0], p_buf[1], dgb[2], cu, scale, t, ntok, H=h, HV=hv,
+            K=dk, V=dv, BK=_pow2(dk), USE_H0=initial_state is not None, USE_DHT=dht is not None,
+            IS_VARLEN=cu_seqlens is not None, L2NORM=use_l2norm, **tiles)
+    dq = _group_sum(dqk[0].sum(0), h, torch.float32)
+    dkk = _group_sum(dqk[1].sum(0) + dqk[2].sum(0), h, torch.float32)
+    if use_l2norm:   # the kernel differentiated w.r.t. the normalized q, k
+        dq = _l2norm_bwd(*_l2norm(q.float()), dq)
+        dkk = _l2norm_bwd(*_l2norm(k.float()), dkk)
+    dg = dgb[0].sum(0).to(g.dtype)
+    dbeta = dgb[1].sum(0).to(beta.dtype)
+    return dq.to(q.dtype), dkk.to(k.dtype), dvv, dg, dbeta, dh0
 
+
+# ============================================================================= kernels, in call order
 
 # ----------------------------------------------------------------------------- l2norm
 
@@ -753,20 +714,6 @@ def _chunk_o(q, k, v_new, states, gc, scale: float, seqs: _Seqs) -> torch.Tensor
     return o
 
 
-def _chunk_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, output_final_state: bool):
-    """The five kernels in order.  Returns (o, final or None, gc, A)."""
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    if initial_state is not None:
-        initial_state = initial_state.contiguous()
-    seqs = _sequences(q.shape[0], q.shape[1], cu_seqlens, q.device)
-    gc = _chunk_cumsum(g, seqs)
-    a = _chunk_kkt_solve(k, gc, beta, v.shape[2], seqs)
-    w, u = _chunk_wu(k, v, beta, gc, a, seqs)
-    states, v_new, final = _chunk_h(k, w, u, gc, initial_state, output_final_state, seqs)
-    o = _chunk_o(q, k, v_new, states, gc, scale, seqs)
-    return o, final, gc, a
-
-
 # ----------------------------------------------------------------------------- recurrent (decode)
 
 # key: K, V, NHV (decode wants enough programs to keep many state reads in flight).
@@ -821,51 +768,7 @@ _recurrent_tuned = triton.autotune(_REC_CONFIGS, key=["K", "V", "NHV"],
                                    prune_configs_by={"early_config_prune": _prune_rec_configs})(_recurrent_kernel)
 
 
-def _recurrent_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, output_final_state: bool,
-                       use_l2norm: bool):
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    b, t, h, dk = q.shape
-    hv, dv = v.shape[2:]
-    dummy = torch.empty(1, dtype=torch.float32, device=q.device)
-    if cu_seqlens is None:
-        n, cu = b, torch.zeros(1, dtype=torch.int32, device=q.device)
-    else:
-        _check_cu_seqlens_values(cu_seqlens.tolist(), t)
-        n, cu = cu_seqlens.numel() - 1, cu_seqlens.to(torch.int32)
-    o = torch.empty_like(v)
-    final = torch.empty(n, hv, dk, dv, dtype=torch.float32, device=q.device) if output_final_state else None
-    if n * hv == 0:
-        return o, final
-    args = (q, k, v, g, beta, o, initial_state.contiguous() if initial_state is not None else dummy,
-            final if final is not None else dummy, cu, scale, t, triton.next_power_of_2(n * hv))
-    meta = dict(H=h, HV=hv, K=dk, V=dv, BK=_pow2(dk), USE_H0=initial_state is not None,
-                STORE_FINAL=final is not None, IS_VARLEN=cu_seqlens is not None, L2NORM=use_l2norm)
-    _launch(_recurrent_tuned, lambda c: (triton.cdiv(dv, c["BV"]), n * hv), args, meta)
-    return o, final
-
-
-# ----------------------------------------------------------------------------- chunk backward
-# fla's decomposition, written anew.  Per chunk (b = gc, the within-chunk cumulative gate;
-# Gam_ij = exp(b_i - b_j) for j <= i; S / S' the state at the chunk's start / end; U = v_new;
-# T = A, the solved block), given dO and the gradient dS' of S':
-#   0. recompute  w, u (kernel 3), S per chunk and U (kernel 4) from the saved gc and A
-#   a. dv_local   dU_loc = scale (Q K^T * Gam)^T dO                        (chunks in parallel)
-#   b. dhu        the reverse pass over chunks, dS' carried in fp32 registers:
-#                   dU = dU_loc + exp(b_C - b) * (K dS');   dS = exp(b_C) dS' + (scale exp(b) Q)^T dO - W^T dU
-#   c. dqkwg      dQ = scale exp(b) dO S^T + dP K;  dK = exp(b_C - b) U dS'^T + dP^T Q;  dW = -dU S^T,
-#                 with dP = scale (dO U^T) * Gam (causal), and db, the gradient of the cumulative gate
-#   d. wy         through w = T diag(beta e^b) K, u = T diag(beta) V, T = (I + L)^-1:
-#                   dT = dW (beta e^b K)^T + dU (beta V)^T,  dL = -T^T dT T^T (strictly lower),
-#                   L_ij = beta_i Gam_ij k_i . k_j  ->  dK, dbeta, db
-#   e. dg         dg_t = sum_{i >= t} db_i inside each chunk (b_i = g_1 + .. + g_i), taken as below
-# Exact dg under strong decay: every term of db is either a single (its own exp(b_i) factor) or a
-# pair P_ij, i > j (+P to db_i, -P to db_j, carrying Gam_ij).  dg_t = sum_{i >= t} db_i would add
-# and cancel O(1) pairs (Gam_ij ~ 1 across a weak gate) to leave a tiny result when a strong gate
-# sits between; instead dg_t = revcumsum(singles)_t + sum_{i >= t > j} P_ij, each pair counted
-# only where it survives (the pairs with i == j cancel exactly and are left out), so dg keeps its
-# relative accuracy when exp(g) underflows towards 0.
-# GVA: dq / dk are written per value head (fp32) and summed over the value heads of a q/k head
-# in a fixed order on the host: deterministic, no atomics anywhere.
+# ----------------------------------------------------------------------------- chunk backward kernels
 
 @triton.jit
 def _cols(ptr, o_t, m_t, o_d, m_d, stride_t, head, D: tl.constexpr):
@@ -1320,28 +1223,8 @@ def _group_sum(x: torch.Tensor, h: int, dtype) -> torch.Tensor:
     return x.view(b, t, h, hv // h, d).sum(3).to(dtype)
 
 
-def _chunk_backward(q, k, v, g, beta, gc, a, initial_state, cu_seqlens, scale: float, do, dht):
-    """-> (dq, dk, dv, dg, dbeta, dh0 fp32 or an empty tensor).  q, k as the chunk op saw them."""
-    q, k, v, beta, do = (x.contiguous() for x in (q, k, v, beta, do))
-    h = q.shape[2]
-    seqs = _sequences(q.shape[0], q.shape[1], cu_seqlens, q.device)
-    if initial_state is not None:
-        initial_state = initial_state.contiguous()
-    if dht is not None:
-        dht = dht.contiguous().float()
-    w, u = _chunk_wu(k, v, beta, gc, a, seqs)                                  # 0. recompute
-    states, v_new, _ = _chunk_h(k, w, u, gc, initial_state, False, seqs)
-    dv_local = _chunk_dv_local(q, k, gc, do, scale, seqs)                      # a.
-    dstates, du, dh0 = _chunk_dhu(q, k, w, gc, do, dv_local, dht, initial_state is not None, scale, seqs)   # b.
-    del dv_local
-    dq, dk, dw, db = _chunk_dqkwg(q, k, v_new, gc, states, do, dstates, du, scale, seqs)    # c.
-    del states, dstates, v_new
-    dv, dbeta = _chunk_wy_bwd(k, v, beta, gc, a, w, u, dw, du, dk, db, seqs)         # d.
-    dg = _chunk_dg(db, g, seqs)                                                # e.
-    return _group_sum(dq, h, q.dtype), _group_sum(dk, h, k.dtype), dv, dg, dbeta, dh0
-
-
 # ----------------------------------------------------------------------------- recurrent backward
+
 # A reverse recurrence.  Per token (h_a = exp(g_t) h_{t-1}, p_t = h_a^T k_t, h_t = h_a + k_t u_t^T,
 # u_t = beta_t (v_t - p_t)), with F the gradient reaching h_t from later tokens (dht at the end):
 #     dH = F + scale q_t do_t^T;  du = dH^T k_t;  dv_t = beta_t du;  dbeta_t = du . (v_t - p_t);
@@ -1467,42 +1350,6 @@ def _rec_bwd_tiles(dk: int, dv: int) -> dict:
     return dict(BV=min(16 if dk > 128 else 32, _pow2(dv)), num_warps=4, num_stages=1)
 
 
-def _recurrent_backward(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, use_l2norm: bool, do, dht):
-    """-> (dq, dk, dv, dg, dbeta, dh0 fp32 or an empty tensor)."""
-    q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
-    b, t, h, dk = q.shape
-    hv, dv = v.shape[2:]
-    if cu_seqlens is None:
-        n, cu = b, torch.zeros(1, dtype=torch.int32, device=q.device)
-    else:
-        _check_cu_seqlens_values(cu_seqlens.tolist(), t)
-        n, cu = cu_seqlens.numel() - 1, cu_seqlens.to(torch.int32)
-    tiles = _rec_bwd_tiles(dk, dv)
-    nv = triton.cdiv(dv, tiles["BV"])
-    ntok = b * t
-    dqk = torch.empty(3, nv, b, t, hv, dk, dtype=torch.float32, device=q.device)    # dq, dk (2 terms) per V block
-    dgb = torch.empty(3, nv, b, t, hv, dtype=torch.float32, device=q.device)        # dg, dbeta, scratch
-    p_buf = torch.empty(2, b, t, hv, dv, dtype=torch.float32, device=q.device)      # p and dp scratch
-    dvv = torch.empty_like(v)
-    dh0 = torch.empty(n if initial_state is not None else 0, hv, dk, dv, dtype=torch.float32, device=q.device)
-    if n * hv:
-        dummy = torch.empty(1, dtype=torch.float32, device=q.device)
-        _recurrent_bwd_kernel[(nv, n * hv)](
-            q, k, v, g, beta, do, initial_state.contiguous() if initial_state is not None else dummy,
-            dht.contiguous().float() if dht is not None else dummy, dqk[0], dqk[1], dqk[2], dvv, dgb[0], dgb[1],
-            dh0 if initial_state is not None else dummy, p_buf[0], p_buf[1], dgb[2], cu, scale, t, ntok, H=h, HV=hv,
-            K=dk, V=dv, BK=_pow2(dk), USE_H0=initial_state is not None, USE_DHT=dht is not None,
-            IS_VARLEN=cu_seqlens is not None, L2NORM=use_l2norm, **tiles)
-    dq = _group_sum(dqk[0].sum(0), h, torch.float32)
-    dkk = _group_sum(dqk[1].sum(0) + dqk[2].sum(0), h, torch.float32)
-    if use_l2norm:   # the kernel differentiated w.r.t. the normalized q, k
-        dq = _l2norm_bwd(*_l2norm(q.float()), dq)
-        dkk = _l2norm_bwd(*_l2norm(k.float()), dkk)
-    dg = dgb[0].sum(0).to(g.dtype)
-    dbeta = dgb[1].sum(0).to(beta.dtype)
-    return dq.to(q.dtype), dkk.to(k.dtype), dvv, dg, dbeta, dh0
-
-
 # ----------------------------------------------------------------------------- l2norm backward
 
 @triton.jit
@@ -1535,7 +1382,175 @@ def _l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor) -> torch.
     return dx
 
 
+# ----------------------------------------------------------------------------- shared device helpers
+
+@triton.jit
+def _chunk_span(cu, chunk_idx, i_t, i_b, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Chunk program i_t of batch row i_b: (first token, end of its sequence, its chunk row)."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_idx + 2 * i_t)
+        i_c = tl.load(chunk_idx + 2 * i_t + 1)
+        bos = tl.load(cu + i_n).to(tl.int64)
+        eos = tl.load(cu + i_n + 1).to(tl.int64)
+        i_row = i_t
+    else:
+        i_c = i_t
+        bos = i_b.to(tl.int64) * T
+        eos = bos + T
+        i_row = i_b * tl.cdiv(T, BT) + i_t
+    return bos + i_c * BT, eos, i_row
+
+
+@triton.jit
+def _seq_span(cu, chunk_off, i_n, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Sequence i_n: (first token, end, first chunk row)."""
+    if IS_VARLEN:
+        bos = tl.load(cu + i_n).to(tl.int64)
+        eos = tl.load(cu + i_n + 1).to(tl.int64)
+        row0 = tl.load(chunk_off + i_n)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+        row0 = i_n * tl.cdiv(T, BT)
+    return bos, eos, row0
+
+
+# ----------------------------------------------------------------------------- input checks
+# (the same checks and messages as ref/gated_deltanet.py; each file stands alone)
+
+# (the same checks and messages as ref/gated_deltanet.py; each file stands alone)
+
+def _check_inputs(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, float_dtypes):
+    """Shape / dtype / device checks; returns N (number of sequences).  No device sync here."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in float_dtypes:
+            raise TypeError(f"{name} must have a dtype in {sorted(str(d) for d in float_dtypes)}, got {t.dtype}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)} [B, T, H, K], got {tuple(k.shape)}")
+    b, t, h, dk = q.shape
+    if v.dim() != 4 or v.shape[:2] != (b, t):
+        raise ValueError(f"v must be [B={b}, T={t}, HV, V], got shape {tuple(v.shape)}")
+    hv = v.shape[2]
+    if h == 0 or hv % h != 0:
+        raise ValueError(f"v's head count HV={hv} must be a multiple of q/k's head count H={h}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (b, t, hv):
+            raise ValueError(f"{name} must be [B, T, HV] = {(b, t, hv)}, got shape {tuple(x.shape)}")
+    if dk > MAX_HEAD_DIM_K:
+        raise ValueError(f"head dim K = {dk} is not supported: K must be <= {MAX_HEAD_DIM_K}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    n = b
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens must be an int32 or int64 torch.Tensor, got "
+                            f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+            raise ValueError(f"cu_seqlens must be [N + 1] with N >= 0, got shape {tuple(cu_seqlens.shape)}")
+        if b != 1:
+            raise ValueError(f"cu_seqlens requires batch size B == 1 (documents packed along T), got B={b}")
+        n = cu_seqlens.numel() - 1
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
+        state_dtypes = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+        if initial_state.dtype not in state_dtypes:
+            raise TypeError(f"initial_state must be fp32, got {initial_state.dtype}")
+        if initial_state.shape != (n, hv, dk, v.shape[3]):
+            raise ValueError(f"initial_state must be [N, HV, K, V] = {(n, hv, dk, v.shape[3])}, "
+                             f"got shape {tuple(initial_state.shape)}")
+    named = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+             ("cu_seqlens", cu_seqlens)]
+    devices = {name: x.device for name, x in named if x is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got mixed devices {devices}")
+    return n
+
+
+def _check_cu_seqlens_values(cu: list[int], t: int):
+    if cu[0] != 0 or any(y < x for x, y in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}...")
+    if cu[-1] != t:
+        raise ValueError(f"cu_seqlens[-1] must equal T = q.shape[1] = {t}, got {cu[-1]}")
+
+
+def _check_runnable(x: torch.Tensor):
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(f"fast gated_deltanet runs on CUDA tensors (or any tensors under TRITON_INTERPRET=1), "
+                         f"got device {x.device}")
+
+
+# ----------------------------------------------------------------------------- launch plumbing
+
+class _Seqs(NamedTuple):
+    """Where the sequences are.  Dense: B sequences of T tokens.  Varlen: cu (int32), and for the
+    chunk kernels a [NT, 2] table (sequence, chunk in it) and each sequence's first chunk row."""
+    n: int
+    nt: int                 # chunk programs per batch row (dense: cdiv(T, 64); varlen: all chunks)
+    rows: int               # chunk rows in total (rows of the per-chunk state tensor)
+    cu: torch.Tensor        # int32 [N + 1], or a 1-element dummy when dense
+    chunk_idx: torch.Tensor
+    chunk_off: torch.Tensor
+    varlen: bool
+
+
+def _sequences(b: int, t: int, cu_seqlens: Optional[torch.Tensor], device) -> _Seqs:
+    dummy = torch.zeros(1, dtype=torch.int32, device=device)
+    if cu_seqlens is None:
+        nt = triton.cdiv(t, CHUNK)
+        return _Seqs(b, nt, b * nt, dummy, dummy, dummy, False)
+    cu = cu_seqlens.tolist()   # one small device-to-host copy: the chunk table is built on the host
+    _check_cu_seqlens_values(cu, t)
+    per_seq = [triton.cdiv(e - s, CHUNK) for s, e in zip(cu, cu[1:])]
+    table = [(n, c) for n, count in enumerate(per_seq) for c in range(count)]
+    offsets = [0, *itertools.accumulate(per_seq)][:max(1, len(per_seq))]   # each sequence's first chunk row
+    chunk_idx = torch.tensor(table or [(0, 0)], dtype=torch.int32).to(device)
+    chunk_off = torch.tensor(offsets, dtype=torch.int32).to(device)
+    return _Seqs(len(per_seq), len(table), len(table), cu_seqlens.to(torch.int32), chunk_idx, chunk_off, True)
+
+
+def _pow2(x: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(x))
+
+
+def _interpreting(x: torch.Tensor) -> bool:
+    return x.device.type != "cuda"
+
+
+def _prec(dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"   # tf32 is moot for 16-bit operands
+
+
+def _arch(x: torch.Tensor) -> int:
+    """Compute capability as 80, 90, ...; 90 under the interpreter (which has no GPU: it runs the
+    sm_90 choices, the benchmark target)."""
+    if x.device.type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(x.device)
+    return 10 * major + minor
+
+
+def _launch(tuned, grid, args: tuple, meta: dict):
+    """Launch an autotuned kernel.  CUDA: the autotuner (key and pruning documented at each kernel).
+    Interpreter: the same pruning call Triton makes (positional arguments as named_args, the rest
+    as keywords), then the last surviving config launched directly: the autotuner cannot benchmark
+    on a CPU, and this way the tests run the pruning and grid code the GPU runs."""
+    if not _interpreting(args[0]):
+        tuned[grid](*args, **meta)
+        return
+    configs = tuned.early_config_prune(tuned.configs, dict(zip(tuned.arg_names, args)), **meta)
+    cfg = configs[-1]
+    tuned.fn[grid(cfg.kwargs)](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 # ----------------------------------------------------------------------------- custom ops
+
 # Forward ops save only their inputs (plus gc and A for the chunk op, y and rstd for l2norm); the
 # backward ops recompute the rest.  gc, A and rstd are outputs without gradients.  The backward
 # ops are custom ops too (torch.compile traces them); a second derivative raises.
@@ -1703,35 +1718,6 @@ _recurrent_op.register_autograd(_recurrent_backward_fn, setup_context=_recurrent
 _l2norm_bwd_op.register_autograd(_no_double_backward, setup_context=_no_context)
 _chunk_bwd_op.register_autograd(_no_double_backward, setup_context=_no_context)
 _recurrent_bwd_op.register_autograd(_no_double_backward, setup_context=_no_context)
-
-
-# ----------------------------------------------------------------------------- public API
-
-def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, use_qk_l2norm_in_kernel=False):
-    """The gated delta rule in chunk form (chunks of 64 tokens), Triton; see the module docstring.
-
-    Returns ``(o [B, T, HV, V], final_state [N, HV, K, V] fp32 or None)``."""
-    _check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                  float_dtypes=_FLOATS)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if use_qk_l2norm_in_kernel:
-        q, _ = _l2norm_op(q)
-        k, _ = _l2norm_op(k)
-    o, final, _, _ = _chunk_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state)
-    return o, (final if output_final_state else None)
-
-
-def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
-                                     output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False):
-    """The gated delta rule token by token in one Triton kernel (decode); same arguments and result
-    as ``chunk_gated_delta_rule``."""
-    _check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                  float_dtypes=_FLOATS)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, final = _recurrent_op(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
-                             use_qk_l2norm_in_kernel)
-    return o, (final if output_final_state else None)
 
 
 if __name__ == "__main__":
