@@ -29,40 +29,31 @@ The math (per value head; q, k already scaled / normalized as asked)
     Within a chunk everything is batched matmuls; only the state S passes from chunk to chunk.
 
 Tensors (B batch, T tokens, H query/key heads, HV value heads, N sequences)
-    q, k            [B, T, H, K]      fp16 / bf16 / fp32 (fp64 here)     value head i reads head i // (HV // H)
+    q, k            [B, T, H, K]      fp16 / bf16 / fp32 / fp64          value head i reads head i // (HV // H)
     v               [B, T, HV, V]     the dtype of q
     g               [B, T, HV]        float, the log decay (<= 0; positive g is the caller's choice)
-    beta            [B, T, HV]        float, the delta-rule step (sigmoid output in (0, 1) in practice)
-    initial_state   [N, HV, K, V]     fp32 (fp64 accepted with fp64 inputs here); None = zeros
-    cu_seqlens      [N + 1] int32 or int64   varlen: B == 1, document n is tokens cu[n]:cu[n+1]
+    beta            [B, T, HV]        float, the delta-rule step (a sigmoid output in practice)
+    initial_state   [N, HV, K, V]     fp32 (fp64 accepted with fp64 inputs); None = zeros
+    cu_seqlens      [N + 1] int32 / int64    varlen: B == 1, document n is tokens cu[n]:cu[n+1]
     o               [B, T, HV, V]     the dtype of v
     final_state     [N, HV, K, V]     fp32 (fp64 for fp64 inputs), or None unless output_final_state
     N = B without cu_seqlens.  ``scale`` defaults to K ** -0.5.  ``use_qk_l2norm_in_kernel``
-    replaces q and k by x * rsqrt(sum(x^2) + 1e-6) first (fla's l2norm).
+    replaces q and k by x * rsqrt(sum(x^2) + 1e-6) first (fla's l2norm).  ``upcast`` (reference
+    only): True computes in fp32 (fp64 for fp64 inputs), False in the input dtype (the parity
+    tests' "plain PyTorch in low precision" baseline).
 
 Supported, and what raises
-    Any H and HV with HV a multiple of H; K <= 256 (the fast kernels keep the whole K extent of
-    a state block in registers; the reference raises too so both files share one contract), any V; empty
-    sequences (T = 0 or an empty document: its final state is its initial state); varlen with
-    no padding between documents, chunk boundaries restarting at each document.  Autograd works
-    through both forms (the spec for the fast backward).  ValueError / TypeError naming the
-    argument for: HV not a multiple of H, shape mismatches, cu_seqlens with B > 1 or not
-    starting at 0 / decreasing / not ending at T, wrong initial_state shape or dtype, K > 256,
-    mixed dtypes among q, k, v, mixed devices.  g > 0 is not checked (that would cost a device
-    sync): the state then grows by exp(g) per token, which is the caller's gate to choose.
-
-    ``upcast`` (reference only): True computes in fp32 (fp64 for fp64 inputs); False computes
-    in the input dtype, the "plain PyTorch in low precision" baseline of the parity tests.
+    HV a multiple of H, K <= 256 (the fast kernels' limit, kept here so both files share one
+    contract), any V, empty sequences and documents (the state passes through), autograd through
+    both forms (the spec of the fast backward).  Bad shapes, dtypes, devices and cu_seqlens raise
+    ValueError / TypeError naming the argument; the README's "Known limits" lists the rest.
 
 The layer
-    ``GatedDeltaNet`` is Qwen3.5's linear-attention block (HF transformers' Qwen3_5GatedDeltaNet
-    parameter names, so its state dict loads): in_proj_qkv -> depthwise causal conv (kernel 4,
-    SiLU; restarts at every document of a varlen batch) -> q, k, v; ``g = -exp(A_log) *
-    softplus(a + dt_bias)`` in fp32; ``beta = sigmoid(b)``; the gated delta rule with q/k
-    l2-norm; gated RMSNorm ``norm(o) * silu(z)``; out_proj.  Its two kernel functions are
-    constructor arguments (default: this file's), so the fast ones drop in.
-    ``GatedDeltaNetCache`` carries the conv tail and the recurrent state between calls
-    (prefill, then one-token decode steps).
+    ``GatedDeltaNet`` is Qwen3.5's linear-attention block with HF transformers' parameter names
+    (in_proj_qkv -> causal depthwise conv + SiLU, restarting per document -> q, k, v; g =
+    -exp(A_log) softplus(a + dt_bias); beta = sigmoid(b); the rule with q/k l2-norm; gated RMSNorm;
+    out_proj).  Its kernel functions are constructor arguments, so the fast ones drop in;
+    ``GatedDeltaNetCache`` carries the conv tail and the state between calls (prefill, decode).
 
 References
     Yang, Kautz, Hatamizadeh, Gated Delta Networks (ICLR 2025); Yang et al., Parallelizing
@@ -83,88 +74,6 @@ MAX_HEAD_DIM_K = 256
 L2NORM_EPS = 1e-6
 
 
-# ----------------------------------------------------------------------------- input checks
-
-def _check_inputs(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, float_dtypes):
-    """Shape / dtype / device checks; returns N (number of sequences).  No device sync here."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in float_dtypes:
-            raise TypeError(f"{name} must have a dtype in {sorted(str(d) for d in float_dtypes)}, got {t.dtype}")
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {tuple(q.shape)} [B, T, H, K], got {tuple(k.shape)}")
-    b, t, h, dk = q.shape
-    if v.dim() != 4 or v.shape[:2] != (b, t):
-        raise ValueError(f"v must be [B={b}, T={t}, HV, V], got shape {tuple(v.shape)}")
-    hv = v.shape[2]
-    if h == 0 or hv % h != 0:
-        raise ValueError(f"v's head count HV={hv} must be a multiple of q/k's head count H={h}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    for name, x in (("g", g), ("beta", beta)):
-        if x.shape != (b, t, hv):
-            raise ValueError(f"{name} must be [B, T, HV] = {(b, t, hv)}, got shape {tuple(x.shape)}")
-    if dk > MAX_HEAD_DIM_K:
-        raise ValueError(f"head dim K = {dk} is not supported: K must be <= {MAX_HEAD_DIM_K}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    n = b
-    if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cu_seqlens must be an int32 or int64 torch.Tensor, got "
-                            f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-            raise ValueError(f"cu_seqlens must be [N + 1] with N >= 0, got shape {tuple(cu_seqlens.shape)}")
-        if b != 1:
-            raise ValueError(f"cu_seqlens requires batch size B == 1 (documents packed along T), got B={b}")
-        n = cu_seqlens.numel() - 1
-    if initial_state is not None:
-        if not isinstance(initial_state, torch.Tensor):
-            raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
-        state_dtypes = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
-        if initial_state.dtype not in state_dtypes:
-            raise TypeError(f"initial_state must be fp32, got {initial_state.dtype}")
-        if initial_state.shape != (n, hv, dk, v.shape[3]):
-            raise ValueError(f"initial_state must be [N, HV, K, V] = {(n, hv, dk, v.shape[3])}, "
-                             f"got shape {tuple(initial_state.shape)}")
-    named = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
-             ("cu_seqlens", cu_seqlens)]
-    devices = {name: x.device for name, x in named if x is not None}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"all tensors must be on one device, got mixed devices {devices}")
-    return n
-
-
-def _check_cu_seqlens_values(cu: list[int], t: int):
-    """Value checks of cu_seqlens (the caller pays one small device-to-host copy)."""
-    if cu[0] != 0 or any(y < x for x, y in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}...")
-    if cu[-1] != t:
-        raise ValueError(f"cu_seqlens[-1] must equal T = q.shape[1] = {t}, got {cu[-1]}")
-
-
-# ----------------------------------------------------------------------------- shared pieces
-
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    """fla's l2norm: x * rsqrt(sum(x^2) + 1e-6) over the last dim."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
-
-
-def _prepare(q, k, v, g, beta, *, scale, use_l2norm, dtype):
-    """Cast to the compute dtype, l2-normalize, fold the scale into q, give q/k the HV value heads."""
-    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
-    if use_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
-    q = q * scale
-    group = v.shape[2] // q.shape[2]
-    q = q.repeat_interleave(group, dim=2)   # [B, T, HV, K]: value head i reads q/k head i // group
-    k = k.repeat_interleave(group, dim=2)
-    return q, k, v, g, beta
-
-
 # ----------------------------------------------------------------------------- recurrent form
 
 def _recurrent(q, k, v, g, beta, h):
@@ -181,6 +90,7 @@ def _recurrent(q, k, v, g, beta, h):
 
 
 # ----------------------------------------------------------------------------- chunk form
+
 # The steps below mirror the fast file's kernels one to one (cumsum, kkt + solve, w/u,
 # state pass + output), so each intermediate can be compared.  Tensors are chunked as
 # [B, HV, NC, C, D]: batch, value head, chunk, position in the chunk, feature.
@@ -316,6 +226,25 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_st
                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, upcast=upcast)
 
 
+# ----------------------------------------------------------------------------- shared pieces
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """fla's l2norm: x * rsqrt(sum(x^2) + 1e-6) over the last dim."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def _prepare(q, k, v, g, beta, *, scale, use_l2norm, dtype):
+    """Cast to the compute dtype, l2-normalize, fold the scale into q, give q/k the HV value heads."""
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    if use_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * scale
+    group = v.shape[2] // q.shape[2]
+    q = q.repeat_interleave(group, dim=2)   # [B, T, HV, K]: value head i reads q/k head i // group
+    k = k.repeat_interleave(group, dim=2)
+    return q, k, v, g, beta
+
+
 # ----------------------------------------------------------------------------- the layer
 
 class GatedDeltaNetCache:
@@ -434,6 +363,69 @@ class GatedDeltaNet(nn.Module):
             cache.conv_state, cache.recurrent_state = tail, final
         o = self.norm(o, z)                                             # [B, T, HV, V]
         return self.out_proj(o.reshape(b, t, self.value_dim))
+
+
+# ----------------------------------------------------------------------------- input checks
+
+def _check_inputs(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, float_dtypes):
+    """Shape / dtype / device checks; returns N (number of sequences).  No device sync here."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in float_dtypes:
+            raise TypeError(f"{name} must have a dtype in {sorted(str(d) for d in float_dtypes)}, got {t.dtype}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)} [B, T, H, K], got {tuple(k.shape)}")
+    b, t, h, dk = q.shape
+    if v.dim() != 4 or v.shape[:2] != (b, t):
+        raise ValueError(f"v must be [B={b}, T={t}, HV, V], got shape {tuple(v.shape)}")
+    hv = v.shape[2]
+    if h == 0 or hv % h != 0:
+        raise ValueError(f"v's head count HV={hv} must be a multiple of q/k's head count H={h}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (b, t, hv):
+            raise ValueError(f"{name} must be [B, T, HV] = {(b, t, hv)}, got shape {tuple(x.shape)}")
+    if dk > MAX_HEAD_DIM_K:
+        raise ValueError(f"head dim K = {dk} is not supported: K must be <= {MAX_HEAD_DIM_K}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    n = b
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens must be an int32 or int64 torch.Tensor, got "
+                            f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+            raise ValueError(f"cu_seqlens must be [N + 1] with N >= 0, got shape {tuple(cu_seqlens.shape)}")
+        if b != 1:
+            raise ValueError(f"cu_seqlens requires batch size B == 1 (documents packed along T), got B={b}")
+        n = cu_seqlens.numel() - 1
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
+        state_dtypes = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+        if initial_state.dtype not in state_dtypes:
+            raise TypeError(f"initial_state must be fp32, got {initial_state.dtype}")
+        if initial_state.shape != (n, hv, dk, v.shape[3]):
+            raise ValueError(f"initial_state must be [N, HV, K, V] = {(n, hv, dk, v.shape[3])}, "
+                             f"got shape {tuple(initial_state.shape)}")
+    named = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+             ("cu_seqlens", cu_seqlens)]
+    devices = {name: x.device for name, x in named if x is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got mixed devices {devices}")
+    return n
+
+
+def _check_cu_seqlens_values(cu: list[int], t: int):
+    """Value checks of cu_seqlens (the caller pays one small device-to-host copy)."""
+    if cu[0] != 0 or any(y < x for x, y in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}...")
+    if cu[-1] != t:
+        raise ValueError(f"cu_seqlens[-1] must equal T = q.shape[1] = {t}, got {cu[-1]}")
 
 
 if __name__ == "__main__":
