@@ -164,20 +164,34 @@ def test_ref_upcast_false_is_low_precision():
 
 # ----------------------------------------------------------------------------- 2. fast vs ref
 
+# The case tables, shared with test_gated_deltanet_backward.py (one table: the forward and the
+# backward run the same shapes).
 CHUNK_CASES = [
     # name, (B, T, H, HV, K, V), g_scale
     pytest.param("T63_gva2", (2, 63, 1, 2, 32, 32), 1.0, id="T63-gva2"),
-    pytest.param("T130_K100_gva3", (1, 130, 1, 3, 100, 48), 1.0, id="T130-K100-V48-gva3"),
+    pytest.param("T130_K100_gva3", (1, 130, 1, 3, 100, 24), 1.0, id="T130-K100-V24-gva3"),
     pytest.param("T75_strong", (1, 75, 1, 1, 16, 16), 100.0, id="T75-strong-decay"),
     pytest.param("T75_zero", (1, 75, 2, 2, 16, 16), 0.0, id="T75-zero-gates"),
-    pytest.param("T1", (2, 1, 1, 8, 32, 16), 1.0, id="T1-gva8"),
     pytest.param("T75_positive_g", (1, 75, 1, 1, 16, 16), -0.05, id="T75-positive-g"),
+    pytest.param("T1_gva8", (2, 1, 1, 8, 16, 16), 1.0, id="T1-gva8"),
     pytest.param("T20_K200", (1, 20, 1, 1, 200, 24), 1.0, id="T20-K200-four-state-tiles"),
     pytest.param("T10_V300", (1, 10, 1, 1, 16, 300), 1.0, id="T10-V300"),
     gpu_case("T2048", (2, 2048, 4, 8, 128, 128), 1.0, id="T2048-K128-gva2"),
     gpu_case("T8192_gva4", (1, 8192, 4, 16, 128, 128), 1.0, id="T8192-K128-gva4"),
     gpu_case("T4096_K256", (1, 4096, 2, 4, 256, 256), 1.0, id="T4096-K256"),
+    gpu_case("T4096_strong", (1, 4096, 2, 4, 128, 128), 100.0, id="T4096-strong-decay"),
     gpu_case("T32768", (1, 32768, 2, 4, 128, 128), 1.0, id="T32768-K128"),
+]
+
+RECURRENT_CASES = [
+    # (B, T, H, HV, K, V), g_scale
+    pytest.param((3, 1, 1, 2, 32, 32), 1.0, id="decode-T1"),
+    pytest.param((2, 1, 1, 3, 100, 48), 1.0, id="decode-T1-K100-V48-gva3"),
+    pytest.param((1, 20, 1, 3, 100, 24), 1.0, id="T20-K100-V24-gva3"),
+    pytest.param((1, 16, 1, 2, 16, 16), 100.0, id="T16-strong-decay"),
+    pytest.param((1, 3, 1, 1, 256, 20), 1.0, id="T3-K256"),
+    gpu_case((256, 1, 16, 32, 128, 128), 1.0, id="decode-B256-K128"),
+    gpu_case((2, 512, 4, 8, 128, 128), 1.0, id="T512-K128"),
 ]
 
 
@@ -201,20 +215,10 @@ def test_fast_chunk_l2norm_scale_no_state(dtype):
     check_close("chunk l2norm o", o, ref_o, lp_o)
 
 
-RECURRENT_CASES = [
-    pytest.param((3, 1, 1, 2, 32, 32), id="decode-T1"),
-    pytest.param((2, 1, 1, 3, 100, 48), id="decode-T1-K100-gva3"),
-    pytest.param((1, 20, 1, 2, 16, 16), id="T20"),
-    pytest.param((1, 3, 1, 1, 256, 20), id="T3-K256"),
-    gpu_case((256, 1, 16, 32, 128, 128), id="decode-B256-K128"),
-    gpu_case((2, 512, 4, 8, 128, 128), id="T512-K128"),
-]
-
-
-@pytest.mark.parametrize("shape", RECURRENT_CASES)
+@pytest.mark.parametrize("shape,g_scale", RECURRENT_CASES)
 @pytest.mark.parametrize("dtype", dtype_params())
-def test_fast_recurrent_matches_ref(shape, dtype):
-    compare("recurrent", dtype, make_inputs(*shape, seed=12), l2norm=True)
+def test_fast_recurrent_matches_ref(shape, g_scale, dtype):
+    compare("recurrent", dtype, make_inputs(*shape, seed=12, g_scale=g_scale), l2norm=True)
 
 
 @pytest.mark.parametrize("kind", ["chunk", "recurrent"])

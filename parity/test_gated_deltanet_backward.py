@@ -22,8 +22,8 @@ import torch
 
 import fast.gated_deltanet as fast
 import ref.gated_deltanet as ref
-from conftest import DEVICE, ON_GPU, check_close, dtype_params, gpu_case, make_generator, nan_allocations, randn
-from test_gated_deltanet import cast, cu_tensor, make_inputs
+from conftest import DEVICE, ON_GPU, check_close, dtype_params, make_generator, nan_allocations, randn
+from test_gated_deltanet import CHUNK_CASES, RECURRENT_CASES, cast, cu_tensor, make_inputs
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 # fla's gradient tolerances (rms(fast - ref) / rms(ref)) for fp16: dq / dk / dv / dh0, then dg / dbeta.
@@ -72,23 +72,6 @@ def compare_grads(kind, dtype, inputs, *, tag="", rms=True, no_rms=(), with_stat
 
 # ----------------------------------------------------------------------------- 1. chunk
 
-CHUNK_CASES = [
-    # name, (B, T, H, HV, K, V), g_scale
-    pytest.param("T63_gva2", (2, 63, 1, 2, 32, 32), 1.0, id="T63-gva2"),
-    pytest.param("T130_K100_gva3", (1, 130, 1, 3, 100, 24), 1.0, id="T130-K100-V24-gva3"),
-    pytest.param("T75_strong", (1, 75, 1, 1, 16, 16), 100.0, id="T75-strong-decay"),
-    pytest.param("T75_zero", (1, 75, 2, 2, 16, 16), 0.0, id="T75-zero-gates"),
-    pytest.param("T70_positive_g", (1, 70, 1, 1, 16, 16), -0.05, id="T70-positive-g"),
-    pytest.param("T1_gva8", (2, 1, 1, 8, 16, 16), 1.0, id="T1-gva8"),
-    pytest.param("T20_K200", (1, 20, 1, 1, 200, 16), 1.0, id="T20-K200-four-state-tiles"),
-    gpu_case("T2048", (2, 2048, 4, 8, 128, 128), 1.0, id="T2048-K128-gva2"),
-    gpu_case("T8192_gva4", (1, 8192, 4, 16, 128, 128), 1.0, id="T8192-K128-gva4"),
-    gpu_case("T4096_K256", (1, 4096, 2, 4, 256, 256), 1.0, id="T4096-K256"),
-    gpu_case("T4096_strong", (1, 4096, 2, 4, 128, 128), 100.0, id="T4096-strong-decay"),
-    gpu_case("T32768", (1, 32768, 2, 4, 128, 128), 1.0, id="T32768-K128"),
-]
-
-
 @pytest.mark.parametrize("name,shape,g_scale", CHUNK_CASES)
 @pytest.mark.parametrize("dtype", dtype_params())
 def test_chunk_grads_match_ref(name, shape, g_scale, dtype):
@@ -117,16 +100,6 @@ def test_chunk_grads_one_output_unused(used):
 
 
 # ----------------------------------------------------------------------------- 2. recurrent
-
-RECURRENT_CASES = [
-    pytest.param((3, 1, 1, 2, 32, 32), 1.0, id="decode-T1"),
-    pytest.param((1, 20, 1, 3, 100, 24), 1.0, id="T20-K100-gva3"),
-    pytest.param((1, 16, 1, 2, 16, 16), 100.0, id="T16-strong-decay"),
-    pytest.param((1, 3, 1, 1, 256, 20), 1.0, id="T3-K256"),
-    gpu_case((64, 1, 16, 32, 128, 128), 1.0, id="decode-B64-K128"),
-    gpu_case((2, 512, 4, 8, 128, 128), 1.0, id="T512-K128"),
-]
-
 
 @pytest.mark.parametrize("shape,g_scale", RECURRENT_CASES)
 @pytest.mark.parametrize("dtype", dtype_params())
