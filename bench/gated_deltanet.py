@@ -197,8 +197,8 @@ def bench_decode(rec, batches, fast, fla, fla_version, ceilings):
         sets = [make_inputs(n, 1, h, hv, dk, dv, state=True, seed=i) for i in range(copies_for_rotation(nbytes))]
         kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
 
-        def run(fn, q, k, v, g, beta, h0):
-            return fn(q, k, v, g, beta, initial_state=h0, **kw)
+        def run(fn, q, k, v, g, beta, h0):     # fla's recurrent signature: gk, gv come before beta
+            return fn(q, k, v, g=g, beta=beta, initial_state=h0, **kw)
 
         ms = time_ms(rotating(lambda *x: run(fast.fused_recurrent_gated_delta_rule, *x), sets))
         gbps = nbytes / ms / 1e6
@@ -226,7 +226,7 @@ def bench_cpu_reference(rec):
         ms = time_ms(lambda: ref.chunk_gated_delta_rule(q, k, v, g, beta, **kw))
         rec.add(f"cpu ref T={t} HV={hv} K=V={dk}", "ref chunk", "ms", ms, "ms")
         rec.add(f"cpu ref T={t} HV={hv} K=V={dk}", "ref chunk", "tokens/s", t / ms * 1e3, "tok/s")
-        ms = time_ms(lambda: ref.fused_recurrent_gated_delta_rule(q, k, v, g, beta, **kw))
+        ms = time_ms(lambda: ref.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **kw))
         rec.add(f"cpu ref T={t} HV={hv} K=V={dk}", "ref recurrent", "ms", ms, "ms")
         leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
         do = torch.randn(1, t, hv, dv)
