@@ -606,8 +606,10 @@ def _state_keep(configs, dtype, arch: int, dk: int, dv: int):
     return keep or [c for c in configs if c.num_warps == 4][:1]
 
 
-_STATE_CONFIGS = [triton.Config({"BV": 16}, num_warps=4, num_stages=2), triton.Config({"BV": 32}, num_warps=4, num_stages=2),
-                  triton.Config({"BV": 64}, num_warps=4, num_stages=2), triton.Config({"BV": 16}, num_warps=8, num_stages=1)]
+_STATE_CONFIGS = [triton.Config({"BV": 16}, num_warps=4, num_stages=2),
+                  triton.Config({"BV": 32}, num_warps=4, num_stages=2),
+                  triton.Config({"BV": 64}, num_warps=4, num_stages=2),
+                  triton.Config({"BV": 16}, num_warps=8, num_stages=1)]
 
 
 def _state_rows(dtype, dk: int) -> dict:
@@ -745,7 +747,8 @@ def _chunk_h(k, w, u, gates: _Gates, initial_state, output_final_state: bool, st
 
 # key: K, V.  16-bit inputs: BV 64 or 128 (128 computes q K^T once for V = 128), 8 warps; fp32
 # (FMA products): 32-wide tiles.  Chosen so that no K <= 256 spills (parity/aot_compile.py).
-_OUT_CONFIGS = [triton.Config({"BV": 64}, num_warps=8, num_stages=2), triton.Config({"BV": 128}, num_warps=8, num_stages=1),
+_OUT_CONFIGS = [triton.Config({"BV": 64}, num_warps=8, num_stages=2),
+                triton.Config({"BV": 128}, num_warps=8, num_stages=1),
                 triton.Config({"BV": 32}, num_warps=8, num_stages=1)]
 
 
