@@ -1629,7 +1629,7 @@ def _fla_extras(kwargs: dict, state_v_first: bool) -> bool:
         if state_v_first:
             raise ValueError("pass state_v_first or the deprecated transpose_state_layout, not both")
         warnings.warn("transpose_state_layout is deprecated: fla renamed it state_v_first", DeprecationWarning,
-                      stacklevel=4)
+                      stacklevel=3)
         return bool(kwargs["transpose_state_layout"])
     return state_v_first
 

@@ -231,12 +231,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     module docstring.  Returns ``(o [B, T, HV, V], final_state [N, HV, K, V] or None)``."""
     if g is None or beta is None:
         raise TypeError("chunk_gated_delta_rule needs g and beta (only the recurrent form has defaults)")
+    state_v_first = _fla_extras(kwargs, state_v_first)
     return _forward(_chunk, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                     use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                     state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                     chunk_indices=chunk_indices, cp_context=cp_context, use_gate_in_kernel=use_gate_in_kernel,
-                    A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size, upcast=upcast, kwargs=kwargs)
+                    A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size, upcast=upcast)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
@@ -246,21 +247,20 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
                                      cu_seqlens=None, *, cu_seqlens_cpu=None, upcast=True, **kwargs):
     """The gated delta rule token by token (the decode path), with fla 0.6.0's signature: g = None
     means no decay, beta = None means beta = 1.  Returns what ``chunk_gated_delta_rule`` returns."""
+    state_v_first = _fla_extras(kwargs, state_v_first)
     return _forward(_recurrent, q, k, v, g, beta, gk=gk, gv=gv, scale=scale, initial_state=initial_state,
                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                     use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                     state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                    use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, upcast=upcast,
-                    kwargs=kwargs)
+                    use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, upcast=upcast)
 
 
 def _forward(core, q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
              use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu,
-             use_gate_in_kernel, A_log, dt_bias, upcast, kwargs, chunk_indices=None, cp_context=None,
-             chunk_size=CHUNK, gk=None, gv=None):
+             use_gate_in_kernel, A_log, dt_bias, upcast, chunk_indices=None, cp_context=None, chunk_size=CHUNK,
+             gk=None, gv=None):
     """Both forms: check, apply the in-kernel options (gate, beta sigmoid, l2norm, scale), then run
     ``core`` on each sequence of the batch, or on each document of a varlen batch."""
-    state_v_first = _fla_extras(kwargs, state_v_first)
     _check_options(gk=gk, gv=gv, cp_context=cp_context, chunk_size=chunk_size, g=g,
                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                    use_gate_in_kernel=use_gate_in_kernel, A_log=A_log)
@@ -457,7 +457,7 @@ def _fla_extras(kwargs: dict, state_v_first: bool) -> bool:
         if state_v_first:
             raise ValueError("pass state_v_first or the deprecated transpose_state_layout, not both")
         warnings.warn("transpose_state_layout is deprecated: fla renamed it state_v_first", DeprecationWarning,
-                      stacklevel=4)
+                      stacklevel=3)
         return bool(kwargs["transpose_state_layout"])
     return state_v_first
 
