@@ -190,8 +190,8 @@ def bench_decode(rec, batches, fast, fla, fla_version, ceilings):
         sets = [make_inputs(n, 1, h, hv, dk, dv, state=True, seed=i) for i in range(copies_for_rotation(nbytes))]
         kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
 
-        def run(fn, q, k, v, g, beta, h0):
-            return fn(q, k, v, g, beta, initial_state=h0, **kw)
+        def run(fn, q, k, v, g, beta, h0):     # fla's recurrent signature: gk, gv come before beta
+            return fn(q, k, v, g=g, beta=beta, initial_state=h0, **kw)
 
         rec.time(name, "fast", rotating(lambda *x: run(fast.fused_recurrent_gated_delta_rule, *x), sets),
                  nbytes=nbytes, ceilings=ceilings)
@@ -213,7 +213,7 @@ def bench_cpu(rec, args):
         case = f"cpu ref T={t} HV={hv} K=V={dk}"
         rec.time(case, "ref chunk", lambda: ref.chunk_gated_delta_rule(q, k, v, g, beta, **kw),
                  flops=chunk_flops(t, hv, dk, dv))
-        rec.time(case, "ref recurrent", lambda: ref.fused_recurrent_gated_delta_rule(q, k, v, g, beta, **kw))
+        rec.time(case, "ref recurrent", lambda: ref.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **kw))
         leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
         do = torch.randn(1, t, hv, dv)
         rec.time(case + " fwd+bwd", "ref chunk", lambda: _train_step(ref.chunk_gated_delta_rule, *leaves, do, None),

@@ -3,18 +3,28 @@
 1. The reference: chunk form == recurrent form in fp64 (odd T, strong and zero decay, GVA,
    varlen with an empty document), autograd through both forms (gradcheck, and the two forms'
    gradients agree), upcast=False really computes in the low precision.
-2. fast vs ref: outputs and final states under the DESIGN.md rule (``check_close``: at most
-   twice the error of the reference run in the test dtype) plus fla's RMS-ratio guard; the
+2. fast vs ref: outputs and final states under the parity rule (conftest's ``check_close``: at
+   most twice the error of the reference run in the test dtype) plus fla's RMS-ratio guard; the
    chunk op's saved intermediates (within-chunk gate cumsum, solved triangular blocks) against
    the reference's steps; varlen == each document alone; K = 100 and GVA ratios 1 / 2 / 3.
 3. The contract: bad input raises the same error in both files; torch.compile(fullgraph=True)
    traces the fast ops (gradients: test_gated_deltanet_backward.py).
 4. The Qwen3.5 layer: with ref kernels == with fast kernels; prefill then one-token decode
    steps == prefill of the whole sequence (dense and varlen).
+5. fla 0.6.0's whole signature in both files: positional order and defaults, use_gate_in_kernel,
+   use_beta_sigmoid_in_kernel / allow_neg_eigval, state_v_first, cu_seqlens_cpu (no device read),
+   tolerated extra keywords; initial_state in any float dtype, fp32 q/k with a 16-bit v; hard
+   resets (g = -inf) in the chunk form; B = 0; a clear error for CPU tensors without the interpreter
+   (gradients of all of it: test_gated_deltanet_backward.py).
 Interpreter tier: fp32 / fp16, small shapes.  GPU tier: bf16, T up to 32k, K = V = 128.
 """
 from __future__ import annotations
 
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +33,7 @@ import torch.nn.functional as F
 import fast.gated_deltanet as fast
 import ref.gated_deltanet as ref
 from conftest import (DEVICE, ON_GPU, check_close, dtype_params, gpu_case, make_generator, nan_allocations,
-                      randn)
+                      randn, requires_gpu)
 
 # fla's RMS-ratio metric rms(fast - ref) / rms(ref) for outputs and final states.  fp16: fla's
 # 0.005.  bf16 rounds 8x coarser; replaying the kernels' bf16 storage points (A, w, u, v_new,
@@ -61,22 +71,32 @@ def cu_tensor(lengths):
     return torch.tensor(cu, dtype=torch.int32, device=DEVICE)
 
 
+def by_keyword(fn):
+    """fla's recurrent signature has gk and gv before beta: the tests pass g and beta by keyword."""
+    def call(q, k, v, g, beta, *args, **kw):
+        return fn(q, k, v, *args, g=g, beta=beta, **kw)
+    return call
+
+
 FNS = {"chunk": (ref.chunk_gated_delta_rule, fast.chunk_gated_delta_rule),
-       "recurrent": (ref.fused_recurrent_gated_delta_rule, fast.fused_recurrent_gated_delta_rule)}
+       "recurrent": (by_keyword(ref.fused_recurrent_gated_delta_rule),
+                     by_keyword(fast.fused_recurrent_gated_delta_rule))}
 
 
-def compare(kind, dtype, inputs, *, cu_seqlens=None, scale=None, l2norm=False, rms=True, tag=""):
+def compare(kind, dtype, inputs, *, low=None, cu_seqlens=None, scale=None, l2norm=False, rms=True, tag="",
+            **options):
     """fast(dtype) vs ref(fp64) under the tolerance rule; ref_lowp = the same ref form in dtype.
     All three see the same inputs, rounded to the test dtype first (FlashAttention's and fla's
-    convention: the comparison measures the computation, not the rounding of the inputs)."""
+    convention: the comparison measures the computation, not the rounding of the inputs); ``low``
+    gives those rounded inputs directly (mixed dtypes).  ``options`` go to all three calls."""
     ref_fn, fast_fn = FNS[kind]
-    kw = dict(output_final_state=True, cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm_in_kernel=l2norm)
-    low = cast(dtype, *inputs)
+    kw = dict(output_final_state=True, cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm_in_kernel=l2norm, **options)
+    low = cast(dtype, *inputs) if low is None else low
     o64, h64 = ref_fn(*(x.double() for x in low[:5]), initial_state=low[5].double(), **kw)
     o_lp, h_lp = ref_fn(*low[:5], initial_state=low[5], upcast=False, **kw)
     with nan_allocations():
         o, ht = fast_fn(*low[:5], initial_state=low[5], **kw)
-    assert o.dtype == dtype and o.shape == o64.shape
+    assert o.dtype == low[2].dtype and o.shape == o64.shape
     assert ht.dtype == torch.float32 and ht.shape == h64.shape
     limit = RMS_LIMIT.get(dtype) if rms else None
     check_close(f"{kind}{tag} o", o, o64, o_lp, rms_ratio=limit)
@@ -92,7 +112,7 @@ def test_ref_chunk_equals_recurrent(t, h, hv):
     q, k, v, g, beta, h0 = make_inputs(2, t, h, hv, 16, 12, seed=t, device="cpu")
     kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o1, s1 = ref.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
-    o2, s2 = ref.fused_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
+    o2, s2 = ref.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **kw)
     torch.testing.assert_close(o1, o2, rtol=0, atol=1e-12)
     torch.testing.assert_close(s1, s2, rtol=0, atol=1e-12)
     assert s1.dtype == torch.float64
@@ -104,13 +124,13 @@ def test_ref_forms_agree_on_extreme_gates(case):
     q, k, v, g, beta, h0 = make_inputs(1, 130, 1, 2, 16, 16, seed=1, g_scale=g_scale, device="cpu")
     kw = dict(initial_state=h0, output_final_state=True)
     o1, s1 = ref.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
-    o2, s2 = ref.fused_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
+    o2, s2 = ref.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **kw)
     assert torch.isfinite(o1).all() and torch.isfinite(s1).all()
     torch.testing.assert_close(o1, o2, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(s1, s2, rtol=1e-10, atol=1e-10)
     if case == "strong_decay":   # exp(-~70) per token: the state forgets everything before each token
-        _, s_alone = ref.fused_recurrent_gated_delta_rule(q[:, -1:], k[:, -1:], v[:, -1:], g[:, -1:],
-                                                          beta[:, -1:], output_final_state=True)
+        _, s_alone = ref.fused_recurrent_gated_delta_rule(q[:, -1:], k[:, -1:], v[:, -1:], g=g[:, -1:],
+                                                          beta=beta[:, -1:], output_final_state=True)
         torch.testing.assert_close(s1, s_alone, rtol=0, atol=1e-12)
 
 
@@ -118,7 +138,7 @@ def test_ref_varlen_equals_per_document():
     lengths = [5, 0, 70, 64, 1]
     q, k, v, g, beta, h0 = make_inputs(1, sum(lengths), 1, 2, 16, 8, seed=2, n_states=len(lengths), device="cpu")
     cu = torch.tensor([0, 5, 5, 75, 139, 140], dtype=torch.int64)   # int64, like fla's LongTensor
-    for fn in (ref.chunk_gated_delta_rule, ref.fused_recurrent_gated_delta_rule):
+    for fn in (FNS["chunk"][0], FNS["recurrent"][0]):
         o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
         for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
             o_n, s_n = fn(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], initial_state=h0[n:n + 1],
@@ -131,7 +151,7 @@ def test_ref_varlen_equals_per_document():
 def test_ref_gradcheck_both_forms():
     q, k, v, g, beta, h0 = make_inputs(1, 6, 1, 2, 4, 3, seed=3, device="cpu")
     args = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
-    for fn in (ref.chunk_gated_delta_rule, ref.fused_recurrent_gated_delta_rule):
+    for fn in (FNS["chunk"][0], FNS["recurrent"][0]):
         def f(q, k, v, g, beta, h0, fn=fn):
             o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
             return o, s
@@ -145,7 +165,7 @@ def test_ref_gradients_of_both_forms_agree():
     q, k, v, g, beta, h0 = make_inputs(1, 79, 1, 2, 8, 8, seed=4, n_states=3, device="cpu")
     cu = cu_tensor(lengths).cpu()
     grads = []
-    for fn in (ref.chunk_gated_delta_rule, ref.fused_recurrent_gated_delta_rule):
+    for fn in (FNS["chunk"][0], FNS["recurrent"][0]):
         args = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
         o, s = fn(*args[:5], initial_state=args[5], output_final_state=True, cu_seqlens=cu,
                   use_qk_l2norm_in_kernel=True)
@@ -164,20 +184,34 @@ def test_ref_upcast_false_is_low_precision():
 
 # ----------------------------------------------------------------------------- 2. fast vs ref
 
+# The case tables, shared with test_gated_deltanet_backward.py (one table: the forward and the
+# backward run the same shapes).
 CHUNK_CASES = [
     # name, (B, T, H, HV, K, V), g_scale
     pytest.param("T63_gva2", (2, 63, 1, 2, 32, 32), 1.0, id="T63-gva2"),
-    pytest.param("T130_K100_gva3", (1, 130, 1, 3, 100, 48), 1.0, id="T130-K100-V48-gva3"),
+    pytest.param("T130_K100_gva3", (1, 130, 1, 3, 100, 24), 1.0, id="T130-K100-V24-gva3"),
     pytest.param("T75_strong", (1, 75, 1, 1, 16, 16), 100.0, id="T75-strong-decay"),
     pytest.param("T75_zero", (1, 75, 2, 2, 16, 16), 0.0, id="T75-zero-gates"),
-    pytest.param("T1", (2, 1, 1, 8, 32, 16), 1.0, id="T1-gva8"),
     pytest.param("T75_positive_g", (1, 75, 1, 1, 16, 16), -0.05, id="T75-positive-g"),
+    pytest.param("T1_gva8", (2, 1, 1, 8, 16, 16), 1.0, id="T1-gva8"),
     pytest.param("T20_K200", (1, 20, 1, 1, 200, 24), 1.0, id="T20-K200-four-state-tiles"),
     pytest.param("T10_V300", (1, 10, 1, 1, 16, 300), 1.0, id="T10-V300"),
     gpu_case("T2048", (2, 2048, 4, 8, 128, 128), 1.0, id="T2048-K128-gva2"),
     gpu_case("T8192_gva4", (1, 8192, 4, 16, 128, 128), 1.0, id="T8192-K128-gva4"),
     gpu_case("T4096_K256", (1, 4096, 2, 4, 256, 256), 1.0, id="T4096-K256"),
+    gpu_case("T4096_strong", (1, 4096, 2, 4, 128, 128), 100.0, id="T4096-strong-decay"),
     gpu_case("T32768", (1, 32768, 2, 4, 128, 128), 1.0, id="T32768-K128"),
+]
+
+RECURRENT_CASES = [
+    # (B, T, H, HV, K, V), g_scale
+    pytest.param((3, 1, 1, 2, 32, 32), 1.0, id="decode-T1"),
+    pytest.param((2, 1, 1, 3, 100, 48), 1.0, id="decode-T1-K100-V48-gva3"),
+    pytest.param((1, 20, 1, 3, 100, 24), 1.0, id="T20-K100-V24-gva3"),
+    pytest.param((1, 16, 1, 2, 16, 16), 100.0, id="T16-strong-decay"),
+    pytest.param((1, 3, 1, 1, 256, 20), 1.0, id="T3-K256"),
+    gpu_case((256, 1, 16, 32, 128, 128), 1.0, id="decode-B256-K128"),
+    gpu_case((2, 512, 4, 8, 128, 128), 1.0, id="T512-K128"),
 ]
 
 
@@ -201,20 +235,10 @@ def test_fast_chunk_l2norm_scale_no_state(dtype):
     check_close("chunk l2norm o", o, ref_o, lp_o)
 
 
-RECURRENT_CASES = [
-    pytest.param((3, 1, 1, 2, 32, 32), id="decode-T1"),
-    pytest.param((2, 1, 1, 3, 100, 48), id="decode-T1-K100-gva3"),
-    pytest.param((1, 20, 1, 2, 16, 16), id="T20"),
-    pytest.param((1, 3, 1, 1, 256, 20), id="T3-K256"),
-    gpu_case((256, 1, 16, 32, 128, 128), id="decode-B256-K128"),
-    gpu_case((2, 512, 4, 8, 128, 128), id="T512-K128"),
-]
-
-
-@pytest.mark.parametrize("shape", RECURRENT_CASES)
+@pytest.mark.parametrize("shape,g_scale", RECURRENT_CASES)
 @pytest.mark.parametrize("dtype", dtype_params())
-def test_fast_recurrent_matches_ref(shape, dtype):
-    compare("recurrent", dtype, make_inputs(*shape, seed=12), l2norm=True)
+def test_fast_recurrent_matches_ref(shape, g_scale, dtype):
+    compare("recurrent", dtype, make_inputs(*shape, seed=12, g_scale=g_scale), l2norm=True)
 
 
 @pytest.mark.parametrize("kind", ["chunk", "recurrent"])
@@ -248,50 +272,81 @@ def test_empty_input_passes_the_state_through(kind):
         torch.testing.assert_close(ht, h0, rtol=0, atol=0)
 
 
-def test_fast_chunk_saved_intermediates_match_ref_steps():
-    """The chunk op returns what a backward needs: gc (within-chunk cumsum) and A (solved blocks)."""
+def test_fast_chunk_gates_and_saved_blocks_match_ref_steps():
+    """The chunk kernels' gates, gc (within-chunk cumsum, hard resets left out), gr (the chunk position of
+    the latest hard reset, -1 if none) and ge (the exponent of the decay to the chunk's end), and the
+    solved blocks A the chunk op keeps for its backward, against the reference's steps."""
     b, t, h, hv, dk, dv = 1, 100, 1, 2, 16, 16
     q, k, v, g, beta, h0 = make_inputs(b, t, h, hv, dk, dv, seed=14)
+    g[0, [3, 70, 71], 0] = float("-inf")                                  # hard resets, two in a row
     with nan_allocations():
-        _, _, gc, a = torch.ops.twofold.chunk_gated_delta_rule_fwd(
-            q.float(), k.float(), v.float(), g.float(), beta.float(), None, None, dk ** -0.5, False)
+        gates = fast._chunk_cumsum(g.float(), None, None, fast._sequences(b, t, None, None, g.device))
+        _, _, a = torch.ops.twofold.chunk_gated_delta_rule_fwd(
+            q.float(), k.float(), v.float(), g.float(), beta.float(), None, None, None, None, None, dk ** -0.5,
+            False, False)
     pad = (-t) % ref.CHUNK
     kp = ref._chunked(F.pad(k.repeat_interleave(hv // h, 2), (0, 0, 0, 0, 0, pad)), 2)   # [B, HV, NC, C, K]
     gp, bp = (ref._chunked(F.pad(x, (0, 0, 0, pad)), 2) for x in (g, beta))
-    gc_ref = ref._chunk_local_cumsum(gp)
-    a_ref = ref._wy_inverse(kp, gc_ref, bp)                               # [B, HV, NC, C, C]
-    gc_ref = gc_ref.movedim(1, 3).reshape(b, t + pad, hv)[:, :t]
-    a_ref = a_ref.movedim(1, 3).reshape(b, t + pad, hv, ref.CHUNK)[:, :t]
-    assert gc.dtype == torch.float32 and a.shape == (b, t, hv, ref.CHUNK)
-    torch.testing.assert_close(gc.double(), gc_ref, rtol=0, atol=1e-5)
-    torch.testing.assert_close(a.double(), a_ref, rtol=0, atol=1e-4)
+    reset = torch.isneginf(gp)
+    gc_ref = torch.where(reset, 0, gp).cumsum(-1)
+    gr_ref = torch.where(reset, torch.arange(ref.CHUNK), -1).cummax(-1).values
+    _, pair_decay, end_decay, _ = ref._decays(gp)
+    a_ref = ref._wy_inverse(kp, pair_decay, bp)                           # [B, HV, NC, C, C]
+
+    def unchunk(x, *tail):
+        return x.movedim(1, 3).reshape(b, t + pad, hv, *tail)[:, :t]
+    assert gates.gc.dtype == torch.float32 and gates.gr.dtype == torch.int8 and a.shape == (b, t, hv, ref.CHUNK)
+    torch.testing.assert_close(gates.gc.double(), unchunk(gc_ref), rtol=0, atol=1e-5)
+    torch.testing.assert_close(gates.gr.long(), unchunk(gr_ref), rtol=0, atol=0)
+    # (the padding's g = 0 adds nothing, so the padded chunk end is the last token's)
+    torch.testing.assert_close(gates.ge.double().exp(), unchunk(end_decay), rtol=0, atol=1e-5)
+    torch.testing.assert_close(a.double(), unchunk(a_ref, ref.CHUNK), rtol=0, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------- 3. the contract
 
 def _bad_cases():
-    q, k, v, g, beta, h0 = cast(torch.float32, *make_inputs(2, 8, 2, 4, 16, 16, seed=20))
+    """(name, tensors, keywords, error, message, the forms it applies to)."""
+    q, k, v, g, beta, h0 = cast(torch.float32, *make_inputs(2, 8, 2, 4, 16, 8, seed=20))
     ok = dict(q=q, k=k, v=v, g=g, beta=beta)
-    yield "hv_not_multiple", dict(ok, v=v[:, :, :3], g=g[:, :, :3], beta=beta[:, :, :3]), {}, ValueError, "HV=3"
-    yield "cu_with_batch", ok, dict(cu_seqlens=cu_tensor([8])), ValueError, "cu_seqlens requires batch size"
-    yield "state_shape", ok, dict(initial_state=h0[:1]), ValueError, "initial_state must be"
-    yield "state_dtype", ok, dict(initial_state=h0.half()), TypeError, "initial_state must be fp32"
+    one = dict(q=q[:1], k=k[:1], v=v[:1], g=g[:1], beta=beta[:1])                  # B = 1, for varlen
+    both, chunk, recurrent = ("chunk", "recurrent"), ("chunk",), ("recurrent",)
+    hv = v.shape[2]
+    yield "hv_not_multiple", dict(ok, v=v[:, :, :3], g=g[:, :, :3], beta=beta[:, :, :3]), {}, ValueError, "HV=3", both
+    yield "cu_with_batch", ok, dict(cu_seqlens=cu_tensor([8])), ValueError, "cu_seqlens requires batch size", both
+    yield "state_shape", ok, dict(initial_state=h0[:1]), ValueError, "initial_state must be", both
+    yield "state_v_first_shape", ok, dict(initial_state=h0, state_v_first=True), ValueError, r"\[N, HV, V, K\]", both
+    yield "state_dtype", ok, dict(initial_state=h0.int()), TypeError, "initial_state must be a float tensor", both
     big_k = torch.zeros(2, 8, 2, 264, device=DEVICE)
-    yield "k_too_big", dict(ok, q=big_k, k=big_k), {}, ValueError, "K must be <= 256"
-    yield "qkv_dtypes", dict(ok, v=v.half()), {}, TypeError, "q, k, v must share a dtype"
-    yield "g_shape", dict(ok, g=g[:, :4]), {}, ValueError, "g must be"
-    yield "cu_dtype", dict(ok, q=q[:1], k=k[:1], v=v[:1], g=g[:1], beta=beta[:1]), \
-        dict(cu_seqlens=cu_tensor([8]).float()), TypeError, "cu_seqlens must be an int32 or int64"
-    yield "cu_end", dict(ok, q=q[:1], k=k[:1], v=v[:1], g=g[:1], beta=beta[:1]), \
-        dict(cu_seqlens=cu_tensor([3, 4])), ValueError, r"cu_seqlens\[-1\] must equal T"
+    yield "k_too_big", dict(ok, q=big_k, k=big_k), {}, ValueError, "K must be <= 256", both
+    yield "qk_dtypes", dict(ok, k=k.half()), {}, TypeError, "q and k must share a dtype", both
+    yield "g_shape", dict(ok, g=g[:, :4]), {}, ValueError, "g must be", both
+    yield "cu_dtype", one, dict(cu_seqlens=cu_tensor([8]).float()), TypeError, "cu_seqlens must be an int32", both
+    yield "cu_end", one, dict(cu_seqlens=cu_tensor([3, 4])), ValueError, r"cu_seqlens\[-1\] must equal T", both
+    yield "cu_cpu_without_cu", one, dict(cu_seqlens_cpu=torch.tensor([0, 8])), ValueError, "needs cu_seqlens", both
+    yield "cu_cpu_shape", one, dict(cu_seqlens=cu_tensor([8]), cu_seqlens_cpu=torch.tensor([0, 4, 8])), ValueError, \
+        "cu_seqlens_cpu must be a CPU copy", both
+    yield "chunk_indices_rows", one, dict(cu_seqlens=cu_tensor([3, 5]), chunk_indices=cu_tensor([0]).new_zeros(3, 2)), \
+        ValueError, "one row per chunk", chunk
+    yield "chunk_size", ok, dict(chunk_size=32), ValueError, "chunk_size must be 64", chunk
+    yield "cp_context", ok, dict(cp_context=object()), NotImplementedError, "cp_context", chunk
+    yield "gk", ok, dict(gk=g[..., None].expand(*g.shape, 16)), NotImplementedError, "gk / gv", recurrent
+    yield "neg_eigval_alone", ok, dict(allow_neg_eigval=True), ValueError, "requires use_beta_sigmoid_in_kernel", both
+    yield "gate_without_A_log", ok, dict(use_gate_in_kernel=True), ValueError, "requires A_log", both
+    yield "A_log_shape", ok, dict(use_gate_in_kernel=True, A_log=g.new_zeros(hv + 1)), ValueError, \
+        r"A_log must be \[HV\]", both
+    yield "dt_bias_dtype", ok, dict(use_gate_in_kernel=True, A_log=g.new_zeros(hv), dt_bias=g.new_zeros(hv).int()), \
+        TypeError, "dt_bias must be a float", both
+    yield "head_first", ok, dict(head_first=True), ValueError, "head_first", both
     if ON_GPU:
-        yield "mixed_devices", dict(ok, v=v.cpu()), {}, ValueError, "mixed devices"
+        yield "mixed_devices", dict(ok, v=v.cpu()), {}, ValueError, "mixed devices", both
     else:
-        yield "mixed_devices", dict(ok, v=v.to("meta")), {}, ValueError, "mixed devices"
+        yield "mixed_devices", dict(ok, v=v.to("meta")), {}, ValueError, "mixed devices", both
 
 
-@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
-@pytest.mark.parametrize("name,tensors,kwargs,error,match", list(_bad_cases()), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("kind,name,tensors,kwargs,error,match",
+                         [(kind, *case[:5]) for case in _bad_cases() for kind in case[5]],
+                         ids=lambda x: x if isinstance(x, str) else "")
 def test_bad_inputs_raise_in_both(kind, name, tensors, kwargs, error, match):
     for fn in FNS[kind]:
         with pytest.raises(error, match=match):
@@ -366,3 +421,264 @@ def test_layer_prefill_then_decode_equals_full_prefill(kernels, varlen):
         y = layer(step, cache=cache)
         for i in range(2):
             torch.testing.assert_close(y[i, 0], full[i][0, prompt[i] + s], **tol)
+
+
+# ----------------------------------------------------------------------------- 5. fla's signature, edge numerics
+
+# fla 0.6.0's parameters, in order, with their defaults (fla/ops/gated_delta_rule/chunk.py and
+# fused_recurrent.py; both end in **kwargs).  Ours may add keyword-only ones after them.
+FLA_CHUNK = [("q", None), ("k", None), ("v", None), ("g", None), ("beta", None), ("scale", None),
+             ("initial_state", None), ("output_final_state", False), ("use_qk_l2norm_in_kernel", False),
+             ("use_beta_sigmoid_in_kernel", False), ("allow_neg_eigval", False), ("state_v_first", False),
+             ("cu_seqlens", None), ("cu_seqlens_cpu", None), ("chunk_indices", None), ("cp_context", None)]
+FLA_RECURRENT = [("q", None), ("k", None), ("v", None), ("g", None), ("gk", None), ("gv", None), ("beta", None),
+                 ("scale", None), ("initial_state", None), ("output_final_state", False),
+                 ("use_qk_l2norm_in_kernel", False), ("use_gate_in_kernel", False), ("A_log", None),
+                 ("dt_bias", None), ("use_beta_sigmoid_in_kernel", False), ("allow_neg_eigval", False),
+                 ("state_v_first", False), ("cu_seqlens", None)]
+# keyword arguments fla's chunk form reads from **kwargs, with their defaults
+FLA_CHUNK_KWARGS = {"use_gate_in_kernel": False, "A_log": None, "dt_bias": None, "chunk_size": 64}
+
+
+@pytest.mark.parametrize("module", [ref, fast], ids=["ref", "fast"])
+def test_signatures_match_fla(module):
+    for fn, fla_params in ((module.chunk_gated_delta_rule, FLA_CHUNK),
+                           (module.fused_recurrent_gated_delta_rule, FLA_RECURRENT)):
+        params = inspect.signature(fn).parameters.values()
+        positional = [(p.name, None if p.default is p.empty else p.default) for p in params
+                      if p.kind == p.POSITIONAL_OR_KEYWORD]
+        assert positional == fla_params, fn.__name__
+        assert any(p.kind == p.VAR_KEYWORD for p in params), f"{fn.__name__} must take **kwargs, as fla"
+    chunk = inspect.signature(module.chunk_gated_delta_rule).parameters
+    assert {name: chunk[name].default for name in FLA_CHUNK_KWARGS} == FLA_CHUNK_KWARGS
+
+
+@pytest.mark.parametrize("module", [ref, fast], ids=["ref", "fast"])
+def test_fla_positional_calls_and_defaults(module):
+    """fla's positional calls mean what they mean in fla; the recurrent form's g = None is no decay
+    and beta = None is beta = 1; HF's extra keywords are ignored."""
+    q, k, v, g, beta, h0 = cast(torch.float32, *make_inputs(1, 20, 1, 2, 16, 16, seed=60))
+    chunk, rec = module.chunk_gated_delta_rule, module.fused_recurrent_gated_delta_rule
+    by_name = chunk(q, k, v, g, beta, scale=0.2, initial_state=h0, output_final_state=True)
+    for a, b in zip(chunk(q, k, v, g, beta, 0.2, h0, True), by_name):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    hf_extras = dict(max_length_q=20, cu_seq_lens_k=cu_tensor([20]), position_ids=torch.arange(20)[None])
+    for a, b in zip(chunk(q, k, v, g, beta, 0.2, h0, True, chunk_size=64, **hf_extras), by_name):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    by_name = rec(q, k, v, g=g, beta=beta, scale=0.2, initial_state=h0, output_final_state=True)
+    for a, b in zip(rec(q, k, v, g, None, None, beta, 0.2, h0, True, **hf_extras), by_name):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(rec(q, k, v, g=g, initial_state=h0, output_final_state=True),
+                    rec(q, k, v, g=g, beta=torch.ones_like(beta), initial_state=h0, output_final_state=True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(rec(q, k, v, beta=beta, initial_state=h0, output_final_state=True),
+                    rec(q, k, v, g=torch.zeros_like(g), beta=beta, initial_state=h0, output_final_state=True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.warns(DeprecationWarning, match="state_v_first"):        # fla's old name still works
+        _, s_t = rec(q, k, v, g=g, beta=beta, initial_state=h0.transpose(-1, -2), output_final_state=True,
+                     transpose_state_layout=True)
+    torch.testing.assert_close(s_t.transpose(-1, -2), by_name[1], rtol=0, atol=1e-6)
+
+
+def gate_inputs(seed, hv, dtype=torch.float32):
+    """The gate's raw input a (as Qwen3.5's in_proj_a gives it), A_log and dt_bias [HV]."""
+    gen = make_generator(seed)
+    return (randn(hv, gen=gen, dtype=dtype).abs().add(0.5).log(),      # A_log: exp(A_log) in [0.5, 3.5]
+            randn(hv, gen=gen, dtype=dtype))
+
+
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+@pytest.mark.parametrize("dtype", dtype_params(torch.float32, torch.bfloat16))
+def test_fast_matches_ref_with_gate_and_beta_in_kernel(kind, dtype):
+    """use_gate_in_kernel (g = -exp(A_log) softplus(g + dt_bias) from g's raw input), then
+    use_beta_sigmoid_in_kernel with and without allow_neg_eigval (beta = sigmoid / 2 sigmoid of a logit)."""
+    inputs = make_inputs(1, 70 if kind == "chunk" else 9, 1, 3, 16, 16, seed=61)
+    q, k, v, _, logit, h0 = inputs
+    a = randn(*logit.shape, gen=make_generator(62), dtype=torch.float64, scale=3.0)   # raw gate input, wide
+    a_log, dt_bias = gate_inputs(63, 3)
+    raw = cast(dtype, q, k, v, a, logit, h0)
+    for options in (dict(use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True),
+                    dict(use_gate_in_kernel=True, A_log=a_log, use_beta_sigmoid_in_kernel=True,
+                         allow_neg_eigval=True)):
+        compare(kind, dtype, None, low=raw, tag=f"[{sorted(options)}]", **options)
+    # the reference's definition: the same as the activations applied outside
+    low = cast(torch.float64, *raw)
+    g = -a_log.double().exp() * F.softplus(low[3] + dt_bias.double())
+    ref_fn = FNS[kind][0]
+    inside = ref_fn(*low[:5], initial_state=low[5], output_final_state=True, use_gate_in_kernel=True, A_log=a_log,
+                    dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    outside = ref_fn(*low[:3], g, 2 * low[4].sigmoid(), initial_state=low[5], output_final_state=True)
+    for x, y in zip(inside, outside):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
+    # A_log / dt_bias without use_gate_in_kernel are ignored, as fla ignores them
+    plain = ref_fn(*low[:5], initial_state=low[5], output_final_state=True)
+    for x, y in zip(ref_fn(*low[:5], initial_state=low[5], output_final_state=True, A_log=a_log), plain):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_state_v_first(kind, varlen):
+    """state_v_first: initial and final states stored [N, HV, V, K] (vLLM / SGLang / FlashInfer state
+    pools), the same numbers as [N, HV, K, V] transposed; K != V so a wrong layout cannot pass."""
+    lengths = [40, 0, 5] if varlen else None
+    b, t = (1, sum(lengths)) if varlen else (1, 40 if kind == "chunk" else 7)
+    q, k, v, g, beta, h0 = cast(torch.float32, *make_inputs(b, t, 1, 2, 16, 24, seed=64,
+                                                            n_states=len(lengths) if varlen else None))
+    cu = cu_tensor(lengths) if varlen else None
+    for fn in FNS[kind]:
+        o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        with nan_allocations():
+            o_t, s_t = fn(q, k, v, g, beta, initial_state=h0.transpose(-1, -2).contiguous(), output_final_state=True,
+                          cu_seqlens=cu, state_v_first=True)
+        assert s_t.shape == (h0.shape[0], 2, 24, 16) and s_t.is_contiguous() and s_t.dtype == torch.float32
+        torch.testing.assert_close(o_t, o, rtol=0, atol=1e-6)
+        torch.testing.assert_close(s_t.transpose(-1, -2), s, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+def test_cu_seqlens_cpu_is_read_instead_of_the_device_copy(kind):
+    """With cu_seqlens_cpu the values come from the host copy: cu_seqlens itself is never read back
+    (.tolist / .cpu / .item on it would be a device-to-host sync on a GPU)."""
+    lengths = [40, 0, 5, 64] if kind == "chunk" else [3, 0, 5, 1]
+    q, k, v, g, beta, h0 = cast(torch.float32, *make_inputs(1, sum(lengths), 1, 2, 16, 16, seed=65,
+                                                            n_states=len(lengths)))
+    cu = cu_tensor(lengths)
+    cu_cpu = cu.cpu().long()
+    chunks = sum(-(-n // 64) for n in lengths)
+    extra = dict(chunk_indices=cu.new_zeros(chunks, 2)) if kind == "chunk" else {}
+    for fn in FNS[kind]:
+        expected = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        read_back = []
+        real = {name: getattr(torch.Tensor, name) for name in ("tolist", "cpu", "item", "numpy")}
+
+        def spy(name):
+            def read(self, *args, **kwargs):
+                if self.data_ptr() == cu.data_ptr():
+                    read_back.append(name)
+                return real[name](self, *args, **kwargs)
+            return read
+        try:
+            for name in real:
+                setattr(torch.Tensor, name, spy(name))
+            got = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                     cu_seqlens_cpu=cu_cpu, **extra)
+        finally:
+            for name, method in real.items():
+                setattr(torch.Tensor, name, method)
+        assert not read_back, f"cu_seqlens was read back with {read_back} although cu_seqlens_cpu was given"
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@requires_gpu
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+def test_fast_with_cu_seqlens_cpu_never_waits_for_the_device(kind):
+    """The serving path: with cu_seqlens_cpu, a varlen call (forward and backward) makes no host-device
+    synchronization (torch's sync debug mode turns one into an error); autotuning done beforehand."""
+    lengths = [300, 0, 64, 1000] if kind == "chunk" else [1, 1, 0, 1]
+    leaves = [x.requires_grad_() for x in cast(torch.bfloat16, *make_inputs(1, sum(lengths), 2, 4, 128, 128,
+                                                                               seed=78, n_states=len(lengths)))]
+    cu = cu_tensor(lengths)
+    kw = dict(initial_state=leaves[5], output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(),
+              use_qk_l2norm_in_kernel=True)
+
+    def step():
+        o, s = FNS[kind][1](*leaves[:5], **kw)
+        torch.autograd.grad((o.float().sum() + s.sum()), leaves)
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+def test_fast_matches_ref_with_mixed_dtypes(kind, dtype):
+    """fp32 q and k with a 16-bit v (o in v's dtype), and an initial state in any float dtype (the
+    final state stays fp32)."""
+    inputs = make_inputs(1, 40 if kind == "chunk" else 9, 1, 2, 16, 16, seed=66)
+    q, k, v, g, beta, h0 = cast(dtype, *inputs)
+    if dtype != torch.float32:
+        compare(kind, dtype, None, low=(q.float(), k.float(), v, g, beta, h0), tag="[fp32 q/k]", l2norm=True)
+    for state_dtype in (torch.float16, torch.float64) + ((torch.bfloat16,) if ON_GPU else ()):
+        expected = FNS[kind][1](q, k, v, g, beta, initial_state=h0.to(state_dtype).float(), output_final_state=True)
+        with nan_allocations():
+            o, s = FNS[kind][1](q, k, v, g, beta, initial_state=h0.to(state_dtype), output_final_state=True)
+        assert s.dtype == torch.float32
+        torch.testing.assert_close(o, expected[0], rtol=0, atol=0)
+        torch.testing.assert_close(s, expected[1], rtol=0, atol=0)
+        o_ref, s_ref = FNS[kind][0](q, k, v, g, beta, initial_state=h0.to(state_dtype), output_final_state=True)
+        assert s_ref.dtype == torch.float32 and o_ref.dtype == dtype
+
+
+def hard_resets(g):
+    """g with hard resets (g = -inf: the state is zeroed) where the chunk form is most fragile: a
+    chunk's first and last tokens, two in a row, the first token, one head only, the padded last chunk."""
+    g = g.clone()
+    t = g.shape[1]
+    for pos in (0, 17, 18, 63, 64, 100, t - 1):
+        if pos < t:
+            g[:, pos, 0] = float("-inf")
+    g[:, min(40, t - 1), :] = float("-inf")
+    return g
+
+
+def test_ref_chunk_equals_recurrent_with_hard_resets():
+    """g = -inf at a token: the chunk form (-inf - (-inf) = NaN before) equals the recurrence."""
+    q, k, v, g, beta, h0 = make_inputs(2, 130, 1, 2, 16, 12, seed=67, device="cpu")
+    g = hard_resets(g)
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o1, s1 = ref.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    o2, s2 = ref.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **kw)
+    assert torch.isfinite(o1).all() and torch.isfinite(s1).all()
+    torch.testing.assert_close(o1, o2, rtol=0, atol=1e-12)
+    torch.testing.assert_close(s1, s2, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_fast_matches_ref_with_hard_resets(kind, dtype):
+    inputs = list(make_inputs(1, 130 if kind == "chunk" else 20, 1, 2, 16, 16, seed=68))
+    inputs[3] = hard_resets(inputs[3])
+    o, ht = compare(kind, dtype, inputs, tag="[hard resets]", l2norm=True)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all(), "NaN where the recurrence is finite"
+
+
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+def test_empty_batch(kind):
+    """B = 0 (the reference's chunk form used to fail reshaping 0 elements)."""
+    q, k, v, g, beta, h0 = cast(torch.float32, *make_inputs(0, 70, 1, 2, 16, 8, seed=69))
+    for fn in FNS[kind]:
+        o, s = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        assert o.shape == (0, 70, 2, 8) and s.shape == (0, 2, 16, 8)
+
+
+def test_fast_on_cpu_without_the_interpreter_says_what_to_do():
+    """The fast file imported without TRITON_INTERPRET and called on CPU tensors: a clear error on the
+    host that names the ways out, not a driver error from inside Triton (a fresh process: conftest
+    sets TRITON_INTERPRET for this one)."""
+    code = """
+import torch
+import gated_deltanet as gdn
+q = torch.randn(1, 4, 1, 16); v = torch.randn(1, 4, 1, 16); g = -torch.rand(1, 4, 1); b = torch.rand(1, 4, 1)
+for call in (lambda: gdn.chunk_gated_delta_rule(q, q, v, g, b, use_qk_l2norm_in_kernel=True),
+             lambda: gdn.fused_recurrent_gated_delta_rule(q, q, v, g=g, beta=b)):
+    try:
+        call()
+    except ValueError as e:
+        print("ERROR:", e)
+"""
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""                       # CPU tensors even on a GPU machine
+    folder = Path(fast.__file__).parent                    # the fast file imported alone, as a user copies it
+    out = subprocess.run([sys.executable, "-c", code], cwd=folder, env=env, capture_output=True, text=True,
+                         timeout=120)
+    errors = [line for line in out.stdout.splitlines() if line.startswith("ERROR:")]
+    assert len(errors) == 2, out.stdout + out.stderr
+    for line in errors:
+        for way_out in ("CUDA", "TRITON_INTERPRET=1", "ref/gated_deltanet.py"):
+            assert way_out in line, line

@@ -250,7 +250,8 @@ def _gdn_batch(gen, n_seqs: int, lengths: dict, h: int, hv: int, dk: int):
 def _gdn_run(fn, x: dict, h0, dht, cu):
     leaves = [x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
     state = h0.requires_grad_(True)
-    o, final = fn(*leaves, initial_state=state, output_final_state=True, cu_seqlens=cu)
+    q, k, v, g, beta = leaves                    # by keyword: fla's recurrent form has gk, gv before beta
+    o, final = fn(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, cu_seqlens=cu)
     grads = torch.autograd.grad((o, final), [*leaves, state], (x["do"], dht))
     return o.detach(), final.detach(), [gr.detach() for gr in grads]
 

@@ -26,43 +26,50 @@ The math (per value head; q, k already scaled / normalized as asked)
         S'  = exp(b_C) S + sum_j exp(b_C - b_j) k_j U_j^T                       (next chunk's S)
     Every exponent above is a difference b_i - b_j with j <= i (<= 0 when g <= 0): no
     exp(-b) appears, and masked entries get exponent -inf *before* exp, so no inf * 0.
+    A hard reset g_t = -inf (the state forgets everything) makes every exponent across t -inf:
+    b_i - b_j is taken only inside a stretch free of resets (see _GateSums), never -inf - (-inf).
     Within a chunk everything is batched matmuls; only the state S passes from chunk to chunk.
 
+fla's options (fla 0.6.0's signature, positional order included)
+    use_gate_in_kernel     g is the gate's raw input a:  g = -exp(A_log) * softplus(a + dt_bias)
+    use_beta_sigmoid_in_kernel   beta is a logit:  beta = sigmoid(beta);  with allow_neg_eigval
+                           beta = 2 sigmoid(beta) in (0, 2) (the transition I - beta k k^T may then
+                           have negative eigenvalues)
+    state_v_first          initial and final states stored [N, HV, V, K] (vLLM / SGLang / FlashInfer
+                           state pools) instead of [N, HV, K, V]
+    cu_seqlens_cpu         cu_seqlens' values on the host: no device-to-host copy to read them
+    The recurrent form's g = None is no decay and beta = None is beta = 1.  Extra keyword
+    arguments are ignored, as fla ignores them (HF's layers pass max_length_q, position_ids, ...).
+
 Tensors (B batch, T tokens, H query/key heads, HV value heads, N sequences)
-    q, k            [B, T, H, K]      fp16 / bf16 / fp32 (fp64 here)     value head i reads head i // (HV // H)
-    v               [B, T, HV, V]     the dtype of q
+    q, k            [B, T, H, K]      fp16 / bf16 / fp32 / fp64          value head i reads head i // (HV // H)
+    v               [B, T, HV, V]     any of those (q and k share one)
     g               [B, T, HV]        float, the log decay (<= 0; positive g is the caller's choice)
-    beta            [B, T, HV]        float, the delta-rule step (sigmoid output in (0, 1) in practice)
-    initial_state   [N, HV, K, V]     fp32 (fp64 accepted with fp64 inputs here); None = zeros
-    cu_seqlens      [N + 1] int32 or int64   varlen: B == 1, document n is tokens cu[n]:cu[n+1]
+    beta            [B, T, HV]        float, the delta-rule step (a sigmoid output in practice)
+    A_log, dt_bias  [HV]              float (use_gate_in_kernel)
+    initial_state   [N, HV, K, V]     any float dtype ([N, HV, V, K] with state_v_first); None = zeros
+    cu_seqlens      [N + 1] int32 / int64    varlen: B == 1, document n is tokens cu[n]:cu[n+1]
     o               [B, T, HV, V]     the dtype of v
     final_state     [N, HV, K, V]     fp32 (fp64 for fp64 inputs), or None unless output_final_state
     N = B without cu_seqlens.  ``scale`` defaults to K ** -0.5.  ``use_qk_l2norm_in_kernel``
-    replaces q and k by x * rsqrt(sum(x^2) + 1e-6) first (fla's l2norm).
+    replaces q and k by x * rsqrt(sum(x^2) + 1e-6) first (fla's l2norm).  ``upcast`` (reference
+    only): True computes in fp32 (fp64 for fp64 inputs), False in v's dtype (the parity tests'
+    "plain PyTorch in low precision" baseline).
 
 Supported, and what raises
-    Any H and HV with HV a multiple of H; K <= 256 (the fast kernels keep the whole K extent of
-    a state block in registers; the reference raises too so both files share one contract), any V; empty
-    sequences (T = 0 or an empty document: its final state is its initial state); varlen with
-    no padding between documents, chunk boundaries restarting at each document.  Autograd works
-    through both forms (the spec for the fast backward).  ValueError / TypeError naming the
-    argument for: HV not a multiple of H, shape mismatches, cu_seqlens with B > 1 or not
-    starting at 0 / decreasing / not ending at T, wrong initial_state shape or dtype, K > 256,
-    mixed dtypes among q, k, v, mixed devices.  g > 0 is not checked (that would cost a device
-    sync): the state then grows by exp(g) per token, which is the caller's gate to choose.
-
-    ``upcast`` (reference only): True computes in fp32 (fp64 for fp64 inputs); False computes
-    in the input dtype, the "plain PyTorch in low precision" baseline of the parity tests.
+    HV a multiple of H, K <= 256 (the fast kernels' limit, kept here so both files share one
+    contract), any V, empty batches, sequences and documents (the state passes through), autograd
+    through both forms (the spec of the fast backward; the chunk form's dg is summed without
+    cancellation, see _GateSums).  gk / gv and cp_context raise NotImplementedError; chunk_size other
+    than 64 raises ValueError; bad shapes, dtypes, devices and cu_seqlens raise ValueError / TypeError
+    naming the argument.  The README's "Known limits" lists the rest.
 
 The layer
-    ``GatedDeltaNet`` is Qwen3.5's linear-attention block (HF transformers' Qwen3_5GatedDeltaNet
-    parameter names, so its state dict loads): in_proj_qkv -> depthwise causal conv (kernel 4,
-    SiLU; restarts at every document of a varlen batch) -> q, k, v; ``g = -exp(A_log) *
-    softplus(a + dt_bias)`` in fp32; ``beta = sigmoid(b)``; the gated delta rule with q/k
-    l2-norm; gated RMSNorm ``norm(o) * silu(z)``; out_proj.  Its two kernel functions are
-    constructor arguments (default: this file's), so the fast ones drop in.
-    ``GatedDeltaNetCache`` carries the conv tail and the recurrent state between calls
-    (prefill, then one-token decode steps).
+    ``GatedDeltaNet`` is Qwen3.5's linear-attention block with HF transformers' parameter names
+    (in_proj_qkv -> causal depthwise conv + SiLU, restarting per document -> q, k, v; g =
+    -exp(A_log) softplus(a + dt_bias); beta = sigmoid(b); the rule with q/k l2-norm; gated RMSNorm;
+    out_proj).  Its kernel functions are constructor arguments, so the fast ones drop in;
+    ``GatedDeltaNetCache`` carries the conv tail and the state between calls (prefill, decode).
 
 References
     Yang, Kautz, Hatamizadeh, Gated Delta Networks (ICLR 2025); Yang et al., Parallelizing
@@ -71,6 +78,8 @@ References
     ``fused_recurrent_gated_delta_rule``; HF transformers Qwen3.5 ``Qwen3_5GatedDeltaNet``.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -81,88 +90,6 @@ __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "GatedD
 CHUNK = 64          # tokens per chunk in the chunk form (fla's and the fast kernels' chunk)
 MAX_HEAD_DIM_K = 256
 L2NORM_EPS = 1e-6
-
-
-# ----------------------------------------------------------------------------- input checks
-
-def _check_inputs(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, float_dtypes):
-    """Shape / dtype / device checks; returns N (number of sequences).  No device sync here."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in float_dtypes:
-            raise TypeError(f"{name} must have a dtype in {sorted(str(d) for d in float_dtypes)}, got {t.dtype}")
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {tuple(q.shape)} [B, T, H, K], got {tuple(k.shape)}")
-    b, t, h, dk = q.shape
-    if v.dim() != 4 or v.shape[:2] != (b, t):
-        raise ValueError(f"v must be [B={b}, T={t}, HV, V], got shape {tuple(v.shape)}")
-    hv = v.shape[2]
-    if h == 0 or hv % h != 0:
-        raise ValueError(f"v's head count HV={hv} must be a multiple of q/k's head count H={h}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    for name, x in (("g", g), ("beta", beta)):
-        if x.shape != (b, t, hv):
-            raise ValueError(f"{name} must be [B, T, HV] = {(b, t, hv)}, got shape {tuple(x.shape)}")
-    if dk > MAX_HEAD_DIM_K:
-        raise ValueError(f"head dim K = {dk} is not supported: K must be <= {MAX_HEAD_DIM_K}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    n = b
-    if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cu_seqlens must be an int32 or int64 torch.Tensor, got "
-                            f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-            raise ValueError(f"cu_seqlens must be [N + 1] with N >= 0, got shape {tuple(cu_seqlens.shape)}")
-        if b != 1:
-            raise ValueError(f"cu_seqlens requires batch size B == 1 (documents packed along T), got B={b}")
-        n = cu_seqlens.numel() - 1
-    if initial_state is not None:
-        if not isinstance(initial_state, torch.Tensor):
-            raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
-        state_dtypes = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
-        if initial_state.dtype not in state_dtypes:
-            raise TypeError(f"initial_state must be fp32, got {initial_state.dtype}")
-        if initial_state.shape != (n, hv, dk, v.shape[3]):
-            raise ValueError(f"initial_state must be [N, HV, K, V] = {(n, hv, dk, v.shape[3])}, "
-                             f"got shape {tuple(initial_state.shape)}")
-    named = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
-             ("cu_seqlens", cu_seqlens)]
-    devices = {name: x.device for name, x in named if x is not None}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"all tensors must be on one device, got mixed devices {devices}")
-    return n
-
-
-def _check_cu_seqlens_values(cu: list[int], t: int):
-    """Value checks of cu_seqlens (the caller pays one small device-to-host copy)."""
-    if cu[0] != 0 or any(y < x for x, y in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}...")
-    if cu[-1] != t:
-        raise ValueError(f"cu_seqlens[-1] must equal T = q.shape[1] = {t}, got {cu[-1]}")
-
-
-# ----------------------------------------------------------------------------- shared pieces
-
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    """fla's l2norm: x * rsqrt(sum(x^2) + 1e-6) over the last dim."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
-
-
-def _prepare(q, k, v, g, beta, *, scale, use_l2norm, dtype):
-    """Cast to the compute dtype, l2-normalize, fold the scale into q, give q/k the HV value heads."""
-    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
-    if use_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
-    q = q * scale
-    group = v.shape[2] // q.shape[2]
-    q = q.repeat_interleave(group, dim=2)   # [B, T, HV, K]: value head i reads q/k head i // group
-    k = k.repeat_interleave(group, dim=2)
-    return q, k, v, g, beta
 
 
 # ----------------------------------------------------------------------------- recurrent form
@@ -181,30 +108,61 @@ def _recurrent(q, k, v, g, beta, h):
 
 
 # ----------------------------------------------------------------------------- chunk form
-# The steps below mirror the fast file's kernels one to one (cumsum, kkt + solve, w/u,
-# state pass + output), so each intermediate can be compared.  Tensors are chunked as
-# [B, HV, NC, C, D]: batch, value head, chunk, position in the chunk, feature.
+# The steps below mirror the fast file's kernels one to one (gate sums, kkt + solve, w/u, state
+# pass + output), so each intermediate can be compared.  Tensors are chunked as [B, HV, NC, C, D]:
+# batch, value head, chunk, position in the chunk, feature.
 
-def _chunk_local_cumsum(g):
-    """b_i = g_1 + ... + g_i inside each chunk.  g [B, HV, NC, C] -> [B, HV, NC, C]."""
-    return g.cumsum(-1)
+class _GateSums(torch.autograd.Function):
+    """D [.., C + 1, C + 1] from g [.., C]: D_ij = g_{j+1} + ... + g_i for i >= j, the log decay from
+    just after position j to position i (position 0 is the chunk's start, 1..C its tokens); -inf
+    for j > i and across a hard reset (g = -inf anywhere in (j, i]).
+
+    Forward, as the fast kernels (and fla) compute it: D_ij = b_i - b_j with b the within-chunk
+    cumulative gate, taken only inside a stretch free of resets (a reset's -inf is left out of b
+    and counted instead, so no -inf - (-inf) = NaN).
+    Backward, without cancellation: g_l enters exactly the D_ij with j < l <= i, so
+        dg_l = sum_{i >= l > j} dD_ij.
+    (Autograd through b_i - b_j would send +dD to every g up to i and -dD to every g up to j: terms
+    that cancel exactly in exact arithmetic, but under strong decay their rounding leaves dg few
+    correct digits.)"""
+
+    @staticmethod
+    def forward(ctx, g):
+        g0 = F.pad(g, (1, 0))                                  # [.., C + 1]: position 0 = chunk start
+        reset = torch.isneginf(g0)
+        b = torch.where(reset, torch.zeros_like(g0), g0).cumsum(-1)
+        seg = reset.cumsum(-1)                                 # hard resets so far
+        i = torch.arange(g0.shape[-1], device=g.device)
+        valid = (i[:, None] >= i[None, :]) & (seg[..., :, None] == seg[..., None, :])
+        ctx.save_for_backward(valid)
+        diff = b[..., :, None] - b[..., None, :]
+        return torch.where(valid, diff, torch.full_like(diff, float("-inf")))
+
+    @staticmethod
+    def backward(ctx, dd):
+        (valid,) = ctx.saved_tensors
+        dd = torch.where(valid, dd, torch.zeros_like(dd))
+        rows_below = dd.flip(-2).cumsum(-2).flip(-2)           # [l, j] = sum_{i >= l} dD_ij
+        i = torch.arange(dd.shape[-1], device=dd.device)
+        dg0 = torch.where(i[None, :] < i[:, None], rows_below, torch.zeros_like(rows_below)).sum(-1)   # j < l
+        return dg0[..., 1:]
 
 
-def _decay(gc, *, strict: bool):
-    """[.., C, C]: exp(b_i - b_j) where j < i (strict) or j <= i, else 0; masked before exp."""
-    c = gc.shape[-1]
-    i = torch.arange(c, device=gc.device)
-    keep = (i[:, None] > i[None, :]) if strict else (i[:, None] >= i[None, :])
-    diff = gc[..., :, None] - gc[..., None, :]
-    return torch.exp(torch.where(keep, diff, torch.full_like(diff, float("-inf"))))
+def _decays(g):
+    """The chunk form's decays from D (see _GateSums), each an exp of a masked exponent:
+    from the chunk start to token i exp(b_i) [.., C]; token j to token i >= j exp(b_i - b_j)
+    [.., C, C] (0 above the diagonal); token j to the chunk end exp(b_C - b_j) [.., C]; the whole
+    chunk exp(b_C) [..]."""
+    d = _GateSums.apply(g)
+    return d[..., 1:, 0].exp(), d[..., 1:, 1:].exp(), d[..., -1, 1:].exp(), d[..., -1, 0].exp()
 
 
-def _wy_inverse(k, gc, beta):
+def _wy_inverse(k, pair_decay, beta):
     """T = (I + A)^-1 with A_ij = beta_i exp(b_i - b_j) k_i . k_j for j < i.  [B, HV, NC, C, C].
 
     Forward substitution: row i of T is e_i - sum_{j<i} A_ij T_j, and rows j < i are final
     when row i is computed (C steps, each vectorized over every chunk and head)."""
-    a = beta[..., :, None] * (k @ k.transpose(-1, -2)) * _decay(gc, strict=True)   # strictly lower
+    a = beta[..., :, None] * (k @ k.transpose(-1, -2)) * pair_decay.tril(-1)   # strictly lower
     c = a.shape[-1]
     eye = torch.eye(c, dtype=a.dtype, device=a.device)
     rows = torch.arange(c, device=a.device)[:, None]
@@ -215,25 +173,24 @@ def _wy_inverse(k, gc, beta):
     return t_mat
 
 
-def _wy_w_u(t_mat, k, v, gc, beta):
+def _wy_w_u(t_mat, k, v, start_decay, beta):
     """w = T diag(beta exp(b)) K  [.., C, K];  u = T diag(beta) V  [.., C, V]."""
-    w = t_mat @ (k * (beta * gc.exp())[..., None])
+    w = t_mat @ (k * (beta * start_decay)[..., None])
     u = t_mat @ (v * beta[..., None])
     return w, u
 
 
-def _chunk_state_pass(q, k, w, u, gc, h):
+def _chunk_state_pass(q, k, w, u, start_decay, pair_decay, end_decay, chunk_decay, h):
     """The only sequential part: carry the state S through the chunks, producing each chunk's
-    output.  q, k, w [B, HV, NC, C, K]; u [B, HV, NC, C, V]; gc [B, HV, NC, C]; h [B, HV, K, V]."""
-    q_gated = q * gc.exp()[..., None]                          # exp(b_i) q_i: reads the chunk-start state
-    scores = (q @ k.transpose(-1, -2)) * _decay(gc, strict=False)   # [.., C, C] causal within the chunk
-    g_last = gc[..., -1]                                       # [B, HV, NC]: b_C, the whole chunk's decay
-    k_to_end = k * torch.exp(g_last[..., None] - gc)[..., None]   # exp(b_C - b_j) k_j
+    output.  q, k, w [B, HV, NC, C, K]; u [B, HV, NC, C, V]; decays from _decays; h [B, HV, K, V]."""
+    q_gated = q * start_decay[..., None]                       # exp(b_i) q_i: reads the chunk-start state
+    scores = (q @ k.transpose(-1, -2)) * pair_decay            # [.., C, C] causal within the chunk
+    k_to_end = k * end_decay[..., None]                        # exp(b_C - b_j) k_j
     outs = []
     for c in range(q.shape[2]):
         u_c = u[:, :, c] - w[:, :, c] @ h                      # U = u - w S  [B, HV, C, V]
         outs.append(q_gated[:, :, c] @ h + scores[:, :, c] @ u_c)
-        h = h * g_last[:, :, c].exp()[..., None, None] + k_to_end[:, :, c].transpose(-1, -2) @ u_c
+        h = h * chunk_decay[:, :, c, None, None] + k_to_end[:, :, c].transpose(-1, -2) @ u_c
     return torch.stack(outs, dim=2), h                         # [B, HV, NC, C, V]
 
 
@@ -246,7 +203,7 @@ def _chunked(x, nc):
 
 def _chunk(q, k, v, g, beta, h):
     """The chunk form; same arguments and result as ``_recurrent``."""
-    b, t, hv, _ = q.shape
+    b, t, hv, dv = v.shape
     if t == 0:
         return v.new_zeros(v.shape), h
     pad = (-t) % CHUNK
@@ -255,36 +212,84 @@ def _chunk(q, k, v, g, beta, h):
     g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
     nc = (t + pad) // CHUNK
     q, k, v, g, beta = (_chunked(x, nc) for x in (q, k, v, g, beta))   # [B, HV, NC, C, ...]
-    gc = _chunk_local_cumsum(g)
-    t_mat = _wy_inverse(k, gc, beta)
-    w, u = _wy_w_u(t_mat, k, v, gc, beta)
-    o, h = _chunk_state_pass(q, k, w, u, gc, h)
-    o = o.movedim(1, 3).reshape(b, t + pad, hv, -1)[:, :t]   # [B, HV, NC, C, V] -> [B, T, HV, V]
+    start_decay, pair_decay, end_decay, chunk_decay = _decays(g)
+    t_mat = _wy_inverse(k, pair_decay, beta)
+    w, u = _wy_w_u(t_mat, k, v, start_decay, beta)
+    o, h = _chunk_state_pass(q, k, w, u, start_decay, pair_decay, end_decay, chunk_decay, h)
+    o = o.movedim(1, 3).reshape(b, t + pad, hv, dv)[:, :t]   # [B, HV, NC, C, V] -> [B, T, HV, V]
     return o, h
 
 
 # ----------------------------------------------------------------------------- public API
 
-def _forward(core, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
-             use_qk_l2norm_in_kernel, upcast):
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                           cp_context=None, *, use_gate_in_kernel=False, A_log=None, dt_bias=None, chunk_size=64,
+                           upcast=True, **kwargs):
+    """The gated delta rule in chunk form (chunks of 64 tokens), with fla 0.6.0's signature; see the
+    module docstring.  Returns ``(o [B, T, HV, V], final_state [N, HV, K, V] or None)``."""
+    if g is None or beta is None:
+        raise TypeError("chunk_gated_delta_rule needs g and beta (only the recurrent form has defaults)")
+    state_v_first = _fla_extras(kwargs, state_v_first)
+    return _forward(_chunk, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                    output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                    state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                    chunk_indices=chunk_indices, cp_context=cp_context, use_gate_in_kernel=use_gate_in_kernel,
+                    A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size, upcast=upcast)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                     use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                                     cu_seqlens=None, *, cu_seqlens_cpu=None, upcast=True, **kwargs):
+    """The gated delta rule token by token (the decode path), with fla 0.6.0's signature: g = None
+    means no decay, beta = None means beta = 1.  Returns what ``chunk_gated_delta_rule`` returns."""
+    state_v_first = _fla_extras(kwargs, state_v_first)
+    return _forward(_recurrent, q, k, v, g, beta, gk=gk, gv=gv, scale=scale, initial_state=initial_state,
+                    output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                    state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                    use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, upcast=upcast)
+
+
+def _forward(core, q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+             use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu,
+             use_gate_in_kernel, A_log, dt_bias, upcast, chunk_indices=None, cp_context=None, chunk_size=CHUNK,
+             gk=None, gv=None):
+    """Both forms: check, apply the in-kernel options (gate, beta sigmoid, l2norm, scale), then run
+    ``core`` on each sequence of the batch, or on each document of a varlen batch."""
+    _check_options(gk=gk, gv=gv, cp_context=cp_context, chunk_size=chunk_size, g=g,
+                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                   use_gate_in_kernel=use_gate_in_kernel, A_log=A_log)
+    if not use_gate_in_kernel:
+        A_log = dt_bias = None                                 # fla ignores them then
     floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    n = _check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                      float_dtypes=floats)
+    n = _check_inputs(q, k, v, g, beta, scale=scale, initial_state=initial_state, state_v_first=state_v_first,
+                      cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+                      A_log=A_log, dt_bias=dt_bias, float_dtypes=floats)
     b, t, _, dk = q.shape
     hv, dv = v.shape[2:]
     scale = dk ** -0.5 if scale is None else float(scale)
-    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dtype = wide if upcast else q.dtype
-    q, k, v_c, g, beta = _prepare(q, k, v, g, beta, scale=scale, use_l2norm=use_qk_l2norm_in_kernel, dtype=dtype)
+    wide = torch.float64 if torch.float64 in (q.dtype, v.dtype) else torch.float32
+    dtype = wide if upcast else v.dtype
+    g = torch.zeros(b, t, hv, dtype=dtype, device=v.device) if g is None else g.to(dtype)
+    beta = torch.ones(b, t, hv, dtype=dtype, device=v.device) if beta is None else beta.to(dtype)
+    if use_gate_in_kernel:                                     # g is the gate's raw input
+        g = -A_log.to(dtype).exp() * F.softplus(g + (dt_bias.to(dtype) if dt_bias is not None else 0))
+    if use_beta_sigmoid_in_kernel:                             # beta is a logit; allow_neg_eigval: beta in (0, 2)
+        beta = beta.sigmoid() * (2 if allow_neg_eigval else 1)
+    q, k, v_c = _prepare(q, k, v, scale=scale, use_l2norm=use_qk_l2norm_in_kernel, dtype=dtype)
     if initial_state is None:
-        h0 = torch.zeros(n, hv, dk, dv, dtype=dtype, device=q.device)
+        h0 = torch.zeros(n, hv, dk, dv, dtype=dtype, device=v.device)
     else:
-        h0 = initial_state.to(dtype)
+        h0 = (initial_state.transpose(-1, -2) if state_v_first else initial_state).to(dtype)   # [N, HV, K, V]
     if cu_seqlens is None:
         o, ht = core(q, k, v_c, g, beta, h0)
     else:
-        cu = cu_seqlens.tolist()
-        _check_cu_seqlens_values(cu, t)
+        cu = _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, chunk_indices, t)
         outs, states = [], []
         for i in range(n):   # one document at a time: nothing crosses a document boundary
             sl = slice(cu[i], cu[i + 1])
@@ -293,27 +298,29 @@ def _forward(core, q, k, v, g, beta, *, scale, initial_state, output_final_state
             states.append(h_i)
         o = torch.cat(outs, dim=1) if outs else v_c.new_zeros(v_c.shape)
         ht = torch.cat(states, dim=0) if states else h0
-    return o.to(v.dtype), (ht.to(wide) if output_final_state else None)
+    if not output_final_state:
+        return o.to(v.dtype), None
+    ht = ht.to(wide)
+    return o.to(v.dtype), (ht.transpose(-1, -2).contiguous() if state_v_first else ht)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, upcast=True):
-    """The gated delta rule in chunk form (chunks of 64 tokens); see the module docstring.
+# ----------------------------------------------------------------------------- shared pieces
 
-    Returns ``(o [B, T, HV, V], final_state [N, HV, K, V] or None)``."""
-    return _forward(_chunk, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                    output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, upcast=upcast)
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """fla's l2norm: x * rsqrt(sum(x^2) + 1e-6) over the last dim."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
-def fused_recurrent_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None,
-                                     output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False,
-                                     upcast=True):
-    """The gated delta rule token by token (the decode path); same arguments and result as
-    ``chunk_gated_delta_rule``."""
-    return _forward(_recurrent, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                    output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, upcast=upcast)
+def _prepare(q, k, v, *, scale, use_l2norm, dtype):
+    """Cast to the compute dtype, l2-normalize, fold the scale into q, give q/k the HV value heads."""
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    if use_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * scale
+    group = v.shape[2] // q.shape[2]
+    q = q.repeat_interleave(group, dim=2)   # [B, T, HV, K]: value head i reads q/k head i // group
+    k = k.repeat_interleave(group, dim=2)
+    return q, k, v
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -428,12 +435,146 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.to(wide).exp() * F.softplus(a + self.dt_bias.to(wide))   # [B, T, HV], <= 0
         decode = has_state and t == 1 and cu_seqlens is None
         fn = self.recurrent_fn if decode else self.chunk_fn
-        o, final = fn(q, k, v, g, beta, initial_state=cache.recurrent_state if has_state else None,
+        o, final = fn(q, k, v, g=g, beta=beta, initial_state=cache.recurrent_state if has_state else None,
                       output_final_state=cache is not None, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
         if cache is not None:
             cache.conv_state, cache.recurrent_state = tail, final
         o = self.norm(o, z)                                             # [B, T, HV, V]
         return self.out_proj(o.reshape(b, t, self.value_dim))
+
+
+# ----------------------------------------------------------------------------- input checks
+# (the same checks and messages in both gated_deltanet files; each file stands alone)
+
+def _fla_extras(kwargs: dict, state_v_first: bool) -> bool:
+    """Extra keyword arguments, tolerated as fla tolerates them: callers such as HF's Qwen3.5 layer
+    pass their own (max_length_q, cu_seq_lens_k, position_ids, ...), which are ignored; fla's old
+    name transpose_state_layout still sets state_v_first; head_first=True is refused (inputs are
+    [B, T, H, ...]).  Returns state_v_first."""
+    if kwargs.get("head_first"):
+        raise ValueError("head_first=True is not supported (fla removed it too): inputs are [B, T, H, ...]")
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            raise ValueError("pass state_v_first or the deprecated transpose_state_layout, not both")
+        warnings.warn("transpose_state_layout is deprecated: fla renamed it state_v_first", DeprecationWarning,
+                      stacklevel=3)
+        return bool(kwargs["transpose_state_layout"])
+    return state_v_first
+
+
+def _check_options(*, gk, gv, cp_context, chunk_size, g, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                   use_gate_in_kernel, A_log):
+    """fla's options that this file does not implement raise; the combinations fla refuses raise."""
+    if gk is not None or gv is not None:
+        raise NotImplementedError("gk / gv (per-key / per-value decays) are not implemented: pass the per-head "
+                                  "gate g [B, T, HV] (in fla's order the recurrent form's 5th positional "
+                                  "argument is gk: pass beta=...)")
+    if cp_context is not None:
+        raise NotImplementedError("cp_context (fla's context parallelism) is not implemented")
+    if chunk_size != CHUNK:
+        raise ValueError(f"chunk_size must be {CHUNK} (the kernels' chunk; the chunk size changes only the "
+                         f"rounding, not the result), got {chunk_size!r}")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (beta = 2 sigmoid(beta))")
+    if use_gate_in_kernel and A_log is None:
+        raise ValueError("use_gate_in_kernel=True requires A_log [HV] (g = -exp(A_log) softplus(g + dt_bias))")
+    if use_gate_in_kernel and g is None:
+        raise ValueError("use_gate_in_kernel=True requires g (the gate's raw input)")
+
+
+def _check_inputs(q, k, v, g, beta, *, scale, initial_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
+                  chunk_indices, A_log, dt_bias, float_dtypes):
+    """Shape / dtype / device checks; returns N (number of sequences).  No device sync here.
+    g and beta may be None (the recurrent form's defaults)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if t is None and name in ("g", "beta"):
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in float_dtypes:
+            raise TypeError(f"{name} must have a dtype in {sorted(str(d) for d in float_dtypes)}, got {t.dtype}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)} [B, T, H, K], got {tuple(k.shape)}")
+    b, t, h, dk = q.shape
+    if v.dim() != 4 or v.shape[:2] != (b, t):
+        raise ValueError(f"v must be [B={b}, T={t}, HV, V], got shape {tuple(v.shape)}")
+    hv, dv = v.shape[2:]
+    if h == 0 or hv % h != 0:
+        raise ValueError(f"v's head count HV={hv} must be a multiple of q/k's head count H={h}")
+    if k.dtype != q.dtype:
+        raise TypeError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    for name, x in (("g", g), ("beta", beta)):
+        if x is not None and x.shape != (b, t, hv):
+            raise ValueError(f"{name} must be [B, T, HV] = {(b, t, hv)}, got shape {tuple(x.shape)}")
+    if dk > MAX_HEAD_DIM_K:
+        raise ValueError(f"head dim K = {dk} is not supported: K must be <= {MAX_HEAD_DIM_K}")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    n = b
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens must be an int32 or int64 torch.Tensor, got "
+                            f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+            raise ValueError(f"cu_seqlens must be [N + 1] with N >= 0, got shape {tuple(cu_seqlens.shape)}")
+        if b != 1:
+            raise ValueError(f"cu_seqlens requires batch size B == 1 (documents packed along T), got B={b}")
+        n = cu_seqlens.numel() - 1
+    for name, x in (("cu_seqlens_cpu", cu_seqlens_cpu), ("chunk_indices", chunk_indices)):
+        if x is None:
+            continue
+        if cu_seqlens is None:
+            raise ValueError(f"{name} needs cu_seqlens (it describes the same documents)")
+        if not isinstance(x, torch.Tensor) or x.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be an int32 or int64 torch.Tensor, got "
+                            f"{getattr(x, 'dtype', type(x).__name__)}")
+    if cu_seqlens_cpu is not None and (cu_seqlens_cpu.device.type != "cpu"
+                                       or cu_seqlens_cpu.shape != cu_seqlens.shape):
+        raise ValueError(f"cu_seqlens_cpu must be a CPU copy of cu_seqlens [{n + 1}], got shape "
+                         f"{tuple(cu_seqlens_cpu.shape)} on {cu_seqlens_cpu.device}")
+    if chunk_indices is not None and (chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2):
+        raise ValueError(f"chunk_indices must be [NT, 2] (document, chunk in it), got shape "
+                         f"{tuple(chunk_indices.shape)}")
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor):
+            raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
+        if not initial_state.is_floating_point():
+            raise TypeError(f"initial_state must be a float tensor, got {initial_state.dtype}")
+        shape, layout = ((n, hv, dv, dk), "[N, HV, V, K] (state_v_first)") if state_v_first else \
+            ((n, hv, dk, dv), "[N, HV, K, V]")
+        if initial_state.shape != shape:
+            raise ValueError(f"initial_state must be {layout} = {shape}, got shape {tuple(initial_state.shape)}")
+    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"{name} must be a float torch.Tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        if x.shape != (hv,):
+            raise ValueError(f"{name} must be [HV] = ({hv},), got shape {tuple(x.shape)}")
+    named = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+             ("cu_seqlens", cu_seqlens), ("chunk_indices", chunk_indices), ("A_log", A_log), ("dt_bias", dt_bias)]
+    devices = {name: x.device for name, x in named if x is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got mixed devices {devices}")
+    return n
+
+
+def _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, chunk_indices, t: int) -> list[int]:
+    """cu_seqlens' values on the host, checked: read from cu_seqlens_cpu when given (no device-to-host
+    copy, fla's contract: the serving path under CUDA graphs), else one small copy."""
+    cu = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+    if cu[0] != 0 or any(y < x for x, y in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu[:8]}...")
+    if cu[-1] != t:
+        raise ValueError(f"cu_seqlens[-1] must equal T = q.shape[1] = {t}, got {cu[-1]}")
+    if chunk_indices is not None:
+        chunks = sum(-(-(e - s) // CHUNK) for s, e in zip(cu, cu[1:]))
+        if chunk_indices.shape[0] != chunks:
+            raise ValueError(f"chunk_indices must have one row per chunk of {CHUNK} tokens ({chunks}), "
+                             f"got {chunk_indices.shape[0]}")
+    return cu
 
 
 if __name__ == "__main__":
@@ -446,7 +587,7 @@ if __name__ == "__main__":
     beta = torch.rand(b, t, hv, generator=gen, dtype=torch.float64)
     kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
     o1, h1 = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
-    o2, h2 = fused_recurrent_gated_delta_rule(q, k, v, g, beta, **kw)
+    o2, h2 = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, **kw)
     err = max((o1 - o2).abs().max().item(), (h1 - h2).abs().max().item())
     print("chunk vs recurrent max error:", err)
     assert err < 1e-12

@@ -10,6 +10,16 @@ from __future__ import annotations
 import torch
 import triton
 
+F32, I32, I8 = "*fp32", "*i32", "*i8"
+
+
+def _shape(m, dtype, dk: int, dv: int, suffix: str = ""):
+    """What every case at one (dtype, K, V) needs: its name tag, whether its dots must use tensor cores,
+    the dot precision, the input pointer type, and the arguments the pruning functions read."""
+    dt = m._TL_DTYPES[dtype]
+    named = dict(K=dk, V=dv, k=torch.empty(0, dtype=dtype), q=torch.empty(0, dtype=dtype))
+    return f"[{dt},K={dk},V={dv}{suffix}]", dtype != torch.float32, m._prec(dtype), f"*{dt}", named
+
 
 def cases(m) -> list[dict]:
     """Every kernel at the shapes that decide its code: fp16 / bf16 / fp32 at K = V = 128; bf16 at
@@ -27,62 +37,80 @@ def cases(m) -> list[dict]:
     lean = [(torch.float16, 128, 128), (torch.float32, 256, 256), (torch.bfloat16, 64, 64), (torch.float32, 64, 48)]
     heads = dict(H=16, HV=32)
     for dtype, dk, dv, one in [(*x, False) for x in full] + [(*x, True) for x in lean]:
-        dt = m._TL_DTYPES[dtype]
-        tag = f"[{dt},K={dk},V={dv}]"
-        tc = dtype != torch.float32
-        prec = m._prec(dtype)
-        ptr, f32, i32 = f"*{dt}", "*fp32", "*i32"
-        named = dict(K=dk, V=dv, k=torch.empty(0, dtype=dtype), q=torch.empty(0, dtype=dtype))
+        tag, tc, prec, ptr, named = _shape(m, dtype, dk, dv)
         bk_full = m._pow2(dk)
-        cases.append(dict(kernel=m._l2norm_kernel, name="l2norm" + tag, signature=dict(x=ptr, y=ptr, rstd=f32, R="i32"),
+        cases.append(dict(kernel=m._l2norm_kernel, name="l2norm" + tag, signature=dict(x=ptr, y=ptr, rstd=F32, R="i32"),
                           constexprs=dict(D=dk, BR=4096 // bk_full, BD=bk_full), num_warps=4))
         # 16-row blocks: mma.sync, too few rows for wgmma
         cases.append(dict(kernel=m._chunk_kkt_solve_kernel, name="kkt_solve" + tag, tensor_cores=tc, wgmma=False,
-                          signature=dict(k=ptr, gc=f32, beta=f32, A=ptr, cu=i32, chunk_idx=i32, T="i32"),
+                          signature=dict(k=ptr, gc=F32, gr=I8, beta=F32, A=ptr, cu=I32, chunk_idx=I32, T="i32"),
                           constexprs=dict(**heads, K=dk, BT=m.CHUNK, BK=min(64, bk_full), IS_VARLEN=True, PREC=prec),
                           num_warps=m._KKT_WARPS))
         wu = m._wu_tiles(dtype, dk, dv)
         cases.append(dict(kernel=m._chunk_wu_kernel, name="wu" + tag, tensor_cores=tc,
-                          signature=dict(k=ptr, v=ptr, beta=f32, gc=f32, A=ptr, w=ptr, u=ptr, cu=i32, chunk_idx=i32,
-                                         T="i32"),
+                          signature=dict(k=ptr, v=ptr, beta=F32, gs=F32, A=ptr, w=ptr, u=ptr, cu=I32,
+                                         chunk_idx=I32, T="i32"),
                           constexprs=dict(**heads, K=dk, V=dv, BT=m.CHUNK, BK=wu["BK"], BV=wu["BV"], IS_VARLEN=True,
                                           PREC=prec), num_warps=wu["num_warps"]))
-        cases.append(dict(kernel=m._chunk_h_tuned, name="state" + tag, tensor_cores=tc,
-                          configs=m._prune_state_configs(m._STATE_CONFIGS, named)[:1 if one else None],
-                          signature=dict(k=ptr, w=ptr, u=ptr, gc=f32, h=ptr, v_new=ptr, h0=f32, ht=f32, cu=i32,
-                                         chunk_off=i32, T="i32", NHV="i32"),
-                          constexprs=dict(**heads, K=dk, V=dv, BT=m.CHUNK, **m._state_rows(dtype, dk), USE_H0=True,
-                                          STORE_FINAL=True, IS_VARLEN=True, PREC=prec)))
+        cases += _state_cases(m, dtype, dk, dv, heads, tag, one_config=one, v_first=False)
         cases.append(dict(kernel=m._chunk_o_tuned, name="output" + tag, tensor_cores=tc,
                           configs=m._prune_out_configs(m._OUT_CONFIGS, named)[:1 if one else None],
-                          signature=dict(q=ptr, k=ptr, v_new=ptr, h=ptr, gc=f32, o=ptr, cu=i32, chunk_idx=i32,
+                          signature=dict(q=ptr, k=ptr, v_new=ptr, h=ptr, gc=F32, gr=I8, o=ptr, cu=I32, chunk_idx=I32,
                                          scale="fp32", T="i32"),
                           constexprs=dict(**heads, K=dk, V=dv, BT=m.CHUNK, BK=32 if not tc else min(64, bk_full),
                                           IS_VARLEN=True, PREC=prec)))
         cases.append(dict(kernel=m._recurrent_tuned, name="recurrent" + tag,
                           configs=m._prune_rec_configs(m._REC_CONFIGS, named)[:1 if one else None],
-                          signature=dict(q=ptr, k=ptr, v=ptr, g=f32, beta=ptr, o=ptr, h0=f32, ht=f32, cu=i32,
-                                         scale="fp32", T="i32", NHV="i32"),
+                          signature=dict(q=ptr, k=ptr, v=ptr, g=F32, beta=ptr, A_log=F32, dt_bias=F32, o=ptr, h0=F32,
+                                         ht=F32, cu=I32, scale="fp32", T="i32", NHV="i32"),
                           constexprs=dict(**heads, K=dk, V=dv, BK=bk_full, USE_H0=True, STORE_FINAL=True,
-                                          IS_VARLEN=True, L2NORM=True)))
+                                          IS_VARLEN=True, L2NORM=True, **NO_OPTIONS)))
         cases += _backward_cases(m, dtype, dk, dv, heads, one_config=one)
     for hv in (16, 64):
-        cases.append(dict(kernel=m._chunk_dg_kernel, name=f"dg[HV={hv}]",
-                          signature=dict(db="*fp32", dg="*fp32", cu="*i32", chunk_idx="*i32", T="i32"),
-                          constexprs=dict(HV=hv, NB=6, BT=m.CHUNK, BH=hv, IS_VARLEN=True), num_warps=4))
-        cases.append(dict(kernel=m._chunk_cumsum_kernel, name=f"cumsum[HV={hv}]",
-                          signature=dict(g="*fp32", gc="*fp32", cu="*i32", chunk_idx="*i32", T="i32"),
-                          constexprs=dict(HV=hv, BT=m.CHUNK, BH=hv, IS_VARLEN=True), num_warps=4))
+        for gate in (False, True):                  # use_gate_in_kernel: the gate and its backward fused in
+            tag = f"[HV={hv}{',gate' if gate else ''}]"
+            options = dict(USE_GATE=gate, HAS_BIAS=gate)
+            cases.append(dict(kernel=m._chunk_dg_kernel, name="dg" + tag,
+                              signature=dict(db="*fp32", dg="*fp32", g="*fp32", A_log="*fp32", dt_bias="*fp32",
+                                             dparams="*fp32", cu="*i32", chunk_idx="*i32", T="i32", NROWS="i32"),
+                              constexprs=dict(HV=hv, NB=6, BT=m.CHUNK, BH=hv, IS_VARLEN=True, **options), num_warps=4))
+            cases.append(dict(kernel=m._chunk_cumsum_kernel, name="cumsum" + tag,
+                              signature=dict(g=F32, A_log=F32, dt_bias=F32, gc=F32, gr=I8, gs=F32, ge=F32,
+                                             cu="*i32", chunk_idx="*i32", T="i32"),
+                              constexprs=dict(HV=hv, BT=m.CHUNK, BH=hv, IS_VARLEN=True, **options), num_warps=4))
+    cases += _option_cases(m)
+    return cases
+
+
+# fla's options off: the launches most calls make
+NO_OPTIONS = dict(USE_GATE=False, HAS_BIAS=False, BETA_ACT=0, STATE_V_FIRST=False)
+# fla's options on (use_gate_in_kernel with dt_bias, 2 sigmoid(beta), the [N, HV, V, K] state layout)
+ALL_OPTIONS = dict(USE_GATE=True, HAS_BIAS=True, BETA_ACT=2, STATE_V_FIRST=True)
+
+
+def _option_cases(m) -> list[dict]:
+    """The kernels whose code fla's options change (the state layout in the state passes; the gate
+    and beta activations in the recurrent kernels), with every option on, at the register-heaviest
+    shapes of each kind: bf16 at K = V = 128 and 256, fp32 at K = V = 256; first config only."""
+    cases = []
+    heads = dict(H=16, HV=32)
+    for dtype, dk, dv in ((torch.bfloat16, 128, 128), (torch.bfloat16, 256, 256), (torch.float32, 256, 256)):
+        tag, tc, prec, ptr, named = _shape(m, dtype, dk, dv, ",options")
+        cases += _state_cases(m, dtype, dk, dv, heads, tag, one_config=True, v_first=True)
+        cases.append(dict(kernel=m._recurrent_tuned, name="recurrent" + tag,
+                          configs=m._prune_rec_configs(m._REC_CONFIGS, named)[:1],
+                          signature=dict(q=ptr, k=ptr, v=ptr, g=F32, beta=ptr, A_log=F32, dt_bias=F32, o=ptr, h0=F32,
+                                         ht=F32, cu=I32, scale="fp32", T="i32", NHV="i32"),
+                          constexprs=dict(**heads, K=dk, V=dv, BK=m._pow2(dk), USE_H0=True, STORE_FINAL=True,
+                                          IS_VARLEN=True, L2NORM=True, **ALL_OPTIONS)))
+        cases += _dhu_cases(m, dtype, dk, dv, heads, tag, one_config=True, v_first=True)
+        cases.append(_recurrent_bwd_case(m, dtype, dk, dv, heads, ALL_OPTIONS, tag))
     return cases
 
 
 def _backward_cases(m, dtype, dk: int, dv: int, heads: dict, one_config: bool) -> list:
     """The backward kernels at one (dtype, K, V), for sm_80 and sm_90 with the tiles each launches."""
-    dt = m._TL_DTYPES[dtype]
-    tag = f"[{dt},K={dk},V={dv}]"
-    tc = dtype != torch.float32
-    prec = m._prec(dtype)
-    ptr, f32, i32 = f"*{dt}", "*fp32", "*i32"
+    tag, tc, prec, ptr, _ = _shape(m, dtype, dk, dv)
     cases = []
     for arch in (80, 90):
         common = dict(**heads, K=dk, V=dv, BT=m.CHUNK, IS_VARLEN=True, PREC=prec)
@@ -90,31 +118,58 @@ def _backward_cases(m, dtype, dk: int, dv: int, heads: dict, one_config: bool) -
         launch = {name: dict(num_warps=t.pop("num_warps"), num_stages=t.pop("num_stages")) for name, t in tiles.items()}
         nb = 2 * (triton.cdiv(dk, tiles["dqkwg"]["BK"]) + 1)
         cases.append(dict(kernel=m._chunk_dv_local_kernel, name=f"dv_local{tag}", archs=[arch], tensor_cores=tc,
-                          signature=dict(q=ptr, k=ptr, gc=f32, do=ptr, dv=ptr, cu=i32, chunk_idx=i32, scale="fp32",
-                                         T="i32"),
+                          signature=dict(q=ptr, k=ptr, gc=F32, gr=I8, do=ptr, dv=ptr, cu=I32, chunk_idx=I32,
+                                         scale="fp32", T="i32"),
                           constexprs=dict(**common, **tiles["dv_local"]), **launch["dv_local"]))
-        cases.append(dict(kernel=m._chunk_dhu_tuned, name=f"dhu{tag}", archs=[arch], tensor_cores=tc,
-                          configs=m._dhu_keep(m._DHU_CONFIGS, dtype, arch, dk, dv)[:1 if one_config else None],
-                          signature=dict(q=ptr, k=ptr, w=ptr, gc=f32, do=ptr, dv_local=ptr, dv=ptr, dh=ptr, dht=f32,
-                                         dh0=f32, cu=i32, chunk_off=i32, scale="fp32", T="i32", NHV="i32"),
-                          constexprs=dict(**common, **m._dhu_rows(dtype, dk), USE_DHT=True, STORE_DH0=True)))
+        cases += _dhu_cases(m, dtype, dk, dv, heads, tag, one_config=one_config, v_first=False, archs=(arch,))
         cases.append(dict(kernel=m._chunk_dqkwg_kernel, name=f"dqkwg{tag}", archs=[arch], tensor_cores=tc,
-                          signature=dict(q=ptr, k=ptr, v_new=ptr, gc=f32, h=ptr, do=ptr, dh=ptr, dv=ptr, dq=f32,
-                                         dk=f32, dw=ptr, db=f32, cu=i32, chunk_idx=i32, scale="fp32", T="i32"),
+                          signature=dict(q=ptr, k=ptr, v_new=ptr, gc=F32, gr=I8, gs=F32, ge=F32, h=ptr, do=ptr, dh=ptr,
+                                         dv=ptr, dq=F32, dk=F32, dw=ptr, db=F32, cu=I32, chunk_idx=I32, scale="fp32",
+                                         T="i32"),
                           constexprs=dict(**common, **tiles["dqkwg"], NB=nb), **launch["dqkwg"]))
         cases.append(dict(kernel=m._chunk_wy_bwd_kernel, name=f"wy_bwd{tag}", archs=[arch], tensor_cores=tc,
-                          signature=dict(k=ptr, v=ptr, beta=ptr, gc=f32, A=ptr, w=ptr, u=ptr, dw=ptr, du=ptr, dk=f32,
-                                         dv=ptr, dbeta=ptr, db=f32, cu=i32, chunk_idx=i32, T="i32"),
+                          signature=dict(k=ptr, v=ptr, beta=ptr, gc=F32, gr=I8, gs=F32, A=ptr, w=ptr, u=ptr, dw=ptr,
+                                         du=ptr, dk=F32, dv=ptr, dbeta=ptr, db=F32, cu=I32, chunk_idx=I32, T="i32"),
                           constexprs=dict(**common, **tiles["wy"], NB=nb), **launch["wy"]))
-    rec = m._rec_bwd_tiles(dk, dv)
-    cases.append(dict(kernel=m._recurrent_bwd_kernel, name=f"recurrent_bwd{tag}",
-                      signature=dict(q=ptr, k=ptr, v=ptr, g=f32, beta=ptr, do=ptr, h0=f32, dht=f32, dq=f32, dk1=f32,
-                                     dk2=f32, dv=ptr, dg=f32, dbeta=f32, dh0=f32, p_buf=f32, dp_buf=f32, z_buf=f32,
-                                     cu=i32, scale="fp32", T="i32", NTOK="i32"),
-                      constexprs=dict(**heads, K=dk, V=dv, BK=m._pow2(dk), BV=rec["BV"], USE_H0=True, USE_DHT=True,
-                                      IS_VARLEN=True, L2NORM=True), num_warps=rec["num_warps"],
-                      num_stages=rec["num_stages"]))
+    cases.append(_recurrent_bwd_case(m, dtype, dk, dv, heads, NO_OPTIONS, tag))
     cases.append(dict(kernel=m._l2norm_bwd_kernel, name=f"l2norm_bwd{tag}",
-                      signature=dict(y=ptr, rstd=f32, dy=f32, dx=ptr, R="i32"),
+                      signature=dict(y=ptr, rstd=F32, dy=F32, dx=ptr, R="i32"),
                       constexprs=dict(D=dk, BR=4096 // m._pow2(dk), BD=m._pow2(dk)), num_warps=4))
     return cases
+
+
+def _state_cases(m, dtype, dk: int, dv: int, heads: dict, tag: str, one_config: bool, v_first: bool) -> list:
+    """The state pass (kernel 4) for sm_80 and sm_90, with the configs each keeps."""
+    _, tc, prec, ptr, _ = _shape(m, dtype, dk, dv)
+    return [dict(kernel=m._chunk_h_tuned, name="state" + tag, archs=[arch], tensor_cores=tc,
+                 configs=m._state_keep(m._STATE_CONFIGS, dtype, arch, dk, dv)[:1 if one_config else None],
+                 signature=dict(k=ptr, w=ptr, u=ptr, gs=F32, ge=F32, h=ptr, v_new=ptr, h0=F32, ht=F32, cu=I32,
+                                chunk_off=I32, T="i32", NHV="i32"),
+                 constexprs=dict(**heads, K=dk, V=dv, BT=m.CHUNK, **m._state_rows(dtype, dk), USE_H0=True,
+                                 STORE_FINAL=True, STATE_V_FIRST=v_first, IS_VARLEN=True, PREC=prec))
+            for arch in (80, 90)]
+
+
+def _dhu_cases(m, dtype, dk: int, dv: int, heads: dict, tag: str, one_config: bool, v_first: bool,
+               archs=(80, 90)) -> list:
+    """The reverse state pass (backward step b) per arch, with the configs each keeps."""
+    _, tc, prec, ptr, _ = _shape(m, dtype, dk, dv)
+    return [dict(kernel=m._chunk_dhu_tuned, name=f"dhu{tag}", archs=[arch], tensor_cores=tc,
+                 configs=m._dhu_keep(m._DHU_CONFIGS, dtype, arch, dk, dv)[:1 if one_config else None],
+                 signature=dict(q=ptr, k=ptr, w=ptr, gs=F32, ge=F32, do=ptr, dv_local=ptr, dv=ptr, dh=ptr,
+                                dht=F32, dh0=F32, cu=I32, chunk_off=I32, scale="fp32", T="i32", NHV="i32"),
+                 constexprs=dict(**heads, K=dk, V=dv, BT=m.CHUNK, IS_VARLEN=True, PREC=prec, **m._dhu_rows(dtype, dk),
+                                 USE_DHT=True, STORE_DH0=True, STATE_V_FIRST=v_first))
+            for arch in archs]
+
+
+def _recurrent_bwd_case(m, dtype, dk: int, dv: int, heads: dict, options: dict, tag: str) -> dict:
+    ptr = f"*{m._TL_DTYPES[dtype]}"
+    rec = m._rec_bwd_tiles(dk, dv)
+    return dict(kernel=m._recurrent_bwd_kernel, name=f"recurrent_bwd{tag}",
+                signature=dict(q=ptr, k=ptr, v=ptr, g=F32, beta=ptr, A_log=F32, dt_bias=F32, do=ptr, h0=F32, dht=F32,
+                               dq=F32, dk1=F32, dk2=F32, dv=ptr, dg=F32, dbeta=F32, da=F32, dh0=F32, p_buf=F32,
+                               dp_buf=F32, z_buf=F32, cu=I32, scale="fp32", T="i32", NTOK="i32"),
+                constexprs=dict(**heads, K=dk, V=dv, BK=m._pow2(dk), BV=rec["BV"], USE_H0=True, USE_DHT=True,
+                                IS_VARLEN=True, L2NORM=True, **options), num_warps=rec["num_warps"],
+                num_stages=rec["num_stages"])
