@@ -4,7 +4,7 @@
     python bench/flash_decoding.py --quick       # B in {1, 16}, contexts {8k, 32k}, 32/8 heads
     python bench/flash_decoding.py --flex-all    # FlexAttention on every case (one compile per shape)
 
-Grid (the issue's): B in {1, 4, 16, 64, 256} x context in {1k, 8k, 32k, 128k} x H_q/H_kv in
+Grid: B in {1, 4, 16, 64, 256} x context in {1k, 8k, 32k, 128k} x H_q/H_kv in
 {32/8, 64/8}, D = 128, bf16, one query row, paged cache with 16-key pages handed out as a random
 permutation of the pool.  A case whose cache does not fit in device memory is recorded as missing.
 

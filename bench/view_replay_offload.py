@@ -1,6 +1,6 @@
 """Benchmark of view-replay activation offloading (ref/ and fast/view_replay_offload.py).
 
-GPU (the issue's case): a stack of pre-norm transformer blocks (bf16, d_model 2048, seq 4096,
+GPU (the target case): a stack of pre-norm transformer blocks (bf16, d_model 2048, seq 4096,
 8 layers, 16 heads, SwiGLU 5632, RoPE buffers, fused qkv and gate/up projections whose
 outputs autograd saves through views), one forward + backward step, for
     none         no offloading
@@ -12,7 +12,7 @@ gradients equal the first no-offload step's bitwise (the ``none`` row shows whet
 attention backward is itself deterministic on that GPU), bytes moved
 device->host per step (save_on_cpu: every saved tensor's numel * itemsize, counted with a
 recording hook; ours: ``stats["offloaded_bytes"]``), the measured pinned copy bandwidth and the
-PCIe lower bound of each row (bytes / bandwidth), and the ratios the issue's targets are about
+PCIe lower bound of each row (bytes / bandwidth), and the ratios the targets are about
 (fast vs none: peak cut, step-time overhead; fast vs save_on_cpu: speedup, bytes).
 
 CPU (meaningful without a GPU): the cost of the hooks themselves, in microseconds per saved
@@ -200,7 +200,7 @@ def bench_gpu(rec: Recorder, args):
     rec.add(case, "fast", "overhead_vs_none", f["ms"] / n["ms"] - 1, "fraction")
     rec.add(case, "fast", "speedup_vs_save_on_cpu", s["ms"] / f["ms"], "x")
     rec.add(case, "fast", "bytes_vs_save_on_cpu", f["bytes"] / s["bytes"], "fraction")
-    print(f"\n{n_saved} saved tensors per step.  Issue targets (fast): peak cut >= 50% "
+    print(f"\n{n_saved} saved tensors per step.  Targets (fast): peak cut >= 50% "
           f"[{1 - f['peak'] / n['peak']:.0%}], step overhead <= 10% [{f['ms'] / n['ms'] - 1:+.0%}], "
           f">= 1.3x faster than save_on_cpu [{s['ms'] / f['ms']:.2f}x], fewer bytes "
           f"[{f['bytes'] / 2**20:.0f} vs {s['bytes'] / 2**20:.0f} MiB]")

@@ -6,7 +6,7 @@ Device choice
     is set here, before anything imports triton (``import torch`` does not; torch._dynamo
     does), and the tests use small shapes in fp32 and fp16 (the interpreter has no bf16).
 
-The tolerance rule (shared/DESIGN.md, FlashAttention's rule)
+The tolerance rule (CONTRIBUTING.md; FlashAttention's rule)
     Every output is compared with the reference computed in fp64 (``ref64``).  The fast
     result may be at most ``factor`` times as wrong as the reference run in the test dtype
     (``ref_lowp``: what plain PyTorch gets in that precision) plus a floor, the dtype's
@@ -187,7 +187,7 @@ def _floor(dtype: torch.dtype, scale: float) -> float:
 def check_close(name: str, fast: torch.Tensor, ref64: torch.Tensor, ref_lowp: torch.Tensor | None, *,
                 factor: float = 2.0, floor: float | None = None, rms_ratio: float | None = None,
                 atol: float | None = None) -> dict:
-    """The DESIGN.md rule.  ``ref_lowp`` is the reference run in the test dtype; pass None only
+    """The tolerance rule above.  ``ref_lowp`` is the reference run in the test dtype; pass None only
     where no low-precision run exists and give ``atol`` instead.  Returns the measured errors."""
     assert fast.shape == ref64.shape, f"{name}: shape {tuple(fast.shape)} != reference {tuple(ref64.shape)}"
     fast64 = fast.detach().to(device="cpu", dtype=torch.float64)

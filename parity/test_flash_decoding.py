@@ -2,7 +2,7 @@
 
 1. The reference: flash_decode in fp64 equals ``ref.paged_varlen_attention.varlen_attn`` on the
    same cache (bottom-right causal, GQA, softcap, sinks, empty sequences), whatever num_splits.
-2. fast vs ref: out and lse under the DESIGN.md rule (``check_close`` against the fp64 reference,
+2. fast vs ref: out and lse under the tolerance rule (conftest.check_close; CONTRIBUTING.md) (``check_close`` against the fp64 reference,
    at most twice the error of the reference run in the test dtype) and against varlen_attn in
    fp64; paged caches from ``build_page_pools`` (shuffled, over-allocated pools, NaN in every
    unused slot, spare block-table columns pointing at random pages) and contiguous caches with
@@ -479,7 +479,7 @@ def test_merge_bad_inputs():
 @pytest.mark.parametrize("module", [ref, fast], ids=["ref", "fast"])
 def test_choose_num_splits_named_shapes(module):
     gate = module.choose_num_splits
-    # The shapes: B in {1, 4, 16, 64, 256}, 8 KV heads (32/8 and 64/8 query heads give
+    # The benchmark's shapes: B in {1, 4, 16, 64, 256}, 8 KV heads (32/8 and 64/8 query heads give
     # 4 or 8 rows per KV head: one query tile), D = 128 (64-key blocks), H100 with 132 SMs.
     assert gate(1, 8, 131072, num_sms=H100_SMS) == 29     # 232 programs of 264 slots: 88% of a wave
     assert gate(1, 8, 32768, num_sms=H100_SMS) == 29

@@ -1,6 +1,6 @@
 """Gradients of fast.varlen_attn (the Triton backward) against autograd through the reference.
 
-1. dq, dk, dv (and dsinks) vs fp64 autograd through ref.varlen_attn, DESIGN.md's rule with factor
+1. dq, dk, dv (and dsinks) vs fp64 autograd through ref.varlen_attn, the tolerance rule (conftest.check_close) with factor
    3 (``ref_lowp`` = the reference's autograd in the test dtype, upcast=False): GQA 1/3/8, causal,
    two-sided and one-sided windows, softcap, sinks, a gradient reaching the returned lse, head dims
    32/60/100 and an odd 37 (the staged path), seqused_k, decode-like rows, rows that see no key,

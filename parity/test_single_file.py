@@ -1,4 +1,4 @@
-"""The single-file rules of shared/DESIGN.md, checked on every file in ref/ and fast/.
+"""The single-file rules of CONTRIBUTING.md, checked on every file in ref/ and fast/.
 
 1. Copyable alone: each file is copied into an empty directory and imported there by a
    fresh interpreter that cannot see this repository.  The import must print nothing and
