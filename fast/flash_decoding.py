@@ -87,7 +87,7 @@ _INTERPRETER_SMS = 132       # what the gate assumes for CPU tensors under the T
 # cannot keep an SM's share of HBM bandwidth busy: the GPU benchmark that decides it is owed.
 _PROGRAMS_PER_SM = 1
 _MAX_SPLITS = 1024
-_LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(1.4426950408889634)   # log2(e): kernels use it as is, the host as .value
 
 
 # ----------------------------------------------------------------------------- public API
@@ -272,7 +272,7 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         o_strides = (out.stride(0), out.stride(1), out.stride(2), 0)
         l_strides = (lse.stride(0), lse.stride(2), lse.stride(1), 0)   # lse is [B, H_q, S_q]
         o_dst, l_dst = out, lse
-    qk_scale = scale / softcap if softcap > 0 else scale * _LOG2E   # what the varlen kernel passes, rounded alike
+    qk_scale = scale / softcap if softcap > 0 else scale * _LOG2E.value   # what the varlen kernel passes, rounded alike
     bt = block_table if paged else seqused_k     # valid pointers the kernel never reads
     sk = sinks if sinks is not None else seqused_k
     grid = (batch * h_kv, num_splits, cfg["num_q_tiles"])
@@ -440,7 +440,7 @@ def _decode_fwd_kernel(
         b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_kv, other=0.0)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)       # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP:                                                # log2-domain scores
-            b_s = softcap * _tanh(b_s * qk_scale) * 1.4426950408889634     # qk_scale = scale / softcap
+            b_s = softcap * _tanh(b_s * qk_scale) * _LOG2E     # qk_scale = scale / softcap
         else:
             b_s = b_s * qk_scale                                          # qk_scale = scale * log2(e)
         b_s = tl.where(m_n[None, :] & (o_n[None, :] <= last_seen[:, None]), b_s, float("-inf"))
@@ -485,7 +485,7 @@ def _finish_rows(acc, l_i, m_i, b_sink, HAS_SINKS: tl.constexpr):
     if HAS_SINKS:
         # The sink is one more logit in the denominator, with no value vector.  A sink of -inf is no
         # sink; one of +inf takes all the mass (its term is 1 against m = +inf, not 2^(inf - inf)).
-        b_sink = b_sink * 1.4426950408889634
+        b_sink = b_sink * _LOG2E
         m_fin = tl.maximum(m_i, b_sink)
         m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)          # no key seen and a sink of -inf
         alpha = tl.exp2(m_i - m_fin)
@@ -504,7 +504,7 @@ def _finish_rows(acc, l_i, m_i, b_sink, HAS_SINKS: tl.constexpr):
 def _tanh(x):
     # tanh through exp2 (portable: the interpreter has no libdevice).  For large |x|, 2^(2x log2e)
     # overflows to inf or underflows to 0 and the expression saturates to +-1 as it should.
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)
 
 
 @triton.jit

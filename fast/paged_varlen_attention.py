@@ -87,7 +87,7 @@ import triton.language as tl
 
 __all__ = ["AuxRequest", "varlen_attn", "varlen_attn_out"]
 
-_LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(1.4426950408889634)   # log2(e): kernels use it as is, the host as .value
 _LN2 = 0.6931471805599453
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -285,7 +285,7 @@ def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_lef
         k_strides, v_strides = (0, *key.stride()[:2]), (0, *value.stride()[:2])
         page_size, stride_bt = 1, 0
     has_softcap = softcap > 0
-    qk_scale = scale / softcap if has_softcap else scale * _LOG2E
+    qk_scale = scale / softcap if has_softcap else scale * _LOG2E.value
     int_dummy = cu_seq_q                                                  # never read when its flag is off
     args = (query, key, value, target, lse, sinks if sinks is not None else query,
             cu_seq_q, cu_seq_k if cu_seq_k is not None else int_dummy,
@@ -371,7 +371,7 @@ def _launch_bwd(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_se
 
         # 2. dK, dV over key blocks; 3. dQ over query tiles.
         has_softcap = softcap > 0
-        qk_scale = scale / softcap if has_softcap else scale * _LOG2E
+        qk_scale = scale / softcap if has_softcap else scale * _LOG2E.value
         common = (qk_scale, float(softcap), scale, window_left, window_right)
         int_dummy = cu_seq_q
         seq_args = (cu_seq_q, cu_seq_k, seqused_k if seqused_k is not None else int_dummy)
@@ -643,7 +643,7 @@ def _attn_key_blocks(acc, l_i, m_i, b_q, k_ptr, v_ptr, bt_row_ptr, bos_k, L_k, o
             b_v = tl.load(p_v)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)   # [BLOCK_M, BLOCK_N] fp32
         if HAS_SOFTCAP:                                                # log2-domain scores
-            b_s = softcap * _tanh(b_s * qk_scale) * 1.4426950408889634     # qk_scale = scale / softcap
+            b_s = softcap * _tanh(b_s * qk_scale) * _LOG2E     # qk_scale = scale / softcap
         else:
             b_s = b_s * qk_scale                                          # qk_scale = scale * log2(e)
         if MASKED:
@@ -683,7 +683,7 @@ def _finish_rows(acc, l_i, m_i, b_sink, HAS_SINKS: tl.constexpr):
     if HAS_SINKS:
         # The sink is one more logit in the denominator, with no value vector.  A sink of -inf is no
         # sink; one of +inf takes all the mass (its term is 1 against m = +inf, not 2^(inf - inf)).
-        b_sink = b_sink * 1.4426950408889634
+        b_sink = b_sink * _LOG2E
         m_fin = tl.maximum(m_i, b_sink)
         m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)          # no key seen and a sink of -inf
         alpha = tl.exp2(m_i - m_fin)
@@ -702,7 +702,7 @@ def _finish_rows(acc, l_i, m_i, b_sink, HAS_SINKS: tl.constexpr):
 def _tanh(x):
     # tanh through exp2 (portable: the interpreter has no libdevice).  For large |x|, 2^(2x log2e)
     # overflows to inf or underflows to 0 and the expression saturates to +-1 as it should.
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)
 
 
 @triton.jit
@@ -863,7 +863,7 @@ def _attn_bwd_preprocess_kernel(
     b_lse = tl.load(lse_ptr + i_h * T_q + o_tok, mask=m_t, other=0.0)
     seen = b_lse != float("-inf")                                         # NaN counts as seen: it stays NaN
     # A row that saw nothing (lse = -inf) gets +inf, so its recomputed probabilities 2^(s - inf) are 0.
-    tl.store(lse2_ptr + i_h * T_q + o_tok, tl.where(seen, b_lse * 1.4426950408889634, float("inf")), mask=m_t)
+    tl.store(lse2_ptr + i_h * T_q + o_tok, tl.where(seen, b_lse * _LOG2E, float("inf")), mask=m_t)
     tl.store(delta_ptr + i_h * T_q + o_tok, b_delta, mask=m_t)
     if HAS_SINKS:
         # The sink's probability exp(sink - lse): 1 for a sink of +inf (then lse = +inf too).
@@ -1103,7 +1103,7 @@ def _bwd_scores(b_s, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr):
     """Raw dot products -> log2-domain scores, and tanh(s / softcap) for the softcap derivative."""
     if HAS_SOFTCAP:
         b_tanh = _tanh(b_s * qk_scale)                                     # qk_scale = scale / softcap
-        return softcap * b_tanh * 1.4426950408889634, b_tanh
+        return softcap * b_tanh * _LOG2E, b_tanh
     return b_s * qk_scale, b_s                                             # qk_scale = scale * log2(e)
 
 

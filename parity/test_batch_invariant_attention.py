@@ -300,11 +300,12 @@ def test_the_two_files_hold_the_same_arithmetic_and_tiles():
     for a row's arithmetic: the tables and the helpers (and the score transform) are equal."""
     assert fast._INVARIANT_CONFIG_TABLE == fast_decoding._INVARIANT_CONFIG_TABLE
     assert fast._INTERPRET_INVARIANT_CONFIG == fast_decoding._INTERPRET_INVARIANT_CONFIG
+    assert fast._LOG2E.value == fast_decoding._LOG2E.value
     varlen, decoding = function_sources(fast), function_sources(fast_decoding)
     for name in ("_online_softmax_step", "_finish_rows", "_tanh"):
         assert varlen[name] == decoding[name], name
     transform = """        if HAS_SOFTCAP:                                                # log2-domain scores
-            b_s = softcap * _tanh(b_s * qk_scale) * 1.4426950408889634     # qk_scale = scale / softcap
+            b_s = softcap * _tanh(b_s * qk_scale) * _LOG2E     # qk_scale = scale / softcap
         else:
             b_s = b_s * qk_scale                                          # qk_scale = scale * log2(e)
 """
