@@ -199,8 +199,9 @@ def bench_decode(rec, batches, fast, fla, fla_version, ceilings):
         if fla is None:
             rec.missing(name, "fla fused_recurrent", fla_version)
         else:
-            rec.time(name, f"fla {fla_version}", rotating(lambda q, k, v, g, beta, h0: fla.fused_recurrent_gated_delta_rule(
-                q, k, v, g=g, beta=beta, initial_state=h0, **kw), sets), nbytes=nbytes)
+            def fla_recurrent(q, k, v, g, beta, h0):
+                return fla.fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, **kw)
+            rec.time(name, f"fla {fla_version}", rotating(fla_recurrent, sets), nbytes=nbytes)
         rec.speedups(name)
 
 

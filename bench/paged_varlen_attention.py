@@ -1,4 +1,5 @@
-"""Benchmark: paged varlen attention, forward and training, fast vs ref vs PyTorch varlen_attn / FlexAttention / flash-attn.
+"""Benchmark: paged varlen attention, forward and training, fast vs ref vs PyTorch varlen_attn / FlexAttention /
+flash-attn.
 
     python bench/paged_varlen_attention.py          # or: make bench FEATURE=paged_varlen_attention
 

@@ -48,7 +48,7 @@ if not BUILD_WORKER:
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"    # fla's Triton kernels, not its TileLang / FlashQLA ones
 
-import torch
+import torch  # noqa: E402  (after TRITON_INTERPRET is set)
 
 FLA_VERSION = "0.6.0"
 README = ROOT / "README.md"
@@ -740,7 +740,7 @@ def main(argv=None) -> int:
     print(f"{len(specs)} sm_90 builds in {time.perf_counter() - t1:.0f} s", flush=True)
     results = []
     for case in cases:
-        for impl, res in case.per_impl.items():
+        for res in case.per_impl.values():
             res["summary"] = summarize(case, res["measured"])
             res["kernels"] = kernel_rows(res["measured"], built)
         results.append((case, case.per_impl))

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from harness import Recorder, run_bench, time_ms  # noqa: E402
+from harness import ON_GPU, Recorder, run_bench, time_ms  # noqa: E402
 
 import fast.view_replay_offload as fast_mod  # noqa: E402
 import ref.view_replay_offload as ref_mod  # noqa: E402
@@ -94,7 +94,7 @@ def make_model(layers, d, heads, ff, seq, *, dtype, device, seed=0):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(*[Block(d, heads, ff, seq, dtype=dtype, device=device) for _ in range(layers)])
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, p.shape[1] ** -0.5)
     return model

@@ -680,7 +680,7 @@ def _sm_count(device: torch.device) -> int:
     return _INTERPRETER_SMS
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

@@ -1181,7 +1181,7 @@ _FORCED_BWD_CONFIGS: Optional[tuple[dict, dict]] = None
 
 # ----------------------------------------------------------------------------- launch plumbing
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gpu_family(device_index: int) -> int:
     """90 for Hopper and newer, 80 for Ampere/Ada (queried at the first call, never at import)."""
     return 90 if torch.cuda.get_device_capability(device_index)[0] >= 9 else 80

@@ -46,7 +46,8 @@ import contextlib
 import dataclasses
 import inspect
 import threading
-from typing import Callable, Optional
+from typing import Optional
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -162,7 +163,10 @@ class _LaunchState:
             message = f"{r.kernel}: {what} at 0x{bad:x} in a launch with no tensor argument, program id {pid}"
             _SESSIONS[-1].violations.append(message)
             raise OutOfBounds(message)
-        near = min(self._sorted, key=lambda s: 0 if s.start <= bad < s.end else min(abs(bad - s.start), abs(bad - s.end)))
+
+        def distance(s):
+            return 0 if s.start <= bad < s.end else min(abs(bad - s.start), abs(bad - s.end))
+        near = min(self._sorted, key=distance)
         offset = bad - near.start
         where = "before its start" if offset < 0 else f"past its end ({near.end - near.start} bytes)"
         message = (
@@ -316,7 +320,7 @@ def _init_args_hst(self, args_dev, kwargs):
             elif isinstance(value, tuple):
                 for i, v in enumerate(value):
                     add(f"{name}[{i}]", v)
-            elif hasattr(value, "base") and isinstance(getattr(value, "base"), torch.Tensor):
+            elif hasattr(value, "base") and isinstance(value.base, torch.Tensor):
                 add(name, value.base)      # a TensorDescriptor (or a TensorWrapper)
         for name, value in zip(self.arg_names, args_hst):
             add(name, value)

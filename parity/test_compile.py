@@ -2,8 +2,9 @@
 
 The interpreter accepts code that the GPU compiler rejects (or compiles into something that
 spills registers to local memory), so each fast/ file's launches, listed in
-``parity/aot_cases/<same name>.py``, are built ahead of time by ``parity/aot_compile.py`` in a separate interpreter (the Triton
-interpreter, switched on for the other tests, replaces ``@triton.jit`` and cannot compile).
+``parity/aot_cases/<same name>.py``, are built ahead of time by ``parity/aot_compile.py`` in a separate
+interpreter (the Triton interpreter, switched on for the other tests, replaces ``@triton.jit`` and
+cannot compile).
 A case fails on a build error, on any local memory / stack (spills), and, for kernels that
 promise tensor cores, on PTX without ``mma.sync`` (sm_80) or ``wgmma`` (sm_90).
 """

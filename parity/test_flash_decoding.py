@@ -2,7 +2,7 @@
 
 1. The reference: flash_decode in fp64 equals ``ref.paged_varlen_attention.varlen_attn`` on the
    same cache (bottom-right causal, GQA, softcap, sinks, empty sequences), whatever num_splits.
-2. fast vs ref: out and lse under the tolerance rule (conftest.check_close; CONTRIBUTING.md) (``check_close`` against the fp64 reference,
+2. fast vs ref: out and lse under the tolerance rule of CONTRIBUTING.md (``check_close`` against the fp64 reference,
    at most twice the error of the reference run in the test dtype) and against varlen_attn in
    fp64; paged caches from ``build_page_pools`` (shuffled, over-allocated pools, NaN in every
    unused slot, spare block-table columns pointing at random pages) and contiguous caches with

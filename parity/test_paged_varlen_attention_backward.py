@@ -1,6 +1,6 @@
 """Gradients of fast.varlen_attn (the Triton backward) against autograd through the reference.
 
-1. dq, dk, dv (and dsinks) vs fp64 autograd through ref.varlen_attn, the tolerance rule (conftest.check_close) with factor
+1. dq, dk, dv (and dsinks) vs fp64 autograd through ref.varlen_attn, the tolerance rule (check_close) with factor
    3 (``ref_lowp`` = the reference's autograd in the test dtype, upcast=False): GQA 1/3/8, causal,
    two-sided and one-sided windows, softcap, sinks, a gradient reaching the returned lse, head dims
    32/60/100 and an odd 37 (the staged path), seqused_k, decode-like rows, rows that see no key,
@@ -180,7 +180,7 @@ def test_keys_past_seqused_get_zero_gradient():
     used = torch.tensor([max(0, lk - 3) for lk in b["k_lens"]], dtype=torch.int32, device=DEVICE)
     b["max_k"] = max(int(used.max()), 1)
     g = check_grads(b, torch.float32, window=(-1, 0), seqused_k=used)
-    for i, lk in enumerate(b["k_lens"]):
+    for i in range(len(b["k_lens"])):
         tail = slice(b["cu_k"][i] + int(used[i]), b["cu_k"][i + 1])
         assert torch.all(g["dk"][tail] == 0) and torch.all(g["dv"][tail] == 0), f"sequence {i}"
 

@@ -123,7 +123,8 @@ def clear_grads(model, x=None):
 def assert_bitwise(got, want, what="gradient"):
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert g.dtype == w.dtype and g.shape == w.shape, f"{what} {i}: {g.dtype}{tuple(g.shape)} vs {w.dtype}{tuple(w.shape)}"
+        assert g.dtype == w.dtype and g.shape == w.shape, \
+            f"{what} {i}: {g.dtype}{tuple(g.shape)} vs {w.dtype}{tuple(w.shape)}"
         if not torch.equal(g, w):
             diff = (g.double() - w.double()).abs().max().item()
             raise AssertionError(f"{what} {i} differs from the run without offloading (max |diff| {diff:.3e})")
@@ -1024,7 +1025,7 @@ def test_gpu_gradients_bitwise_and_stats(impl, dtype):
     for prefetch, inflight in ((2, 1 << 29), (0, 0), (4, 1 << 20)):
         kw = dict(prefetch=prefetch, max_inflight_bytes=inflight) if impl is fast_mod else {}
         ctx = impl.OffloadActivations(min_offload_bytes=1 << 16, module=model, **kw)
-        for step in range(2):
+        for _ in range(2):
             clear_grads(model, x)
             with ctx:
                 loss = loss_of(model(x))
