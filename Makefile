@@ -20,7 +20,7 @@ help:
 	@echo "                      bench/results/latest/; RECORD=1 also appends to the committed CSVs"
 	@echo "                      and regenerates the README tables and plots"
 	@echo "  make report         regenerate the README tables and plots from bench/results/*.csv       ~5 s"
-	@echo "  make roofline      bytes each kernel moves vs its IO bound, and its sm_90 build, beside    ~10 min"
+	@echo "  make roofline       bytes each kernel moves vs its IO bound, and its sm_90 build, beside   ~10 min"
 	@echo "                      fla-core 0.6.0 (Triton interpreter; RECORD=1 saves CSV, plot, README)"
 	@echo "  make demo           the end-to-end RL-style loop (bench/rl_loop.py; DEMO_ARGS=--ray for a   ~1 min"
 	@echo "                      Ray fleet)"
