@@ -420,7 +420,8 @@ class DecoderLM(nn.Module):
     ``batch_invariant=True``: the module docstring's batch-invariant numerics (every "linear" plug-in
     must then have ``set_batch_invariant(linear)``); ``varlen_attn``: the attention of ``forward`` and
     ``token_logprobs`` (fast/paged_varlen_attention.varlen_attn's signature, called with
-    ``batch_invariant``), required for the mode's bitwise contract; None = ``scaled_dot_product_attention``.
+    ``batch_invariant``), required with ``batch_invariant=True`` (ValueError otherwise); None =
+    ``scaled_dot_product_attention``.
     """
 
     def __init__(self, config: ModelConfig | None = None, *, seed: int = 0, linear_layer=None, device=None,
@@ -797,10 +798,6 @@ class Generator:
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
         _check_mode(batch_invariant, varlen_attn)
-        if batch_invariant and varlen_attn is None:
-            raise ValueError("batch_invariant=True needs varlen_attn (fast/paged_varlen_attention.varlen_attn, whose "
-                             "batch_invariant=True rounds a row alike in a prefill, a decode step and a trainer's "
-                             "packed forward); the in-file default attention is not batch-invariant")
         self.name = name
         self.device = torch.device("cpu" if device is None else device)
         self.batch_invariant = batch_invariant
@@ -1283,6 +1280,10 @@ def _check_mode(batch_invariant, varlen_attn) -> None:
     if varlen_attn is not None and not callable(varlen_attn):
         raise TypeError(f"varlen_attn must be None or a function with varlen_attn's signature, got "
                         f"{type(varlen_attn).__name__}")
+    if batch_invariant and varlen_attn is None:
+        raise ValueError("batch_invariant=True needs varlen_attn (fast/paged_varlen_attention.varlen_attn, whose "
+                         "batch_invariant=True rounds a row alike in a prefill, a decode step and a trainer's "
+                         "packed forward); the in-file default attention is not batch-invariant")
 
 
 def _check_logprob_inputs(sequences, prompt_lengths, temperature, config: ModelConfig):

@@ -207,6 +207,8 @@ def test_bad_inputs_raise():
     c = config("attention")
     with pytest.raises(ValueError, match="batch_invariant=True needs varlen_attn"):
         fast_ge.Generator(c, batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant=True needs varlen_attn"):
+        fast_ge.DecoderLM(c, batch_invariant=True)
     with pytest.raises(TypeError, match="batch_invariant must be a bool"):
         fast_ge.Generator(c, batch_invariant=1, varlen_attn=varlen_attn)
     with pytest.raises(TypeError, match="varlen_attn must be None or a function"):
