@@ -8,6 +8,8 @@ preemption that recomputed them; ``DecoderLM(batch_invariant=True, varlen_attn=.
 DeltaNet layers) under continuous batching with a KV pool small enough to preempt, in fp32 on the CPU
 with the repo's attention kernels under the Triton interpreter.  The negative control runs the same
 workload with the mode off and records how far apart the two sides are there (the README quotes it).
+The GPU tier runs the contract in bf16 with the Triton matmul (attention-only: fast/gated_deltanet.py's
+recurrent kernel is not yet checked for batch and split invariance).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 import fast.generator_engine as fast_ge
+from conftest import DEVICE, requires_gpu
 import ref.gated_deltanet as ref_gdn
 import ref.generator_engine as ref_ge
 from fast.flash_decoding import flash_decode
@@ -66,11 +69,11 @@ def requests(seed, n=N_REQUESTS):
     return out
 
 
-def generator(kind, invariant, *, decode_kernel=True, num_pages=14):
-    """A busy engine: 8 slots, 14 pages of 4 tokens (a request holds up to 7 pages: preemptions)."""
+def generator(kind, invariant, *, decode_kernel=True, page_size=4):
+    """A busy engine: 8 slots and a pool of 56-57 KV slots (a request holds up to 28: preemptions)."""
     plug = dict(varlen_attn=varlen_attn, flash_decode=flash_decode if decode_kernel else None)
-    return fast_ge.Generator(config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"], page_size=4,
-                             num_pages=num_pages, max_batch_size=8, batch_invariant=invariant, **plug)
+    return fast_ge.Generator(config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"], page_size=page_size,
+                             num_pages=-(-56 // page_size), max_batch_size=8, batch_invariant=invariant, **plug)
 
 
 def serve_busy(gen, reqs, seed):
@@ -104,11 +107,11 @@ def largest_mismatch(completions, recomputed):
                for c in completions)
 
 
-@pytest.mark.parametrize("kind,decode_kernel", [("attention", False), ("hybrid", True)],
-                         ids=["attention-varlen_decode", "hybrid-flash_decode"])
-def test_engine_logprobs_equal_the_trainers_bitwise(kind, decode_kernel):
+@pytest.mark.parametrize("kind,decode_kernel,page_size", [("attention", False, 4), ("hybrid", True, 3)],
+                         ids=["attention-varlen_decode-page4", "hybrid-flash_decode-page3"])
+def test_engine_logprobs_equal_the_trainers_bitwise(kind, decode_kernel, page_size):
     reqs = requests(seed=11)
-    with generator(kind, True, decode_kernel=decode_kernel) as gen:
+    with generator(kind, True, decode_kernel=decode_kernel, page_size=page_size) as gen:
         busy = serve_busy(gen, reqs, seed=12)
         stats = gen.stats()
         assert stats["preemptions"] >= 1, stats
@@ -220,3 +223,30 @@ def test_bad_inputs_raise():
 
     with pytest.raises(ValueError, match="set_batch_invariant"):
         fast_ge.DecoderLM(config("hybrid"), linear_layer=NoMode, batch_invariant=True, varlen_attn=varlen_attn)
+
+
+# ----------------------------------------------------------------------------- GPU tier (bf16)
+
+@requires_gpu
+@pytest.mark.gpu
+def test_gpu_bf16_engine_logprobs_equal_the_trainers_bitwise():
+    """The same contract in bf16 on a GPU, where every matmul is the fixed-tile Triton kernel: a 0.1B
+    attention model, 64 requests through a pool that preempts, flash_decode(batch_invariant=True)."""
+    cfg = fast_ge.ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8,
+                              num_kv_heads=2, head_dim=64, max_seq_len=512, tie_embeddings=False)
+    rng = random.Random(5)
+    reqs = [fast_ge.Request([rng.randrange(4096) for _ in range(rng.randint(1, 300))],
+                            fast_ge.SamplingParams(max_new_tokens=rng.randint(1, 64), temperature=(0.0, 1.0)[i % 2],
+                                                   seed=i), request_id=f"g{i}") for i in range(64)]
+    kw = dict(device=DEVICE, dtype=torch.bfloat16)
+    with fast_ge.Generator(cfg, seed=0, page_size=16, num_pages=160, max_batch_size=32, batch_invariant=True,
+                           varlen_attn=varlen_attn, flash_decode=flash_decode, **kw) as gen:
+        busy = serve_busy(gen, reqs, seed=6)
+        assert gen.stats()["preemptions"] >= 1
+        alone = gen.generate([reqs[7]])[0]
+    assert alone.token_ids == busy[7].token_ids and alone.logprobs == busy[7].logprobs
+    trainer = fast_ge.DecoderLM(cfg, seed=0, batch_invariant=True, varlen_attn=varlen_attn, **kw)
+    with torch.no_grad():
+        recomputed = trainer_logprobs(trainer, reqs, busy)
+    for c in busy:
+        assert torch.equal(torch.tensor(c.logprobs, dtype=torch.float32), recomputed[c.request_id].cpu()), c.request_id
