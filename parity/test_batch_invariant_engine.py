@@ -163,6 +163,13 @@ def test_invariant_linear_rows_do_not_depend_on_the_row_count():
         torch.testing.assert_close(full, x @ w.t(), rtol=1e-5, atol=1e-5)
         for m in (1, 7):
             assert torch.equal(fn(x[3:3 + m], w), full[3:3 + m]), (fn.__name__, m)
+    # A custom op with its fake and autograd (torch.compile traces it; gradients are x @ W^T's).
+    torch.library.opcheck(torch.ops.twofold.invariant_linear, (x, w))
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    fast_ge._invariant_linear(xg, wg).square().sum().backward()
+    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (x2 @ w2.t()).square().sum().backward()
+    torch.testing.assert_close((xg.grad, wg.grad), (x2.grad, w2.grad), rtol=1e-5, atol=1e-4)
 
 
 def test_ref_token_logprobs_are_its_engines_logprobs():
