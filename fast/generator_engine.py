@@ -524,9 +524,12 @@ class DecoderLM(nn.Module):
         ``varlen_attn`` when the model has one, else SDPA with a block-diagonal causal mask."""
         scale = self.config.head_dim ** -0.5
         if self.varlen_attn is not None:
+            # The keyword only in the mode: PyTorch's own varlen_attn, which has none, plugs in too.
+            mode = dict(batch_invariant=True) if self.batch_invariant else {}
+
             def attend(i, q, k, v):
                 return self.varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0),
-                                        enable_gqa=True, batch_invariant=self.batch_invariant)
+                                        enable_gqa=True, **mode)
             return attend
         t = int(cu[-1])
         doc = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu.diff().long())
