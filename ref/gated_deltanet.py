@@ -70,6 +70,9 @@ The layer
     -exp(A_log) softplus(a + dt_bias); beta = sigmoid(b); the rule with q/k l2-norm; gated RMSNorm;
     out_proj).  Its kernel functions are constructor arguments, so the fast ones drop in;
     ``GatedDeltaNetCache`` carries the conv tail and the state between calls (prefill, decode).
+    ``set_batch_invariant(linear)`` switches it to batch-invariant numerics (a token's output bit
+    for bit the same in any batch, packing or prefill/decode split, given a row-invariant matmul
+    ``linear`` and an invariant ``recurrent_fn``): fast/generator_engine.py's bitwise on-policy mode.
 
 References
     Yang, Kautz, Hatamizadeh, Gated Delta Networks (ICLR 2025); Yang et al., Parallelizing
