@@ -172,6 +172,36 @@ def test_invariant_linear_rows_do_not_depend_on_the_row_count():
     torch.testing.assert_close((xg.grad, wg.grad), (x2.grad, w2.grad), rtol=1e-5, atol=1e-4)
 
 
+def test_gated_deltanet_layer_is_batch_and_split_invariant():
+    """ref/gated_deltanet.py's layer after set_batch_invariant: three documents packed in one call, each
+    alone, and a prefill of their first tokens followed by batched one-token decode steps give every
+    token's output bit for bit alike."""
+    torch.manual_seed(0)
+    layer = gdn_layer(config("hybrid"), 0)
+    layer.set_batch_invariant(fast_ge._invariant_linear)
+    lengths, prefix = [9, 4, 13], [3, 1, 5]
+    docs = [torch.randn(1, n, 32) for n in lengths]
+
+    def cu(ns):
+        return torch.tensor([0, *torch.tensor(ns).cumsum(0).tolist()], dtype=torch.int32)
+
+    with torch.no_grad():
+        packed = layer(torch.cat(docs, 1), cu_seqlens=cu(lengths))[0].split(lengths)
+        alone = [layer(d, cu_seqlens=cu([d.shape[1]]))[0] for d in docs]
+        cache = layer.new_cache()
+        first = layer(torch.cat([d[:, :p] for d, p in zip(docs, prefix)], 1), cu_seqlens=cu(prefix), cache=cache)
+        steps = [[] for _ in docs]
+        for t in range(max(lengths)):  # every document steps until the longest is done (padding past its end)
+            x = torch.cat([d[:, min(p + t, n - 1)][:, None] for d, p, n in zip(docs, prefix, lengths)])   # [3, 1, 32]
+            out = layer(x, cache=cache)
+            for i, (p, n) in enumerate(zip(prefix, lengths)):
+                if p + t < n:
+                    steps[i].append(out[i, 0])
+    split = [torch.cat([f, torch.stack(s)]) for f, s in zip(first[0].split(prefix), steps)]
+    for a, b, c in zip(packed, alone, split):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def test_ref_token_logprobs_are_its_engines_logprobs():
     """ref/generator_engine.py's token_logprobs (one packed forward) against the reference engine's
     logprobs, and fast's in the mode against ref's: the same numbers to fp32 rounding."""
