@@ -26,16 +26,25 @@ What it runs
                  samples per prompt), a PPO-clipped loss on the generators' own logprobs (the
                  behaviour policy, possibly older than the trainer's: the clip absorbs the staleness)
 
+    on-policy    every step, the trainer recomputes the logprobs of the sampled tokens
+                 (``DecoderLM.token_logprobs``, one packed forward, on the weights of the version
+                 that served them, in the generators' dtype) and compares them with the ones the
+                 generators reported.  ``--batch-invariant``: generators and trainer in the engine's
+                 batch-invariant mode (fast varlen_attn / flash_decode with batch_invariant=True; on
+                 a CPU under the Triton interpreter, so a smaller workload): the difference is 0.
+
 What it prints
     per step: mean reward, loss, generated tokens/s, staleness (lag = trainer version when the
     rollout is consumed minus the version it started on; span = max - min version inside one
-    rollout), the hot-swap sync time, offloaded bytes; at the end the totals.  The CPU size runs
+    rollout), the hot-swap sync time, offloaded bytes, the largest |generator - trainer| logprob
+    difference (over the rollouts served on one version); at the end the totals.  The CPU size runs
     in about a minute; ``--size gpu`` (default on CUDA) is larger.
 
     python bench/rl_loop.py               # CPU: 60 steps, ~1 min on 2 cores; reward ~0.25 -> ~0.9
     python bench/rl_loop.py --steps 30    # half as long; reward ~0.25 -> ~0.5
     python bench/rl_loop.py --ray         # the generators as Ray actors (ray_generators), a local Ray
     python bench/rl_loop.py --ray --kill-at 10   # ... and SIGKILL one actor's process at step 10
+    python bench/rl_loop.py --batch-invariant --steps 4   # bitwise on-policy: max |diff| 0 every step
 
 With ``--ray`` the two generators run as Ray actors on the local Ray instance (each builds its engine
 itself; weights reach them through the object store), and the fleet's health events are printed
@@ -51,12 +60,16 @@ import os
 import signal
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--batch-invariant" in sys.argv[1:] and not torch.cuda.is_available():
+    # The mode's attention kernels on CPU tensors: the Triton interpreter, chosen before any kernel is defined.
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import fast.generator_engine as ge  # noqa: E402
 import fast.routed_generator as rg  # noqa: E402
@@ -69,6 +82,12 @@ SIZES = {
                            layer_types=("linear", "attention", "linear", "attention")),
                 gdn=dict(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16),
                 prompts=8, group=4, prompt_len=8, out_len=16, lr=1e-2),
+    # --batch-invariant on a CPU: the attention kernels run under the Triton interpreter.
+    "cpu-invariant": dict(model=dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                                     num_kv_heads=1, head_dim=32, max_seq_len=32, tie_embeddings=False,
+                                     layer_types=("linear", "attention")),
+                          gdn=dict(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16),
+                          prompts=4, group=2, prompt_len=6, out_len=8, lr=1e-2),
     "gpu": dict(model=dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8,
                            num_kv_heads=2, head_dim=64, max_seq_len=1024, tie_embeddings=False,
                            layer_types=("linear", "linear", "linear", "attention") * 2),
@@ -122,11 +141,46 @@ def loss_fn(model, completions, group: int, device, offload=None):
     p = len(completions[0].prompt_token_ids)
     behaviour = torch.tensor([c.logprobs for c in completions], device=device)
     with offload if offload is not None else contextlib.nullcontext():
-        logits = model(ids[:, :-1])                                   # [N, P + L - 1, V]
-        logp = torch.log_softmax(logits[:, p - 1:] / TEMPERATURE, dim=-1).gather(-1, ids[:, p:, None])[..., 0]
+        if model.batch_invariant:   # the mode's packed forward: the generators' numbers, bit for bit
+            logp = torch.stack(model.token_logprobs(ids.tolist(), [p] * len(completions), temperature=TEMPERATURE))
+        else:
+            logits = model(ids[:, :-1])                               # [N, P + L - 1, V]
+            logp = torch.log_softmax(logits[:, p - 1:] / TEMPERATURE, dim=-1).gather(-1, ids[:, p:, None])[..., 0]
         ratio = torch.exp(logp - behaviour)
         loss = -torch.minimum(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv).mean()
     return loss, r.mean().item()
+
+
+@torch.no_grad()
+def logprob_mismatch(checker, snapshots: dict, completions) -> tuple[float, int, int]:
+    """The trainer's recompute against the generators' logprobs: for the completions served on one
+    policy version v (min == max version), ``checker.token_logprobs`` on v's weights.  Returns (largest
+    |difference|, completions compared, completions skipped: they span two versions, two policies)."""
+    worst, compared = 0.0, 0
+    for v in sorted({c.min_policy_version for c in completions}):
+        batch = [c for c in completions if c.min_policy_version == c.max_policy_version == v]
+        if not batch or v not in snapshots:
+            continue
+        checker.load_state_dict(snapshots[v])
+        lps = checker.token_logprobs([c.prompt_token_ids + c.token_ids for c in batch],
+                                     [len(c.prompt_token_ids) for c in batch], temperature=TEMPERATURE)
+        for c, lp in zip(batch, lps):
+            worst = max(worst, float((lp.double().cpu() - torch.tensor(c.logprobs, dtype=torch.float64)).abs().max()))
+        compared += len(batch)
+    return worst, compared, len(completions) - compared
+
+
+# The Triton interpreter is not thread-safe (it patches triton.language while a kernel runs): on a CPU the
+# mode's kernels, in the generators' engine threads and in the trainer, run one at a time under this lock.
+INTERPRETER_LOCK = threading.RLock()
+
+
+def one_at_a_time(kernel):
+    @functools.wraps(kernel)
+    def call(*args, **kwargs):
+        with INTERPRETER_LOCK:
+            return kernel(*args, **kwargs)
+    return call
 
 
 def check_offload_is_exact(model, completions, group, device):
@@ -154,11 +208,17 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--ray", action="store_true", help="run the generators as Ray actors")
     ap.add_argument("--kill-at", type=int, default=None, help="with --ray: SIGKILL one actor's process at this step")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="generators and trainer in the batch-invariant mode: bitwise on-policy logprobs")
     args = ap.parse_args(argv)
     if args.kill_at is not None and not args.ray:
         ap.error("--kill-at needs --ray")
-    size = SIZES[args.size]
     on_gpu = args.size == "gpu"
+    invariant = args.batch_invariant
+    if invariant and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error("--batch-invariant on a CPU runs the Triton interpreter: pass it on the command line "
+                 "(python bench/rl_loop.py --batch-invariant) or set TRITON_INTERPRET=1")
+    size = SIZES["cpu-invariant" if invariant and not on_gpu else args.size]
     device = torch.device("cuda" if on_gpu else "cpu")
     if not on_gpu:
         torch.set_num_threads(1)  # three engine/trainer threads on a small CPU: no OpenMP team collisions
@@ -183,7 +243,21 @@ def main(argv=None) -> int:
         train_layer = gdn_factory(size["gdn"], ref_gdn.fused_recurrent_gated_delta_rule,
                                   ref_gdn.fused_recurrent_gated_delta_rule)
 
-    model = ge.DecoderLM(config, seed=0, linear_layer=train_layer, device=device).train()
+    mode = {}
+    if invariant:  # the engine's bitwise contract: one attention kernel family, the recurrent GDN form everywhere
+        from fast.flash_decoding import flash_decode
+        from fast.paged_varlen_attention import varlen_attn
+        if not on_gpu:
+            varlen_attn, flash_decode = one_at_a_time(varlen_attn), one_at_a_time(flash_decode)
+        gen_kw.update(batch_invariant=True, varlen_attn=varlen_attn, flash_decode=flash_decode)
+        mode = dict(batch_invariant=True, varlen_attn=varlen_attn)
+        kernels = "batch-invariant mode: fast varlen_attn + flash_decode (batch_invariant=True)" + (
+            "" if on_gpu else " under the Triton interpreter, reference Gated DeltaNet (recurrent form)")
+    model = ge.DecoderLM(config, seed=0, linear_layer=train_layer, device=device, **mode).train()
+    # The trainer's recompute of the rollouts' logprobs, in the generators' dtype on the weights that served them.
+    checker = ge.DecoderLM(config, seed=0, linear_layer=train_layer, device=device, dtype=gen_kw["dtype"],
+                           **mode).eval()
+    snapshots = {0: {k: v.detach().clone() for k, v in model.state_dict().items()}}
     opt = torch.optim.AdamW(model.parameters(), lr=size["lr"], weight_decay=0.0)
     offload = OffloadActivations(min_offload_bytes=4096, module=model)
     if args.ray:
@@ -213,15 +287,19 @@ def main(argv=None) -> int:
             completions = [f.result() for f in pending]
             waited = time.perf_counter() - t0
             if step == 0:
-                exact = check_offload_is_exact(model, completions, size["group"], device)
+                with INTERPRETER_LOCK if invariant and not on_gpu else contextlib.nullcontext():
+                    exact = check_offload_is_exact(model, completions, size["group"], device)
                 print(f"view-replay offload: gradients bitwise equal to a run without it: {exact}")
                 if not exact:
                     return 1
-            t1 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
-                loss, reward = loss_fn(model, completions, size["group"], device, offload)
-            loss.backward()
+            # (the trainer's backward launches interpreter kernels too: it holds the lock throughout)
+            with INTERPRETER_LOCK if invariant and not on_gpu else contextlib.nullcontext():
+                mismatch, compared, skipped = logprob_mismatch(checker, snapshots, completions)
+                t1 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
+                    loss, reward = loss_fn(model, completions, size["group"], device, offload)
+                loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             t2 = time.perf_counter()
@@ -229,6 +307,9 @@ def main(argv=None) -> int:
             span = [c.max_policy_version - c.min_policy_version for c in completions]
             version += 1
             snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}  # the optimizer updates in place
+            snapshots[version] = snapshot
+            for old in [v for v in snapshots if v < version - 2]:  # rollouts lag by one or two versions
+                del snapshots[old]
             try:
                 router.sync_weights(snapshot, version, mode="hot_swap")
             except rg.RouterError as exc:  # a generator missed it: it is re-synced when it returns
@@ -236,11 +317,13 @@ def main(argv=None) -> int:
             t3 = time.perf_counter()
             tokens = sum(len(c.token_ids) for c in completions)
             history.append(dict(reward=reward, tokens=tokens, lag=lag, span=span, train_s=t2 - t1,
-                                sync_s=t3 - t2, wait_s=waited))
+                                sync_s=t3 - t2, wait_s=waited, mismatch=mismatch, compared=compared,
+                                skipped=skipped))
             print(f"step {step:3d}  reward {reward:.3f}  loss {loss.item():+.4f}  "
                   f"lag {statistics.fmean(lag):.2f} (max {max(lag)})  span {statistics.fmean(span):.2f}  "
                   f"train {1e3 * (t2 - t1):6.1f} ms  sync {1e3 * (t3 - t2):6.1f} ms  waited {1e3 * waited:6.1f} ms  "
-                  f"offloaded {offload.stats['offloaded_bytes'] / 2**20:7.1f} MiB", flush=True)
+                  f"offloaded {offload.stats['offloaded_bytes'] / 2**20:7.1f} MiB  "
+                  f"|gen - trainer| logprob max {mismatch:.2e} ({compared} rollouts)", flush=True)
             for _, name, event, detail in router.health_events():
                 if event != "synced":
                     print(f"         fleet: {name} {event}: {detail}")
@@ -266,10 +349,14 @@ def main(argv=None) -> int:
           f"{100 * sum(x > 0 for x in all_span) / len(all_span):.0f}%")
     print(f"offload: {s['offloaded_storages']} storages / {s['offloaded_bytes'] / 2**20:.1f} MiB to host, "
           f"{s['replayed_views']} views replayed, {s['kept']} small tensors kept")
+    worst = max(h["mismatch"] for h in history)
+    print(f"on-policy check: largest |generator - trainer| logprob {worst:.3e} over "
+          f"{sum(h['compared'] for h in history)} rollouts ({sum(h['skipped'] for h in history)} spanning two versions "
+          f"not compared); batch-invariant mode {'on' if invariant else 'off'}")
     for name, st in router.stats().items():
         print(f"generator {name}: {st['completed']} completions, {st['failures']} failures ({st['timeouts']} "
               f"deadlines), state {st['state']}, serving version {st['policy_version']}")
-    return 0
+    return 1 if invariant and worst != 0 else 0
 
 
 if __name__ == "__main__":

@@ -59,10 +59,24 @@ local Ray instance bound to 127.0.0.1; the same 4M model, engines with one intra
                               restarts it, the router re-syncs it, a probe served by the new process
                               closes its breaker).
 
+Batch-invariant mode (part 4: what ``Generator(batch_invariant=True)`` costs; on a CPU its attention kernels
+run under the Triton interpreter, set before they are defined, so these rows measure the interpreter)
+    invariant engine <dev> b=B  generated tokens/s of the fast engine with this repo's varlen_attn +
+                              flash_decode, mode off (``default``) and on (``batch_invariant``), and
+                              the mode's ``slowdown`` (default / invariant); ``default[torch-attn]``: the
+                              engine's in-file PyTorch attention (what a CPU runs without the mode).
+                              A 2-layer attention model.
+    invariant trainer <dev> n=N forward + backward of ``DecoderLM`` over N packed sequences with the same
+                              varlen_attn, mode off (``forward`` + cross-entropy) and on
+                              (``token_logprobs``): ms per step and the ``slowdown``; ``default[sdpa]``:
+                              the forward's in-file attention (SDPA, block-diagonal mask).
+    invariant linear <dev> m=M  the mode's matmul alone, x [M, K] @ W^T (K = N = 256 on CPU): F.linear
+                              vs the invariant product, us per call (no interpreter in these rows).
+
     python bench/routed_generator.py                  # all cases; rows to bench/results/latest/ (untracked)
     python bench/routed_generator.py --record         # ... and appended to bench/results/routed_generator.csv
     python bench/routed_generator.py --quick          # fewer repetitions
-    python bench/routed_generator.py --part fleet     # router | engine | fleet
+    python bench/routed_generator.py --part fleet     # router | engine | fleet | invariant
 """
 from __future__ import annotations
 
@@ -82,6 +96,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # the batch-invariant rows' attention kernels: interpreted on CPU tensors
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from bench.harness import ON_GPU, Recorder, bench_parser, optional_import  # noqa: E402
 import fast.generator_engine as fast_ge  # noqa: E402
@@ -633,9 +650,81 @@ def _restart_time(weights) -> float:
     return float("nan") if back is None else back
 
 
+# ----------------------------------------------------------------------------- the batch-invariant mode's cost
+
+INVARIANT_CPU_MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                           num_kv_heads=1, head_dim=32, max_seq_len=64, tie_embeddings=False)
+
+
+def _time_ms(fn, reps) -> float:
+    fn()                                                                # warm-up (and autotuning, off the clock)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 1e3 * best
+
+
+def bench_invariant(rec, quick):
+    kernels = _repo_kernels()
+    if len(kernels) != 2:
+        rec.missing("invariant", "batch_invariant", "fast.flash_decoding or fast.paged_varlen_attention not importable")
+        return
+    cfg = GPU_MODELS["0.1B"] if ON_GPU else INVARIANT_CPU_MODEL
+    dev, dtype, label = (GPU_DEVICE, GPU_DTYPE, "gpu") if ON_GPU else ("cpu", torch.float32, "cpu")
+    prompt_len, out_len = (128, 128) if ON_GPU else (16, 16)
+    for batch in ([1, 64] if ON_GPU else [1, 8]):
+        case = f"invariant engine {label} b={batch} p={prompt_len} o={out_len}"
+        rates = {}
+        for impl, mode, plug in (("default[torch-attn]", False, {}), ("default", False, kernels),
+                                 ("batch_invariant", True, kernels)):
+            with fast_ge.Generator(fast_ge.ModelConfig(**cfg), device=dev, dtype=dtype, max_batch_size=max(batch, 4),
+                                   num_pages=-(-(batch * (prompt_len + out_len)) // 16) + 16, batch_invariant=mode,
+                                   **plug) as g:
+                rates[impl] = _tokens_per_s(g, fast_ge, batch, prompt_len, out_len, cfg["vocab_size"])
+            rec.add(case, impl, "tokens_per_s", rates[impl], "tok/s")
+        rec.add(case, "batch_invariant", "slowdown", rates["default"] / rates["batch_invariant"], "x")
+    n, length = (16, 256) if ON_GPU else (4, 24)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, cfg["vocab_size"], (length,), generator=gen).tolist() for _ in range(n)]
+    case = f"invariant trainer {label} n={n} t={length}"
+    times = {}
+    for impl, mode, attn in (("default[sdpa]", False, None), ("default", False, kernels["varlen_attn"]),
+                             ("batch_invariant", True, kernels["varlen_attn"])):
+        model = fast_ge.DecoderLM(fast_ge.ModelConfig(**cfg), device=dev, dtype=dtype, batch_invariant=mode,
+                                  varlen_attn=attn)
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            if mode:
+                loss = -torch.cat(model.token_logprobs(seqs, [1] * n)).sum()
+            else:
+                ids = torch.tensor([t for s in seqs for t in s[:-1]], device=dev)[None]
+                cu = torch.arange(n + 1, dtype=torch.int32, device=dev) * (length - 1)
+                targets = torch.tensor([t for s in seqs for t in s[1:]], device=dev)
+                loss = torch.nn.functional.cross_entropy(model(ids, cu_seqlens=cu)[0], targets, reduction="sum")
+            loss.backward()
+        times[impl] = _time_ms(step, 2 if quick else 3)
+        rec.add(case, impl, "fwd_bwd_ms", times[impl], "ms")
+    rec.add(case, "batch_invariant", "slowdown", times["batch_invariant"] / times["default"], "x")
+    k = 4096 if ON_GPU else 256
+    w = torch.randn(k, k, device=dev, dtype=dtype)
+    for m in ([1, 64, 4096] if ON_GPU else [1, 64, 1024]):
+        x = torch.randn(m, k, device=dev, dtype=dtype)
+        case = f"invariant linear {label} m={m} k={k} n={k}"
+        base = _time_ms(lambda: torch.nn.functional.linear(x, w), 20)
+        inv = _time_ms(lambda: fast_ge._invariant_linear(x, w), 20)
+        rec.add(case, "F.linear", "us_per_call", 1e3 * base, "us")
+        rec.add(case, "batch_invariant", "us_per_call", 1e3 * inv, "us")
+        rec.add(case, "batch_invariant", "slowdown", inv / base, "x")
+
+
 def main(argv=None) -> int:
     ap = bench_parser(__doc__)
-    ap.add_argument("--part", choices=["all", "router", "engine", "fleet"], default="all")
+    ap.add_argument("--part", choices=["all", "router", "engine", "fleet", "invariant"], default="all")
     args = ap.parse_args(argv)
     rec = Recorder("routed_generator", record=args.record or None)
     reps = 3 if args.quick else 9
@@ -665,6 +754,10 @@ def main(argv=None) -> int:
             torch.set_num_threads(1)
             print("the fleet on Ray (CPU, a local Ray instance) beside the same fleet in this process")
             bench_fleet(rec, args.quick)
+    if args.part in ("all", "invariant"):
+        torch.set_num_threads(1)
+        print("the batch-invariant mode's cost: engine tokens/s, trainer forward + backward, the matmul alone")
+        bench_invariant(rec, args.quick)
     if not args.no_save:
         rec.save()  # bench/results/latest/ always; the committed CSV only with --record / RECORD=1
     return 0

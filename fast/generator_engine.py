@@ -49,6 +49,34 @@ The engine (Generator): continuous batching over a paged KV cache
                  max_policy_version says so; the KV cache it built keeps the old weights' keys,
                  as in PipelineRL's in-flight updates).  Memory: two weight sets.
 
+Batch-invariant mode: bitwise on-policy (``Generator(..., batch_invariant=True)``)
+    A request's tokens and per-token logprobs then do not depend on which requests share its
+    batch, when it joined, how its prompt was packed, or whether it was preempted and recomputed;
+    and ``DecoderLM(batch_invariant=True, varlen_attn=...).token_logprobs(sequences, prompt_lengths)``,
+    the trainer's one packed forward over prompt + completion, gives the engine's logprobs bit for
+    bit (``torch.equal``).  The invariance contract, what each piece computes with in the mode:
+      matmuls     every product's reduction order per output element does not depend on the number
+                  of rows: on a GPU a fixed-tile Triton matmul (no split-K, one config per GPU family
+                  and element size, never autotuned); on a CPU one [1, K] x [K, N] product per row
+                  (a batched matmul, the same BLAS call whatever the row count).
+      per row     RMSNorm (its mean of squares a product with a ones vector), rotary, SwiGLU (SiLU
+                  composed from exp: torch's CPU silu rounds a vector loop's tail otherwise) and the
+                  final log-softmax (max exact in any order; the sum of exps a product) are the same
+                  expressions in the trainer's packed forward and in the engine's prefill and decode.
+      attention   ``varlen_attn(..., batch_invariant=True)`` for the prefill and the trainer, and the
+                  decode through ``flash_decode(..., batch_invariant=True)`` (one split) or, without
+                  one, ``varlen_attn`` with one query row per request: the same kernel family reducing
+                  over keys in the same BLOCK_N blocks from key 0 with the same online-softmax
+                  arithmetic, whatever the page size and block table.
+      GDN layers  a "linear" plug-in must have ``set_batch_invariant(linear)`` (ref/gated_deltanet.py's
+                  layer has): its projections go through the invariant matmul and its recurrence runs
+                  in the recurrent form in prefill, decode and the trainer alike (that form has a
+                  backward), so hybrid models are on-policy too; its ``recurrent_fn`` must itself be
+                  batch- and split-invariant (the reference recurrence is on the CPU).
+    Sampling is unchanged: each request draws from its own generator, so equal logits give equal
+    tokens.  Gradients through ``token_logprobs`` are plain matmuls (they need not be invariant).
+    What it costs is measured by bench/routed_generator.py (README, routed generator).
+
 Cost (what bench/routed_generator.py measures against)
     Per generated token, FLOPs ~ 2 * (non-embedding parameters + hidden * vocab) + 4 * L_ctx *
     H_q * D per attention layer (L_ctx = keys it attends to).  A decode step over B requests moves
@@ -66,9 +94,11 @@ Supported, and what raises
     tokens or more, a state dict with missing, unexpected or mis-shaped tensors, rejected whole
     with the weights and version unchanged; TypeError for non-tensors; RuntimeError after
     ``close()``), plus ValueError for a request that can never fit the KV pool and for engine knobs
-    < 1.  Inference only in the engine.  Limits: preemption recomputes (no swapping to host); the
-    plug-in layers' state is gathered per step (a kernel that reads the slot pools in place would
-    not copy); no prefix caching, no chunked prefill of one long prompt across iterations.
+    < 1, for ``batch_invariant=True`` without ``varlen_attn`` or with a plug-in layer that has no
+    ``set_batch_invariant``, and for ``token_logprobs`` inputs out of range.  Inference only in the
+    engine.  Limits: preemption recomputes (no swapping to host); the plug-in layers' state is
+    gathered per step (a kernel that reads the slot pools in place would not copy); no prefix
+    caching, no chunked prefill of one long prompt across iterations.
 
 References
     vLLM (Kwon et al., PagedAttention, 2023) and its scheduler (continuous batching, recompute
@@ -90,6 +120,12 @@ from concurrent.futures import Future
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+try:  # Triton runs the batch-invariant matmul on GPUs; the engine itself needs only torch
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
 
 __all__ = ["SamplingParams", "Request", "Completion", "ModelConfig", "DecoderLM", "Generator", "LAYER_TYPES"]
 
@@ -230,6 +266,83 @@ class ModelConfig:
     def kinds(self) -> tuple[str, ...]:
         return self.layer_types or ("attention",) * self.num_layers
 
+# ----------------------------------------------------------------------------- batch-invariant numerics
+# What the mode computes with (the module docstring's contract): every reduction over a row's features is
+# a product through ``_invariant_linear``, whose per-row bits do not depend on the other rows; maxima
+# are exact in any order; the rest is elementwise, in forms whose bits do not depend on where an element
+# sits in its tensor.
+
+def _invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T -> [..., N] in x's dtype, each row rounded independently of every
+    other row: on a GPU a fixed-tile Triton matmul (no split-K, one config per GPU family and element
+    size), on a CPU one [1, K] x [K, N] product per row (the same BLAS call whatever the row count).
+    Differentiable (the backward is a plain matmul: gradients need not be invariant)."""
+    y = torch.ops.twofold.invariant_linear(x.reshape(-1, x.shape[-1]), weight)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("twofold::invariant_linear", mutates_args=())
+def _invariant_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        return _triton_invariant_matmul(x, weight)
+    return torch.bmm(x[:, None, :], weight.t().expand(x.shape[0], -1, -1))[:, 0]     # [M, 1, K] x [M, K, N]
+
+
+@_invariant_linear_op.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _invariant_linear_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _invariant_linear_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+    grad_weight = grad.t() @ x if ctx.needs_input_grad[1] else None
+    return grad_x, grad_weight
+
+
+_invariant_linear_op.register_autograd(_invariant_linear_backward, setup_context=_invariant_linear_setup)
+
+
+def _invariant_row_sum(x: torch.Tensor) -> torch.Tensor:
+    """sum over the last dim [..., D] -> [..., 1]: a product with a ones vector through _invariant_linear."""
+    return _invariant_linear(x, torch.ones(1, x.shape[-1], dtype=x.dtype, device=x.device))
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, invariant: bool) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight, fp32 inside."""
+    xf = x.float()
+    if invariant:
+        mean_sq = _invariant_row_sum(xf * xf) / xf.shape[-1]
+    else:
+        mean_sq = xf.pow(2).mean(-1, keepdim=True)
+    return (xf * torch.rsqrt(mean_sq + eps)).to(x.dtype) * weight
+
+
+def _log_softmax(x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """log_softmax over the last dim; invariant: x - max - log(sum exp(x - max)), the max exact in any
+    order (and a constant for autograd: the softmax gradient exactly), the sum through _invariant_linear."""
+    if not invariant:
+        return torch.log_softmax(x, dim=-1)
+    shifted = x - x.amax(-1, keepdim=True).detach()
+    return shifted - _invariant_row_sum(shifted.exp()).log()
+
+
+def _silu(x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """x * sigmoid(x).  invariant: composed from exp and IEEE arithmetic in fp32, because torch's CPU
+    kernels for silu / sigmoid round the elements of a vector loop's tail (a position that depends on the
+    tensor's size) through another formula; exp, log, log1p and rsqrt go through one vector formula for
+    every element.  exp's argument is clamped at 80 so that neither the value nor its gradient overflows
+    (sigmoid(-80) = 1.8e-35: below it the result stays there)."""
+    if not invariant:
+        return F.silu(x)
+    xf = x.float()
+    return (xf * (1 / (1 + torch.exp(-xf.clamp(min=-80))))).to(x.dtype)
+
+
 # ----------------------------------------------------------------------------- the model, fused
 
 class _RMSNorm(nn.Module):
@@ -238,9 +351,8 @@ class _RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+    def forward(self, x, invariant: bool = False):
+        return _rms_norm(x, self.weight, self.eps, invariant)
 
 
 def _split_fused(module, state_dict, prefix, local_metadata) -> None:
@@ -285,9 +397,10 @@ class _MLP(nn.Module):
         self.register_state_dict_post_hook(_split_fused)
         self.register_load_state_dict_pre_hook(_fuse_parts)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.sizes, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, invariant: bool = False):
+        linear = _invariant_linear if invariant else F.linear
+        gate, up = linear(x, self.gate_up_proj.weight).split(self.sizes, dim=-1)
+        return linear(_silu(gate, invariant) * up, self.down_proj.weight)
 
 
 class _Block(nn.Module):
@@ -302,16 +415,24 @@ class _Block(nn.Module):
 
 class DecoderLM(nn.Module):
     """The reference's decoder-only LM with fused projections (module docstring); the same
-    state dict, init, ``forward``, ``layers_forward`` and ``logits``."""
+    state dict, init, ``forward``, ``layers_forward``, ``logits`` and ``token_logprobs``.
+
+    ``batch_invariant=True``: the module docstring's batch-invariant numerics (every "linear" plug-in
+    must then have ``set_batch_invariant(linear)``); ``varlen_attn``: the attention of ``forward`` and
+    ``token_logprobs`` (fast/paged_varlen_attention.varlen_attn's signature, called with
+    ``batch_invariant``), required with ``batch_invariant=True`` (ValueError otherwise); None =
+    ``scaled_dot_product_attention``.
+    """
 
     def __init__(self, config: ModelConfig | None = None, *, seed: int = 0, linear_layer=None, device=None,
-                 dtype=None):
+                 dtype=None, batch_invariant: bool = False, varlen_attn=None):
         super().__init__()
         config = ModelConfig() if config is None else config
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         if not _is_int(seed):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        _check_mode(batch_invariant, varlen_attn)
         if "linear" in config.kinds and linear_layer is None:
             raise ValueError("config.layer_types has 'linear' layers: pass linear_layer, a (config, layer_index) "
                              "-> nn.Module factory (e.g. a Gated DeltaNet layer)")
@@ -333,31 +454,93 @@ class DecoderLM(nn.Module):
                 if std is not None:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
         self.to(device=device, dtype=dtype)
+        self.batch_invariant, self.varlen_attn = batch_invariant, varlen_attn
+        if batch_invariant:
+            for i, block in enumerate(self.layers):
+                if block.linear_attn is not None:
+                    if not callable(getattr(block.linear_attn, "set_batch_invariant", None)):
+                        raise ValueError(f"batch_invariant=True: the linear_layer plug-in of layer {i} "
+                                         f"({type(block.linear_attn).__name__}) has no set_batch_invariant(linear) "
+                                         f"method, so its numerics cannot be made batch-invariant")
+                    block.linear_attn.set_batch_invariant(_invariant_linear)
 
     def layers_forward(self, ids: torch.Tensor, positions: torch.Tensor, attend, mix) -> torch.Tensor:
         """The blocks on packed tokens, ids / positions [T] -> final-normed hidden [T, hidden];
         ``attend(layer, q, k, v)`` and ``mix(layer, module, h)`` as in the reference."""
-        c = self.config
+        c, inv = self.config, self.batch_invariant
+        linear = _invariant_linear if inv else F.linear
         t = ids.shape[0]
         cos, sin = self._rotary_at(positions)                              # [T, 1, D/2]
         x = self.embed_tokens(ids)                                          # [T, hidden]
         for i, block in enumerate(self.layers):
-            h = block.input_layernorm(x)
+            h = block.input_layernorm(x, inv)
             if block.self_attn is not None:
                 a = block.self_attn
-                q, k, v = a.qkv_proj(h).split(a.sizes, dim=-1)
+                q, k, v = linear(h, a.qkv_proj.weight).split(a.sizes, dim=-1)
                 q = _rotate(q.view(t, c.num_heads, c.head_dim), cos, sin)
                 k = _rotate(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
-                x = x + a.o_proj(attend(i, q, k, v.view(t, c.num_kv_heads, c.head_dim)).reshape(t, -1))
+                o = attend(i, q, k, v.view(t, c.num_kv_heads, c.head_dim)).reshape(t, -1)
+                x = x + linear(o, a.o_proj.weight)
             else:
                 x = x + mix(i, block.linear_attn, h)
-            x = x + block.mlp(block.post_attention_layernorm(x))
-        return self.norm(x)
+            x = x + block.mlp(block.post_attention_layernorm(x, inv), inv)
+        return self.norm(x, inv)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., hidden] -> logits [..., V] fp32."""
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (h @ w.t()).float()
+        return (_invariant_linear(h, w) if self.batch_invariant else h @ w.t()).float()
+
+    def token_logprobs(self, sequences, prompt_lengths, *, temperature=1.0) -> list[torch.Tensor]:
+        """What a trainer recomputes for sampled tokens: for each sequence (prompt + completion token
+        ids) the logprobs of its completion tokens, log_softmax(logits * fp32(1 / T))[token] (T = 0:
+        unscaled, as greedy sampling reports), from one packed forward over every sequence without its
+        last token.  ``prompt_lengths``: one int per sequence, 1 <= p < len; ``temperature``: one float
+        >= 0 or one per sequence.  Returns one fp32 tensor [len - p] per sequence; differentiable.  In
+        batch-invariant mode (with ``varlen_attn``) these are bitwise the logprobs the engine reported."""
+        seqs, prompts, temps = _check_logprob_inputs(sequences, prompt_lengths, temperature, self.config)
+        if not seqs:
+            return []
+        dev = self.embed_tokens.weight.device
+        lengths = [len(s) - 1 for s in seqs]                               # the last token is never fed
+        ids = torch.tensor([t for s in seqs for t in s[:-1]], device=dev)
+        bounds = [0, *itertools.accumulate(lengths)]
+        cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
+        h = self.layers_forward(ids, positions, self._packed_attention(cu, max(lengths)),
+                                lambda i, module, x: module(x[None], cu_seqlens=cu)[0])
+        # Row p - 1 + j of a sequence predicts its completion token j.
+        rows = torch.cat([torch.arange(start + p - 1, start + n, device=dev)
+                          for start, p, n in zip(bounds, prompts, lengths)])
+        inv_t = torch.tensor([1.0 / t if t else 1.0 for t, p, n in zip(temps, prompts, lengths)
+                              for _ in range(n - p + 1)], dtype=torch.float32, device=dev)
+        logp = _log_softmax(self.logits(h[rows]) * inv_t[:, None], self.batch_invariant)   # [rows, V]
+        targets = torch.tensor([t for s, p in zip(seqs, prompts) for t in s[p:]], device=dev)
+        picked = logp.gather(1, targets[:, None])[:, 0]
+        return list(picked.split([len(s) - p for s, p in zip(seqs, prompts)]))
+
+    def _packed_attention(self, cu: torch.Tensor, longest: int):
+        """``layers_forward``'s attend over documents packed along T (cu [N + 1] int32): through
+        ``varlen_attn`` when the model has one, else SDPA with a block-diagonal causal mask."""
+        scale = self.config.head_dim ** -0.5
+        if self.varlen_attn is not None:
+            # The keyword only in the mode: PyTorch's own varlen_attn, which has none, plugs in too.
+            mode = dict(batch_invariant=True) if self.batch_invariant else {}
+
+            def attend(i, q, k, v):
+                return self.varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0),
+                                        enable_gqa=True, **mode)
+            return attend
+        t = int(cu[-1])
+        doc = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu.diff().long())
+        index = torch.arange(t, device=cu.device)
+        same_doc_causal = (doc[:, None] == doc[None, :]) & (index[None, :] <= index[:, None])   # [T, T]
+
+        def attend(i, q, k, v):                                             # [T, H, D] -> SDPA's [1, H, T, D]
+            q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=same_doc_causal, scale=scale, enable_gqa=True)
+            return o[0].transpose(0, 1)
+        return attend
 
     def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Training: logits [B, T, V] fp32, causal per row (or per document of ``cu_seqlens``, B == 1)."""
@@ -368,34 +551,33 @@ class DecoderLM(nn.Module):
         dev = input_ids.device
         if cu_seqlens is None:
             positions = torch.arange(t, device=dev).repeat(b)                # [B*T]
+            cu = torch.arange(b + 1, dtype=torch.int32, device=dev) * t
             longest = t
         else:
             if b != 1:
                 raise ValueError(f"cu_seqlens requires input_ids of shape [1, T], got {tuple(input_ids.shape)}")
-            cu = cu_seqlens.to(device=dev, dtype=torch.long)
+            cu = cu_seqlens.to(device=dev, dtype=torch.int32)
             lengths = cu.diff()
             if int(cu[-1]) != t or int(cu[0]) != 0 or bool((lengths < 0).any()):
                 raise ValueError(f"cu_seqlens must partition the {t} tokens, got {cu_seqlens.tolist()}")
-            doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths)    # [T] its document
-            index = torch.arange(t, device=dev)
-            positions = index - cu[doc]
-            same_doc_causal = (doc[:, None] == doc[None, :]) & (index[None, :] <= index[:, None])   # [T, T]
+            doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths.long())   # [T] its document
+            positions = torch.arange(t, device=dev) - cu[doc]
             longest = int(lengths.max()) if len(lengths) else 0
         if longest > self.config.max_seq_len:
             raise ValueError(f"a sequence of {longest} tokens exceeds max_seq_len={self.config.max_seq_len}")
 
-        def attend(i, q, k, v):                                             # [B*T, H, D] -> SDPA's [B, H, T, D]
-            q, k, v = (x.view(b, t, x.shape[1], -1).transpose(1, 2) for x in (q, k, v))
-            if cu_seqlens is None:
+        if cu_seqlens is None and self.varlen_attn is None:
+            def attend(i, q, k, v):                                         # [B*T, H, D] -> SDPA's [B, H, T, D]
+                q, k, v = (x.view(b, t, x.shape[1], -1).transpose(1, 2) for x in (q, k, v))
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=same_doc_causal, enable_gqa=True)
-            return o.transpose(1, 2).reshape(b * t, o.shape[1], -1)
+                return o.transpose(1, 2).reshape(b * t, o.shape[1], -1)
+        else:
+            attend = self._packed_attention(cu, longest)
 
         def mix(i, module, h):
             if cu_seqlens is None:                                          # b equal rows: [B, T, hidden]
                 return module(h.view(b, t, -1)).reshape(h.shape)
-            return module(h[None], cu_seqlens=cu_seqlens)[0]
+            return module(h[None], cu_seqlens=cu)[0]
 
         h = self.layers_forward(input_ids.reshape(-1), positions, attend, mix)
         return self.logits(h).view(b, t, -1)
@@ -523,12 +705,13 @@ def _request_rng(seed: int | None) -> torch.Generator:
     return rng
 
 
-def _sample_batch(logits: torch.Tensor, params: list, rngs: list) -> tuple[list, list]:
+def _sample_batch(logits: torch.Tensor, params: list, rngs: list, invariant: bool = False) -> tuple[list, list]:
     """The reference's per-row rule on a batch: fp32 logits [B, V] -> (tokens, logprobs) lists.
 
     Rows are grouped (greedy, plain temperature, top-k/top-p) and each group is one set of tensor
     ops; each sampled row draws its uniform from its own request's generator, so a request gets the
-    same token alone or in any batch.  One device-to-host copy per group."""
+    same token alone or in any batch.  One device-to-host copy per group.  ``invariant``: the
+    batch-invariant log-softmax (``DecoderLM.token_logprobs`` computes the same)."""
     b, vocab = logits.shape
     tokens, logprobs = [0] * b, [0.0] * b
     groups = ([], [], [])
@@ -541,10 +724,10 @@ def _sample_batch(logits: torch.Tensor, params: list, rngs: list) -> tuple[list,
         lg = logits if len(rows) == b else logits[torch.tensor(rows, device=dev)]
         if kind == 0:
             tok = torch.argmax(lg, dim=-1)
-            lp = torch.log_softmax(lg, dim=-1).gather(1, tok[:, None])[:, 0]
+            lp = _log_softmax(lg, invariant).gather(1, tok[:, None])[:, 0]
         else:
             inv_t = torch.tensor([1.0 / params[i].temperature for i in rows], dtype=torch.float32, device=dev)
-            logp = torch.log_softmax(lg * inv_t[:, None], dim=-1)
+            logp = _log_softmax(lg * inv_t[:, None], invariant)
             p = logp.exp()
             if kind == 2:
                 p, order = torch.sort(p, dim=-1, descending=True, stable=True)
@@ -597,12 +780,18 @@ class Generator:
     ``max_batch_size``                  requests decoding at once (rows of the block table)
     ``max_prefill_tokens``              prompt tokens admitted per iteration (one longer prompt
                                         is still admitted alone)
+    ``batch_invariant``                 the module docstring's batch-invariant mode: a request's tokens
+                                        and logprobs do not depend on the rest of the batch, and equal
+                                        ``DecoderLM(batch_invariant=True, varlen_attn=...).token_logprobs``
+                                        bit for bit.  Needs ``varlen_attn`` (and its ``batch_invariant``
+                                        keyword); decodes through ``flash_decode`` when given, else
+                                        through ``varlen_attn`` with one row per request
     """
 
     def __init__(self, config: ModelConfig | None = None, *, state_dict=None, seed: int = 0, name: str = "generator",
                  policy_version: int = 0, linear_layer=None, device=None, dtype=None, varlen_attn=None,
                  flash_decode=None, page_size: int = 16, num_pages: int | None = None, max_batch_size: int = 256,
-                 max_prefill_tokens: int = 8192):
+                 max_prefill_tokens: int = 8192, batch_invariant: bool = False):
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         if not _is_int(policy_version):
@@ -611,9 +800,12 @@ class Generator:
                            ("max_prefill_tokens", max_prefill_tokens), ("num_pages", num_pages)):
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
+        _check_mode(batch_invariant, varlen_attn)
         self.name = name
         self.device = torch.device("cpu" if device is None else device)
-        self.model = DecoderLM(config, seed=seed, linear_layer=linear_layer, device=self.device, dtype=dtype).eval()
+        self.batch_invariant = batch_invariant
+        self.model = DecoderLM(config, seed=seed, linear_layer=linear_layer, device=self.device, dtype=dtype,
+                               batch_invariant=batch_invariant, varlen_attn=varlen_attn).eval()
         self.config = c = self.model.config
         self.dtype = self.model.embed_tokens.weight.dtype
         self._shapes = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
@@ -622,7 +814,9 @@ class Generator:
         self._shadow = None                 # the second weight set, allocated by the first load
         self._version = policy_version
         self._varlen_attn = varlen_attn or _torch_varlen_attn
-        self._flash_decode = flash_decode or _torch_flash_decode
+        # Batch-invariant mode without flash_decode: decode through varlen_attn, one row per request.
+        self._flash_decode = flash_decode or (None if batch_invariant else _torch_flash_decode)
+        self._attn_kw = dict(batch_invariant=True) if batch_invariant else {}
         self.page_size, self.max_batch_size, self.max_prefill_tokens = page_size, max_batch_size, max_prefill_tokens
         self._pages_per_seq = -(-c.max_seq_len // page_size)
         self.num_pages = num_pages or self._pages_per_seq * min(max_batch_size, 32)
@@ -931,7 +1125,7 @@ class Generator:
             kc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, where, k)
             vc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, where, v)
             return self._varlen_attn(q, kc, vc, cu, None, longest, longest, scale=scale, window_size=(-1, 0),
-                                     enable_gqa=True, seqused_k=used, block_table=table)
+                                     enable_gqa=True, seqused_k=used, block_table=table, **self._attn_kw)
 
         def mix(i, module, h):
             cache = module.new_cache()
@@ -948,7 +1142,7 @@ class Generator:
 
     def _decode(self, model: DecoderLM, seqs: list, settle: list) -> list:
         """One token for every running request: a batched forward over their last tokens."""
-        dev, c = self.device, self.config
+        dev, c, ps = self.device, self.config, self.page_size
         ids = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
         positions = torch.tensor([len(s.tokens) - 1 for s in seqs], device=dev)
         used = (positions + 1).to(torch.int32)
@@ -956,11 +1150,21 @@ class Generator:
         self._flush_table()
         table = self._table[slots, :max(len(s.pages) for s in seqs)]
         scale = c.head_dim ** -0.5
+        if self._flash_decode is None:  # varlen_attn with one query row per request; the new K/V written first
+            where = torch.tensor([s.pages[(len(s.tokens) - 1) // ps] * ps + (len(s.tokens) - 1) % ps for s in seqs],
+                                 device=dev)
+            rows = torch.arange(len(seqs) + 1, dtype=torch.int32, device=dev)
+            longest = max(len(s.tokens) for s in seqs)
 
         def attend(i, q, k, v):
             kc, vc = self._k[self._pool_index[i]], self._v[self._pool_index[i]]
+            if self._flash_decode is None:
+                kc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, where, k)
+                vc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, where, v)
+                return self._varlen_attn(q, kc, vc, rows, None, 1, longest, scale=scale, window_size=(-1, 0),
+                                         enable_gqa=True, seqused_k=used, block_table=table, **self._attn_kw)
             return self._flash_decode(q[:, None], kc, vc, used, block_table=table, k_new=k[:, None],
-                                      v_new=v[:, None], scale=scale)[:, 0]
+                                      v_new=v[:, None], scale=scale, **self._attn_kw)[:, 0]
 
         def mix(i, module, h):
             cache = module.new_cache()
@@ -975,7 +1179,8 @@ class Generator:
 
     def _advance(self, seqs: list, logits: torch.Tensor, settle: list) -> list:
         """Sample one token per request; finished requests free their pages.  Returns the rest."""
-        tokens, logprobs = _sample_batch(logits, [s.request.sampling for s in seqs], [s.rng for s in seqs])
+        tokens, logprobs = _sample_batch(logits, [s.request.sampling for s in seqs], [s.rng for s in seqs],
+                                         self.batch_invariant)
         still = []
         for s, token, logprob in zip(seqs, tokens, logprobs):
             s.tokens.append(token)
@@ -997,3 +1202,124 @@ class Generator:
             self._counts["generated_tokens"] += generated
         return still
 
+
+
+# ----------------------------------------------------------------------------- the batch-invariant matmul (GPU)
+# y = x W^T with one program per [BLOCK_M, BLOCK_N] tile of y, K walked in BLOCK_K steps from 0, fp32
+# accumulation, no split-K.  An element of y is the same chain of MMA k-steps whatever M is and wherever
+# its row sits in the tile (the MMA treats every row alike; rows past M load as zeros and only feed rows
+# that are never stored).  Its bits then depend on the tile shape, num_warps and the instruction they
+# select: so one config per (GPU family, element size), never autotuned, never chosen by M.
+# (GPU family, element size): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).  16-bit: 64-row tiles
+# (sm_90's wgmma needs 64), 48 KB of operands per stage; fp32: IEEE dots on the FMA units (no tf32).
+_INVARIANT_MATMUL_CONFIGS = {
+    (90, 2): (64, 128, 64, 4, 3),
+    (80, 2): (64, 128, 32, 4, 3),
+    (90, 4): (32, 64, 32, 4, 2),
+    (80, 4): (32, 64, 32, 4, 2),
+}
+
+
+def _invariant_matmul_config(dtype: torch.dtype, family: int) -> tuple[int, int, int, int, int]:
+    """The launch config for family 80 (A100 and older: mma.sync) or 90 (H100 and newer: wgmma)."""
+    return _INVARIANT_MATMUL_CONFIGS[(family, 4 if dtype == torch.float32 else 2)]
+
+
+def _gpu_family(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 80                                                       # the interpreter (CPU tensors)
+    return 90 if torch.cuda.get_device_capability(device)[0] >= 9 else 80
+
+
+def _triton_invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype through the fixed-tile kernel (CUDA tensors, or
+    CPU tensors under TRITON_INTERPRET=1)."""
+    if triton is None:
+        raise RuntimeError("the batch-invariant matmul on a GPU needs Triton (pip install triton)")
+    if x.dtype != weight.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"x and weight must share a dtype in fp16 / bf16 / fp32, got {x.dtype} and {weight.dtype}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    block_m, block_n, block_k, warps, stages = _invariant_matmul_config(x.dtype, _gpu_family(x.device))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _invariant_matmul_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+                                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                                   num_warps=warps, num_stages=stages)
+    return y
+
+
+if triton is not None:
+    @triton.jit
+    def _invariant_matmul_kernel(x, w, y, M, N, K, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        i_m, i_n = tl.program_id(0), tl.program_id(1)
+        o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_m, m_n = o_m < M, o_n < N
+        p_x = x + o_m.to(tl.int64)[:, None] * stride_xm                     # [BLOCK_M, 1] row starts
+        p_w = w + o_n.to(tl.int64)[None, :] * stride_wn                     # [1, BLOCK_N] W rows = y columns
+        b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):                                     # from k = 0, in order, whatever M
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < K
+            b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0)      # [BLOCK_M, BLOCK_K]
+            b_w = tl.load(p_w + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0)      # [BLOCK_K, BLOCK_N]
+            b_acc = tl.dot(b_x, b_w, b_acc, input_precision=PRECISION)
+        p_y = y + o_m.to(tl.int64)[:, None] * stride_ym + o_n[None, :]
+        tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+# ----------------------------------------------------------------------------- input checks
+
+def _check_mode(batch_invariant, varlen_attn) -> None:
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
+    if varlen_attn is not None and not callable(varlen_attn):
+        raise TypeError(f"varlen_attn must be None or a function with varlen_attn's signature, got "
+                        f"{type(varlen_attn).__name__}")
+    if batch_invariant and varlen_attn is None:
+        raise ValueError("batch_invariant=True needs varlen_attn (fast/paged_varlen_attention.varlen_attn, whose "
+                         "batch_invariant=True rounds a row alike in a prefill, a decode step and a trainer's "
+                         "packed forward); the in-file default attention is not batch-invariant")
+
+
+def _check_logprob_inputs(sequences, prompt_lengths, temperature, config: ModelConfig):
+    """token_logprobs' arguments as (lists of token ids, prompt lengths, temperatures), or a clear error."""
+    if isinstance(sequences, (str, bytes, torch.Tensor)) or not isinstance(sequences, Iterable):
+        raise TypeError(f"sequences must be a list of token-id sequences, got {type(sequences).__name__}")
+    seqs = []
+    for n, s in enumerate(sequences):
+        if isinstance(s, torch.Tensor):
+            if s.dim() != 1 or s.is_floating_point() or s.is_complex():
+                raise TypeError(f"sequences[{n}] must be a 1-D integer tensor, got {s.dtype} of shape {tuple(s.shape)}")
+            s = s.tolist()
+        try:
+            seqs.append([operator.index(t) for t in s])
+        except TypeError:
+            raise TypeError(f"sequences[{n}] must hold ints (token ids), got {type(s).__name__}") from None
+    if isinstance(prompt_lengths, (str, bytes)) or not isinstance(prompt_lengths, Iterable):
+        raise TypeError(f"prompt_lengths must be a list of ints, got {type(prompt_lengths).__name__}")
+    prompts = list(prompt_lengths)
+    if len(prompts) != len(seqs) or not all(_is_int(p) for p in prompts):
+        raise ValueError(f"prompt_lengths must hold one int per sequence ({len(seqs)}), got {prompts!r}")
+    temps = list(temperature) if isinstance(temperature, Iterable) else [temperature] * len(seqs)
+    if len(temps) != len(seqs) or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0
+                                          for t in temps):
+        raise ValueError(f"temperature must be a float >= 0 or one per sequence ({len(seqs)}), got {temperature!r}")
+    for n, (s, p) in enumerate(zip(seqs, prompts)):
+        if not 1 <= p < len(s):
+            raise ValueError(f"prompt_lengths[{n}] must be in [1, {len(s)}) (a prompt and at least one completion "
+                             f"token), got {p}")
+        if len(s) - 1 > config.max_seq_len:
+            raise ValueError(f"sequences[{n}] has {len(s)} tokens: more than max_seq_len + 1 = "
+                             f"{config.max_seq_len + 1}")
+        if min(s) < 0 or max(s) >= config.vocab_size:
+            raise ValueError(f"sequences[{n}] must hold token ids in [0, {config.vocab_size}), got "
+                             f"{min(s) if min(s) < 0 else max(s)}")
+    return seqs, prompts, [float(t) for t in temps]

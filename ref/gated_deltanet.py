@@ -70,6 +70,9 @@ The layer
     -exp(A_log) softplus(a + dt_bias); beta = sigmoid(b); the rule with q/k l2-norm; gated RMSNorm;
     out_proj).  Its kernel functions are constructor arguments, so the fast ones drop in;
     ``GatedDeltaNetCache`` carries the conv tail and the state between calls (prefill, decode).
+    ``set_batch_invariant(linear)`` switches it to batch-invariant numerics (a token's output bit
+    for bit the same in any batch, packing or prefill/decode split, given a row-invariant matmul
+    ``linear`` and an invariant ``recurrent_fn``): fast/generator_engine.py's bitwise on-policy mode.
 
 References
     Yang, Kautz, Hatamizadeh, Gated Delta Networks (ICLR 2025); Yang et al., Parallelizing
@@ -342,19 +345,44 @@ class GatedDeltaNetCache:
 
 
 class _GatedRMSNorm(nn.Module):
-    """RMSNorm over the head dim, then times silu(gate) (Qwen3.5's norm, fp32 inside)."""
+    """RMSNorm over the head dim, then times silu(gate) (Qwen3.5's norm, fp32 inside).  ``linear``
+    (batch-invariant mode): the mean of squares as a product with a ones vector through it, and the
+    composed SiLU."""
 
     def __init__(self, dim, eps, device=None, dtype=None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x, gate):
+    def forward(self, x, gate, linear=None):
         wide = torch.promote_types(x.dtype, torch.float32)
         xf = x.to(wide)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if linear is None:
+            mean_sq, act = xf.pow(2).mean(-1, keepdim=True), F.silu(gate.to(wide))
+        else:
+            ones = torch.ones(1, xf.shape[-1], dtype=wide, device=xf.device)
+            mean_sq, act = linear(xf * xf, ones) / xf.shape[-1], _silu(gate.to(wide))
+        xf = xf * torch.rsqrt(mean_sq + self.eps)
         y = self.weight * xf.to(x.dtype)
-        return (y * F.silu(gate.to(wide))).to(x.dtype)
+        return (y * act).to(x.dtype)
+
+
+# Batch-invariant mode's activations: composed from exp / log1p and IEEE arithmetic, because torch's CPU
+# kernels for silu, sigmoid and softplus round the elements of a vector loop's tail (a position that
+# depends on the tensor's size) through another formula, while exp and log1p use one vector formula for
+# every element.  exp's argument is clamped so that neither a value nor a gradient overflows.
+
+def _sigmoid(x):
+    return 1 / (1 + torch.exp(-x.clamp(min=-80)))
+
+
+def _silu(x):
+    return x * _sigmoid(x)
+
+
+def _softplus(x):
+    """log(1 + exp(x)), and x itself above 20 (torch's threshold)."""
+    return torch.where(x > 20, x, torch.log1p(torch.exp(x.clamp(max=20))))
 
 
 class GatedDeltaNet(nn.Module):
@@ -366,7 +394,9 @@ class GatedDeltaNet(nn.Module):
     The recurrent one runs decode steps (a cache holding state, one token per sequence, no
     cu_seqlens); the chunk one runs everything else (prefill, varlen, continuation).
     With ``cu_seqlens`` (B == 1), the conv and the recurrence restart at every document.
-    With a ``cache``, the call continues from its state (if any) and leaves the new state in it.
+    With a ``cache``, the call continues from its state (if any) and leaves the new state in it
+    (``new_cache()`` gives an empty one).  ``set_batch_invariant(linear)`` switches the layer to
+    batch-invariant numerics (see there).
     """
 
     def __init__(self, hidden_size, *, num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128,
@@ -392,11 +422,34 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_v_heads, **kw).uniform_(1, 16).log())
         self.norm = _GatedRMSNorm(head_v_dim, norm_eps, **kw)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **kw)
+        self.invariant_linear = None                                    # set_batch_invariant's product
+
+    def new_cache(self) -> GatedDeltaNetCache:
+        """An empty cache (the generator engines' plug-in contract)."""
+        return GatedDeltaNetCache()
+
+    def set_batch_invariant(self, linear) -> None:
+        """Batch-invariant mode (fast/generator_engine.py's ``DecoderLM(batch_invariant=True)`` calls it):
+        from then on a token's output is bit for bit the same whichever sequences share the call, however
+        they are packed, and whether its sequence runs in one call or is split across calls (a prefill,
+        then decode steps with the cache), provided ``linear(x [..., K], weight [N, K]) -> [..., N]``
+        rounds each row independently of the other rows and ``recurrent_fn`` is batch- and
+        split-invariant (fast/gated_deltanet.py's).  What changes: the projections go through ``linear``;
+        the short conv is an explicit tap-by-tap multiply-add in fp32, the same expression in a prefill
+        and in a decode step (``F.conv1d`` over a sequence and a decode step's sum round differently);
+        every call runs ``recurrent_fn`` (prefill, decode and training: it has a backward); SiLU,
+        sigmoid and softplus are composed from exp / log1p; the gated RMSNorm's mean of squares is a
+        product with a ones vector through ``linear``."""
+        if not callable(linear):
+            raise TypeError(f"linear must be a function (x, weight) -> x @ weight.T, got {type(linear).__name__}")
+        self.invariant_linear = linear
+
+    def _project(self, x, layer: nn.Linear):
+        return layer(x) if self.invariant_linear is None else self.invariant_linear(x, layer.weight)
 
     def _conv(self, x, prefix, lengths):
         """Depthwise causal conv + SiLU per sequence.  x [B, T, C]; prefix [N, C, W-1] or None.
         Returns (out [B, T, C], tail [N, C, W-1]: the last W-1 inputs, the next call's prefix)."""
-        w = self.conv1d.weight                                          # [C, 1, W]
         pieces = [x.transpose(1, 2)] if lengths is None else list(x[0].split(lengths, dim=0))
         if lengths is not None:
             pieces = [p.t()[None] for p in pieces]                      # each [1, C, L_n]
@@ -407,10 +460,23 @@ class GatedDeltaNet(nn.Module):
                     else p.new_zeros(p.shape[0], p.shape[1], self.conv_kernel_size - 1))
             full = torch.cat([left.to(p.dtype), p], dim=-1)             # [b, C, W-1+L]
             if p.shape[-1]:                                             # (an empty document has no output)
-                outs.append(F.silu(F.conv1d(full, w, groups=self.conv_dim)))   # [b, C, L]
+                outs.append(self._conv_taps(full) if self.invariant_linear is not None
+                            else F.silu(F.conv1d(full, self.conv1d.weight, groups=self.conv_dim)))   # [b, C, L]
             tails.append(full[..., full.shape[-1] - (self.conv_kernel_size - 1):])
         out = (torch.cat(outs, dim=-1) if outs else x.new_zeros(x.shape[0], x.shape[2], 0)).transpose(1, 2)
         return out, torch.cat(tails, dim=0)
+
+    def _conv_taps(self, full):
+        """silu(sum_j w_j * x_{t - W + 1 + j}) tap by tap, j = 0 .. W-1 in order, fp32: [b, C, W-1+L] ->
+        [b, C, L].  Each output is one expression whatever L is, so a prefill and a decode step (L = 1)
+        round it alike."""
+        w = self.conv1d.weight[:, 0].float()                            # [C, W]
+        xf = full.float()
+        length = full.shape[-1] - (self.conv_kernel_size - 1)
+        acc = w[:, :1] * xf[..., :length]
+        for j in range(1, self.conv_kernel_size):
+            acc = acc + w[:, j:j + 1] * xf[..., j:j + length]
+        return _silu(acc).to(full.dtype)
 
     def forward(self, hidden_states, *, cu_seqlens=None, cache=None):
         b, t, _ = hidden_states.shape
@@ -423,24 +489,29 @@ class GatedDeltaNet(nn.Module):
         has_state = cache is not None and not cache.is_empty
         if has_state and cache.recurrent_state.shape[0] != n:
             raise ValueError(f"cache holds {cache.recurrent_state.shape[0]} sequences, this call has {n}")
-        qkv, tail = self._conv(self.in_proj_qkv(hidden_states), cache.conv_state if has_state else None, lengths)
+        invariant = self.invariant_linear is not None
+        qkv, tail = self._conv(self._project(hidden_states, self.in_proj_qkv),
+                               cache.conv_state if has_state else None, lengths)
+        if invariant:   # row-major [B, T, C]: the kernel's sums over a head (q/k l2-norm) round by stride
+            qkv = qkv.contiguous()
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(b, t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(b, t, self.num_k_heads, self.head_k_dim)
         v = v.reshape(b, t, self.num_v_heads, self.head_v_dim)
-        z = self.in_proj_z(hidden_states).reshape(b, t, self.num_v_heads, self.head_v_dim)
-        beta = self.in_proj_b(hidden_states).sigmoid()
+        z = self._project(hidden_states, self.in_proj_z).reshape(b, t, self.num_v_heads, self.head_v_dim)
         wide = torch.promote_types(hidden_states.dtype, torch.float32)
-        a = self.in_proj_a(hidden_states).to(wide)
-        g = -self.A_log.to(wide).exp() * F.softplus(a + self.dt_bias.to(wide))   # [B, T, HV], <= 0
+        b_in = self._project(hidden_states, self.in_proj_b)
+        beta = _sigmoid(b_in.to(wide)).to(b_in.dtype) if invariant else b_in.sigmoid()
+        a = self._project(hidden_states, self.in_proj_a).to(wide) + self.dt_bias.to(wide)
+        g = -self.A_log.to(wide).exp() * (_softplus(a) if invariant else F.softplus(a))   # [B, T, HV], <= 0
         decode = has_state and t == 1 and cu_seqlens is None
-        fn = self.recurrent_fn if decode else self.chunk_fn
+        fn = self.recurrent_fn if decode or invariant else self.chunk_fn
         o, final = fn(q, k, v, g=g, beta=beta, initial_state=cache.recurrent_state if has_state else None,
                       output_final_state=cache is not None, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
         if cache is not None:
             cache.conv_state, cache.recurrent_state = tail, final
-        o = self.norm(o, z)                                             # [B, T, HV, V]
-        return self.out_proj(o.reshape(b, t, self.value_dim))
+        o = self.norm(o, z, self.invariant_linear)                      # [B, T, HV, V]
+        return self._project(o.reshape(b, t, self.value_dim), self.out_proj)
 
 
 # ----------------------------------------------------------------------------- input checks

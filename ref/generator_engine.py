@@ -65,12 +65,14 @@ Tensors and types
 
 Supported, and what raises
     Any ModelConfig; fp32 / fp16 / bf16 weights on any device (sampling math in fp32/fp64).
-    Inference only in the engine; ``DecoderLM.forward`` trains.  Many threads may call
-    ``submit`` and ``load_weights``.  ValueError for bad config values, an empty prompt, a token
+    Inference only in the engine; ``DecoderLM.forward`` trains and ``DecoderLM.token_logprobs``
+    recomputes a completion's logprobs the way a trainer does (the engine's numbers, to rounding).
+    Many threads may call ``submit`` and ``load_weights``.  ValueError for bad config values, an empty prompt, a token
     id >= vocab_size, a prompt of max_seq_len tokens or more (no room to generate), a state dict
     with missing, unexpected or mis-shaped tensors, a version below the current one; TypeError
     for a request without the Request fields, non-tensor or non-floating state-dict values, a
-    non-int version; RuntimeError after ``close()``.
+    non-int version; RuntimeError after ``close()``.  ``token_logprobs``: ValueError for a prompt
+    length outside [1, len), token ids out of range, a negative temperature.
 
 References
     gpt-fast (PyTorch Labs, 2023): prefill + decode loop over a static KV cache; Llama / Qwen
@@ -418,6 +420,31 @@ class DecoderLM(nn.Module):
         h = self.layers_forward(input_ids.reshape(-1), positions, attend, mix)
         return self.logits(h).view(b, t, -1)
 
+    def token_logprobs(self, sequences, prompt_lengths, *, temperature=1.0) -> list[torch.Tensor]:
+        """What a trainer recomputes for the tokens a generator sampled.
+
+        ``sequences``: token ids, prompt + completion; ``prompt_lengths``: one int p per sequence,
+        1 <= p < len; ``temperature``: one float >= 0 or one per sequence.  For completion token j
+        (at position p + j) the logprob is log_softmax(logits * fp32(1 / T))[token] at position
+        p + j - 1 (T = 0: unscaled, what greedy sampling reports), from one forward over the
+        sequences packed as documents, without their last tokens.  Returns one fp32 tensor
+        [len - p] per sequence; differentiable."""
+        seqs, prompts, temps = _check_logprob_inputs(sequences, prompt_lengths, temperature, self.config)
+        if not seqs:
+            return []
+        dev = self.embed_tokens.weight.device
+        inputs = [s[:-1] for s in seqs]                                     # the last token is never fed
+        bounds = [0, *itertools.accumulate(len(s) for s in inputs)]
+        packed = torch.tensor([t for s in inputs for t in s], device=dev)[None]            # [1, T]
+        logits = self.forward(packed, cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=dev))[0]
+        out = []
+        for start, seq, p, temp in zip(bounds, seqs, prompts, temps):
+            rows = logits[start + p - 1:start + len(seq) - 1]                # [len - p, V]: predict seq[p:]
+            inv_t = torch.tensor(1.0 / temp if temp else 1.0, dtype=torch.float32, device=dev)
+            logp = torch.log_softmax(rows * inv_t, dim=-1)
+            out.append(logp.gather(1, torch.tensor(seq[p:], device=dev)[:, None])[:, 0])
+        return out
+
 
 # ----------------------------------------------------------------------------- sampling
 
@@ -667,6 +694,42 @@ def _check_request(request, config: ModelConfig) -> None:
     if len(prompt) >= config.max_seq_len:
         raise ValueError(f"prompt_token_ids: a prompt of {len(prompt)} tokens leaves no room to generate "
                          f"in a context of max_seq_len={config.max_seq_len}")
+
+
+def _check_logprob_inputs(sequences, prompt_lengths, temperature, config: ModelConfig):
+    """token_logprobs' arguments as (lists of token ids, prompt lengths, temperatures), or a clear error."""
+    if isinstance(sequences, (str, bytes, torch.Tensor)) or not isinstance(sequences, Iterable):
+        raise TypeError(f"sequences must be a list of token-id sequences, got {type(sequences).__name__}")
+    seqs = []
+    for n, s in enumerate(sequences):
+        if isinstance(s, torch.Tensor):
+            if s.dim() != 1 or s.is_floating_point() or s.is_complex():
+                raise TypeError(f"sequences[{n}] must be a 1-D integer tensor, got {s.dtype} of shape {tuple(s.shape)}")
+            s = s.tolist()
+        try:
+            seqs.append([operator.index(t) for t in s])
+        except TypeError:
+            raise TypeError(f"sequences[{n}] must hold ints (token ids), got {type(s).__name__}") from None
+    if isinstance(prompt_lengths, (str, bytes)) or not isinstance(prompt_lengths, Iterable):
+        raise TypeError(f"prompt_lengths must be a list of ints, got {type(prompt_lengths).__name__}")
+    prompts = list(prompt_lengths)
+    if len(prompts) != len(seqs) or not all(_is_int(p) for p in prompts):
+        raise ValueError(f"prompt_lengths must hold one int per sequence ({len(seqs)}), got {prompts!r}")
+    temps = list(temperature) if isinstance(temperature, Iterable) else [temperature] * len(seqs)
+    if len(temps) != len(seqs) or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0
+                                          for t in temps):
+        raise ValueError(f"temperature must be a float >= 0 or one per sequence ({len(seqs)}), got {temperature!r}")
+    for n, (s, p) in enumerate(zip(seqs, prompts)):
+        if not 1 <= p < len(s):
+            raise ValueError(f"prompt_lengths[{n}] must be in [1, {len(s)}) (a prompt and at least one completion "
+                             f"token), got {p}")
+        if len(s) - 1 > config.max_seq_len:
+            raise ValueError(f"sequences[{n}] has {len(s)} tokens: more than max_seq_len + 1 = "
+                             f"{config.max_seq_len + 1}")
+        if min(s) < 0 or max(s) >= config.vocab_size:
+            raise ValueError(f"sequences[{n}] must hold token ids in [0, {config.vocab_size}), got "
+                             f"{min(s) if min(s) < 0 else max(s)}")
+    return seqs, prompts, [float(t) for t in temps]
 
 
 def _checked_state_dict(state_dict, shapes: dict) -> dict:

@@ -1,0 +1,289 @@
+"""Bitwise on-policy: fast/generator_engine.py's batch-invariant mode.
+
+``Generator(..., batch_invariant=True)`` serves requests whose tokens and per-token logprobs do not
+depend on the rest of the batch, on when they joined, on how their prompt was packed, or on a
+preemption that recomputed them; ``DecoderLM(batch_invariant=True, varlen_attn=...).token_logprobs``
+(the trainer's one packed forward over prompt + completion) gives the same logprobs bit for bit
+(``torch.equal``).  Checked here for an attention-only model and a hybrid one (attention + Gated
+DeltaNet layers) under continuous batching with a KV pool small enough to preempt, in fp32 on the CPU
+with the repo's attention kernels under the Triton interpreter.  The negative control runs the same
+workload with the mode off and records how far apart the two sides are there (the README quotes it).
+The GPU tier runs the contract in bf16 with the Triton matmul (attention-only: fast/gated_deltanet.py's
+recurrent kernel is not yet checked for batch and split invariance).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import fast.generator_engine as fast_ge
+from conftest import DEVICE, requires_gpu
+import ref.gated_deltanet as ref_gdn
+import ref.generator_engine as ref_ge
+from fast.flash_decoding import flash_decode
+from fast.paged_varlen_attention import varlen_attn
+
+TIMEOUT = 120.0
+N_REQUESTS = 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread():
+    """The engine runs in its own thread; one intra-op thread keeps the 2-core machine from stalling."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def gdn_layer(config, index):
+    """The hybrid's "linear" layers: ref/gated_deltanet.py's layer (the mode runs its recurrent form
+    everywhere; the reference recurrence, whose batch and split invariance the engine relies on)."""
+    return ref_gdn.GatedDeltaNet(config.hidden_size, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
+
+
+MODELS = {
+    "attention": dict(layer_types=None, linear_layer=None),
+    "hybrid": dict(layer_types=("linear", "attention"), linear_layer=gdn_layer),
+}
+
+
+def config(kind):
+    return fast_ge.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
+                               num_kv_heads=1, head_dim=16, max_seq_len=48, tie_embeddings=False,
+                               layer_types=MODELS[kind]["layer_types"])
+
+
+def requests(seed, n=N_REQUESTS):
+    """Random prompt lengths and budgets; greedy, temperature and top-k/top-p rows, each seeded."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        kind = i % 3
+        sp = fast_ge.SamplingParams(max_new_tokens=rng.randint(1, 9), temperature=(0.0, 0.9, 1.2)[kind],
+                                    top_k=(0, 0, 20)[kind], top_p=(1.0, 1.0, 0.9)[kind], seed=500 + i)
+        prompt = [rng.randrange(64) for _ in range(rng.randint(1, 20))]
+        out.append(fast_ge.Request(prompt, sp, request_id=f"r{i}"))
+    return out
+
+
+def generator(kind, invariant, *, decode_kernel=True, page_size=4):
+    """A busy engine: 8 slots and a pool of 56-57 KV slots (a request holds up to 28: preemptions)."""
+    plug = dict(varlen_attn=varlen_attn, flash_decode=flash_decode if decode_kernel else None)
+    return fast_ge.Generator(config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"], page_size=page_size,
+                             num_pages=-(-56 // page_size), max_batch_size=8, batch_invariant=invariant, **plug)
+
+
+def serve_busy(gen, reqs, seed):
+    """Random arrival order, in two waves: the second arrives while the first is decoding."""
+    order = list(range(len(reqs)))
+    random.Random(seed).shuffle(order)
+    futures = {}
+    for j, i in enumerate(order):
+        futures[i] = gen.submit(reqs[i])
+        if j == len(order) // 2:
+            futures[order[0]].result(TIMEOUT)
+    return [futures[i].result(TIMEOUT) for i in range(len(reqs))]
+
+
+def trainer_logprobs(trainer, reqs, completions, groups=3):
+    """The trainer's recompute: packed forwards over prompt + completion, the completions dealt into
+    ``groups`` packs in another order than they were served."""
+    temperature = {r.request_id: r.sampling.temperature for r in reqs}
+    out = {}
+    for g in range(groups):
+        batch = completions[g::groups][::-1]
+        lps = trainer.token_logprobs([c.prompt_token_ids + c.token_ids for c in batch],
+                                     [len(c.prompt_token_ids) for c in batch],
+                                     temperature=[temperature[c.request_id] for c in batch])
+        out.update({c.request_id: lp for c, lp in zip(batch, lps)})
+    return out
+
+
+def largest_mismatch(completions, recomputed):
+    return max(float((torch.tensor(c.logprobs, dtype=torch.float32) - recomputed[c.request_id]).abs().max())
+               for c in completions)
+
+
+@pytest.mark.parametrize("kind,decode_kernel,page_size", [("attention", False, 4), ("hybrid", True, 3)],
+                         ids=["attention-varlen_decode-page4", "hybrid-flash_decode-page3"])
+def test_engine_logprobs_equal_the_trainers_bitwise(kind, decode_kernel, page_size):
+    reqs = requests(seed=11)
+    with generator(kind, True, decode_kernel=decode_kernel, page_size=page_size) as gen:
+        busy = serve_busy(gen, reqs, seed=12)
+        stats = gen.stats()
+        assert stats["preemptions"] >= 1, stats
+        # Alone: the same requests, each the only one in flight, give the same tokens and logprobs.
+        for i in (0, 5, 31):
+            alone = gen.generate([reqs[i]])[0]
+            assert alone.token_ids == busy[i].token_ids and alone.logprobs == busy[i].logprobs, reqs[i].request_id
+    trainer = fast_ge.DecoderLM(config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"],
+                                batch_invariant=True, varlen_attn=varlen_attn)
+    trainer.load_state_dict(gen.model.state_dict())
+    with torch.no_grad():
+        recomputed = trainer_logprobs(trainer, reqs, busy)
+    for c in busy:
+        assert len(c.token_ids) >= 1
+        assert torch.equal(torch.tensor(c.logprobs, dtype=torch.float32), recomputed[c.request_id]), (
+            f"{c.request_id}: engine {c.logprobs} vs trainer {recomputed[c.request_id].tolist()}")
+    # The trainer's logprobs are differentiable: a policy-gradient step can run on them.
+    lp = trainer.token_logprobs([busy[0].prompt_token_ids + busy[0].token_ids], [len(busy[0].prompt_token_ids)])
+    lp[0].sum().backward()
+    assert trainer.lm_head.weight.grad is not None and torch.isfinite(trainer.lm_head.weight.grad).all()
+
+
+@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+def test_negative_control_mode_off_mismatches(kind):
+    """The same workload with the mode off (default kernels: autotuned prefill, split-KV decode, the
+    chunk form for the GDN prefill, BLAS matmuls): the engine's logprobs and the trainer's default
+    packed forward differ.  The largest difference is printed for the README."""
+    reqs = requests(seed=11)
+    with generator(kind, False) as gen:
+        busy = serve_busy(gen, reqs, seed=12)
+        assert gen.stats()["preemptions"] >= 1
+    trainer = fast_ge.DecoderLM(config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"],
+                                varlen_attn=varlen_attn)
+    trainer.load_state_dict(gen.model.state_dict())
+    with torch.no_grad():
+        mismatch = largest_mismatch(busy, trainer_logprobs(trainer, reqs, busy))
+    print(f"\n[negative control] {kind}: mode off, largest |engine - trainer| logprob = {mismatch:.3e}")
+    assert mismatch > 0
+
+
+def test_invariant_linear_rows_do_not_depend_on_the_row_count():
+    """The CPU product and the fixed-tile Triton kernel (interpreter): a row's bits alike in M = 1, 7
+    and 45, close to x @ W^T."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(45, 40, generator=gen)
+    w = torch.randn(24, 40, generator=gen)
+    for fn in (fast_ge._invariant_linear, fast_ge._triton_invariant_matmul):
+        full = fn(x, w)
+        torch.testing.assert_close(full, x @ w.t(), rtol=1e-5, atol=1e-5)
+        for m in (1, 7):
+            assert torch.equal(fn(x[3:3 + m], w), full[3:3 + m]), (fn.__name__, m)
+    # A custom op with its fake and autograd (torch.compile traces it; gradients are x @ W^T's).
+    torch.library.opcheck(torch.ops.twofold.invariant_linear, (x, w))
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    fast_ge._invariant_linear(xg, wg).square().sum().backward()
+    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (x2 @ w2.t()).square().sum().backward()
+    torch.testing.assert_close((xg.grad, wg.grad), (x2.grad, w2.grad), rtol=1e-5, atol=1e-4)
+
+
+def test_gated_deltanet_layer_is_batch_and_split_invariant():
+    """ref/gated_deltanet.py's layer after set_batch_invariant: three documents packed in one call, each
+    alone, and a prefill of their first tokens followed by batched one-token decode steps give every
+    token's output bit for bit alike."""
+    torch.manual_seed(0)
+    layer = gdn_layer(config("hybrid"), 0)
+    layer.set_batch_invariant(fast_ge._invariant_linear)
+    lengths, prefix = [9, 4, 13], [3, 1, 5]
+    docs = [torch.randn(1, n, 32) for n in lengths]
+
+    def cu(ns):
+        return torch.tensor([0, *torch.tensor(ns).cumsum(0).tolist()], dtype=torch.int32)
+
+    with torch.no_grad():
+        packed = layer(torch.cat(docs, 1), cu_seqlens=cu(lengths))[0].split(lengths)
+        alone = [layer(d, cu_seqlens=cu([d.shape[1]]))[0] for d in docs]
+        cache = layer.new_cache()
+        first = layer(torch.cat([d[:, :p] for d, p in zip(docs, prefix)], 1), cu_seqlens=cu(prefix), cache=cache)
+        steps = [[] for _ in docs]
+        for t in range(max(lengths)):  # every document steps until the longest is done (padding past its end)
+            x = torch.cat([d[:, min(p + t, n - 1)][:, None] for d, p, n in zip(docs, prefix, lengths)])   # [3, 1, 32]
+            out = layer(x, cache=cache)
+            for i, (p, n) in enumerate(zip(prefix, lengths)):
+                if p + t < n:
+                    steps[i].append(out[i, 0])
+    split = [torch.cat([f, torch.stack(s)]) for f, s in zip(first[0].split(prefix), steps)]
+    for a, b, c in zip(packed, alone, split):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_ref_token_logprobs_are_its_engines_logprobs():
+    """ref/generator_engine.py's token_logprobs (one packed forward) against the reference engine's
+    logprobs, and fast's in the mode against ref's: the same numbers to fp32 rounding."""
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+              head_dim=8, max_seq_len=48, tie_embeddings=False)
+    reqs = [ref_ge.Request(r.prompt_token_ids, ref_ge.SamplingParams(**vars(r.sampling)), request_id=r.request_id)
+            for r in requests(seed=21, n=6)]
+    with ref_ge.Generator(ref_ge.ModelConfig(**kw), seed=3) as gen:
+        done = gen.generate(reqs)
+    seqs = [c.prompt_token_ids + c.token_ids for c in done]
+    prompts = [len(c.prompt_token_ids) for c in done]
+    temps = [r.sampling.temperature for r in reqs]
+    with torch.no_grad():
+        ref_lps = ref_ge.DecoderLM(ref_ge.ModelConfig(**kw), seed=3).token_logprobs(seqs, prompts, temperature=temps)
+        fast_lps = fast_ge.DecoderLM(fast_ge.ModelConfig(**kw), seed=3, batch_invariant=True, varlen_attn=varlen_attn
+                                     ).token_logprobs(seqs, prompts, temperature=temps)
+    for c, r, f in zip(done, ref_lps, fast_lps):
+        engine = torch.tensor(c.logprobs, dtype=torch.float32)
+        torch.testing.assert_close(r, engine, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(f, r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rg", [ref_ge, fast_ge], ids=["ref", "fast"])
+def test_token_logprobs_bad_inputs_raise(rg):
+    model = rg.DecoderLM(rg.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
+                                        num_heads=2, num_kv_heads=1, head_dim=8, max_seq_len=8))
+    with pytest.raises(ValueError, match=r"prompt_lengths\[0\] must be in \[1, 3\)"):
+        model.token_logprobs([[1, 2, 3]], [3])
+    with pytest.raises(ValueError, match="token ids in"):
+        model.token_logprobs([[1, 64, 3]], [1])
+    with pytest.raises(ValueError, match="one int per sequence"):
+        model.token_logprobs([[1, 2, 3]], [1, 1])
+    with pytest.raises(ValueError, match="temperature must be"):
+        model.token_logprobs([[1, 2, 3]], [1], temperature=-1.0)
+    with pytest.raises(ValueError, match="more than max_seq_len"):
+        model.token_logprobs([list(range(10))], [1])
+    with pytest.raises(TypeError, match="sequences must be a list"):
+        model.token_logprobs(torch.tensor([1, 2, 3]), [1])
+    assert model.token_logprobs([], []) == []
+
+
+def test_bad_inputs_raise():
+    c = config("attention")
+    with pytest.raises(ValueError, match="batch_invariant=True needs varlen_attn"):
+        fast_ge.Generator(c, batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant=True needs varlen_attn"):
+        fast_ge.DecoderLM(c, batch_invariant=True)
+    with pytest.raises(TypeError, match="batch_invariant must be a bool"):
+        fast_ge.Generator(c, batch_invariant=1, varlen_attn=varlen_attn)
+    with pytest.raises(TypeError, match="varlen_attn must be None or a function"):
+        fast_ge.DecoderLM(c, varlen_attn="flash")
+
+    class NoMode(torch.nn.Module):                       # a linear-layer plug-in that cannot be made invariant
+        def __init__(self, config, index):
+            super().__init__()
+
+    with pytest.raises(ValueError, match="set_batch_invariant"):
+        fast_ge.DecoderLM(config("hybrid"), linear_layer=NoMode, batch_invariant=True, varlen_attn=varlen_attn)
+
+
+# ----------------------------------------------------------------------------- GPU tier (bf16)
+
+@requires_gpu
+@pytest.mark.gpu
+def test_gpu_bf16_engine_logprobs_equal_the_trainers_bitwise():
+    """The same contract in bf16 on a GPU, where every matmul is the fixed-tile Triton kernel: a 0.1B
+    attention model, 64 requests through a pool that preempts, flash_decode(batch_invariant=True)."""
+    cfg = fast_ge.ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8,
+                              num_kv_heads=2, head_dim=64, max_seq_len=512, tie_embeddings=False)
+    rng = random.Random(5)
+    reqs = [fast_ge.Request([rng.randrange(4096) for _ in range(rng.randint(1, 300))],
+                            fast_ge.SamplingParams(max_new_tokens=rng.randint(1, 64), temperature=(0.0, 1.0)[i % 2],
+                                                   seed=i), request_id=f"g{i}") for i in range(64)]
+    kw = dict(device=DEVICE, dtype=torch.bfloat16)
+    with fast_ge.Generator(cfg, seed=0, page_size=16, num_pages=160, max_batch_size=32, batch_invariant=True,
+                           varlen_attn=varlen_attn, flash_decode=flash_decode, **kw) as gen:
+        busy = serve_busy(gen, reqs, seed=6)
+        assert gen.stats()["preemptions"] >= 1
+        alone = gen.generate([reqs[7]])[0]
+    assert alone.token_ids == busy[7].token_ids and alone.logprobs == busy[7].logprobs
+    trainer = fast_ge.DecoderLM(cfg, seed=0, batch_invariant=True, varlen_attn=varlen_attn, **kw)
+    with torch.no_grad():
+        recomputed = trainer_logprobs(trainer, reqs, busy)
+    for c in busy:
+        assert torch.equal(torch.tensor(c.logprobs, dtype=torch.float32), recomputed[c.request_id].cpu()), c.request_id
