@@ -5,8 +5,8 @@
     python bench/report.py --print --latest   # print the tables of the last run (bench/results/latest/)
 
 Rows are long-format (one number per row: case, impl, metric, value, unit; see harness.py).
-For each feature and each device, the newest run becomes a set of small tables, one per *case
-family* (cases that share a prefix, listed in FAMILIES below with a one-line caption: what is
+For each feature and each device class, each *case family* shows the newest run that measured it,
+as a small table (cases that share a prefix, listed in FAMILIES below with a one-line caption: what is
 measured, its unit, what good looks like).  A family with a ``compare`` metric is pivoted: one
 row per case, one column per implementation, and the ratio ``ref / fast`` (or ``fast / ref``
 for higher-is-better metrics) as a speedup column, in bold where fast loses; other families list every metric of every
@@ -100,6 +100,14 @@ FAMILIES: dict[str, list[Family]] = {
                "vs Ray (each version goes to the object store once, every actor loads it from there)."),
         Family("ray restart", "Fleet recovery", "Seconds from SIGKILL of a Ray actor to its return at the current "
                "weight version (restart, re-sync, probe)."),
+        Family("invariant engine", "Batch-invariant mode: engine", "Generated tokens/s of the fast engine with "
+               "this repo's attention kernels, mode off (default) and on (batch_invariant), and the slowdown. On a "
+               "CPU the kernels run in the Triton interpreter, so these rows say nothing about a GPU; "
+               "default[torch-attn] is the engine's own PyTorch attention."),
+        Family("invariant trainer", "Batch-invariant mode: trainer", "Forward + backward of DecoderLM over packed "
+               "sequences, mode off and on (same attention kernels), ms, and the slowdown."),
+        Family("invariant linear", "Batch-invariant mode: the matmul", "x [M, K] @ W^T: F.linear vs the "
+               "invariant product (one row at a time on a CPU), us per call, and the slowdown."),
     ],
 }
 
@@ -124,16 +132,22 @@ def _device_class(device: str) -> str:
     return "cpu" if device.lower().startswith("cpu") else device
 
 
-def latest_runs(rows: list[dict]) -> list[list[dict]]:
-    """The rows of the newest run of each device class, newest first."""
-    newest: dict[str, str] = {}
+def latest_runs(feature: str, rows: list[dict]) -> list[list[dict]]:
+    """For each device class, newest first: each case family's rows from the newest run that measured
+    it (so a run of one part of a benchmark, e.g. ``--part invariant``, updates its own tables and
+    leaves the others at their last recording)."""
+    newest: dict[tuple, str] = {}
+    for r in rows:
+        key = (_device_class(r["device"]), family_of(feature, r["case"]).prefix)
+        if r["run_id"] > newest.get(key, ""):
+            newest[key] = r["run_id"]
+    by_class: dict[str, list[dict]] = {}
     for r in rows:
         cls = _device_class(r["device"])
-        if r["run_id"] > newest.get(cls, ""):
-            newest[cls] = r["run_id"]
-    runs = [[r for r in rows if _device_class(r["device"]) == cls and r["run_id"] == rid]
-            for cls, rid in newest.items()]
-    return sorted(runs, key=lambda run: run[0]["run_id"], reverse=True)
+        if newest[(cls, family_of(feature, r["case"]).prefix)] == r["run_id"]:
+            by_class.setdefault(cls, []).append(r)
+    runs = list(by_class.values())
+    return sorted(runs, key=lambda run: max(r["run_id"] for r in run), reverse=True)
 
 
 def family_of(feature: str, case: str) -> Family:
@@ -212,7 +226,7 @@ def _listing(rows: list[dict]) -> list[str]:
 
 
 def tables(feature: str, run: list[dict]) -> str:
-    head = run[0]
+    head = max(run, key=lambda r: r["run_id"])
     groups: OrderedDict[Family, list[dict]] = OrderedDict()
     for r in run:
         groups.setdefault(family_of(feature, r["case"]), []).append(r)
@@ -220,7 +234,9 @@ def tables(feature: str, run: list[dict]) -> str:
              f"commit {head['commit']}, {head['date']}*"]
     for fam, rows in groups.items():
         body = _pivot(rows, fam) if fam.compare else _listing(rows)
-        parts.append(f"**{fam.title}.** {fam.caption}\n\n" + "\n".join(body))
+        older = rows[0]
+        when = "" if older["run_id"] == head["run_id"] else f" *(recorded {older['date']}, commit {older['commit']})*"
+        parts.append(f"**{fam.title}.**{when} {fam.caption}\n\n" + "\n".join(body))
     return "\n\n".join(parts)
 
 
@@ -229,7 +245,7 @@ def render(directory: Path = RESULTS, *, gpu_only: bool = False, features=None, 
     for feature, rows in load_rows(directory).items():
         if features and feature not in features:
             continue
-        runs = [run for run in latest_runs(rows) if not (gpu_only and run[0]["device"].startswith(("CPU", "cpu")))]
+        runs = [run for run in latest_runs(feature, rows) if not (gpu_only and run[0]["device"].startswith(("CPU", "cpu")))]
         if not runs:
             continue
         body = "\n\n".join(tables(feature, run) for run in runs)
@@ -307,7 +323,7 @@ def draw_plots(all_rows: dict[str, list[dict]]) -> list[tuple[Path, str]]:
         drawn.append((path, caption))
 
     for feature, rows in all_rows.items():
-        for run in latest_runs(rows)[:1]:
+        for run in latest_runs(feature, rows)[:1]:
             if feature == "routed_generator":
                 line_plot("routed_generator_overhead", "Router overhead per request vs fleet size (CPU)",
                           _series(run, r"overhead n=(?P<x>\d+) (?P<label>\w+)", "overhead_cpu"),
