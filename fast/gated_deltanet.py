@@ -860,10 +860,10 @@ def _chunk_o(q, k, v_new, states, gates: _Gates, scale: float, seqs: _Seqs) -> t
 
 def _rec_config(dk: int, dv: int) -> dict:
     """The recurrent kernel's tiles: at most 32 fp32 state values per thread (BK BV / (32 num_warps)
-    <= 32), which builds to 80 registers on sm_90 and <= 96 on sm_80 at K <= 256 with every option
-    (parity/aot_compile.py; 64 values a thread need ~155).  BV = 32 for K <= 128 (16 at K = 256) on
-    up to 4 warps: the least re-reading of q and k among such tiles, reductions over K kept within
-    4 warps.  The same tiles for every dtype and GPU."""
+    <= 32), which builds to 80 registers on sm_90 (95 for fp32 at K = 256) and <= 96 on sm_80 at
+    K <= 256 with every option (parity/aot_compile.py; 64 values a thread took 155).  BV = 32 for
+    K <= 128 (16 at K = 256) on up to 4 warps: the least re-reading of q and k among such tiles,
+    reductions over K kept within 4 warps.  The same tiles for every dtype and GPU."""
     bk = _pow2(dk)
     bv = min(_pow2(dv, 8), 32, 4096 // bk)
     return dict(BV=bv, num_warps=max(1, bk * bv // 1024), num_stages=1)
@@ -957,11 +957,16 @@ def _bwd_tiles(kernel: str, dtype, arch: int, dk: int, dv: int) -> dict:
     (parity/aot_compile.py).  fp32 (IEEE FMA products, a whole reduction row per thread) runs narrow
     tiles; 16-bit runs tensor-core tiles, narrower on sm_80 where the sm_90 ones spill, and for dqkwg
     on sm_90 32 wide in V when V <= 64 (a single V block puts the whole chunk's loads in flight at
-    once: it spills)."""
+    once: it spills) and 128 wide in K where K is a multiple of 128: one K block reads v_new, dO and dU
+    once (K = V = 128 fp16: 3.17 MB issued, = unique, where 64-wide blocks issued 3.98) at 250-254
+    registers and the same occupancy (1 block of 8 warps per SM), with half the programs; masked
+    (K = 100) it spills."""
     if dtype == torch.float32:
         bk, bv, warps = 16, 16, 8
     elif kernel == "dv_local" or (kernel == "dqkwg" and arch >= 90):
         bk, bv, warps = 64, (32 if kernel == "dqkwg" and dv <= 64 else 64), 8
+        if kernel == "dqkwg" and dk % 128 == 0:
+            bk = 128
     elif kernel == "wy":
         bk, bv, warps = 32, 32, 8
     else:                                   # dqkwg on sm_80
