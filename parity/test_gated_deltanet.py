@@ -16,6 +16,8 @@
    tolerated extra keywords; initial_state in any float dtype, fp32 q/k with a 16-bit v; hard
    resets (g = -inf) in the chunk form; B = 0; a clear error for CPU tensors without the interpreter
    (gradients of all of it: test_gated_deltanet_backward.py).
+6. The recurrent form is batch and split invariant, bit for bit: one sequence's o, final state and
+   gradients alone == in a dense batch == packed with others (any position) == split across calls.
 Interpreter tier: fp32 / fp16, small shapes.  GPU tier: bf16, T up to 32k, K = V = 128.
 """
 from __future__ import annotations
@@ -682,3 +684,121 @@ for call in (lambda: gdn.chunk_gated_delta_rule(q, q, v, g, b, use_qk_l2norm_in_
     for line in errors:
         for way_out in ("CUDA", "TRITON_INTERPRET=1", "ref/gated_deltanet.py"):
             assert way_out in line, line
+
+
+# ----------------------------------------------------------------------------- 6. the recurrent form's invariance
+
+def same_bits(what, a, b):
+    """a and b hold the same bits (torch.equal would call -0.0 and +0.0 equal, and NaN unequal)."""
+    assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype, b.dtype)
+    ints = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[a.dtype]
+    differ = a.contiguous().view(ints) != b.contiguous().view(ints)
+    assert not differ.any(), (f"{what}: {int(differ.sum())} of {differ.numel()} elements differ, max |a - b| = "
+                              f"{(a.double() - b.double()).abs().nan_to_num(float('inf')).max().item():.3g}")
+
+
+@pytest.mark.parametrize("options", ["plain", "all-options"])
+@pytest.mark.parametrize("dtype", dtype_params())
+def test_recurrent_is_batch_and_split_invariant(dtype, options):
+    """fused_recurrent_gated_delta_rule's guarantee (issue 17: a trainer recomputes what a decoding
+    engine produced): one sequence's o and final state hold the same bits (i) alone, (ii) in a dense
+    batch, (iii) packed with cu_seqlens among other documents (empty ones too) at either end, (iv) split
+    at several points with the fp32 state carried to the next call, and (v) decoded token by token in
+    batches whose other members change every step, as an engine's continuous batching does.  fp32 state;
+    "all-options": in-kernel l2norm, gate (A_log, dt_bias) and 2 sigmoid(beta), states [N, HV, V, K].
+    K = 32, V = 48: two V blocks of the fixed 32-wide tile, the second masked."""
+    h, hv, dk, dv, t = 1, 1, 32, 48, 8
+    gen = make_generator(70)
+    kw = dict(output_final_state=True)
+    if options == "all-options":
+        a_log, dt_bias = gate_inputs(71, hv)
+        kw.update(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias,
+                  use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, state_v_first=True)
+
+    def sequence(length):
+        """One sequence's (q, k, v, g, beta) [1, length, ...] in the test dtype (g, beta fp32 / dtype),
+        and its fp32 initial state [1, HV, K, V] (or [1, HV, V, K])."""
+        q, k, v, g, beta, h0 = make_inputs(1, length, h, hv, dk, dv, seed=int(torch.randint(1 << 30, (1,),
+                                                                                             generator=gen)))
+        if options == "all-options":     # the gate's raw input and beta's logit take any sign
+            g = randn(*g.shape, gen=gen, dtype=torch.float64) * 2
+            beta = randn(*beta.shape, gen=gen, dtype=torch.float64)
+            h0 = h0.transpose(-1, -2)
+        return cast(dtype, q, k, v, g, beta, h0.contiguous())
+
+    def run(seqs, *, varlen):
+        """All of seqs in one call: a dense batch (equal lengths) or packed with cu_seqlens."""
+        with nan_allocations():
+            if varlen:
+                cu = cu_tensor([s[0].shape[1] for s in seqs])
+                o, ht = fast.fused_recurrent_gated_delta_rule(
+                    *(torch.cat([s[i] for s in seqs], 1) for i in range(3)), g=torch.cat([s[3] for s in seqs], 1),
+                    beta=torch.cat([s[4] for s in seqs], 1), initial_state=torch.cat([s[5] for s in seqs]),
+                    cu_seqlens=cu, **kw)
+                return [(o[:, a:b], ht[n:n + 1]) for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist()))]
+            o, ht = fast.fused_recurrent_gated_delta_rule(
+                *(torch.cat([s[i] for s in seqs]) for i in range(3)), g=torch.cat([s[3] for s in seqs]),
+                beta=torch.cat([s[4] for s in seqs]), initial_state=torch.cat([s[5] for s in seqs]), **kw)
+            return [(o[n:n + 1], ht[n:n + 1]) for n in range(len(seqs))]
+
+    x = sequence(t)
+    o_ref, h_ref = run([x], varlen=False)[0]
+    assert torch.isfinite(o_ref).all() and torch.isfinite(h_ref).all()
+
+    def check(what, o, ht):
+        same_bits(f"{what}: o", o, o_ref)
+        same_bits(f"{what}: final state", ht, h_ref)
+
+    check("(i) alone, varlen", *run([x], varlen=True)[0])
+    check("(ii) dense batch of 3", *run([sequence(t), x, sequence(t)], varlen=False)[1])
+    check("(iii) packed last", *run([sequence(3), sequence(0), sequence(2), x], varlen=True)[3])
+    check("(iii) packed first", *run([x, sequence(1), sequence(0)], varlen=True)[0])
+    for split in (1, 4, t - 1):                           # (iv) [0, split) then [split, t), the state carried
+        first = tuple(y[:, :split] for y in x[:5]) + (x[5],)
+        (o1, h1), = run([first], varlen=False)
+        rest = tuple(y[:, split:] for y in x[:5]) + (h1,)
+        (o2, h2), = run([rest], varlen=True)
+        check(f"(iv) split at {split}", torch.cat([o1, o2], 1), h2)
+    state, outs = x[5], []                               # (v) token by token in changing batches
+    for step in range(t):
+        token = tuple(y[:, step:step + 1] for y in x[:5]) + (state,)
+        others = [sequence(1) for _ in range(step % 3)]
+        row = step % (len(others) + 1)
+        o_step, state = run(others[:row] + [token] + others[row:], varlen=step % 2 == 1)[row]
+        outs.append(o_step)
+    check("(v) decoded token by token", torch.cat(outs, 1), state)
+
+
+@pytest.mark.parametrize("options", ["plain", "all-options"])
+def test_recurrent_backward_is_batch_invariant(options):
+    """The recurrent backward's guarantee: one sequence's gradients (q, k, v, g, beta, initial state)
+    hold the same bits alone and packed with cu_seqlens between two other documents, with the same
+    upstream gradients for its o and final state.  fp32, K = 32, V = 48 (two V blocks: the per-block
+    partials summed on the host)."""
+    h, hv, dk, dv = 1, 2, 32, 48
+    kw = dict(output_final_state=True)
+    if options == "all-options":
+        a_log, dt_bias = gate_inputs(81, hv)
+        kw.update(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias,
+                  use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    lengths = (5, 7, 4)                                   # the sequence under test is the middle one
+    seqs = [cast(torch.float32, *make_inputs(1, n, h, hv, dk, dv, seed=82 + i)) for i, n in enumerate(lengths)]
+    grads_out = [(randn(1, n, hv, dv, gen=make_generator(90 + i)), randn(1, hv, dk, dv, gen=make_generator(95 + i)))
+                 for i, n in enumerate(lengths)]
+
+    def grads(chosen):
+        """Gradients of the chosen sequences' inputs, all run in one packed call, per sequence."""
+        leaves = [tuple(x.clone().requires_grad_() for x in seqs[i]) for i in chosen]
+        cat = [torch.cat([leaf[j] for leaf in leaves], 0 if j == 5 else 1) for j in range(6)]
+        with nan_allocations():
+            o, ht = fast.fused_recurrent_gated_delta_rule(*cat[:3], g=cat[3], beta=cat[4], initial_state=cat[5],
+                                                          cu_seqlens=cu_tensor([lengths[i] for i in chosen]), **kw)
+            torch.autograd.backward((o, ht), (torch.cat([grads_out[i][0] for i in chosen], 1),
+                                              torch.cat([grads_out[i][1] for i in chosen])))
+        return [[x.grad for x in leaf] for leaf in leaves]
+
+    alone, = grads([1])
+    packed = grads([0, 1, 2])[1]
+    assert all(torch.isfinite(x).all() for x in alone)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), alone, packed):
+        same_bits(name, b, a)

@@ -59,12 +59,7 @@ def cases(m) -> list[dict]:
                                          scale="fp32", T="i32"),
                           constexprs=dict(**heads, K=dk, V=dv, BT=m.CHUNK, BK=32 if not tc else min(64, bk_full),
                                           IS_VARLEN=True, PREC=prec)))
-        cases.append(dict(kernel=m._recurrent_tuned, name="recurrent" + tag,
-                          configs=m._prune_rec_configs(m._REC_CONFIGS, named)[:1 if one else None],
-                          signature=dict(q=ptr, k=ptr, v=ptr, g=F32, beta=ptr, A_log=F32, dt_bias=F32, o=ptr, h0=F32,
-                                         ht=F32, cu=I32, scale="fp32", T="i32", NHV="i32"),
-                          constexprs=dict(**heads, K=dk, V=dv, BK=bk_full, USE_H0=True, STORE_FINAL=True,
-                                          IS_VARLEN=True, L2NORM=True, **NO_OPTIONS)))
+        cases.append(_recurrent_case(m, dtype, dk, dv, heads, NO_OPTIONS, tag))
         cases += _backward_cases(m, dtype, dk, dv, heads, one_config=one)
     for hv in (16, 64):
         for gate in (False, True):                  # use_gate_in_kernel: the gate and its backward fused in
@@ -97,12 +92,7 @@ def _option_cases(m) -> list[dict]:
     for dtype, dk, dv in ((torch.bfloat16, 128, 128), (torch.bfloat16, 256, 256), (torch.float32, 256, 256)):
         tag, tc, prec, ptr, named = _shape(m, dtype, dk, dv, ",options")
         cases += _state_cases(m, dtype, dk, dv, heads, tag, one_config=True, v_first=True)
-        cases.append(dict(kernel=m._recurrent_tuned, name="recurrent" + tag,
-                          configs=m._prune_rec_configs(m._REC_CONFIGS, named)[:1],
-                          signature=dict(q=ptr, k=ptr, v=ptr, g=F32, beta=ptr, A_log=F32, dt_bias=F32, o=ptr, h0=F32,
-                                         ht=F32, cu=I32, scale="fp32", T="i32", NHV="i32"),
-                          constexprs=dict(**heads, K=dk, V=dv, BK=m._pow2(dk), USE_H0=True, STORE_FINAL=True,
-                                          IS_VARLEN=True, L2NORM=True, **ALL_OPTIONS)))
+        cases.append(_recurrent_case(m, dtype, dk, dv, heads, ALL_OPTIONS, tag))
         cases += _dhu_cases(m, dtype, dk, dv, heads, tag, one_config=True, v_first=True)
         cases.append(_recurrent_bwd_case(m, dtype, dk, dv, heads, ALL_OPTIONS, tag))
     return cases
@@ -124,13 +114,15 @@ def _backward_cases(m, dtype, dk: int, dv: int, heads: dict, one_config: bool) -
         cases += _dhu_cases(m, dtype, dk, dv, heads, tag, one_config=one_config, v_first=False, archs=(arch,))
         cases.append(dict(kernel=m._chunk_dqkwg_kernel, name=f"dqkwg{tag}", archs=[arch], tensor_cores=tc,
                           signature=dict(q=ptr, k=ptr, v_new=ptr, gc=F32, gr=I8, gs=F32, ge=F32, h=ptr, do=ptr, dh=ptr,
-                                         dv=ptr, dq=F32, dk=F32, dw=ptr, db=F32, cu=I32, chunk_idx=I32, scale="fp32",
+                                         dv=ptr, dq=ptr, dk=ptr, dw=ptr, db=F32, cu=I32, chunk_idx=I32, scale="fp32",
                                          T="i32"),
                           constexprs=dict(**common, **tiles["dqkwg"], NB=nb), **launch["dqkwg"]))
         cases.append(dict(kernel=m._chunk_wy_bwd_kernel, name=f"wy_bwd{tag}", archs=[arch], tensor_cores=tc,
                           signature=dict(k=ptr, v=ptr, beta=ptr, gc=F32, gr=I8, gs=F32, A=ptr, w=ptr, u=ptr, dw=ptr,
-                                         du=ptr, dk=F32, dv=ptr, dbeta=ptr, db=F32, cu=I32, chunk_idx=I32, T="i32"),
-                          constexprs=dict(**common, **tiles["wy"], NB=nb), **launch["wy"]))
+                                         du=ptr, dk=ptr, dk_out=ptr, dv=ptr, dbeta=ptr, db=F32, cu=I32, chunk_idx=I32,
+                                         T="i32"),
+                          constexprs=dict(**common, **tiles["wy"], NB=nb, HOLD_T=dtype != torch.float32),
+                          **launch["wy"]))
     cases.append(_recurrent_bwd_case(m, dtype, dk, dv, heads, NO_OPTIONS, tag))
     cases.append(dict(kernel=m._l2norm_bwd_kernel, name=f"l2norm_bwd{tag}",
                       signature=dict(y=ptr, rstd=F32, dy=F32, dx=ptr, R="i32"),
@@ -161,6 +153,20 @@ def _dhu_cases(m, dtype, dk: int, dv: int, heads: dict, tag: str, one_config: bo
                  constexprs=dict(**heads, K=dk, V=dv, BT=m.CHUNK, IS_VARLEN=True, PREC=prec, **m._dhu_rows(dtype, dk),
                                  USE_DHT=True, STORE_DH0=True, STATE_V_FIRST=v_first))
             for arch in archs]
+
+
+def _recurrent_case(m, dtype, dk: int, dv: int, heads: dict, options: dict, tag: str, **flags) -> dict:
+    """The recurrent (decode) kernel at its fixed tiles; ``flags`` override IS_VARLEN, USE_H0, STORE_FINAL
+    (all on by default: the superset of the code paths)."""
+    ptr = f"*{m._TL_DTYPES[dtype]}"
+    config = m._rec_config(dk, dv)
+    return dict(kernel=m._recurrent_kernel, name="recurrent" + tag,
+                signature=dict(q=ptr, k=ptr, v=ptr, g=F32, beta=ptr, A_log=F32, dt_bias=F32, o=ptr, h0=F32, ht=F32,
+                               cu=I32, scale="fp32", T="i32"),
+                constexprs=dict(**heads, K=dk, V=dv, BK=m._pow2(dk), BV=config["BV"],
+                                **dict(dict(USE_H0=True, STORE_FINAL=True, IS_VARLEN=True), **flags), L2NORM=True,
+                                **options),
+                num_warps=config["num_warps"], num_stages=config["num_stages"])
 
 
 def _recurrent_bwd_case(m, dtype, dk: int, dv: int, heads: dict, options: dict, tag: str) -> dict:
