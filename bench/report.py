@@ -245,7 +245,8 @@ def render(directory: Path = RESULTS, *, gpu_only: bool = False, features=None, 
     for feature, rows in load_rows(directory).items():
         if features and feature not in features:
             continue
-        runs = [run for run in latest_runs(feature, rows) if not (gpu_only and run[0]["device"].startswith(("CPU", "cpu")))]
+        runs = [run for run in latest_runs(feature, rows)
+                if not (gpu_only and _device_class(run[0]["device"]) == "cpu")]
         if not runs:
             continue
         body = "\n\n".join(tables(feature, run) for run in runs)

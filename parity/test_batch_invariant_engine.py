@@ -8,8 +8,9 @@ preemption that recomputed them; ``DecoderLM(batch_invariant=True, varlen_attn=.
 DeltaNet layers) under continuous batching with a KV pool small enough to preempt, in fp32 on the CPU
 with the repo's attention kernels under the Triton interpreter.  The negative control runs the same
 workload with the mode off and records how far apart the two sides are there (the README quotes it).
-The GPU tier runs the contract in bf16 with the Triton matmul (attention-only: fast/gated_deltanet.py's
-recurrent kernel is not yet checked for batch and split invariance).
+The hybrid runs once with the reference recurrence and once with fast/gated_deltanet.py's recurrent
+kernel (batch- and split-invariant itself: parity/test_gated_deltanet.py).  The GPU tier runs the
+contract in bf16 with the Triton matmul, attention-only and hybrid with the fast recurrent kernel.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import random
 import pytest
 import torch
 
+import fast.gated_deltanet as fast_gdn
 import fast.generator_engine as fast_ge
 from conftest import DEVICE, requires_gpu
 import ref.gated_deltanet as ref_gdn
@@ -38,15 +40,22 @@ def one_intra_op_thread():
     torch.set_num_threads(before)
 
 
-def gdn_layer(config, index):
+def gdn_layer(config, index, recurrent_fn=ref_gdn.fused_recurrent_gated_delta_rule):
     """The hybrid's "linear" layers: ref/gated_deltanet.py's layer (the mode runs its recurrent form
-    everywhere; the reference recurrence, whose batch and split invariance the engine relies on)."""
-    return ref_gdn.GatedDeltaNet(config.hidden_size, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
+    everywhere, so the engine relies on the batch and split invariance of ``recurrent_fn``)."""
+    return ref_gdn.GatedDeltaNet(config.hidden_size, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8,
+                                 recurrent_fn=recurrent_fn)
+
+
+def fast_gdn_layer(config, index):
+    """The same layer with fast/gated_deltanet.py's recurrent kernel (Triton; the interpreter on a CPU)."""
+    return gdn_layer(config, index, recurrent_fn=fast_gdn.fused_recurrent_gated_delta_rule)
 
 
 MODELS = {
     "attention": dict(layer_types=None, linear_layer=None),
     "hybrid": dict(layer_types=("linear", "attention"), linear_layer=gdn_layer),
+    "hybrid-fast_gdn": dict(layer_types=("linear", "attention"), linear_layer=fast_gdn_layer),
 }
 
 
@@ -107,8 +116,10 @@ def largest_mismatch(completions, recomputed):
                for c in completions)
 
 
-@pytest.mark.parametrize("kind,decode_kernel,page_size", [("attention", False, 4), ("hybrid", True, 3)],
-                         ids=["attention-varlen_decode-page4", "hybrid-flash_decode-page3"])
+@pytest.mark.parametrize("kind,decode_kernel,page_size",
+                         [("attention", False, 4), ("hybrid", True, 3), ("hybrid-fast_gdn", True, 5)],
+                         ids=["attention-varlen_decode-page4", "hybrid-flash_decode-page3",
+                              "hybrid_fast_gdn-flash_decode-page5"])
 def test_engine_logprobs_equal_the_trainers_bitwise(kind, decode_kernel, page_size):
     reqs = requests(seed=11)
     with generator(kind, True, decode_kernel=decode_kernel, page_size=page_size) as gen:
@@ -264,18 +275,28 @@ def test_bad_inputs_raise():
 
 # ----------------------------------------------------------------------------- GPU tier (bf16)
 
+def gpu_gdn_layer(config, index):
+    """A Qwen3.5-like Gated DeltaNet layer (head dims 128) on fast/gated_deltanet.py's recurrent kernel."""
+    return ref_gdn.GatedDeltaNet(config.hidden_size, num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128,
+                                 recurrent_fn=fast_gdn.fused_recurrent_gated_delta_rule)
+
+
 @requires_gpu
 @pytest.mark.gpu
-def test_gpu_bf16_engine_logprobs_equal_the_trainers_bitwise():
+@pytest.mark.parametrize("layer_types", [None, ("linear", "attention") * 2], ids=["attention", "hybrid"])
+def test_gpu_bf16_engine_logprobs_equal_the_trainers_bitwise(layer_types):
     """The same contract in bf16 on a GPU, where every matmul is the fixed-tile Triton kernel: a 0.1B
-    attention model, 64 requests through a pool that preempts, flash_decode(batch_invariant=True)."""
+    model (attention-only, or hybrid with fast Gated DeltaNet layers), 64 requests through a pool that
+    preempts, flash_decode(batch_invariant=True)."""
     cfg = fast_ge.ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8,
-                              num_kv_heads=2, head_dim=64, max_seq_len=512, tie_embeddings=False)
+                              num_kv_heads=2, head_dim=64, max_seq_len=512, tie_embeddings=False,
+                              layer_types=layer_types)
+    linear_layer = gpu_gdn_layer if layer_types else None
     rng = random.Random(5)
     reqs = [fast_ge.Request([rng.randrange(4096) for _ in range(rng.randint(1, 300))],
                             fast_ge.SamplingParams(max_new_tokens=rng.randint(1, 64), temperature=(0.0, 1.0)[i % 2],
                                                    seed=i), request_id=f"g{i}") for i in range(64)]
-    kw = dict(device=DEVICE, dtype=torch.bfloat16)
+    kw = dict(device=DEVICE, dtype=torch.bfloat16, linear_layer=linear_layer)
     with fast_ge.Generator(cfg, seed=0, page_size=16, num_pages=160, max_batch_size=32, batch_invariant=True,
                            varlen_attn=varlen_attn, flash_decode=flash_decode, **kw) as gen:
         busy = serve_busy(gen, reqs, seed=6)
