@@ -15,7 +15,7 @@ help:
 	@echo "  make install        dependencies into the active Python (keeps an installed torch)        ~1 min"
 	@echo "  make parity         every parity test: the full grid on CUDA, else the Triton             ~7 min"
 	@echo "                      interpreter on small shapes, plus the sm_80/sm_90 build check"
-	@echo "  make compile-check  ahead-of-time build of every kernel and every config (no GPU needed)  ~15 min"
+	@echo "  make compile-check  ahead-of-time build of every kernel and every config (no GPU needed)  ~6 min"
 	@echo "  make bench          every benchmark (FEATURE=name for one); prints its tables and writes  ~5 min"
 	@echo "                      bench/results/latest/; RECORD=1 also appends to the committed CSVs"
 	@echo "                      and regenerates the README tables and plots"

@@ -42,6 +42,7 @@ from pathlib import Path
 os.environ.pop("TRITON_INTERPRET", None)  # the interpreter replaces @triton.jit; we need the compiler
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -50,6 +51,22 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 # Opt-in dynamic shared memory per block: A100 (sm_80) 163 KB, H100/H200 (sm_90) 227 KB.
 SMEM_LIMIT = {80: 166912, 90: 232448}
+
+
+# For the case tables: Triton's names for tensor element types, and int arguments typed as a launch
+# specializes them (1 becomes a constant, a multiple of 16 is marked so).
+POINTER_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def int_signature(values: dict) -> tuple[dict, dict]:
+    """Signature entries and constants for int arguments, specialized as a launch would be."""
+    signature, constants = {}, {}
+    for name, value in values.items():
+        if value == 1:
+            signature[name], constants[name] = "constexpr", 1
+        else:
+            signature[name] = "i32:16" if value % 16 == 0 else "i32"
+    return signature, constants
 
 
 def _unwrap(kernel):

@@ -13,18 +13,8 @@ from __future__ import annotations
 
 import torch
 
-_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-
-
-def _int_types(values: dict) -> tuple[dict, dict]:
-    """Signature entries and constants for int arguments, specialized as a launch would be."""
-    signature, constants = {}, {}
-    for name, value in values.items():
-        if value == 1:
-            signature[name], constants[name] = "constexpr", 1
-        else:
-            signature[name] = "i32:16" if value % 16 == 0 else "i32"
-    return signature, constants
+from aot_compile import POINTER_TYPES as _TYPES  # parity/ is on sys.path wherever cases are built
+from aot_compile import int_signature as _int_types
 
 
 def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16, batch=4, seq=8192, page=16,
