@@ -72,7 +72,8 @@ Batch-invariant mode: bitwise on-policy (``Generator(..., batch_invariant=True)`
                   layer has): its projections go through the invariant matmul and its recurrence runs
                   in the recurrent form in prefill, decode and the trainer alike (that form has a
                   backward), so hybrid models are on-policy too; its ``recurrent_fn`` must itself be
-                  batch- and split-invariant (the reference recurrence is on the CPU).
+                  batch- and split-invariant (the reference recurrence and fast/gated_deltanet.py's
+                  recurrent kernel are; parity/test_batch_invariant_engine.py runs both).
     Sampling is unchanged: each request draws from its own generator, so equal logits give equal
     tokens.  Gradients through ``token_logprobs`` are plain matmuls (they need not be invariant).
     What it costs is measured by bench/routed_generator.py (README, routed generator).
