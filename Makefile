@@ -13,7 +13,7 @@ FEATURES := paged_varlen_attention flash_decoding gated_deltanet view_replay_off
 help:
 	@echo "Targets (durations measured on a 2-core CPU machine without a GPU):"
 	@echo "  make install        dependencies into the active Python (keeps an installed torch)        ~1 min"
-	@echo "  make parity         every parity test: the full grid on CUDA, else the Triton             ~7 min"
+	@echo "  make parity         every parity test: the full grid on CUDA, else the Triton            ~11 min"
 	@echo "                      interpreter on small shapes, plus the sm_80/sm_90 build check"
 	@echo "  make compile-check  ahead-of-time build of every kernel and every config (no GPU needed)  ~6 min"
 	@echo "  make bench          every benchmark (FEATURE=name for one); prints its tables and writes  ~5 min"
