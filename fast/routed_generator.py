@@ -1044,10 +1044,7 @@ def ray_generators(make_generator, n: int, *, name_prefix: str = "ray-gen", max_
     ``node_id`` of its actor's process (after a restart: refreshed on the first reply) and
     ``close()`` (kills the actor).
     """
-    try:
-        import ray
-    except ImportError:
-        raise ImportError("ray_generators needs ray (pip install 'ray>=2.40'); the router itself does not") from None
+    ray = _ray()
     if not _is_int(n) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
     if not callable(make_generator):
@@ -1074,6 +1071,16 @@ def ray_generators(make_generator, n: int, *, name_prefix: str = "ray-gen", max_
     return [_RayGenerator(name, actor, info, store, call_timeout_s) for name, actor, info in zip(names, actors, infos)]
 
 
+def _ray():
+    """The ray module, imported at first use: only the Ray fleet needs it, so this file imports with
+    torch alone (the one place it is imported)."""
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("ray_generators needs ray (pip install 'ray>=2.40'); the router itself does not") from None
+    return ray
+
+
 class _EngineActor:
     """What runs inside each Ray actor (an async actor: one event loop awaits many requests)."""
 
@@ -1084,8 +1091,7 @@ class _EngineActor:
 
     async def describe(self) -> dict:
         import os
-
-        import ray
+        ray = _ray()
         config = getattr(self.engine, "config", None)
         return dict(incarnation=self.incarnation, version=self.engine.policy_version, pid=os.getpid(),
                     node_id=ray.get_runtime_context().get_node_id(),
@@ -1112,7 +1118,7 @@ class _WeightStore:
         self._key, self._ref = None, None  # (version, id of the state dict): the object it was put as
 
     def ref(self, state_dict, version: int):
-        import ray
+        ray = _ray()
         with self._lock:
             if self._key != (version, id(state_dict)):
                 self._ref = None  # the old version's object can go
@@ -1184,7 +1190,7 @@ class _RayGenerator:
         return future
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        import ray
+        ray = _ray()
         if not _is_int(version):
             raise TypeError(f"version must be an int, got {type(version).__name__}")
         ref = self._store.ref(state_dict, version)
@@ -1212,11 +1218,11 @@ class _RayGenerator:
 
     def close(self) -> None:
         """Kill the actor (no restart); its requests fail, the router retries them elsewhere."""
-        import ray
+        ray = _ray()
         ray.kill(self._actor, no_restart=True)
 
     def _reply(self, future: Future, rf) -> None:
-        import ray
+        ray = _ray()
         try:
             incarnation, *fields = rf.result()
         except ray.exceptions.RayActorError as exc:
@@ -1273,7 +1279,7 @@ class _RayGenerator:
         ref.future().add_done_callback(on_info)
 
     def _cancel(self, ref) -> None:
-        import ray
+        ray = _ray()
         try:
             ray.cancel(ref)
         except Exception:  # noqa: BLE001 - already finished, or the actor is gone
