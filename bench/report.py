@@ -136,18 +136,15 @@ def latest_runs(feature: str, rows: list[dict]) -> list[list[dict]]:
     """For each device class, newest first: each case family's rows from the newest run that measured
     it (so a run of one part of a benchmark, e.g. ``--part invariant``, updates its own tables and
     leaves the others at their last recording)."""
+    keys = [(_device_class(r["device"]), family_of(feature, r["case"]).prefix) for r in rows]
     newest: dict[tuple, str] = {}
-    for r in rows:
-        key = (_device_class(r["device"]), family_of(feature, r["case"]).prefix)
-        if r["run_id"] > newest.get(key, ""):
-            newest[key] = r["run_id"]
+    for key, r in zip(keys, rows):
+        newest[key] = max(newest.get(key, ""), r["run_id"])
     by_class: dict[str, list[dict]] = {}
-    for r in rows:
-        cls = _device_class(r["device"])
-        if newest[(cls, family_of(feature, r["case"]).prefix)] == r["run_id"]:
+    for (cls, fam), r in zip(keys, rows):
+        if newest[(cls, fam)] == r["run_id"]:
             by_class.setdefault(cls, []).append(r)
-    runs = list(by_class.values())
-    return sorted(runs, key=lambda run: max(r["run_id"] for r in run), reverse=True)
+    return sorted(by_class.values(), key=lambda run: max(r["run_id"] for r in run), reverse=True)
 
 
 def family_of(feature: str, case: str) -> Family:
