@@ -49,15 +49,17 @@ Batch invariance (``batch_invariant=True``; the default, False, keeps the fast p
     fast/paged_varlen_attention.py's ``varlen_attn(..., batch_invariant=True)`` gives the same row
     (causal, same keys, scale, softcap, sinks, dtype and head dim, one GPU family or the
     interpreter, one Triton version) in a trainer's packed forward, a paged prefill chunk or a
-    decode step, whatever else shares either batch, the page size or the block table.  The decode
-    kernel then runs one split (``num_splits`` must be None or 1) with the varlen kernel's
-    invariant tile (BLOCK_M, BLOCK_N, num_warps from the same table), key blocks of BLOCK_N from
-    key 0, every block masked (a hidden block is an exact no-op), and the same code for the score
-    transform, the online-softmax step and the finalisation (the two files hold them character for
-    character).  The cost, against the default: no split (B * H_kv programs, so a small batch with
-    a long context leaves SMs idle where the shape gate would have split), and a 64-row tile
-    (16-bit) for the S_q * G rows, i.e. 64 / (S_q * G) times the useful MMA work (64 FLOPs per K/V
-    byte: memory-bound still); bytes are the IO bound (no partials).  GPU timings are owed.
+    decode step, whatever else shares either batch, the page size or the block table.  As there,
+    every phase computes a row with the same tile shape and instruction (BLOCK_M, BLOCK_N,
+    num_warps from the same table), the row at the same slot of the tile ((p * G + g) mod BLOCK_M
+    for position p, head g: a CPU BLAS rounds a tile's slots differently), key blocks of BLOCK_N
+    from key 0, every block masked (a hidden block is an exact no-op), one split, and the same code
+    for the score transform, the online-softmax step and the finalisation (the two files hold them
+    character for character).  ``num_splits`` must be None or 1.  The cost, against the default: no
+    split (B * H_kv programs, so a small batch with a long context leaves SMs idle where the shape
+    gate would have split), and a 64-row tile (16-bit) for the S_q * G rows, i.e. 64 / (S_q * G)
+    times the useful MMA work (64 FLOPs per K/V byte: memory-bound still); bytes are the IO bound
+    (no partials).  GPU timings are owed.
 
 References
     Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference" (2023); flash-attn's
@@ -252,7 +254,7 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if batch_invariant:
         family = None if not q.is_cuda else _gpu_family(
             q.device.index if q.device.index is not None else torch.cuda.current_device())
-        cfg = _invariant_config(d, q.dtype, s_q * group, _kv_align(k_cache, v_cache), family)
+        cfg = _invariant_config(d, q.dtype, s_q * group, group, _kv_align(k_cache, v_cache), family)
         num_splits = 1
     else:
         cfg = _fwd_config(d, q.dtype, s_q * group, paged, _kv_align(k_cache, v_cache), q.device)
@@ -287,7 +289,7 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         IS_PAGED=paged, IS_SPLIT=split, HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_ALIGN=cfg["KV_ALIGN"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BATCH_INVARIANT=batch_invariant, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split:
         _merge_splits_kernel[(batch * s_q * h_q,)](
             o_part, lse_part, sk, out, lse,
@@ -370,7 +372,7 @@ def _decode_fwd_kernel(
     H_kv, GROUP, S_q, PAGE_SIZE, NUM_SPLITS, qk_scale, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_PAGED: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr, BATCH_INVARIANT: tl.constexpr = False,
 ):
     """One program per (sequence x KV head, split, query tile).  The tile packs the S_q rows of
     all G query heads of one KV head (row r = i * G + g), so K and V are read once per KV head,
@@ -400,10 +402,17 @@ def _decode_fwd_kernel(
     seqlen = tl.load(seqused_ptr + i_b)
 
     # Tile rows pack (query row i, head g of the group) as r = i * GROUP + g: K/V are read once per KV head.
-    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # BATCH_INVARIANT puts row (position p, head g) at slot (p * G + g) mod BLOCK_M, as the varlen
+    # kernel's mode does in a trainer's forward or a prefill (a CPU BLAS rounds a tile's slots apart).
+    shift = 0
+    if BATCH_INVARIANT:
+        shift = (((seqlen - S_q) * GROUP) % BLOCK_M + BLOCK_M) % BLOCK_M
+        if i_m * BLOCK_M >= S_q * GROUP + shift:          # the launch has one tile more than the rows need
+            return
+    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M) - shift
     i_q = o_r // GROUP
     i_hq = i_hkv * GROUP + o_r % GROUP
-    m_r = o_r < S_q * GROUP
+    m_r = (o_r >= 0) & (o_r < S_q * GROUP)
     o_d = tl.arange(0, BLOCK_D)
     if BLOCK_D == HEAD_DIM:
         m_d = tl.full([BLOCK_D], 1, tl.int1)      # a constant mask keeps the loads vectorized
@@ -642,7 +651,8 @@ _INVARIANT_CONFIG_TABLE = {
 _INTERPRET_INVARIANT_CONFIG = (16, 16, 4, 1, 1)
 
 
-def _invariant_config(head_dim: int, dtype: torch.dtype, rows: int, kv_align: int, family: Optional[int]) -> dict:
+def _invariant_config(head_dim: int, dtype: torch.dtype, rows: int, group: int, kv_align: int,
+                      family: Optional[int]) -> dict:
     """The decode kernel's batch-invariant launch on GPU family 80 or 90 (None: the interpreter): the
     varlen kernel's invariant tile, one split.  Its costs against ``_fwd_config``: a 64-row tile
     (16-bit) for S_q * G rows, so 64 / (S_q * G) times the useful MMA work (memory-bound all the
@@ -653,8 +663,11 @@ def _invariant_config(head_dim: int, dtype: torch.dtype, rows: int, kv_align: in
         block_m, block_n, warps, _, stages = _INTERPRET_INVARIANT_CONFIG
     else:
         block_m, block_n, warps, _, stages = _INVARIANT_CONFIG_TABLE[(family, max(64, block_d), elt)]
+    # Rows sit at position-aligned slots (see the kernel): the first at a multiple of gcd(G, BLOCK_M)
+    # up to BLOCK_M - gcd, so S_q * G rows span at most this many tiles (one, decoding with G | BLOCK_M).
+    num_q_tiles = -(-(rows + block_m - math.gcd(group, block_m)) // block_m)
     return dict(BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, KV_ALIGN=kv_align, num_warps=warps,
-                num_stages=stages, num_q_tiles=-(-rows // block_m))
+                num_stages=stages, num_q_tiles=num_q_tiles)
 
 
 @functools.cache

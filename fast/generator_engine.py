@@ -54,19 +54,25 @@ Batch-invariant mode: bitwise on-policy (``Generator(..., batch_invariant=True)`
     batch, when it joined, how its prompt was packed, or whether it was preempted and recomputed;
     and ``DecoderLM(batch_invariant=True, varlen_attn=...).token_logprobs(sequences, prompt_lengths)``,
     the trainer's one packed forward over prompt + completion, gives the engine's logprobs bit for
-    bit (``torch.equal``).  The invariance contract, what each piece computes with in the mode:
-      matmuls     every product's reduction order per output element does not depend on the number
-                  of rows: on a GPU a fixed-tile Triton matmul (no split-K, one config per GPU family
-                  and element size, never autotuned); on a CPU one [1, K] x [K, N] product per row
-                  (a batched matmul, the same BLAS call whatever the row count).
+    bit (``torch.equal``).  The invariance contract: every phase (the trainer's packed forward, the
+    engine's prefill, each decode step) computes a row's dots with the same tile shape, the same
+    instruction and the row in the same slot of the tile, and reduces in the same order; whatever
+    runs the dot (a CPU BLAS, mma.sync or wgmma on a GPU) then sees identical work for that row.
+    What each piece computes with in the mode:
+      matmuls     on a GPU a fixed-tile Triton matmul (no split-K, one config per GPU family and
+                  element size, never autotuned: the same MMA at any row count, checked on the
+                  sm_80/sm_90 builds by parity/invariant_sass.py; the MMA rounds every row of a tile
+                  alike); on a CPU one [1, K] x [K, N] product per row (a batched matmul: the same
+                  BLAS call, the row at slot 0, whatever the row count).
       per row     RMSNorm (its mean of squares a product with a ones vector), rotary, SwiGLU (SiLU
                   composed from exp: torch's CPU silu rounds a vector loop's tail otherwise) and the
                   final log-softmax (max exact in any order; the sum of exps a product) are the same
                   expressions in the trainer's packed forward and in the engine's prefill and decode.
       attention   ``varlen_attn(..., batch_invariant=True)`` for the prefill and the trainer, and the
                   decode through ``flash_decode(..., batch_invariant=True)`` (one split) or, without
-                  one, ``varlen_attn`` with one query row per request: the same kernel family reducing
-                  over keys in the same BLOCK_N blocks from key 0 with the same online-softmax
+                  one, ``varlen_attn`` with one query row per request: one tile shape for every phase,
+                  tiles aligned to absolute positions (position p, head g at slot (p * G + g) mod
+                  BLOCK_M), keys in BLOCK_N blocks from key 0 with the same online-softmax
                   arithmetic, whatever the page size and block table.
       GDN layers  a "linear" plug-in must have ``set_batch_invariant(linear)`` (ref/gated_deltanet.py's
                   layer has): its projections go through the invariant matmul and its recurrence runs
@@ -76,7 +82,10 @@ Batch-invariant mode: bitwise on-policy (``Generator(..., batch_invariant=True)`
                   recurrent kernel are; parity/test_batch_invariant_engine.py runs both).
     Sampling is unchanged: each request draws from its own generator, so equal logits give equal
     tokens.  Gradients through ``token_logprobs`` are plain matmuls (they need not be invariant).
-    What it costs is measured by bench/routed_generator.py (README, routed generator).
+    What it costs is measured by bench/routed_generator.py (README, routed generator).  Tested
+    bitwise under four CPU kernel families (OpenBLAS generic, Sandybridge, Haswell/Zen, SkylakeX;
+    ATen and MKL at AVX2 and scalar: parity/test_bitwise_blas.py) and on the sm_80/sm_90 builds; a
+    GPU run is owed (the GPU tier of parity/test_batch_invariant_engine.py).
 
 Cost (what bench/routed_generator.py measures against)
     Per generated token, FLOPs ~ 2 * (non-embedding parameters + hidden * vocab) + 4 * L_ctx *
@@ -1247,9 +1256,13 @@ def _triton_invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Ten
     if m == 0 or n == 0:
         return y
     block_m, block_n, block_k, warps, stages = _invariant_matmul_config(x.dtype, _gpu_family(x.device))
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    # A GPU's MMA rounds every row of a tile alike: the rows fill the tile.  The interpreter's dot is a
+    # BLAS call, whose micro-kernels round a tile's slots differently (OpenBLAS's Haswell sgemm: rows
+    # 6-11 of 16 apart from the rest), so there each row gets its own tile, at slot 0.
+    rows_per_tile = block_m if x.is_cuda else 1
+    grid = (triton.cdiv(m, rows_per_tile), triton.cdiv(n, block_n))
     _invariant_matmul_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ROWS_PER_TILE=rows_per_tile,
                                    PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                                    num_warps=warps, num_stages=stages)
     return y
@@ -1258,11 +1271,13 @@ def _triton_invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Ten
 if triton is not None:
     @triton.jit
     def _invariant_matmul_kernel(x, w, y, M, N, K, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_PER_TILE: tl.constexpr,
+                                 PRECISION: tl.constexpr):
         i_m, i_n = tl.program_id(0), tl.program_id(1)
-        o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        o_slot = tl.arange(0, BLOCK_M)
+        o_m = i_m * ROWS_PER_TILE + o_slot                                  # rows x in slots 0 .. ROWS_PER_TILE - 1
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_m, m_n = o_m < M, o_n < N
+        m_m, m_n = (o_slot < ROWS_PER_TILE) & (o_m < M), o_n < N
         p_x = x + o_m.to(tl.int64)[:, None] * stride_xm                     # [BLOCK_M, 1] row starts
         p_w = w + o_n.to(tl.int64)[None, :] * stride_wn                     # [1, BLOCK_N] W rows = y columns
         b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

@@ -45,27 +45,33 @@ Batch invariance (``batch_invariant=True``; the default, False, keeps the autotu
     head dim, on one GPU family (or the interpreter) and one Triton version: in a packed forward
     over any other sequences (a trainer's), in a paged prefill chunk of any length starting at any
     position (any page size, block table, batch order), in a decode step of one row per sequence,
-    and in fast/flash_decoding.py's ``flash_decode(..., batch_invariant=True)``.  What makes it so:
-    * one config per (GPU family, element size, head-dim class), never autotuned or tuned by rows
-      (``_INVARIANT_CONFIG_TABLE``): a row's bits depend on BLOCK_N, BLOCK_M and num_warps;
-    * key blocks of BLOCK_N from key 0, in order, all through one masked loop: the default's
+    and in fast/flash_decoding.py's ``flash_decode(..., batch_invariant=True)``.  The rule that makes
+    it so: every phase computes a row's dots with the same tile shape, the same instruction and the
+    row in the same slot of the tile, and reduces its keys in the same blocks in the same order.
+    * One tile per (GPU family, element size, head-dim class), never autotuned or chosen by rows
+      (``_INVARIANT_CONFIG_TABLE``): BLOCK_M x BLOCK_N x BLOCK_D and num_warps fix the MMA
+      (sm_80: mma.sync m16n8k16; sm_90: wgmma m64nNk16; parity/invariant_sass.py checks that the
+      trainer's, a prefill's and a decode's builds hold the same floating-point SASS).
+    * Tiles aligned to absolute positions: the row of (position p, head g) sits at slot
+      (p * G + g) mod BLOCK_M whatever the call (a prefill chunk starting mid-sequence, a decode
+      row), so a sequence's first tile may be partly empty.  A CPU BLAS, which runs ``tl.dot`` under
+      the interpreter, rounds the slots of a tile differently (OpenBLAS's Haswell/Zen sgemm: rows
+      6-11 of 16 through another micro-kernel), so a fixed slot is part of the contract.
+    * Key blocks of BLOCK_N from key 0, in order, all through one masked loop: the default's
       unmasked loop fuses the scale and the max-subtraction into one FMA (sm_90 PTX: fma.rn.f32)
-      where the masked loop rounds twice, so a block's bits there depend on the tile's other rows;
-    * a block hidden from a row leaves its (m, l, acc) exactly as they were (p = 2^-inf = 0, alpha
+      where the masked loop rounds twice, so a block's bits there depend on the tile's other rows.
+    * A block hidden from a row leaves its (m, l, acc) exactly as they were (p = 2^-inf = 0, alpha
       = 2^0 = 1; alpha = 0 on the zeros of a row that has seen nothing yet), so the blocks the
-      tile's other rows add change nothing;
-    * a row's arithmetic does not depend on where in the tile it sits (GQA packing puts it at
-      (position * G + head) mod BLOCK_M): with one tile shape the MMA and the row reductions treat
-      every row alike (on CPU the interpreter's dot is a numpy matmul of one fixed shape);
-    * no split-K, and the same finalisation (sink, 1 / l, lse) in both files.
+      tile's other rows add change nothing; no split-K, and the same finalisation (sink, 1 / l,
+      lse) in both files.
     The cost, against the default: 64-row tiles where the autotuner's first choice in 16-bit has 128
     (a prefill reads K and V twice as often: K/V bytes = 2 D elt H_kv sum over tiles of the keys
-    they see, about L^2 G / (2 BLOCK_M) per causal sequence and KV head), every block pays the
-    mask (integer compares and a select per score), and a decode step through this kernel runs one
-    program per (sequence, KV head) with G of its 64 rows in use (no split: a small batch leaves
-    SMs idle; 64 FLOPs per K/V byte, memory-bound still).  fp32 keeps its default tile.  GPU
-    timings are owed.  Under the interpreter the default mode happens to be invariant as well
-    (one 16 x 16 tile, numpy's arithmetic alike in both loops); on a GPU it is not.
+    they see, about L^2 G / (2 BLOCK_M) per causal sequence and KV head), one more (partly empty)
+    tile per sequence whose first row is not at slot 0, every block pays the mask, and a decode
+    step through this kernel runs one program per (sequence, KV head) with G of its 64 rows in use
+    (no split: a small batch leaves SMs idle; 64 FLOPs per K/V byte, memory-bound still).  fp32
+    keeps its default tile.  GPU timings are owed.  Under the interpreter the default mode is
+    invariant or not depending on the BLAS (one 16 x 16 tile in both loops); on a GPU it is not.
 
 References
     PyTorch 2.13 torch.nn.attention.varlen; Dao, FlashAttention-2 (2023); Kwon et al.,
@@ -77,6 +83,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import operator
 import os
 from typing import NamedTuple, Optional
@@ -301,7 +308,12 @@ def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_lef
                  ALIGN=align, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim))
 
     def grid(meta):
-        return (triton.cdiv(max_q * group, meta["BLOCK_M"]) * num_seqs, h_kv)
+        # The mode's position-aligned tiles (see the kernel): a sequence's first row sits at a multiple
+        # of gcd(G, BLOCK_M), at most BLOCK_M - gcd, so its rows may need one tile more.
+        rows = max_q * group
+        if meta.get("BATCH_INVARIANT"):
+            rows += meta["BLOCK_M"] - math.gcd(group, meta["BLOCK_M"])
+        return (triton.cdiv(rows, meta["BLOCK_M"]) * num_seqs, h_kv)
 
     if batch_invariant:
         # One fixed config per device family, dtype and head-dim class: never tuned, never forced.
@@ -480,11 +492,6 @@ def _attn_fwd_kernel(
     i_m_from_end = i_tile // num_seqs                  # 0 = the sequence's last (heaviest) tile
     bos_q = tl.load(cu_seq_q_ptr + i_b)
     L_q = tl.load(cu_seq_q_ptr + i_b + 1) - bos_q
-    num_tiles = tl.cdiv(L_q * GROUP, BLOCK_M)
-    if i_m_from_end >= num_tiles:
-        return
-    i_m = num_tiles - 1 - i_m_from_end
-
     if IS_PAGED:
         bos_k = 0
         L_k = tl.load(seqused_k_ptr + i_b)
@@ -496,9 +503,25 @@ def _attn_fwd_kernel(
             L_k = tl.load(cu_seq_k_ptr + i_b + 1) - bos_k
 
     # Rows of the tile: flattened (position, head-in-group), so the G query heads of this KV
-    # head share every K/V block.
-    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)         # [BLOCK_M]
+    # head share every K/V block.  BATCH_INVARIANT aligns the tiles to absolute positions: the
+    # row of (position p, head g) sits at slot (p * G + g) mod BLOCK_M in every call (a prefill
+    # chunk that starts mid-sequence, a decode row), because a CPU BLAS rounds the slots of a
+    # tile differently (see "Batch invariance" in the module docstring).
+    if BATCH_INVARIANT:
+        shift = (((L_k - L_q) * GROUP) % BLOCK_M + BLOCK_M) % BLOCK_M   # the first row's slot
+        num_tiles = tl.cdiv(L_q * GROUP + shift, BLOCK_M)
+    else:
+        num_tiles = tl.cdiv(L_q * GROUP, BLOCK_M)
+    if i_m_from_end >= num_tiles:
+        return
+    i_m = num_tiles - 1 - i_m_from_end
+    first_r = i_m * BLOCK_M                             # the tile's first row within the sequence
+    if BATCH_INVARIANT:
+        first_r -= shift
+    o_r = first_r + tl.arange(0, BLOCK_M)               # [BLOCK_M]
     m_r = o_r < L_q * GROUP
+    if BATCH_INVARIANT:
+        m_r = m_r & (o_r >= 0)
     o_pos = o_r // GROUP                                # query position inside the sequence
     o_head = i_kvh * GROUP + o_r % GROUP                # query head
     o_d = tl.arange(0, BLOCK_D)
@@ -515,8 +538,8 @@ def _attn_fwd_kernel(
 
     # The keys this tile can see at all, [lo, hi), and those every row of it sees, [full_lo, full_hi),
     # from the key positions its first and last rows are aligned with.
-    pos_first = (i_m * BLOCK_M) // GROUP + (L_k - L_q)
-    pos_last = tl.minimum((i_m * BLOCK_M + BLOCK_M - 1) // GROUP, L_q - 1) + (L_k - L_q)
+    pos_first = tl.maximum(first_r, 0) // GROUP + (L_k - L_q)
+    pos_last = tl.minimum((first_r + BLOCK_M - 1) // GROUP, L_q - 1) + (L_k - L_q)
     lo, hi, full_lo, full_hi = _visible_span(pos_first, pos_last, L_k, window_left, window_right,
                                              HAS_LEFT, HAS_RIGHT)
     blk_lo, edge_a_hi, full_blk_lo, full_blk_hi, edge_c_lo = _block_segments(lo, full_lo, full_hi, BLOCK_N)

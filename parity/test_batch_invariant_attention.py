@@ -15,8 +15,10 @@ and in a batch of one as in the busy batch.  Also: speculative rows (S_q = 3) an
 at every offset of a tile; the two files' shared tiles and arithmetic code; gradients through the
 mode; bad arguments.  The mode must also be right: (a) is checked against the fp64 reference.  A
 negative control measures the default mode on the same inputs.  And, for the GPU the interpreter
-cannot stand in for: the sm_90 builds of the trainer's, a prefill's and a decode's launches hold
-the same floating-point instructions in their SASS, count for count.
+cannot stand in for: the sm_80 and sm_90 builds of the trainer's, a prefill's and a decode's launches
+hold the same floating-point instructions in their SASS (the same MMA kind and shape), count for
+count.  The same checks under other CPU kernel families (the BLAS behind the interpreter's dot) run
+in parity/test_bitwise_blas.py.
 
 Interpreter tier: fp32 and fp16, short sequences (16 x 16 tiles, so rows still cross several key
 blocks and tile positions).  GPU tier: the same tests in bf16, plus sequences up to 700 tokens.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -263,9 +266,10 @@ def test_default_mode_is_not_invariant(dtype):
     """The same routes with ``batch_invariant=False``.  Measured, not assumed: flash_decode's default
     (the shape gate's split count, its own tile) rounds differently from the trainer's forward, so
     this asserts a difference.  The default varlen kernel's prefill and decode are printed: under the
-    interpreter both modes run the same 16 x 16 tile with numpy's arithmetic, which does not change
-    between the masked and unmasked loops, so they come out invariant here; on a GPU the autotuner
-    picks tiles by row count, and the unmasked loop fuses scale and max-subtraction into one FMA."""
+    interpreter both modes run one 16 x 16 tile, so whether the default comes out invariant depends on
+    whether the BLAS rounds every slot of a tile alike (OpenBLAS's generic and AVX-512 kernels do, its
+    Haswell kernels do not); on a GPU the autotuner picks tiles by row count, and the unmasked loop
+    fuses scale and max-subtraction into one FMA."""
     s = make_sequences(seed=5, n=4, max_len=40, h_q=8, h_kv=2, d=64, dtype=dtype)
     attn = attention_kwargs(s, 5.0, True, -1)
     trainer = trainer_forward(s, attn, batch_invariant=False)
@@ -388,58 +392,31 @@ def test_edge_cases_in_the_mode():
 
 # ----------------------------------------------------------------------------- the GPU build, without a GPU
 
-# Run in a fresh Python without TRITON_INTERPRET (this session's interpreter replaces @triton.jit):
-# builds three sm_90 launches of the mode through parity/aot_compile.py and counts the floating-point
-# instructions of each one's SASS.
-_SASS_PROBE = r"""
-import collections, copy, json, re, subprocess, sys, tempfile
-sys.path.insert(0, sys.argv[1])
-import aot_compile as A
-from pathlib import Path
-import torch
-root = Path(sys.argv[1]).parent
-varlen = A._import(root / "fast" / "paged_varlen_attention.py", "probe_varlen")
-decoding = A._import(root / "fast" / "flash_decoding.py", "probe_decoding")
-varlen_cases = A._import(root / "parity" / "aot_cases" / "paged_varlen_attention.py", "probe_varlen_cases")
-decoding_cases = A._import(root / "parity" / "aot_cases" / "flash_decoding.py", "probe_decoding_cases")
-full = next(c for c in varlen_cases.cases(varlen) if c["name"] == "attn_fwd_invariant[sm90,bf16,D=64,full]")
-launches = {}
-for label, flags in (("trainer: packed, causal", dict(IS_PAGED=False, HAS_SEQUSED=False, HAS_LEFT=False)),
-                     ("prefill: paged, left window", dict(IS_PAGED=True, HAS_SEQUSED=True, HAS_LEFT=True))):
-    launches[label] = dict(full, constexprs=dict(full["constexprs"], **flags))
-launches["decode: flash_decode, paged"] = decoding_cases._decode_case(
-    decoding, torch.bfloat16, 64, 8, 2, 1, True, False, True, invariant_family=90)
-cubins = []
-A._resource_usage = lambda cubin, usage=A._resource_usage: cubins.append(cubin) or usage(cubin)
-ARITHMETIC = re.compile(r"(FADD|FMUL|FFMA|FMNMX|MUFU\.EX2|MUFU\.LG2|HMMA|HGMMA|F2FP)[\w.]*$")
-counts = {}
-for label, case in launches.items():
-    result = A.build(A.expand(case, True)[0], 90)
-    assert result["ok"], result
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubins[-1])
-        f.flush()
-        sass = subprocess.run([str(A.CUOBJDUMP), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)
-    counts[label] = dict(collections.Counter(op for op in ops if ARITHMETIC.match(op)))
-print(json.dumps(counts))
-"""
-
-
 def test_gpu_builds_run_the_same_arithmetic():
-    """What the interpreter cannot show: on a GPU, the trainer's, the prefill's and the decode's
-    launches of the mode (three different compiled kernels, sm_90, bf16, D = 64) must round alike.
-    Their SASS must hold the same floating-point instructions (FADD, FMUL, FFMA, FMNMX, MUFU.EX2/LG2,
-    the MMAs, the conversions), count for count.  (The default kernel would not: its unmasked loop
-    fuses scale and max-subtraction into FFMAs the masked loop does not have.)"""
+    """What the interpreter cannot show: on a GPU, the trainer's, a prefill's and a decode's launches of
+    the mode (different compiled kernels) must round alike.  parity/invariant_sass.py builds them for
+    sm_80 and sm_90 (bf16 D = 64, fp16 D = 128; a packed forward, paged prefill chunks, a one-sequence
+    prefill that Triton specializes, flash_decode over pages and over a contiguous cache) and the
+    invariant matmul at M = 1, 37 and 64 rows, and counts each SASS's floating-point instructions.
+    Within a group they must agree count for count, the MMA included: mma.sync m16n8k16 (HMMA.16816)
+    on sm_80, one wgmma shape set (HGMMA.64xNx16) on sm_90, FFMA only for the fp32 matmul.  (The
+    default kernels would not: their unmasked loop fuses scale and max-subtraction into FFMAs the
+    masked loop does not have, and the autotuner picks tiles by row count.)"""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    parity = Path(__file__).resolve().parent
-    proc = subprocess.run([sys.executable, "-c", _SASS_PROBE, str(parity)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    probe = Path(__file__).resolve().parent / "invariant_sass.py"
+    proc = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = json.loads(proc.stdout.splitlines()[-1])
-    for label, ops in counts.items():
-        print(f"{label}: {dict(sorted(ops.items()))}")
-    first = next(iter(counts.values()))
-    assert first.get("FFMA", 0) > 0 and any(op.startswith("HGMMA") for op in first), first
-    assert all(ops == first for ops in counts.values()), counts
+    groups = json.loads(proc.stdout.splitlines()[-1])
+    assert len(groups) == 8, sorted(groups)
+    for group, launches in groups.items():
+        mma = {label: {op: n for op, n in ops.items() if "MMA" in op} for label, ops in launches.items()}
+        print(f"{group}: MMA {next(iter(mma.values()))}")
+        first = next(iter(launches.values()))
+        assert all(ops == first for ops in launches.values()), (group, launches)
+        kinds = set(next(iter(mma.values())))
+        if "fp32" in group:
+            assert not kinds and first.get("FFMA", 0) > 0, (group, first)
+        elif "sm_80" in group:
+            assert kinds and all(op.startswith("HMMA.16816.") for op in kinds), (group, kinds)
+        else:
+            assert kinds and all(re.fullmatch(r"HGMMA\.64x\d+x16\.F32.*", op) for op in kinds), (group, kinds)

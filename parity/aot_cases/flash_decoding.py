@@ -26,7 +26,7 @@ def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16,
     if invariant_family is None:
         cfg = m._fwd_config(d, dtype, s_q * (h_q // h_kv), paged, kv_align, torch.device("cuda"))
     else:
-        cfg = m._invariant_config(d, dtype, s_q * (h_q // h_kv), kv_align, invariant_family)
+        cfg = m._invariant_config(d, dtype, s_q * (h_q // h_kv), h_q // h_kv, kv_align, invariant_family)
     row = -(-d // kv_align) * kv_align                       # the cache's row stride in elements
     if paged:
         pages_per_seq = seq // page + 1
@@ -63,7 +63,7 @@ def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16,
         constexprs=dict(constants, HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
                         BLOCK_N=cfg["BLOCK_N"], IS_PAGED=paged, IS_SPLIT=split, HAS_SINKS=extras,
                         HAS_SOFTCAP=extras, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                        KV_ALIGN=cfg["KV_ALIGN"]),
+                        KV_ALIGN=cfg["KV_ALIGN"], BATCH_INVARIANT=invariant_family is not None),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # fp32 dots are IEEE (FMA units); wgmma needs a 64-row tile, smaller tiles use mma.sync.
         tensor_cores=dtype != torch.float32, wgmma=cfg["BLOCK_M"] >= 64)

@@ -29,7 +29,7 @@ def _matmul_case(m, dtype, family, rows, k, n):
         name=f"invariant_matmul[sm{family},{t},M={rows},K={k},N={n}:M{block_m},N{block_n},K{block_k},w{warps},"
              f"s{stages}]",
         signature=signature,
-        constexprs=dict(constants, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        constexprs=dict(constants, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ROWS_PER_TILE=block_m,
                         PRECISION="ieee" if dtype == torch.float32 else "tf32"),
         num_warps=warps, num_stages=stages,
         tensor_cores=dtype != torch.float32, wgmma=block_m >= 64)

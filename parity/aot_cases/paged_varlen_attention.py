@@ -68,21 +68,24 @@ def _invariant_cases(m, lean: dict, full: dict) -> list[dict]:
     and fp16."""
     builds = [("bf16", 2, d, "full") for d in (64, 128, 256, 100)] + [("fp32", 4, d, "full") for d in (64, 128, 256)]
     builds += [("bf16", 2, 128, "lean"), ("fp16", 2, 128, "lean")]
-    cases = []
-    for family in (80, 90):
-        for dtype, elt, head_dim, label in builds:
-            align = m._pow2_divisor(head_dim)
-            cfg = m._invariant_config(family, head_dim, elt)
-            config = triton.Config({"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]},
-                                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-            cases.append(dict(
-                kernel=m._attn_fwd_kernel, archs=[family], configs=[config],
-                name=f"attn_fwd_invariant[sm{family},{dtype},D={head_dim},{label}]",
-                signature=_fwd_signature(dtype, align),
-                constexprs=dict(lean if label == "lean" else full, DOT_PRECISION="ieee" if elt == 4 else None,
-                                HEAD_DIM=head_dim, BLOCK_D=m._block_d(head_dim), ALIGN=align, BATCH_INVARIANT=True),
-                tensor_cores=elt == 2, wgmma=cfg["BLOCK_M"] >= 64))
-    return cases
+    return [invariant_case(m, family, dtype, head_dim, label, lean if label == "lean" else full)
+            for family in (80, 90) for dtype, elt, head_dim, label in builds]
+
+
+def invariant_case(m, family: int, dtype: str, head_dim: int, label: str, flags: dict) -> dict:
+    """The batch-invariant forward's launch on ``family`` (its one config) with the code-path ``flags``."""
+    elt = 4 if dtype == "fp32" else 2
+    align = m._pow2_divisor(head_dim)
+    cfg = m._invariant_config(family, head_dim, elt)
+    config = triton.Config({"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]},
+                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return dict(
+        kernel=m._attn_fwd_kernel, archs=[family], configs=[config],
+        name=f"attn_fwd_invariant[sm{family},{dtype},D={head_dim},{label}]",
+        signature=_fwd_signature(dtype, align),
+        constexprs=dict(flags, DOT_PRECISION="ieee" if elt == 4 else None, HEAD_DIM=head_dim,
+                        BLOCK_D=m._block_d(head_dim), ALIGN=align, BATCH_INVARIANT=True),
+        tensor_cores=elt == 2, wgmma=cfg["BLOCK_M"] >= 64)
 
 
 def _bwd_signature(kernel, dtype: str) -> dict:

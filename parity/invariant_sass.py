@@ -1,0 +1,84 @@
+"""The batch-invariant mode's GPU builds, read without a GPU: does every phase run the same arithmetic?
+
+A row's bits are the same in a trainer's forward, a prefill and a decode step only if the three
+compiled kernels hold the same floating-point instructions: the same MMA kind and shape (mma.sync
+m16n8k16 is ``HMMA.16816``, wgmma m64nNk16 is ``HGMMA.64xNx16``), the same FFMA / FADD / FMUL /
+MUFU counts.  This script builds, for sm_80 and sm_90, in bf16 (D = 64) and fp16 (D = 128), the mode's
+launches of the three phases (and a batch of one sequence, which Triton specializes as a constant)
+through parity/aot_compile.py, disassembles each cubin with cuobjdump and counts its floating-point
+instructions; likewise the invariant matmul at M = 1 (a constant), 37 and 64 rows.  It prints one JSON
+object {group: {launch: {opcode: count}}}; parity/test_batch_invariant_attention.py asserts that the
+launches of a group agree count for count.  Run without ``TRITON_INTERPRET`` (it needs the compiler).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PARITY = Path(__file__).resolve().parent
+sys.path.insert(0, str(PARITY))
+
+import aot_compile as A  # noqa: E402  (pops TRITON_INTERPRET before triton is imported)
+import torch  # noqa: E402
+
+ROOT = PARITY.parent
+# Floating-point and conversion opcodes: what decides a row's rounding.
+# (MUFU.RCP is left out: integer division by a runtime value, such as a page size, compiles to it too.)
+ARITHMETIC = re.compile(r"(FADD|FMUL|FFMA|FMNMX|MUFU\.EX2|MUFU\.LG2|HMMA|HGMMA|F2FP)[\w.]*$")
+
+
+def sass_counts(case: dict, arch: int, cubins: list) -> dict:
+    result = A.build(A.expand(case, True)[0], arch)
+    if not result["ok"]:
+        raise RuntimeError(f"{case['name']} does not build for sm_{arch}: {result}")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubins[-1])
+        f.flush()
+        sass = subprocess.run([str(A.CUOBJDUMP), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", sass)
+    return dict(collections.Counter(op for op in ops if ARITHMETIC.match(op)))
+
+
+def main() -> None:
+    varlen = A._import(ROOT / "fast" / "paged_varlen_attention.py", "sass_varlen")
+    decoding = A._import(ROOT / "fast" / "flash_decoding.py", "sass_decoding")
+    engine = A._import(ROOT / "fast" / "generator_engine.py", "sass_engine")
+    varlen_cases = A._import(PARITY / "aot_cases" / "paged_varlen_attention.py", "sass_varlen_cases")
+    decoding_cases = A._import(PARITY / "aot_cases" / "flash_decoding.py", "sass_decoding_cases")
+    engine_cases = A._import(PARITY / "aot_cases" / "generator_engine.py", "sass_engine_cases")
+    cubins = []
+    A._resource_usage = lambda cubin, usage=A._resource_usage: cubins.append(cubin) or usage(cubin)
+    groups = {}
+    for arch in (80, 90):
+        for dtype, d in ((torch.bfloat16, 64), (torch.float16, 128)):
+            t = A.POINTER_TYPES[dtype]
+            flags = dict(GROUP=4, HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_SINKS=False)
+            packed, paged = dict(flags, IS_PAGED=False, HAS_SEQUSED=False), dict(flags, IS_PAGED=True, HAS_SEQUSED=True)
+            one = varlen_cases.invariant_case(varlen, arch, t, d, "one sequence", dict(paged, num_seqs=1))
+            launches = {
+                "trainer: packed, causal": varlen_cases.invariant_case(varlen, arch, t, d, "packed", packed),
+                "prefill: paged chunks": varlen_cases.invariant_case(varlen, arch, t, d, "paged", paged),
+                "prefill: one sequence (num_seqs = 1)": dict(
+                    one, signature=dict(one["signature"], num_seqs="constexpr")),
+                "decode: flash_decode, paged": decoding_cases._decode_case(
+                    decoding, dtype, d, 8, 2, 1, True, False, False, invariant_family=arch),
+                "decode: flash_decode, contiguous": decoding_cases._decode_case(
+                    decoding, dtype, d, 8, 2, 1, False, False, False, invariant_family=arch),
+            }
+            group = f"attention sm_{arch} {A.POINTER_TYPES[dtype]} D={d}"
+            groups[group] = {label: sass_counts(case, arch, cubins) for label, case in launches.items()}
+        for dtype in (torch.bfloat16, torch.float32):
+            launches = {f"M={rows}": engine_cases._matmul_case(engine, dtype, arch, rows, 512, 1536)
+                        for rows in (1, 37, 64)}
+            group = f"invariant matmul sm_{arch} {A.POINTER_TYPES[dtype]}"
+            groups[group] = {label: sass_counts(case, arch, cubins) for label, case in launches.items()}
+    print(json.dumps(groups))
+
+
+if __name__ == "__main__":
+    main()
