@@ -19,16 +19,18 @@ The model: fused projections, one state dict
 The engine (Generator): continuous batching over a paged KV cache
     thread       one engine thread runs the loop; ``submit`` validates and enqueues (never blocks);
                  futures are settled by the engine thread after each iteration, outside every lock.
-    iteration    (1) give each running request the page its next token's KV goes to (allocate on
-                 demand; when the pool is empty, preempt the newest request: its pages are freed
-                 and it goes back to the head of the queue, keeping its tokens and its generator,
-                 to be recomputed by a later prefill); (2) admit waiting requests in arrival order
-                 while a slot, their prompt's pages and the prefill budget allow; (3) one prefill
-                 pass over the packed new prompts (their K/V scattered into their pages, then
-                 ``varlen_attn`` over the paged cache with a block table); (4) one batched decode
-                 step over the requests that were running (``flash_decode`` with k_new/v_new
-                 writes the new K/V into the pages and attends); (5) batched sampling, finished
-                 requests free their pages and slots.
+    iteration    (1) give each decoding request the page its next token's KV goes to (allocate on
+                 demand, evicting a cached page nobody holds; when none is left, preempt the newest
+                 request: its pages are released and it goes back to the head of the queue, keeping
+                 its tokens and its generator, to be recomputed by a later prefill, mostly from the
+                 cache); (2) the prefill work within ``max_prefill_tokens``: prompts being prefilled
+                 resume, then waiting requests are admitted in arrival order while a slot per sample,
+                 their pages and the budget allow (a long prompt is cut at a page boundary and
+                 continues next iteration); (3) one prefill pass over that work (K/V scattered into
+                 the pages, then ``varlen_attn`` over the paged cache with a block table); (4) one
+                 batched decode step over the requests that were decoding (``flash_decode`` with
+                 k_new/v_new writes the new K/V into the pages and attends); (5) batched sampling,
+                 finished requests release their pages and slots.
     pool         K and V [attention layers, num_pages, page_size, H_kv, D]; a block table
                  [max_batch_size, ceil(max_seq_len / page_size)] int32 with one row per running
                  request (a slot); "linear" plug-in layers keep their cache tensors in per-slot
@@ -48,6 +50,34 @@ The engine (Generator): continuous batching over a paged KV cache
                  request running across the swap continues on the new weights (its
                  max_policy_version says so; the KV cache it built keeps the old weights' keys,
                  as in PipelineRL's in-flight updates).  Memory: two weight sets.
+
+Groups and the prefix cache (ref/generator_engine.py states the semantics: outputs do not change)
+    pages        a block allocator (``_Pages``): a page is free, held (refcounts: shared pages are
+                 held by every request that reads them) or cached (nobody holds it, it keeps its key,
+                 evicted least recently released first, a chain's tail before its start: before anyone
+                 is preempted).  A full page's key is (parent node, its token ids, the weights'
+                 version), with node ids never reused (exact keys, no hash collisions).
+    hits         at admission, the longest cached run of a request's full pages from position 0 (never
+                 the page of its last token, whose logits are needed) is held instead of computed; its
+                 prefill starts after it.  Keys are registered at admission, pending until computed, so
+                 a request that would hit a page being computed waits an iteration instead of
+                 computing it twice: n ordinary requests with the same prompt share one prefill.  A
+                 weight swap makes every older key unreachable; running requests keep their KV
+                 (``kv_on_swap="keep"``; their later pages are not keyed) or re-prefill under the new
+                 weights (``"recompute"``).
+    groups       ``SamplingParams(n=k)``: the first sample prefills the prompt; the others then share
+                 its full pages, copy its partial last page and its linear layers' state (a fork), and
+                 sample their first token from the same logits with their own generators (seed + i).
+    hybrid       "linear" layers (Gated DeltaNet) need their state at the hit's last token: a prefill
+                 checkpoints it (fp32 recurrent state, conv state) at page boundaries, every
+                 ``checkpoint_interval`` pages and at the pass's last full page, into
+                 ``num_checkpoints`` slots (a decode step does when it fills such a page); interior
+                 checkpoints cut those layers' call (the segments run in rounds, the state carried).
+                 A page without its checkpoint cannot end a hit.  Memory per slot: per linear layer
+                 HV K V 4 + conv_dim (W - 1) elt bytes, beside the KV pool's page_size H_kv D elt 2
+                 per attention layer and page.
+    chunks       a prompt longer than the iteration's budget is prefilled over several iterations from
+                 its written pages and its slot's state; decoding requests step in each of them.
 
 Batch-invariant mode: bitwise on-policy (``Generator(..., batch_invariant=True)``)
     A request's tokens and per-token logprobs then do not depend on which requests share its
@@ -103,12 +133,13 @@ Supported, and what raises
     As the reference (ValueError for an empty prompt, unknown token ids, a prompt of max_seq_len
     tokens or more, a state dict with missing, unexpected or mis-shaped tensors, rejected whole
     with the weights and version unchanged; TypeError for non-tensors; RuntimeError after
-    ``close()``), plus ValueError for a request that can never fit the KV pool and for engine knobs
-    < 1, for ``batch_invariant=True`` without ``varlen_attn`` or with a plug-in layer that has no
-    ``set_batch_invariant``, and for ``token_logprobs`` inputs out of range.  Inference only in the
-    engine.  Limits: preemption recomputes (no swapping to host); the plug-in layers' state is
-    gathered per step (a kernel that reads the slot pools in place would not copy); no prefix
-    caching, no chunked prefill of one long prompt across iterations.
+    ``close()``), plus ValueError for a request (or a group of n samples) that can never fit the
+    KV pool, a group larger than ``max_batch_size``, engine knobs < 1, ``batch_invariant=True``
+    without ``varlen_attn`` or with a plug-in layer that has no ``set_batch_invariant``, and
+    ``token_logprobs`` inputs out of range.  Inference only in the engine.  Limits: preemption
+    recomputes (no swapping to host; cached pages make most of it a hit); the plug-in layers'
+    state is gathered per step (a kernel that reads the slot pools in place would not copy); a
+    group's samples are admitted together (n free slots).
 
 References
     vLLM (Kwon et al., PagedAttention, 2023) and its scheduler (continuous batching, recompute
@@ -123,9 +154,10 @@ import itertools
 import math
 import operator
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Mapping
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -158,25 +190,36 @@ class SamplingParams:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    n: int = 1
 
     def __post_init__(self):
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a float >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         try:
             stops = tuple(operator.index(t) for t in self.stop_token_ids)
         except TypeError:
             raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}") from None
-        if any(t < 0 for t in stops):
-            raise ValueError(f"stop_token_ids must be token ids >= 0, got {stops!r}")
         object.__setattr__(self, "stop_token_ids", stops)
-        if self.seed is not None and not _is_int(self.seed):
-            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+        _check_sampling(self)
+
+
+def _check_sampling(sp) -> None:
+    """Every field a generator reads, whoever built the object (ValueError / TypeError)."""
+    if not _is_int(sp.n) or sp.n < 1:
+        raise ValueError(f"n (samples of the prompt) must be an int >= 1, got {sp.n!r}")
+    if not _is_int(sp.max_new_tokens) or sp.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {sp.max_new_tokens!r}")
+    if not isinstance(sp.temperature, (int, float)) or isinstance(sp.temperature, bool) or not sp.temperature >= 0:
+        raise ValueError(f"temperature must be a float >= 0 (0 = greedy), got {sp.temperature!r}")
+    if not _is_int(sp.top_k) or sp.top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {sp.top_k!r}")
+    if not isinstance(sp.top_p, (int, float)) or isinstance(sp.top_p, bool) or not 0.0 < sp.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {sp.top_p!r}")
+    if not isinstance(sp.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in sp.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be a tuple of token ids >= 0, got {sp.stop_token_ids!r}")
+    if sp.seed is not None:
+        if not _is_int(sp.seed):
+            raise TypeError(f"seed must be an int or None, got {type(sp.seed).__name__}")
+        if not -2 ** 63 <= sp.seed <= 2 ** 64 - sp.n:     # sample i draws from seed + i: a 64-bit seed each
+            raise ValueError(f"seed must be in [-2**63, 2**64 - n] (sample i is seeded with seed + i), got {sp.seed}")
 
 
 _request_ids = itertools.count()  # next() on a count is atomic under the GIL: ids stay unique across threads
@@ -233,6 +276,7 @@ class Completion:
     generator_id: str
     min_policy_version: int
     max_policy_version: int
+    sample_index: int = 0
 
 
 
@@ -759,37 +803,194 @@ def _sample_batch(logits: torch.Tensor, params: list, rngs: list, invariant: boo
 
 # ----------------------------------------------------------------------------- the engine
 
-class _Seq:
-    """One request inside the engine.  ``tokens`` = prompt + generated; pages hold the KV of every
-    token but the last (fed by the next step)."""
+class _Pages:
+    """The KV pool's block allocator, with prefix caching (module docstring: "Groups and the prefix cache").
 
-    __slots__ = ("request", "future", "tokens", "n_prompt", "logprobs", "rng", "limit", "pages", "slot",
-                 "started", "min_version")
+    A physical page is free, held (refcount > 0: in running requests' block tables) or cached
+    (refcount 0 but keyed: evictable, least recently released first, and released tail first so a
+    chain loses its end before its start).  A full page's key is (its parent's node id, its token
+    ids, the weights' version); node ids are never reused, so a key is exact and a chain whose parent
+    was evicted is unreachable.  A key registered before its page is computed is pending: a request
+    that would hit it waits an iteration.  Checkpoints (models with "linear" layers): slots holding
+    those layers' state after a page's last token, attached to the page, the least recently used
+    given up when none is free."""
 
-    def __init__(self, request: Request, future: Future, max_seq_len: int):
+    def __init__(self, num_pages: int, num_checkpoints: int):
+        self.free = list(range(num_pages - 1, -1, -1))
+        self.refs = [0] * num_pages
+        self.cached: OrderedDict = OrderedDict()        # page -> None: nobody holds it, it keeps its key
+        self.page_of: dict = {}                         # key -> page
+        self.key_of: dict = {}                          # page -> (key, node id)
+        self.pending: set = set()                       # keyed pages whose KV is not computed yet
+        self.checkpoint_of: OrderedDict = OrderedDict()  # page -> checkpoint slot, least recently used first
+        self.free_checkpoints = list(range(num_checkpoints - 1, -1, -1))
+        self.next_node = 1
+        self.evictions = 0
+
+    def available(self, hits=()) -> int:
+        """Pages an allocation can take (free or evictable), leaving ``hits`` (about to be held) alone."""
+        return len(self.free) + len(self.cached) - sum(p in self.cached for p in hits)
+
+    def allocate(self) -> int:
+        if self.free:
+            page = self.free.pop()
+        else:
+            page, _ = self.cached.popitem(last=False)
+            self._forget(page)
+            self.evictions += 1
+        self.refs[page] = 1
+        return page
+
+    def hold(self, page: int) -> None:
+        self.cached.pop(page, None)
+        self.refs[page] += 1
+
+    def release(self, pages: list) -> None:
+        for page in reversed(pages):
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                if page in self.key_of and page not in self.pending:
+                    self.cached[page] = None
+                else:
+                    self._forget(page)
+                    self.free.append(page)
+
+    def match(self, chunks: list, version: int, need_checkpoint: bool) -> tuple[list, bool]:
+        """(the pages of the longest cached run of these full-page token chunks from position 0, whether
+        a pending page cut it).  With ``need_checkpoint`` the run ends on a page that has one."""
+        node, pages, blocked = 0, [], False
+        for chunk in chunks:
+            page = self.page_of.get((node, chunk, version))
+            if page is None:
+                break
+            if page in self.pending:
+                blocked = True
+                break
+            pages.append(page)
+            node = self.key_of[page][1]
+        while need_checkpoint and pages and pages[-1] not in self.checkpoint_of:
+            pages.pop()
+        if pages and need_checkpoint:
+            self.checkpoint_of.move_to_end(pages[-1])
+        return pages, blocked
+
+    def register(self, page: int, node: int, chunk: tuple, version: int, pending: bool) -> int:
+        """Key ``page`` as the full page ``chunk`` after chain node ``node``; returns its node id.  When
+        that key is registered already (the same tokens computed twice), this page stays unkeyed and
+        the chain goes on through the other one."""
+        key = (node, chunk, version)
+        if key in self.page_of:
+            return self.key_of[self.page_of[key]][1]
+        self.page_of[key] = page
+        self.key_of[page] = (key, self.next_node)
+        if pending:
+            self.pending.add(page)
+        self.next_node += 1
+        return self.next_node - 1
+
+    def checkpoint_slot(self, page: int) -> int | None:
+        """A checkpoint slot for ``page`` (keyed, without one): a free one or the least recently used."""
+        if page not in self.key_of or page in self.checkpoint_of:
+            return None
+        if self.free_checkpoints:
+            slot = self.free_checkpoints.pop()
+        elif self.checkpoint_of:
+            _, slot = self.checkpoint_of.popitem(last=False)
+        else:
+            return None
+        self.checkpoint_of[page] = slot
+        return slot
+
+    def drop_older(self, version: int) -> None:
+        """New weights: pages keyed under an older version are never hit again (cached ones are freed)."""
+        for page in [p for p, (key, _) in self.key_of.items() if key[2] < version]:
+            self._forget(page)
+            if page in self.cached:                     # nobody holds it: free now (held ones when released)
+                del self.cached[page]
+                self.free.append(page)
+
+    def _forget(self, page: int) -> None:
+        entry = self.key_of.pop(page, None)
+        if entry is not None:
+            del self.page_of[entry[0]]
+        self.pending.discard(page)
+        slot = self.checkpoint_of.pop(page, None)
+        if slot is not None:
+            self.free_checkpoints.append(slot)
+
+
+class _Group:
+    """The n samples of one submitted request: one future, settled when the last sample is done."""
+
+    __slots__ = ("request", "future", "completions", "left", "failed")
+
+    def __init__(self, request: Request, future: Future):
         self.request, self.future = request, future
-        self.tokens = list(request.prompt_token_ids)
+        self.completions = [None] * request.sampling.n
+        self.left = request.sampling.n
+        self.failed = False
+
+    def done(self, completion: Completion, settle: list) -> None:
+        self.completions[completion.sample_index] = completion
+        self.left -= 1
+        if self.left == 0 and not self.failed:
+            result = self.completions if self.request.sampling.n > 1 else completion
+            settle.append((self.future.set_result, result))
+
+    def fail(self, exc: BaseException, settle: list) -> None:
+        if not self.failed and self.left > 0:
+            self.failed = True
+            settle.append((self.future.set_exception, exc))
+
+
+class _Seq:
+    """One sample inside the engine.  ``tokens`` = prompt + generated; ``pages`` hold the KV of the
+    first ``computed`` tokens (every token but the last, once decoding: the next step feeds it).
+    ``node`` / ``keyed``: the prefix-cache chain through its first ``keyed`` full pages (None once a
+    weight swap makes its KV unkeyable).  A group's first sample carries the others (``followers``)
+    until its prompt is prefilled; then they fork from it."""
+
+    __slots__ = ("group", "index", "tokens", "n_prompt", "logprobs", "rng", "limit", "pages", "slot",
+                 "computed", "node", "keyed", "kv_version", "min_version", "followers", "spare", "admitted")
+
+    def __init__(self, group: _Group, index: int, max_seq_len: int):
+        sp = group.request.sampling
+        self.group, self.index = group, index
+        self.tokens = list(group.request.prompt_token_ids)
         self.n_prompt = len(self.tokens)
-        self.limit = min(request.sampling.max_new_tokens, max_seq_len - self.n_prompt)
+        self.limit = min(sp.max_new_tokens, max_seq_len - self.n_prompt)
         self.logprobs: list[float] = []
-        self.rng = _request_rng(request.sampling.seed)
+        self.rng = _request_rng(None if sp.seed is None else sp.seed + index)
         self.pages: list[int] = []
         self.slot = None
-        self.started = False
+        self.computed, self.node, self.keyed, self.kv_version = 0, 0, 0, None
         self.min_version = None
+        self.followers: list = []
+        self.spare: list = []               # (slot, partial page or None) reserved for each follower
+        self.admitted = 0                   # admission order (preemption takes the newest)
 
 
 class Generator:
-    """The fast engine (module docstring): continuous batching over a paged KV cache, hot-swapped
-    weights.  Same contract as the reference's, plus the engine's knobs:
+    """The fast engine (module docstring): continuous batching over a paged KV cache with prefix
+    caching, groups, chunked prefill, hot-swapped weights.  Same contract as the reference's, plus
+    the engine's knobs:
 
     ``varlen_attn`` / ``flash_decode``  prefill / decode attention with those functions' signatures
                                         (default: plain PyTorch in this file)
     ``page_size``, ``num_pages``        the KV pool (default: room for min(max_batch_size, 32)
                                         sequences of max_seq_len tokens)
     ``max_batch_size``                  requests decoding at once (rows of the block table)
-    ``max_prefill_tokens``              prompt tokens admitted per iteration (one longer prompt
-                                        is still admitted alone)
+    ``max_prefill_tokens``              prompt tokens computed per iteration: a longer prompt is
+                                        prefilled over several iterations (cut at page boundaries)
+                                        while the running requests keep decoding
+    ``prefix_caching``                  reuse cached pages (and checkpoints) across requests; off: no
+                                        page outlives its request (groups still share their prompt)
+    ``checkpoint_interval``             hybrid models: a prefill checkpoints the linear layers' state
+                                        every this many pages (and at its last full page); each
+                                        interior checkpoint splits those layers' prefill call
+    ``num_checkpoints``                 checkpoint slots (default: one per page with "linear" layers)
+    ``kv_on_swap``                      "keep" (running requests keep the KV of the old weights) or
+                                        "recompute" (they re-prefill under the new ones)
     ``batch_invariant``                 the module docstring's batch-invariant mode: a request's tokens
                                         and logprobs do not depend on the rest of the batch, and equal
                                         ``DecoderLM(batch_invariant=True, varlen_attn=...).token_logprobs``
@@ -801,15 +1002,23 @@ class Generator:
     def __init__(self, config: ModelConfig | None = None, *, state_dict=None, seed: int = 0, name: str = "generator",
                  policy_version: int = 0, linear_layer=None, device=None, dtype=None, varlen_attn=None,
                  flash_decode=None, page_size: int = 16, num_pages: int | None = None, max_batch_size: int = 256,
-                 max_prefill_tokens: int = 8192, batch_invariant: bool = False):
+                 max_prefill_tokens: int = 8192, prefix_caching: bool = True, checkpoint_interval: int = 1,
+                 num_checkpoints: int | None = None, kv_on_swap: str = "keep", batch_invariant: bool = False):
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         if not _is_int(policy_version):
             raise TypeError(f"policy_version must be an int, got {type(policy_version).__name__}")
         for arg, value in (("page_size", page_size), ("max_batch_size", max_batch_size),
-                           ("max_prefill_tokens", max_prefill_tokens), ("num_pages", num_pages)):
+                           ("max_prefill_tokens", max_prefill_tokens), ("num_pages", num_pages),
+                           ("checkpoint_interval", checkpoint_interval)):
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
+        if num_checkpoints is not None and (not _is_int(num_checkpoints) or num_checkpoints < 0):
+            raise ValueError(f"num_checkpoints must be an int >= 0, got {num_checkpoints!r}")
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
+        if kv_on_swap not in ("keep", "recompute"):
+            raise ValueError(f"kv_on_swap must be 'keep' or 'recompute', got {kv_on_swap!r}")
         _check_mode(batch_invariant, varlen_attn)
         self.name = name
         self.device = torch.device("cpu" if device is None else device)
@@ -828,8 +1037,12 @@ class Generator:
         self._flash_decode = flash_decode or (None if batch_invariant else _torch_flash_decode)
         self._attn_kw = dict(batch_invariant=True) if batch_invariant else {}
         self.page_size, self.max_batch_size, self.max_prefill_tokens = page_size, max_batch_size, max_prefill_tokens
+        self.prefix_caching, self.checkpoint_interval, self.kv_on_swap = prefix_caching, checkpoint_interval, kv_on_swap
         self._pages_per_seq = -(-c.max_seq_len // page_size)
         self.num_pages = num_pages or self._pages_per_seq * min(max_batch_size, 32)
+        self._hybrid = "linear" in c.kinds
+        self.num_checkpoints = (num_checkpoints if num_checkpoints is not None
+                                else self.num_pages if self._hybrid and prefix_caching else 0)
         # The KV pool of every attention layer: [layers, num_pages, page_size, H_kv, D], zeros (finite).
         attn = [i for i, kind in enumerate(c.kinds) if kind == "attention"]
         self._pool_index = {layer: j for j, layer in enumerate(attn)}
@@ -839,17 +1052,21 @@ class Generator:
         self._table = torch.zeros(max_batch_size, self._pages_per_seq, dtype=torch.int32, device=self.device)
         self._table_updates: list[tuple[int, int, int]] = []   # (slot, column, page) not yet in _table
         self._states: dict[int, dict[str, torch.Tensor]] = {}   # linear layer -> state pools [max_batch_size, ...]
-        self._free_pages = list(range(self.num_pages - 1, -1, -1))
+        self._checkpoints: dict[int, dict[str, torch.Tensor]] = {}   # linear layer -> [num_checkpoints, ...]
+        self._pages = _Pages(self.num_pages, self.num_checkpoints)
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
         self._waiting: deque[_Seq] = deque()  # under _cv; the rest of the engine state is the engine thread's
-        self._running: list[_Seq] = []
+        self._prefilling: list[_Seq] = []     # admitted, prompt not all computed yet (chunked prefill)
+        self._running: list[_Seq] = []        # decoding
         self._cv = threading.Condition()
         self._load_lock = threading.Lock()
         self._staged = None                 # (model, version, future): swapped in before the next step
         self._closed = False
         self._retired = None                # CUDA event after the last step on the weights now in the shadow
         self._copy_stream = None
-        self._counts = dict(completed=0, steps=0, preemptions=0, generated_tokens=0)
+        self._admissions = itertools.count()
+        self._counts = dict(completed=0, steps=0, preemptions=0, generated_tokens=0, prompt_tokens=0,
+                            computed_prompt_tokens=0, prefix_hit_tokens=0)
         self._thread = threading.Thread(target=self._loop, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
@@ -858,18 +1075,21 @@ class Generator:
         return self._version
 
     def submit(self, request) -> Future:
-        """Queue one request; the future resolves to its ``Completion``.  Never blocks."""
+        """Queue one request; the future resolves to its ``Completion`` (a list of n with
+        ``sampling.n > 1``).  Never blocks."""
         self._check_servable(request)
         future = Future()
-        seq = _Seq(request, future, self.config.max_seq_len)
+        group = _Group(request, future)
+        leader = _Seq(group, 0, self.config.max_seq_len)
+        leader.followers = [_Seq(group, i, self.config.max_seq_len) for i in range(1, request.sampling.n)]
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"generator {self.name} is closed")
-            self._waiting.append(seq)
+            self._waiting.append(leader)
             self._cv.notify()
         return future
 
-    def generate(self, requests) -> list[Completion]:
+    def generate(self, requests) -> list:
         """Submit every request, wait, return the completions in order (raises the first failure)."""
         futures = [self.submit(r) for r in list(requests)]
         return [f.result() for f in futures]
@@ -895,12 +1115,19 @@ class Generator:
             swapped.result()
 
     def stats(self) -> dict:
-        """waiting, running, completed, policy_version, plus free_pages, num_pages, page_size, steps,
-        preemptions, generated_tokens, weights_staged."""
+        """waiting, running (prefilling or decoding), completed, policy_version; free_pages (free or
+        evictable), num_pages, page_size, steps, preemptions, generated_tokens, weights_staged;
+        prompt_tokens (requested, per sample), computed_prompt_tokens (run through the model,
+        recomputation after preemption included), prefix_hit_tokens (skipped: cached or a group's
+        shared prompt), evictions, cached_pages (keyed pages, held or not), state_checkpoints."""
         with self._cv:
-            out = dict(waiting=len(self._waiting), running=len(self._running), policy_version=self._version,
-                       free_pages=len(self._free_pages), num_pages=self.num_pages, page_size=self.page_size,
-                       weights_staged=self._staged is not None, **self._counts)
+            pages = self._pages
+            waiting = sum(1 + len(s.followers) for s in self._waiting)
+            out = dict(waiting=waiting, running=len(self._running) + len(self._prefilling),
+                       policy_version=self._version, free_pages=pages.available(), num_pages=self.num_pages,
+                       page_size=self.page_size, weights_staged=self._staged is not None, **self._counts,
+                       evictions=pages.evictions, cached_pages=len(pages.key_of),
+                       state_checkpoints=len(pages.checkpoint_of))
         return out
 
     def close(self) -> None:
@@ -924,6 +1151,9 @@ class Generator:
         if not isinstance(prompt, list) or not hasattr(sp, "max_new_tokens"):
             raise TypeError(f"request must be a Request (prompt_token_ids, sampling, request_id), "
                             f"got {type(request).__name__}")
+        _check_sampling(sp)
+        if not all(_is_int(t) for t in prompt):
+            raise TypeError("prompt_token_ids must hold ints (token ids)")
         c, n = self.config, len(prompt)
         if not n:
             problem = "at least one token, got an empty prompt"
@@ -935,10 +1165,16 @@ class Generator:
             problem = None
         if problem:
             raise ValueError(f"prompt_token_ids must hold {problem}")
+        if sp.n > self.max_batch_size:
+            raise ValueError(f"request {request.request_id}: a group of n={sp.n} samples decodes at once, and "
+                             f"max_batch_size is {self.max_batch_size}")
         kv_tokens = n + min(sp.max_new_tokens, c.max_seq_len - n) - 1   # the last token's K/V is never needed
-        if -(-kv_tokens // self.page_size) > self.num_pages:
-            raise ValueError(f"request {request.request_id} needs {kv_tokens} KV slots; the pool has only "
-                             f"{self.num_pages} pages of {self.page_size}: it can never fit")
+        shared = n // self.page_size                                     # the prompt's full pages, shared
+        need = shared + sp.n * (-(-kv_tokens // self.page_size) - shared)
+        if need > self.num_pages:
+            raise ValueError(f"request {request.request_id} needs {need} pages of {self.page_size} KV slots "
+                             f"({sp.n} sample(s) of up to {kv_tokens} tokens); the pool has only {self.num_pages}: "
+                             f"it can never fit")
 
     def _checked(self, state_dict) -> dict:
         """The whole state dict validated against the model's names and shapes, or an error that
@@ -984,9 +1220,16 @@ class Generator:
         self._copy_stream.synchronize()  # the loader waits, not the engine
 
     def _swap(self, model: DecoderLM, version: int, swapped: Future) -> None:
-        """Between two steps: the staged weights become the live ones, the old ones the shadow."""
+        """Between two steps: the staged weights become the live ones, the old ones the shadow.  No
+        page of an older version is hit again; with kv_on_swap="recompute" every admitted request
+        goes back to the queue to be prefilled anew under the new weights."""
         self._shadow, self.model = self.model, model
         self._version = version
+        self._pages.drop_older(version)
+        if self.kv_on_swap == "recompute":
+            for seq in sorted(self._prefilling + self._running, key=lambda s: s.admitted, reverse=True):
+                self._preempt(seq, count=False)
+            self._prefilling, self._running = [], []
         if self.device.type == "cuda":
             self._retired = torch.cuda.Event()
             self._retired.record()
@@ -997,7 +1240,7 @@ class Generator:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._waiting or self._running or self._staged or self._closed):
+                while not (self._waiting or self._running or self._prefilling or self._staged or self._closed):
                     self._cv.wait()
                 if self._closed:
                     break
@@ -1007,87 +1250,160 @@ class Generator:
             settle: list = []
             try:
                 self._step(settle)
-            except Exception as exc:  # fail the batch that hit it; the engine goes on
-                for seq in self._running:
-                    if seq.slot is not None:  # (a request that finished in this step keeps its result)
+            except Exception as exc:  # fail the requests that hit it; the engine goes on
+                for seq in self._prefilling + self._running:
+                    if seq.slot is not None:      # (a sample that finished in this step keeps its result)
                         self._release(seq)
-                        settle.append((seq.future.set_exception, exc))
-                self._running = []
+                        seq.group.fail(exc, settle)
+                self._prefilling, self._running = [], []
             for fn, value in settle:  # outside every lock: callbacks may submit again
                 fn(value)
         with self._cv:
             staged, self._staged = self._staged, None
-            leftover = list(self._waiting) + self._running
+            leftover = list(self._waiting) + self._prefilling + self._running
             self._waiting.clear()
-            self._running = []
+            self._prefilling, self._running = [], []
         if staged is not None:
             staged[2].set_exception(RuntimeError(f"generator {self.name} closed before the weights were swapped in"))
+        closed, settle = RuntimeError(f"generator {self.name} closed before finishing the request"), []
         for seq in leftover:
-            if seq.started or seq.future.set_running_or_notify_cancel():
-                seq.future.set_exception(RuntimeError(f"generator {self.name} closed before finishing the request"))
+            group = seq.group
+            if not group.failed and (group.future.running() or group.future.set_running_or_notify_cancel()):
+                group.fail(closed, settle)
+        for fn, value in settle:
+            fn(value)
 
     @torch.no_grad()
     def _step(self, settle: list) -> None:
-        """One iteration: pages for the decode step, admission, one packed prefill, one decode step."""
+        """One iteration: pages for the decode step, the prefill work (resumed prompts, then admissions
+        within the token budget), one packed prefill pass, one decode step."""
         old = self._grow_pages()
         with self._cv:
-            new = self._admit(len(old))
-        self._running = old + new  # (what an error fails)
+            work = self._schedule()
         model = self.model
-        running = self._prefill(model, new, settle) if new else []
-        if old:
-            running = self._decode(model, old, settle) + running
-        self._running = running
+        done = self._prefill(model, work, settle) if work else []
+        self._running = old + done                      # (what an error fails)
+        running = self._decode(model, old, settle) if old else []
+        self._running = running + done
         self._counts["steps"] += 1
 
     def _grow_pages(self) -> list:
-        """Give every running request the page its next decode step writes into; when the pool is
-        empty, preempt the newest request (its pages are freed and it is recomputed later)."""
+        """Give every decoding request the page its next token's KV goes to; when the pool has no free
+        or evictable page, preempt the newest admitted request (prefilling ones first: they are
+        newer), which frees its pages and goes back to the head of the queue."""
         running, ps, k = self._running, self.page_size, 0
         while k < len(running):
             seq = running[k]
-            while len(seq.pages) < -(-len(seq.tokens) // ps):
-                if self._free_pages:
-                    page = self._free_pages.pop()
-                    self._table_updates.append((seq.slot, len(seq.pages), page))
-                    seq.pages.append(page)
-                    continue
-                victim = running.pop()
-                self._release(victim)
-                self._counts["preemptions"] += 1
-                with self._cv:
-                    self._waiting.appendleft(victim)  # first in line; it keeps its tokens and generator
-                if victim is seq:
-                    break
-            else:
+            if len(seq.pages) >= -(-len(seq.tokens) // ps):
                 k += 1
+                continue
+            if self._pages.available():
+                page = self._pages.allocate()
+                self._table_updates.append((seq.slot, len(seq.pages), page))
+                seq.pages.append(page)
+                continue
+            victim = self._prefilling.pop() if self._prefilling else running.pop()
+            self._preempt(victim)
         return running
 
-    def _admit(self, n_running: int) -> list:
-        """Waiting requests in arrival order while their prompt's pages, a slot and the prefill budget
-        allow (under the lock)."""
-        new, budget, ps = [], self.max_prefill_tokens, self.page_size
-        while self._waiting and n_running + len(new) < self.max_batch_size:
+    def _preempt(self, seq: _Seq, count: bool = True) -> None:
+        """Free what ``seq`` holds and put it first in line; it keeps its tokens and generator (its
+        followers, if its prompt was not prefilled yet, go back with it)."""
+        for s in [seq, *seq.followers]:
+            self._release(s)
+        seq.computed, seq.node, seq.keyed, seq.kv_version = 0, 0, 0, None
+        if count:
+            self._counts["preemptions"] += 1
+        with self._cv:
+            self._waiting.appendleft(seq)
+
+    def _schedule(self) -> list:
+        """The iteration's prefill work, [(seq, start, end)] (under the lock): the prompts being
+        prefilled resume first, then waiting requests are admitted in arrival order while a slot per
+        sample, their pages and the token budget allow.  Cuts fall on page boundaries."""
+        work, budget = [], self.max_prefill_tokens
+        for seq in self._prefilling:
+            if budget <= 0:
+                break
+            end = self._chunk_end(seq, budget)
+            work.append((seq, seq.computed, end))
+            budget -= end - seq.computed
+        while self._waiting and budget > 0:
             seq = self._waiting[0]
-            n = len(seq.tokens)
-            need = -(-n // ps)
-            if need > len(self._free_pages) or (new and n > budget):
+            admitted = self._admit(seq)
+            if admitted is None:            # the user cancelled it before it started
+                self._waiting.popleft()
+                continue
+            if not admitted:
                 break
             self._waiting.popleft()
-            if not seq.started:
-                if not seq.future.set_running_or_notify_cancel():  # the user cancelled it
-                    continue
-                seq.started = True
-            seq.slot = self._free_slots.pop()
-            seq.pages = [self._free_pages.pop() for _ in range(need)]
-            self._table_updates += [(seq.slot, j, page) for j, page in enumerate(seq.pages)]
-            budget -= n
-            new.append(seq)
-        return new
+            end = self._chunk_end(seq, budget)
+            work.append((seq, seq.computed, end))
+            budget -= end - seq.computed
+        return work
+
+    def _chunk_end(self, seq: _Seq, budget: int) -> int:
+        end = len(seq.tokens)
+        if end - seq.computed > budget:
+            aligned = (seq.computed + budget) // self.page_size * self.page_size
+            end = aligned if aligned > seq.computed else seq.computed + budget
+        return end
+
+    def _admit(self, seq: _Seq) -> bool:
+        """Take a slot per sample and the pages ``seq``'s tokens need beyond its cached prefix (plus a
+        page per follower for the prompt's partial last page); False (nothing taken) when they do not
+        fit now or a page it would hit is still being computed; None when the request was cancelled."""
+        ps, pages = self.page_size, self._pages
+        n = 1 + len(seq.followers)
+        if len(self._free_slots) < n:
+            return False
+        chunks = [tuple(seq.tokens[j * ps:(j + 1) * ps]) for j in range(len(seq.tokens) // ps)]
+        hits = []
+        if self.prefix_caching:
+            # Never the page of the last token: its logits give the next sample.
+            hits, blocked = pages.match(chunks[:(len(seq.tokens) - 1) // ps], self._version, self._hybrid)
+            if blocked:
+                return False
+        partial = len(seq.tokens) % ps != 0
+        need = -(-len(seq.tokens) // ps) - len(hits) + (n - 1) * partial
+        if need > pages.available(hits):
+            return False
+        group = seq.group
+        if group.failed:
+            return None
+        if not group.future.running():     # its first admission
+            if not group.future.set_running_or_notify_cancel():
+                return None
+            self._counts["prompt_tokens"] += n * seq.n_prompt
+        for page in hits:
+            pages.hold(page)
+        seq.pages = hits + [pages.allocate() for _ in range(-(-len(seq.tokens) // ps) - len(hits))]
+        seq.slot = self._free_slots.pop()
+        seq.spare = [(self._free_slots.pop(), pages.allocate() if partial else None) for _ in seq.followers]
+        seq.admitted = next(self._admissions)
+        seq.computed = len(hits) * ps
+        seq.kv_version = self._version
+        self._counts["prefix_hit_tokens"] += seq.computed
+        self._table_updates += [(seq.slot, j, page) for j, page in enumerate(seq.pages)]
+        if self.prefix_caching:   # key the pages it will compute now, so that nobody computes them twice
+            seq.node, seq.keyed = 0, 0
+            for j, chunk in enumerate(chunks):
+                seq.node = pages.register(seq.pages[j], seq.node, chunk, self._version, pending=j >= len(hits))
+            seq.keyed = len(chunks)
+        if self._hybrid:
+            self._start_states(seq, pages.checkpoint_of.get(hits[-1]) if hits else None)
+        self._prefilling.append(seq)
+        return True
 
     def _release(self, seq: _Seq) -> None:
-        self._free_pages += seq.pages
+        """Give back a sample's pages (cached ones stay cached), its slot and its followers' reservations."""
+        self._pages.release(seq.pages)
         seq.pages = []
+        for slot, page in seq.spare:
+            self._free_slots.append(slot)
+            if page is not None:
+                self._pages.release([page])
+        seq.spare = []
         if seq.slot is not None:
             self._free_slots.append(seq.slot)
             seq.slot = None
@@ -1104,6 +1420,8 @@ class Generator:
             self._table.index_put_((index[0], index[1]),
                                    torch.tensor(pages, dtype=torch.int32).to(self.device))
 
+    # ------------------------------------------------------------------ linear layers' state
+
     def _store_states(self, layer: int, cache, slots: torch.Tensor) -> None:
         pools = self._states.setdefault(layer, {})
         for name, value in vars(cache).items():
@@ -1113,45 +1431,181 @@ class Generator:
                                               device=value.device)
                 pools[name][slots] = value
 
-    def _prefill(self, model: DecoderLM, seqs: list, settle: list) -> list:
-        """One pass over the packed prompts of the admitted requests (a preempted one: all its tokens)."""
+    def _start_states(self, seq: _Seq, checkpoint: int | None) -> None:
+        """An admitted sample's linear-layer state: the checkpoint of its last cached page, or zeros
+        (a fresh start) when it starts at position 0."""
+        for layer, pools in self._states.items():
+            for name, pool in pools.items():
+                if checkpoint is None:
+                    pool[seq.slot].zero_()
+                else:
+                    pool[seq.slot] = self._checkpoints[layer][name][checkpoint]
+
+    def _take_checkpoint(self, slot: int, seq_slot: int) -> None:
+        """The linear layers' state of the sample in ``seq_slot`` into checkpoint ``slot``."""
+        for layer, pools in self._states.items():
+            store = self._checkpoints.setdefault(layer, {})
+            for name, pool in pools.items():
+                if name not in store:
+                    store[name] = torch.zeros(self.num_checkpoints, *pool.shape[1:], dtype=pool.dtype,
+                                              device=pool.device)
+                store[name][slot] = pool[seq_slot]
+
+    def _checkpoint_at(self, seq: _Seq, boundary: int) -> int | None:
+        """A checkpoint slot for the page of ``seq`` that ends at token ``boundary`` (None: no checkpoint
+        is wanted there, or the page is not keyed to this sample)."""
+        ps = self.page_size
+        if not (self._hybrid and self.prefix_caching and self.num_checkpoints) or boundary % ps:
+            return None
+        j = boundary // ps - 1
+        if j >= seq.keyed or seq.node is None or j >= len(seq.pages):
+            return None
+        return self._pages.checkpoint_slot(seq.pages[j])
+
+    # ------------------------------------------------------------------ prefill and decode
+
+    def _prefill(self, model: DecoderLM, work: list, settle: list) -> list:
+        """One pass over the packed prefill work [(seq, start, end)]: tokens start .. end - 1 of each,
+        attending to their cached or earlier-computed pages.  A sample whose tokens are all computed
+        samples its next token (a group's first sample for the whole group, which forks); the others
+        stay in ``_prefilling``.  Returns the samples that now decode."""
         dev, ps, c = self.device, self.page_size, self.config
-        lengths = [len(s.tokens) for s in seqs]
-        ids = torch.tensor([t for s in seqs for t in s.tokens], device=dev)
-        positions = torch.cat([torch.arange(n) for n in lengths]).to(dev)
+        seqs = [w[0] for w in work]
+        lengths = [end - start for _, start, end in work]
+        ids = torch.tensor([t for s, start, end in work for t in s.tokens[start:end]], device=dev)
+        positions = torch.cat([torch.arange(start, end) for _, start, end in work]).to(dev)
         cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=dev)
-        # KV slot of every prompt token in the pool viewed as [num_pages * page_size, H_kv, D].
-        offsets = torch.arange(ps)
-        where = torch.cat([(torch.tensor(s.pages)[:, None] * ps + offsets).flatten()[:n]
-                           for s, n in zip(seqs, lengths)]).to(dev)
+        # KV slot of every fed token in the pool viewed as [num_pages * page_size, H_kv, D].
+        where = torch.tensor([s.pages[p // ps] * ps + p % ps for s, start, end in work for p in range(start, end)],
+                             device=dev)
         slots = torch.tensor([s.slot for s in seqs], device=dev)
         self._flush_table()
         table = self._table[slots, :max(len(s.pages) for s in seqs)]
-        used = torch.tensor(lengths, dtype=torch.int32, device=dev)
-        longest, scale = max(lengths), c.head_dim ** -0.5
+        used = torch.tensor([end for _, _, end in work], dtype=torch.int32, device=dev)
+        longest, keys, scale = max(lengths), max(end for _, _, end in work), c.head_dim ** -0.5
+        # Hybrid models: checkpoints at the page boundaries the pass crosses (every checkpoint_interval
+        # pages, and its last full page); interior ones cut the linear layers' call there.
+        stride = self.checkpoint_interval * ps
+        cuts = []
+        for s, start, end in work:
+            marks = {b for b in range(start - start % stride + stride, end + 1, stride)} | {end - end % ps}
+            cuts.append(sorted((b, slot) for b in marks if start < b <= end
+                               for slot in [self._checkpoint_at(s, b)] if slot is not None))
 
         def attend(i, q, k, v):
             kc, vc = self._k[self._pool_index[i]], self._v[self._pool_index[i]]
             kc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, where, k)
             vc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, where, v)
-            return self._varlen_attn(q, kc, vc, cu, None, longest, longest, scale=scale, window_size=(-1, 0),
+            return self._varlen_attn(q, kc, vc, cu, None, longest, keys, scale=scale, window_size=(-1, 0),
                                      enable_gqa=True, seqused_k=used, block_table=table, **self._attn_kw)
 
         def mix(i, module, h):
-            cache = module.new_cache()
-            out = module(h[None], cu_seqlens=cu, cache=cache)[0]
-            self._store_states(i, cache, slots)
-            return out
+            return self._prefill_linear(i, module, h, work, cuts, slots)
 
         h = model.layers_forward(ids, positions, attend, mix)
-        logits = model.logits(h[cu[1:].long() - 1])                                  # [N, V]
-        for s in seqs:
+        self._counts["computed_prompt_tokens"] += sum(lengths)
+        finished, rows = [], []
+        for n, (s, start, end) in enumerate(work):
+            for page in s.pages[start // ps:end // ps]:
+                self._pages.pending.discard(page)        # computed now: a hit from the next iteration on
+            for boundary, checkpoint in cuts[n]:
+                if boundary == end:                      # (interior ones were taken by the linear layers)
+                    self._take_checkpoint(checkpoint, s.slot)
+            s.computed = end
+            if end == len(s.tokens):
+                finished.append(s)
+                rows.append(int(cu[n + 1]) - 1)
+        self._prefilling = [s for s in self._prefilling if s not in finished]
+        if not finished:
+            return []
+        logits = model.logits(h[torch.tensor(rows, device=dev)])                      # [N, V]
+        samples, rows = [], []
+        for n, s in enumerate(finished):
             if s.min_version is None:
                 s.min_version = self._version
-        return self._advance(seqs, logits, settle)
+            samples += [s, *self._fork(s)]
+            rows += [n] * (1 + len(s.followers))
+            s.followers = []
+        self._running = self._running + samples         # (what an error in sampling fails)
+        return self._advance(samples, logits[torch.tensor(rows, device=dev)], settle)
+
+    def _prefill_linear(self, i: int, module, h: torch.Tensor, work: list, cuts: list, slots) -> torch.Tensor:
+        """A "linear" layer over the pass's tokens h [T, hidden]: each sample continues from its state
+        (zeros from position 0, its slot's when resuming or after a cached prefix) and leaves its new
+        state in its slot.  Where a checkpoint falls inside a sample's tokens the call is cut there:
+        round r runs every sample's r-th segment (the state carried over), and the state after a
+        segment that ends at a checkpoint is kept in its slot."""
+        bounds = [0, *itertools.accumulate(end - start for _, start, end in work)]
+        segments = []                                   # per sample: [(first row, last row + 1, checkpoint)]
+        for n, (_, start, end) in enumerate(work):
+            edges = [(b, cp) for b, cp in cuts[n] if b < end] + [(end, None)]
+            rows, pieces = bounds[n], []
+            for b, cp in edges:
+                pieces.append((rows, bounds[n] + b - start, cp))
+                rows = bounds[n] + b - start
+            segments.append(pieces)
+        cache = module.new_cache()
+        if i in self._states:                           # resumed samples, cached prefixes: their slots' state
+            for name, pool in self._states[i].items():
+                setattr(cache, name, pool[slots])
+        states = {name: t for name, t in vars(cache).items() if isinstance(t, torch.Tensor)}
+        out = h.new_empty(h.shape)
+        for r in range(max(len(p) for p in segments)):
+            members = [n for n, p in enumerate(segments) if len(p) > r]
+            pieces = [segments[n][r] for n in members]
+            rows = torch.cat([torch.arange(a, b) for a, b, _ in pieces]).to(h.device)
+            cu = torch.tensor([0, *itertools.accumulate(b - a for a, b, _ in pieces)], dtype=torch.int32,
+                              device=h.device)
+            part = module.new_cache()
+            index = torch.tensor(members, device=h.device)
+            for name, t in states.items():
+                setattr(part, name, t[index])
+            out[rows] = module(h[rows][None], cu_seqlens=cu, cache=part)[0]
+            for name, t in vars(part).items():
+                if isinstance(t, torch.Tensor):
+                    if name not in states:              # the first round of the first call: all samples
+                        states[name] = t
+                    else:
+                        states[name][index] = t
+            for n, (_, _, checkpoint) in zip(members, pieces):
+                if checkpoint is not None:              # this layer's state at an interior page boundary
+                    store = self._checkpoints.setdefault(i, {})
+                    for name, t in states.items():
+                        if name not in store:
+                            store[name] = torch.zeros(self.num_checkpoints, *t.shape[1:], dtype=t.dtype,
+                                                      device=t.device)
+                        store[name][checkpoint] = t[n]
+        self._store_states(i, SimpleNamespace(**states), slots)
+        return out
+
+    def _fork(self, seq: _Seq) -> list:
+        """A group's first sample finished its prompt: the others share its full prompt pages, take a
+        copy of its partial last page and of its linear layers' state, and decode from there."""
+        ps, n = self.page_size, len(seq.tokens)
+        full = seq.pages[:n // ps]
+        forks = []
+        for follower, (slot, page) in zip(seq.followers, seq.spare):
+            for p in full:
+                self._pages.hold(p)
+            follower.pages = full + ([page] if page is not None else [])
+            if page is not None:                        # the prompt's partial last page: written per sample
+                self._k[:, page] = self._k[:, seq.pages[n // ps]]
+                self._v[:, page] = self._v[:, seq.pages[n // ps]]
+            follower.slot = slot
+            for pools in self._states.values():
+                for pool in pools.values():
+                    pool[slot] = pool[seq.slot]
+            follower.computed, follower.node, follower.keyed = seq.computed, seq.node, seq.keyed
+            follower.kv_version, follower.min_version = seq.kv_version, seq.min_version
+            follower.admitted = next(self._admissions)
+            self._table_updates += [(slot, j, p) for j, p in enumerate(follower.pages)]
+            self._counts["prefix_hit_tokens"] += n
+            forks.append(follower)
+        seq.spare = []
+        return forks
 
     def _decode(self, model: DecoderLM, seqs: list, settle: list) -> list:
-        """One token for every running request: a batched forward over their last tokens."""
+        """One token for every decoding request: a batched forward over their last tokens."""
         dev, c, ps = self.device, self.config, self.page_size
         ids = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
         positions = torch.tensor([len(s.tokens) - 1 for s in seqs], device=dev)
@@ -1185,18 +1639,39 @@ class Generator:
             return out
 
         h = model.layers_forward(ids, positions, attend, mix)
+        for s in seqs:                                  # the fed token's KV is written: a page may be full
+            s.computed = len(s.tokens)
+            self._key_full_pages(s)
         return self._advance(seqs, model.logits(h), settle)
 
+    def _key_full_pages(self, seq: _Seq) -> None:
+        """Key the pages a decode step filled (prompt + generated tokens), with a checkpoint where one is due."""
+        ps = self.page_size
+        if not self.prefix_caching or seq.node is None:
+            return
+        if seq.kv_version != self._version:             # its KV mixes two weight versions: never a hit
+            seq.node = None
+            return
+        while (seq.keyed + 1) * ps <= seq.computed:
+            j = seq.keyed
+            seq.node = self._pages.register(seq.pages[j], seq.node, tuple(seq.tokens[j * ps:(j + 1) * ps]),
+                                            self._version, pending=False)
+            seq.keyed += 1
+            if (j + 1) % self.checkpoint_interval == 0:
+                checkpoint = self._checkpoint_at(seq, (j + 1) * ps)
+                if checkpoint is not None:
+                    self._take_checkpoint(checkpoint, seq.slot)
+
     def _advance(self, seqs: list, logits: torch.Tensor, settle: list) -> list:
-        """Sample one token per request; finished requests free their pages.  Returns the rest."""
-        tokens, logprobs = _sample_batch(logits, [s.request.sampling for s in seqs], [s.rng for s in seqs],
+        """Sample one token per sample; finished ones free their pages.  Returns the rest."""
+        tokens, logprobs = _sample_batch(logits, [s.group.request.sampling for s in seqs], [s.rng for s in seqs],
                                          self.batch_invariant)
         still = []
         for s, token, logprob in zip(seqs, tokens, logprobs):
             s.tokens.append(token)
             s.logprobs.append(logprob)
             generated = len(s.tokens) - s.n_prompt
-            if token in s.request.sampling.stop_token_ids:
+            if token in s.group.request.sampling.stop_token_ids:
                 reason = "stop"
             elif generated >= s.limit:
                 reason = "length"
@@ -1204,10 +1679,9 @@ class Generator:
                 still.append(s)
                 continue
             self._release(s)
-            r = s.request
-            settle.append((s.future.set_result, Completion(
-                r.request_id, list(r.prompt_token_ids), s.tokens[s.n_prompt:], s.logprobs, reason, self.name,
-                s.min_version, self._version)))
+            r = s.group.request
+            s.group.done(Completion(r.request_id, list(r.prompt_token_ids), s.tokens[s.n_prompt:], s.logprobs, reason,
+                                    self.name, s.min_version, self._version, s.index), settle)
             self._counts["completed"] += 1
             self._counts["generated_tokens"] += generated
         return still

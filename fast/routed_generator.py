@@ -113,8 +113,11 @@ class SamplingParams:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    n: int = 1
 
     def __post_init__(self):
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n (samples of the prompt) must be an int >= 1, got {self.n!r}")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
@@ -188,6 +191,7 @@ class Completion:
     generator_id: str
     min_policy_version: int
     max_policy_version: int
+    sample_index: int = 0
 
 
 

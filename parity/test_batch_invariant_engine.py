@@ -14,6 +14,7 @@ contract in bf16 with the Triton matmul, attention-only and hybrid with the fast
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -308,3 +309,67 @@ def test_gpu_bf16_engine_logprobs_equal_the_trainers_bitwise(layer_types):
         recomputed = trainer_logprobs(trainer, reqs, busy)
     for c in busy:
         assert torch.equal(torch.tensor(c.logprobs, dtype=torch.float32), recomputed[c.request_id].cpu()), c.request_id
+
+
+# ----------------------------------------------------------------------------- groups, prefix cache, chunks
+
+def grpo_requests(seed):
+    """Three groups of n = 3 samples behind a shared 7-token system prompt, and two single requests;
+    greedy and tempered."""
+    rng = random.Random(seed)
+    system = [rng.randrange(64) for _ in range(7)]
+    out = []
+    for i in range(5):
+        sp = fast_ge.SamplingParams(max_new_tokens=rng.randint(2, 6), temperature=(0.0, 1.1)[i % 2],
+                                    seed=50 + 10 * i, n=3 if i < 3 else 1)
+        out.append(fast_ge.Request(system + [rng.randrange(64) for _ in range(rng.randint(1, 9))], sp,
+                                   request_id=f"p{i}"))
+    return out
+
+
+def by_sample(results) -> dict:
+    flat = [c for r in results for c in (r if isinstance(r, list) else [r])]
+    return {(c.request_id, c.sample_index): (c.token_ids, c.logprobs) for c in flat}
+
+
+@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+def test_bitwise_with_groups_prefix_cache_and_chunks(kind):
+    """The mode's bits do not depend on how a sample is served: cache off with room to spare; cache
+    on, cold, prefill chunks of 5 tokens and a pool that preempts; the same requests again on that
+    engine (warm: hits); each of four samples alone (n = 1, seed + i).  All equal, and equal to the
+    trainer's token_logprobs."""
+    reqs = grpo_requests(seed=21)
+    runs, stats = {}, {}
+    kw = dict(seed=3, linear_layer=MODELS[kind]["linear_layer"], page_size=3, max_batch_size=8,
+              batch_invariant=True, varlen_attn=varlen_attn, flash_decode=flash_decode)
+    with fast_ge.Generator(config(kind), prefix_caching=False, **kw) as gen:
+        runs["cache off"] = by_sample(gen.generate(reqs))
+    with fast_ge.Generator(config(kind), num_pages=12, max_prefill_tokens=5, **kw) as gen:
+        runs["cold, chunks of 5, preempting"] = by_sample(gen.generate(reqs))
+        stats["cold"] = gen.stats()
+        runs["warm"] = by_sample(gen.generate(reqs))
+        stats["warm"] = gen.stats()
+        alone = {}
+        for i, j in ((0, 0), (0, 2), (1, 1), (3, 0)):
+            r = reqs[i]
+            sp = dataclasses.replace(r.sampling, n=1, seed=r.sampling.seed + j)
+            c = gen.generate([fast_ge.Request(r.prompt_token_ids, sp, request_id=r.request_id)])[0]
+            alone[(r.request_id, j)] = (c.token_ids, c.logprobs)
+    assert stats["cold"]["preemptions"] >= 1 and stats["cold"]["prefix_hit_tokens"] > 0, stats
+    warm_hits = stats["warm"]["prefix_hit_tokens"] - stats["cold"]["prefix_hit_tokens"]
+    assert warm_hits > 0.7 * (stats["warm"]["prompt_tokens"] - stats["cold"]["prompt_tokens"]), stats
+    base = runs["cache off"]
+    assert len(base) == 11
+    for name, run in runs.items():
+        assert run == base, f"{name}: {[k for k in base if run.get(k) != base[k]]}"
+    assert all(alone[k] == base[k] for k in alone), [k for k in alone if alone[k] != base[k]]
+    trainer = fast_ge.DecoderLM(config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"],
+                                batch_invariant=True, varlen_attn=varlen_attn)
+    with torch.no_grad():
+        keys = list(base)
+        prompts = {r.request_id: r for r in reqs}
+        lps = trainer.token_logprobs([prompts[k[0]].prompt_token_ids + base[k][0] for k in keys],
+                                     [len(prompts[k[0]].prompt_token_ids) for k in keys],
+                                     temperature=[prompts[k[0]].sampling.temperature for k in keys])
+    for k, lp in zip(keys, lps):
+        assert torch.equal(torch.tensor(base[k][1], dtype=torch.float32), lp), k

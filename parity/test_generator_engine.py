@@ -115,7 +115,8 @@ class ToyCache:
 
 class ToyLinear(nn.Module):
     """A stand-in for Gated DeltaNet with the plug-in contract: a per-channel decaying state plus a
-    two-tap "conv" state; restarts at each document; prefill and one-token decode agree."""
+    two-tap "conv" state; each document starts from zero, or from its row of a filled cache (a
+    resumed prefill); prefill and one-token decode agree."""
 
     def __init__(self, config, index):
         super().__init__()
@@ -140,12 +141,14 @@ class ToyLinear(nn.Module):
             t = x.shape[1]
             cu_seqlens = torch.arange(0, x.shape[0] * t + 1, t)
             return self.forward(x.reshape(1, -1, x.shape[-1]), cu_seqlens=cu_seqlens).view(x.shape)
-        if cu_seqlens is not None:  # [1, T, D], documents restart
+        if cu_seqlens is not None:  # [1, T, D]: documents start from zero or from their cache row
             bounds = cu_seqlens.tolist()
             outs, states, lasts = [], [], []
-            for s, e in zip(bounds[:-1], bounds[1:]):
+            for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
                 zero = x.new_zeros(x.shape[-1])
-                o, st, la = self._scan(x[0, s:e], zero, zero)
+                filled = cache is not None and cache.state is not None
+                o, st, la = self._scan(x[0, s:e], cache.state[n] if filled else zero,
+                                       cache.last[n] if filled else zero)
                 outs.append(o)
                 states.append(st)
                 lasts.append(la)

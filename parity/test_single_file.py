@@ -57,7 +57,11 @@ ALLOWED_EXTRA = {
     # cache and plain attention, so it has nothing to tune or plug in).
     ("fast", "Generator", "varlen_attn"): "prefill attention plug-in of the paged engine",
     ("fast", "Generator", "flash_decode"): "decode attention plug-in of the paged engine",
-    ("fast", "Generator", "page_size"): "paged KV cache: tokens per page",
+    ("ref", "Generator", "cache_pages"): "the reference's prefix cache keeps copies of pages beside each "
+                                         "request's contiguous cache (fast's cached pages live in its pool)",
+    ("fast", "Generator", "checkpoint_interval"): "hybrid models: pages between linear-state checkpoints "
+                                                  "(the reference checkpoints every page)",
+    ("fast", "Generator", "num_checkpoints"): "hybrid models: checkpoint slots beside the KV pool",
     ("fast", "Generator", "num_pages"): "paged KV cache: pool size",
     ("fast", "Generator", "max_batch_size"): "continuous batching: requests decoding at once",
     ("fast", "Generator", "max_prefill_tokens"): "continuous batching: prompt tokens per iteration",

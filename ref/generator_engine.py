@@ -41,15 +41,30 @@ The engine (Generator)
     and version stay), then the worker copies it in between two requests, so a completion never
     spans two versions here (min_policy_version == max_policy_version).
 
+Groups and the prefix cache (the semantics the fast engine implements with its block allocator)
+    group         ``SamplingParams(n=k)``: k samples of one prompt (GRPO's group); the future resolves
+                  to k completions (``sample_index`` 0 .. k-1); sample i draws from seed + i, so it is
+                  exactly the request alone with ``seed + i`` and n = 1.
+    prefix cache  every full page of ``page_size`` tokens a request computes (prompt or generated) is
+                  kept, keyed by the chain (parent page's id, its token ids, the weights' version), with
+                  its K/V and, for "linear" layers, a checkpoint: their state after its last token.  A
+                  later request restores the longest cached run of its prompt's full pages (ending on a
+                  page with a checkpoint when the model has linear layers; never its last token, whose
+                  logits give the first sample) and prefills only the rest.  A load makes every older
+                  page unreachable.  Outputs are the same with the cache on or off (tokens; logprobs to
+                  rounding: a page-by-page prefill sums in another order than one pass).
+
 Tensors and types
     input_ids       [B, T] int64 (training forward; or [1, T] with cu_seqlens [N + 1] int32)
     logits          [B, T, vocab_size] fp32
     KV cache        [capacity, H_kv, head_dim] per attention layer, the model's dtype
     SamplingParams  max_new_tokens int >= 1 (16), temperature float >= 0 (0 = greedy), top_k
-                    int >= 0 (0 = off), top_p in (0, 1] (1 = off), stop_token_ids, seed int or None
+                    int >= 0 (0 = off), top_p in (0, 1] (1 = off), stop_token_ids, seed int or None,
+                    n int >= 1 (samples of the prompt, 1)
     Request         prompt_token_ids list[int], sampling, request_id str, session_id
     Completion      request_id, prompt_token_ids, token_ids, logprobs (one per token),
-                    finish_reason "stop" | "length", generator_id, min/max_policy_version
+                    finish_reason "stop" | "length", generator_id, min/max_policy_version,
+                    sample_index (i of a group's n)
     (Repeated in routed_generator.py so that each file works alone; ``submit`` reads a request
     by its fields, so either file's ``Request`` is served.)
     ModelConfig     vocab_size, hidden_size, intermediate_size, num_layers, num_heads,
@@ -59,7 +74,10 @@ Tensors and types
     linear_layer    plug-in ``(config, layer_index) -> nn.Module`` for "linear" layers, called as
                     ``m(x [1, T, hidden], cu_seqlens=cu [N+1] int32, cache=c)`` (prefill of N packed
                     sequences; training on documents with c None), ``m(x [B, T, hidden])`` (training
-                    on B equal rows) and ``m(x [N, 1, hidden], cache=c)`` (a decode step);
+                    on B equal rows) and ``m(x [N, T, hidden], cache=c)`` (continue N sequences from the
+                    state in ``c``: a decode step with T = 1, a prefill resumed after a cached prefix);
+                    with ``cu_seqlens`` and a filled ``c``, each document continues from its state (a
+                    zero state is a fresh start);
                     ``m.new_cache()`` gives an empty cache whose tensor attributes hold the N
                     sequences on dim 0 once filled (ref/gated_deltanet.py's layer, with new_cache)
 
@@ -86,7 +104,7 @@ import itertools
 import math
 import operator
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Mapping
 from concurrent.futures import Future
 
@@ -115,25 +133,36 @@ class SamplingParams:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    n: int = 1
 
     def __post_init__(self):
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a float >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
         try:
             stops = tuple(operator.index(t) for t in self.stop_token_ids)
         except TypeError:
             raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}") from None
-        if any(t < 0 for t in stops):
-            raise ValueError(f"stop_token_ids must be token ids >= 0, got {stops!r}")
         object.__setattr__(self, "stop_token_ids", stops)
-        if self.seed is not None and not _is_int(self.seed):
-            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+        _check_sampling(self)
+
+
+def _check_sampling(sp) -> None:
+    """Every field a generator reads, whoever built the object (ValueError / TypeError)."""
+    if not _is_int(sp.n) or sp.n < 1:
+        raise ValueError(f"n (samples of the prompt) must be an int >= 1, got {sp.n!r}")
+    if not _is_int(sp.max_new_tokens) or sp.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {sp.max_new_tokens!r}")
+    if not isinstance(sp.temperature, (int, float)) or isinstance(sp.temperature, bool) or not sp.temperature >= 0:
+        raise ValueError(f"temperature must be a float >= 0 (0 = greedy), got {sp.temperature!r}")
+    if not _is_int(sp.top_k) or sp.top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {sp.top_k!r}")
+    if not isinstance(sp.top_p, (int, float)) or isinstance(sp.top_p, bool) or not 0.0 < sp.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {sp.top_p!r}")
+    if not isinstance(sp.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in sp.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be a tuple of token ids >= 0, got {sp.stop_token_ids!r}")
+    if sp.seed is not None:
+        if not _is_int(sp.seed):
+            raise TypeError(f"seed must be an int or None, got {type(sp.seed).__name__}")
+        if not -2 ** 63 <= sp.seed <= 2 ** 64 - sp.n:     # sample i draws from seed + i: a 64-bit seed each
+            raise ValueError(f"seed must be in [-2**63, 2**64 - n] (sample i is seeded with seed + i), got {sp.seed}")
 
 
 _request_ids = itertools.count()  # next() on a count is atomic under the GIL: ids stay unique across threads
@@ -190,6 +219,7 @@ class Completion:
     generator_id: str
     min_policy_version: int
     max_policy_version: int
+    sample_index: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,47 +547,155 @@ class KVCache:
         return causal_attention(q, self.k[i][:self.length], self.v[i][:self.length], self.scale)
 
     def mix(self, i, module, h):
-        if self.start == 0:  # prefill: one document
+        if self.start == 0:  # the first tokens: one document
             cu = torch.tensor([0, h.shape[0]], dtype=torch.int32, device=h.device)
             return module(h[None], cu_seqlens=cu, cache=self.linear[i])[0]
-        return module(h[None], cache=self.linear[i])[0]                   # decode: [1, 1, hidden]
+        return module(h[None], cache=self.linear[i])[0]                   # continue from the state: [1, T, hidden]
+
+    def linear_states(self) -> dict:
+        """The linear layers' state now (copies): {layer: {name: tensor}}."""
+        return {i: {n: t.clone() for n, t in vars(c).items() if isinstance(t, torch.Tensor)}
+                for i, c in self.linear.items()}
+
+
+class PrefixCache:
+    """KV pages of earlier requests, reused by later ones (vLLM's automatic prefix caching, per page).
+
+    A full page of ``page_size`` tokens is keyed by (its parent's id, its token ids, the weights'
+    version): the same tokens from position 0 under the same weights.  Ids are never reused, so a key
+    is exact and a chain whose parent was evicted is unreachable.  An entry holds the page's K and V
+    per attention layer and, for models with "linear" layers, a checkpoint: each linear layer's state
+    after the page's last token (a page without one cannot end a hit: the linear layers could not
+    continue from there).  At most ``capacity`` pages, least recently used evicted first."""
+
+    def __init__(self, page_size: int, capacity: int):
+        self.page_size, self.capacity = page_size, capacity
+        self.entries: OrderedDict = OrderedDict()   # key -> (id, {layer: (k, v)}, checkpoint or None)
+        self.next_id = 1
+        self.evictions = 0
+
+    def chain(self, tokens: list, version: int, start_id: int = 0):
+        """(key, page index) of the cached full pages of ``tokens``, from page 0 while they are cached."""
+        parent, ps = start_id, self.page_size
+        for j in range(len(tokens) // ps):
+            key = (parent, tuple(tokens[j * ps:(j + 1) * ps]), version)
+            if key not in self.entries:
+                return
+            yield key, j
+            parent = self.entries[key][0]
+
+    def match(self, tokens: list, version: int, max_pages: int, need_checkpoint: bool) -> list:
+        """The longest run of cached pages, from page 0, ending on one with a checkpoint if needed."""
+        keys = [key for key, j in self.chain(tokens, version) if j < max_pages]
+        while keys and need_checkpoint and self.entries[keys[-1]][2] is None:
+            keys.pop()
+        for key in keys:
+            self.entries.move_to_end(key)                   # used now
+        return [self.entries[key] for key in keys]
+
+    def put(self, parent_id: int, page_tokens: list, version: int, kv: dict, checkpoint) -> int:
+        """Add a full page (or refresh it); returns its id, the parent id of the next page."""
+        key = (parent_id, tuple(page_tokens), version)
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return self.entries[key][0]
+        self.entries[key] = (self.next_id, kv, checkpoint)
+        self.next_id += 1
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+            self.evictions += 1
+        return self.next_id - 1
+
+    def clear_older(self, version: int) -> None:
+        """Weights changed: KV computed under an older version is never a hit."""
+        for key in [k for k in self.entries if k[2] < version]:
+            del self.entries[key]
 
 
 @torch.no_grad()
-def generate(model: DecoderLM, prompt: list[int], sp: SamplingParams, rng: torch.Generator):
-    """gpt-fast's loop: prefill the prompt, then one forward pass per token.  -> (tokens, logprobs, reason)."""
+def generate(model: DecoderLM, prompt: list[int], sp: SamplingParams, rng: torch.Generator,
+             cache: PrefixCache | None = None, version: int = 0, counts: dict | None = None):
+    """gpt-fast's loop: prefill the prompt, then one forward pass per token.  -> (tokens, logprobs, reason).
+
+    With a prefix ``cache``: the longest cached run of the prompt's full pages is restored (its K/V,
+    and the linear layers' checkpoint after it), the rest is prefilled a page at a time, and every
+    page that fills (prompt or generated tokens) is added to the cache with the linear layers' state
+    after it.  At least the prompt's last token is always computed: its logits give the first token.
+    ``counts`` (prompt_tokens, computed_prompt_tokens, prefix_hit_tokens) is updated."""
     dev = model.embed_tokens.weight.device
     limit = min(sp.max_new_tokens, model.config.max_seq_len - len(prompt))
-    cache = KVCache(model, len(prompt) + limit - 1)   # the last token's K/V is never needed
-    feed = prompt
-    tokens, logprobs = [], []
+    kv = KVCache(model, len(prompt) + limit - 1)   # the last token's K/V is never needed
+    tokens, generated, logprobs = list(prompt), [], []
+    parent = 0                                      # the cache id of the last full page (0: none yet)
+    if cache is not None:
+        ps, hybrid = cache.page_size, bool(kv.linear)
+        hits = cache.match(tokens, version, (len(tokens) - 1) // ps, need_checkpoint=hybrid)
+        for j, (page_id, pages, _) in enumerate(hits):
+            for i, (k, v) in pages.items():
+                kv.k[i][j * ps:(j + 1) * ps], kv.v[i][j * ps:(j + 1) * ps] = k, v
+            parent = page_id
+        if hits and hybrid:                         # the linear layers continue from the last page's end
+            for i, state in hits[-1][2].items():
+                for name, t in state.items():
+                    setattr(kv.linear[i], name, t.clone())
+        kv.start = kv.length = len(hits) * ps
+    counts = {} if counts is None else counts
+    for name, n in (("prompt_tokens", len(prompt)), ("computed_prompt_tokens", len(prompt) - kv.length),
+                    ("prefix_hit_tokens", kv.length)):
+        counts[name] = counts.get(name, 0) + n
+    feed = tokens[kv.length:]
     while True:
-        positions = cache.advance(len(feed))
-        h = model.layers_forward(torch.tensor(feed, device=dev), positions, cache.attend, cache.mix)
+        if cache is None:
+            pieces = [feed]
+        else:  # up to each page boundary, so every full page is cached with the state after it
+            room = cache.page_size - kv.length % cache.page_size
+            pieces = [feed[:room]] + [feed[p:p + cache.page_size] for p in range(room, len(feed), cache.page_size)]
+        for piece in pieces:
+            positions = kv.advance(len(piece))
+            h = model.layers_forward(torch.tensor(piece, device=dev), positions, kv.attend, kv.mix)
+            if cache is not None and kv.length % cache.page_size == 0:
+                j = kv.length // cache.page_size - 1
+                pages = {i: (kv.k[i][j * ps:kv.length].clone(), kv.v[i][j * ps:kv.length].clone()) for i in kv.k}
+                parent = cache.put(parent, tokens[j * ps:kv.length], version, pages,
+                                   kv.linear_states() if kv.linear else None)
         token, logprob = sample(model.logits(h[-1]), sp, rng)
+        generated.append(token)
         tokens.append(token)
         logprobs.append(logprob)
         if token in sp.stop_token_ids:
-            return tokens, logprobs, "stop"
-        if len(tokens) == limit:
-            return tokens, logprobs, "length"
+            return generated, logprobs, "stop"
+        if len(generated) == limit:
+            return generated, logprobs, "length"
         feed = [token]
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample ``index`` of a request draws from its own stream: seed + index (None stays random)."""
+    return None if seed is None else seed + index
 
 
 class Generator:
     """The reference engine: requests one at a time, weights loaded between them.
 
     ``Generator(config=None, *, state_dict=None, seed=0, name="generator", policy_version=0,
-    linear_layer=None, device=None, dtype=None)``; ``close()`` (or ``with``) stops its thread and
-    fails what is still queued.
+    linear_layer=None, device=None, dtype=None, page_size=16, prefix_caching=True,
+    cache_pages=1024, kv_on_swap="keep")``; ``close()`` (or ``with``) stops its thread and fails
+    what is still queued.  ``prefix_caching``: reuse the KV pages (and linear-layer checkpoints) of
+    earlier requests, at most ``cache_pages`` pages of ``page_size`` tokens (off: every prompt is
+    prefilled whole).  ``kv_on_swap`` ("keep" or "recompute"): what the fast engine does with a
+    running request's KV at a weight swap; here a request never spans a load, so it never applies.
+    A request with ``sampling.n > 1`` is a group: its future resolves to n completions, sample i
+    drawn from ``seed + i``, each equal to the request alone with that seed and n = 1.
     """
 
     def __init__(self, config: ModelConfig | None = None, *, state_dict=None, seed: int = 0, name: str = "generator",
-                 policy_version: int = 0, linear_layer=None, device=None, dtype=None):
+                 policy_version: int = 0, linear_layer=None, device=None, dtype=None, page_size: int = 16,
+                 prefix_caching: bool = True, cache_pages: int = 1024, kv_on_swap: str = "keep"):
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         if not _is_int(policy_version):
             raise TypeError(f"policy_version must be an int, got {type(policy_version).__name__}")
+        _check_cache_options(prefix_caching, page_size, cache_pages, kv_on_swap)
         self.name = name
         self.device = torch.device("cpu" if device is None else device)
         self.model = DecoderLM(config, seed=seed, linear_layer=linear_layer, device=self.device, dtype=dtype).eval()
@@ -566,6 +704,9 @@ class Generator:
         if state_dict is not None:
             self._copy_in(_checked_state_dict(state_dict, self._shapes))
         self._version = policy_version
+        self.page_size, self.kv_on_swap = page_size, kv_on_swap
+        self._cache = PrefixCache(page_size, cache_pages) if prefix_caching else None
+        self._counts = dict(prompt_tokens=0, computed_prompt_tokens=0, prefix_hit_tokens=0)
         self._cv = threading.Condition()
         self._load_lock = threading.Lock()  # one load_weights at a time
         self._queue: deque = deque()        # (request, future), or (None, (tensors, version, done future))
@@ -579,7 +720,8 @@ class Generator:
         return self._version
 
     def submit(self, request) -> Future:
-        """Queue one request; the future resolves to its ``Completion``.  Never blocks."""
+        """Queue one request; the future resolves to its ``Completion`` (a list of n with
+        ``sampling.n > 1``).  Never blocks."""
         _check_request(request, self.config)
         future = Future()
         with self._cv:
@@ -589,7 +731,7 @@ class Generator:
             self._cv.notify()
         return future
 
-    def generate(self, requests) -> list[Completion]:
+    def generate(self, requests) -> list:
         """Submit every request, wait, return the completions in order (raises the first failure)."""
         futures = [self.submit(r) for r in list(requests)]
         return [f.result() for f in futures]
@@ -611,10 +753,16 @@ class Generator:
             done.result()
 
     def stats(self) -> dict:
-        """waiting, running, completed, policy_version."""
+        """waiting, running, completed, policy_version; prompt_tokens (requested, per sample),
+        computed_prompt_tokens (run through the model), prefix_hit_tokens, evictions, cached_pages,
+        state_checkpoints (cached pages that carry the linear layers' state)."""
         with self._cv:
             waiting = sum(r is not None for r, _ in self._queue)
-            return dict(waiting=waiting, running=self._running, completed=self._completed, policy_version=self._version)
+            cache = self._cache
+            return dict(waiting=waiting, running=self._running, completed=self._completed,
+                        policy_version=self._version, **self._counts,
+                        evictions=cache.evictions if cache else 0, cached_pages=len(cache.entries) if cache else 0,
+                        state_checkpoints=sum(e[2] is not None for e in cache.entries.values()) if cache else 0)
 
     def close(self) -> None:
         with self._cv:
@@ -637,6 +785,21 @@ class Generator:
         for n, t in tensors.items():
             params[n].copy_(t)
 
+    def _serve(self, request) -> list:
+        """The request's n samples, one after the other (sample i from seed + i)."""
+        version, sp, out = self._version, request.sampling, []
+        for index in range(sp.n):
+            counts = {}
+            rng = request_rng(sample_seed(sp.seed, index))
+            tokens, logprobs, reason = generate(self.model, request.prompt_token_ids, sp, rng, self._cache,
+                                                version, counts)
+            with self._cv:
+                for name, n in counts.items():
+                    self._counts[name] += n
+            out.append(Completion(request.request_id, list(request.prompt_token_ids), tokens, logprobs, reason,
+                                  self.name, version, version, index))
+        return out
+
     def _loop(self) -> None:
         while True:
             with self._cv:
@@ -652,6 +815,8 @@ class Generator:
                 try:
                     self._copy_in(tensors)
                     self._version = version
+                    if self._cache is not None:
+                        self._cache.clear_older(version)
                     done.set_result(None)
                 except Exception as exc:  # validated already; a device error lands here
                     done.set_exception(exc)
@@ -660,11 +825,8 @@ class Generator:
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                version = self._version
-                sp = request.sampling
-                tokens, logprobs, reason = generate(self.model, request.prompt_token_ids, sp, request_rng(sp.seed))
-                outcome = (future.set_result, Completion(request.request_id, list(request.prompt_token_ids), tokens,
-                                                         logprobs, reason, self.name, version, version))
+                samples = self._serve(request)
+                outcome = (future.set_result, samples if request.sampling.n > 1 else samples[0])
             except Exception as exc:
                 outcome = (future.set_exception, exc)
             with self._cv:
@@ -687,6 +849,9 @@ def _check_request(request, config: ModelConfig) -> None:
     if not isinstance(prompt, list) or not hasattr(getattr(request, "sampling", None), "max_new_tokens"):
         raise TypeError(f"request must be a Request (prompt_token_ids, sampling, request_id), "
                         f"got {type(request).__name__}")
+    _check_sampling(request.sampling)
+    if not all(_is_int(t) for t in prompt):
+        raise TypeError("prompt_token_ids must hold ints (token ids)")
     if not prompt:
         raise ValueError("prompt_token_ids must hold at least one token, got an empty prompt")
     if max(prompt) >= config.vocab_size or min(prompt) < 0:
@@ -694,6 +859,16 @@ def _check_request(request, config: ModelConfig) -> None:
     if len(prompt) >= config.max_seq_len:
         raise ValueError(f"prompt_token_ids: a prompt of {len(prompt)} tokens leaves no room to generate "
                          f"in a context of max_seq_len={config.max_seq_len}")
+
+
+def _check_cache_options(prefix_caching, page_size, cache_pages, kv_on_swap) -> None:
+    if not isinstance(prefix_caching, bool):
+        raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
+    for name, value in (("page_size", page_size), ("cache_pages", cache_pages)):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if kv_on_swap not in ("keep", "recompute"):
+        raise ValueError(f"kv_on_swap must be 'keep' or 'recompute', got {kv_on_swap!r}")
 
 
 def _check_logprob_inputs(sequences, prompt_lengths, temperature, config: ModelConfig):
