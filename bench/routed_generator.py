@@ -76,7 +76,7 @@ run under the Triton interpreter, set before they are defined, so these rows mea
     python bench/routed_generator.py                  # all cases; rows to bench/results/latest/ (untracked)
     python bench/routed_generator.py --record         # ... and appended to bench/results/routed_generator.csv
     python bench/routed_generator.py --quick          # fewer repetitions
-    python bench/routed_generator.py --part fleet     # router | engine | fleet | invariant
+    python bench/routed_generator.py --part fleet     # router | engine | fleet | invariant | grpo
 """
 from __future__ import annotations
 
@@ -722,9 +722,98 @@ def bench_invariant(rec, quick):
         rec.add(case, "batch_invariant", "slowdown", inv / base, "x")
 
 
+# ----------------------------------------------------------------------------- GRPO groups and the prefix cache
+
+GRPO_CPU_MODEL = dict(CPU_MODEL, max_seq_len=1536)
+
+
+def grpo_workload(rg, *, prompts, n, system, lengths, outs, vocab, groups, seed=0):
+    """``prompts`` prompts of ``lengths`` tokens (a shared ``system``-token system prompt first), n samples
+    each at temperature 1 (sample i seeded seed + i), ``outs`` new tokens (no stop token, so every run
+    generates the same number).  ``groups``: one request with n samples per prompt, else n requests."""
+    rng = random.Random(seed)
+    head = [rng.randrange(vocab) for _ in range(system)]
+    reqs = []
+    for i in range(prompts):
+        prompt = head + [rng.randrange(vocab) for _ in range(rng.randint(*lengths) - system)]
+        out, base = rng.randint(*outs), 1000 * i
+        if groups:
+            reqs.append(rg.Request(prompt, rg.SamplingParams(max_new_tokens=out, temperature=1.0, seed=base, n=n)))
+        else:
+            reqs += [rg.Request(prompt, rg.SamplingParams(max_new_tokens=out, temperature=1.0, seed=base + j))
+                     for j in range(n)]
+    return reqs
+
+
+def _served(results) -> int:
+    return sum(len(c.token_ids) for r in results for c in (r if isinstance(r, list) else [r]))
+
+
+def bench_grpo(rec, quick):
+    """GRPO groups behind a shared system prompt: the fast engine with the prefix cache and groups against
+    the same samples as n plain requests with the cache off (today's engine).  CPU, the 4-layer model."""
+    cfg = fast_ge.ModelConfig(**GRPO_CPU_MODEL)
+    shape = dict(prompts=8, n=4, system=128, lengths=(256, 512), outs=(16, 32)) if quick else \
+        dict(prompts=32, n=8, system=128, lengths=(256, 1024), outs=(32, 128))
+    case = f"grpo engine cpu {shape['prompts']}x{shape['n']} sys={shape['system']}"
+    pages = shape["prompts"] * shape["n"] * -(-(shape["lengths"][1] + shape["outs"][1]) // 16) + 64
+    for impl, groups, caching in (("cache+groups", True, True), ("no cache", False, False)):
+        reqs = grpo_workload(fast_ge, vocab=cfg.vocab_size, groups=groups, **shape)
+        with fast_ge.Generator(cfg, num_pages=pages, max_batch_size=shape["prompts"] * shape["n"],
+                               prefix_caching=caching) as gen:
+            t0 = time.perf_counter()
+            done = gen.generate(reqs)
+            seconds = time.perf_counter() - t0
+            stats = gen.stats()
+        rec.add(case, impl, "prompt_tokens", stats["prompt_tokens"], "tok")
+        rec.add(case, impl, "computed_prompt_tokens", stats["computed_prompt_tokens"], "tok")
+        rec.add(case, impl, "computed_frac", stats["computed_prompt_tokens"] / stats["prompt_tokens"], "")
+        rec.add(case, impl, "tokens_per_s", _served(done) / seconds, "tok/s")
+        print(f"  {impl}: {stats['computed_prompt_tokens']} of {stats['prompt_tokens']} prompt tokens computed, "
+              f"{_served(done) / seconds:.0f} generated tok/s")
+
+
+class _DecodeClock(fast_ge.Generator):
+    """The fast engine, noting when each decode step starts and which requests it decodes."""
+
+    def __init__(self, *args, **kw):
+        self.steps = []
+        super().__init__(*args, **kw)
+
+    def _decode(self, model, seqs, settle):
+        self.steps.append((time.perf_counter(), [s.group.request.request_id for s in seqs]))
+        return super()._decode(model, seqs, settle)
+
+
+def bench_chunked_prefill(rec, quick):
+    """A prompt of 8x the per-iteration budget arrives while a request decodes: the largest gap between
+    two of that request's decode steps, the prompt cut into page-aligned chunks or taken whole."""
+    cfg = fast_ge.ModelConfig(**dict(CPU_MODEL, max_seq_len=4608 if not quick else 1152))
+    budget = 512 if not quick else 128
+    rng = random.Random(3)
+    case = f"chunked prefill cpu budget={budget} prompt={8 * budget}"
+    for impl, limit in (("chunked", budget), ("whole prompt", 16 * budget)):
+        running = fast_ge.Request([rng.randrange(cfg.vocab_size) for _ in range(16)],
+                                  fast_ge.SamplingParams(max_new_tokens=400), request_id="running")
+        long = fast_ge.Request([rng.randrange(cfg.vocab_size) for _ in range(8 * budget)],
+                               fast_ge.SamplingParams(max_new_tokens=4), request_id="long")
+        with _DecodeClock(cfg, max_prefill_tokens=limit, num_pages=-(-9 * budget // 16) + 64) as gen:
+            first = gen.submit(running)
+            while len(gen.steps) < 20:
+                time.sleep(0.001)
+            gen.submit(long).result()
+            first.result()
+            times = [t for t, ids in gen.steps if "running" in ids]
+        gaps = [1e3 * (b - a) for a, b in zip(times, times[1:])]
+        rec.add(case, impl, "max_gap_ms", max(gaps), "ms")
+        rec.add(case, impl, "median_gap_ms", statistics.median(gaps), "ms")
+        print(f"  {impl}: largest gap between two decode steps {max(gaps):.1f} ms "
+              f"(median {statistics.median(gaps):.1f} ms)")
+
+
 def main(argv=None) -> int:
     ap = bench_parser(__doc__)
-    ap.add_argument("--part", choices=["all", "router", "engine", "fleet", "invariant"], default="all")
+    ap.add_argument("--part", choices=["all", "router", "engine", "fleet", "invariant", "grpo"], default="all")
     args = ap.parse_args(argv)
     rec = Recorder("routed_generator", record=args.record or None)
     reps = 3 if args.quick else 9
@@ -754,6 +843,12 @@ def main(argv=None) -> int:
             torch.set_num_threads(1)
             print("the fleet on Ray (CPU, a local Ray instance) beside the same fleet in this process")
             bench_fleet(rec, args.quick)
+    if args.part in ("all", "grpo"):
+        torch.set_num_threads(1)
+        print("GRPO groups and the prefix cache (CPU, the 4-layer model)")
+        bench_grpo(rec, args.quick)
+        print("chunked prefill: decode gaps while a long prompt arrives")
+        bench_chunked_prefill(rec, args.quick)
     if args.part in ("all", "invariant"):
         torch.set_num_threads(1)
         print("the batch-invariant mode's cost: engine tokens/s, trainer forward + backward, the matmul alone")
