@@ -759,8 +759,8 @@ def bench_grpo(rec, quick):
     pages = shape["prompts"] * shape["n"] * -(-(shape["lengths"][1] + shape["outs"][1]) // 16) + 64
     for impl, groups, caching in (("cache+groups", True, True), ("no cache", False, False)):
         reqs = grpo_workload(fast_ge, vocab=cfg.vocab_size, groups=groups, **shape)
-        with fast_ge.Generator(cfg, num_pages=pages, max_batch_size=shape["prompts"] * shape["n"],
-                               prefix_caching=caching) as gen:
+        with _PhaseClock(cfg, num_pages=pages, max_batch_size=shape["prompts"] * shape["n"],
+                         prefix_caching=caching) as gen:
             t0 = time.perf_counter()
             done = gen.generate(reqs)
             seconds = time.perf_counter() - t0
@@ -769,8 +769,33 @@ def bench_grpo(rec, quick):
         rec.add(case, impl, "computed_prompt_tokens", stats["computed_prompt_tokens"], "tok")
         rec.add(case, impl, "computed_frac", stats["computed_prompt_tokens"] / stats["prompt_tokens"], "")
         rec.add(case, impl, "tokens_per_s", _served(done) / seconds, "tok/s")
+        rec.add(case, impl, "prefill_s", gen.seconds["prefill"], "s")
+        rec.add(case, impl, "decode_s", gen.seconds["decode"], "s")
         print(f"  {impl}: {stats['computed_prompt_tokens']} of {stats['prompt_tokens']} prompt tokens computed, "
-              f"{_served(done) / seconds:.0f} generated tok/s")
+              f"{_served(done) / seconds:.0f} generated tok/s; prefill {gen.seconds['prefill']:.1f} s, "
+              f"decode {gen.seconds['decode']:.1f} s")
+
+
+class _PhaseClock(fast_ge.Generator):
+    """The fast engine, adding up the seconds its prefill passes and decode steps take."""
+
+    def __init__(self, *args, **kw):
+        self.seconds = dict(prefill=0.0, decode=0.0)
+        super().__init__(*args, **kw)
+
+    def _prefill(self, model, work, settle):
+        t0 = time.perf_counter()
+        try:
+            return super()._prefill(model, work, settle)
+        finally:
+            self.seconds["prefill"] += time.perf_counter() - t0
+
+    def _decode(self, model, seqs, settle):
+        t0 = time.perf_counter()
+        try:
+            return super()._decode(model, seqs, settle)
+        finally:
+            self.seconds["decode"] += time.perf_counter() - t0
 
 
 class _DecodeClock(fast_ge.Generator):

@@ -158,6 +158,7 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Mapping
 from concurrent.futures import Future
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -545,18 +546,41 @@ class DecoderLM(nn.Module):
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return (_invariant_linear(h, w) if self.batch_invariant else h @ w.t()).float()
 
-    def token_logprobs(self, sequences, prompt_lengths, *, temperature=1.0) -> list[torch.Tensor]:
+    def token_logprobs(self, sequences, prompt_lengths, *, temperature=1.0, share_prompts=True) -> list[torch.Tensor]:
         """What a trainer recomputes for sampled tokens: for each sequence (prompt + completion token
         ids) the logprobs of its completion tokens, log_softmax(logits * fp32(1 / T))[token] (T = 0:
-        unscaled, as greedy sampling reports), from one packed forward over every sequence without its
-        last token.  ``prompt_lengths``: one int per sequence, 1 <= p < len; ``temperature``: one float
-        >= 0 or one per sequence.  Returns one fp32 tensor [len - p] per sequence; differentiable.  In
-        batch-invariant mode (with ``varlen_attn``) these are bitwise the logprobs the engine reported."""
+        unscaled, as greedy sampling reports).  ``prompt_lengths``: one int per sequence, 1 <= p < len;
+        ``temperature``: one float >= 0 or one per sequence.  Returns one fp32 tensor [len - p] per
+        sequence; differentiable.
+
+        ``share_prompts``: sequences with the same prompt (a GRPO group) run their prompt once: its
+        tokens go through the model once, each completion attends to its K/V (the prompt's keys, then
+        its own causal keys, the two states merged exactly) and the linear layers continue each
+        completion from the prompt's final state; gradients reach the prompt once, summed over the
+        group.  False, or the batch-invariant mode: one packed forward over every sequence whole (in
+        the mode, with ``varlen_attn``, the logprobs are bitwise the engine's)."""
         seqs, prompts, temps = _check_logprob_inputs(sequences, prompt_lengths, temperature, self.config)
+        if not isinstance(share_prompts, bool):
+            raise TypeError(f"share_prompts must be a bool, got {type(share_prompts).__name__}")
         if not seqs:
             return []
+        if share_prompts and not self.batch_invariant:
+            rows, h = self._prompt_shared_forward(seqs, prompts, share_prompts)
+        else:
+            rows, h = self._packed_forward(seqs, prompts)
+        dev = h.device
+        inv_t = torch.tensor([1.0 / t if t else 1.0 for t, s, p in zip(temps, seqs, prompts)
+                              for _ in range(len(s) - p)], dtype=torch.float32, device=dev)
+        logp = _log_softmax(self.logits(h[rows]) * inv_t[:, None], self.batch_invariant)   # [rows, V]
+        targets = torch.tensor([t for s, p in zip(seqs, prompts) for t in s[p:]], device=dev)
+        picked = logp.gather(1, targets[:, None])[:, 0]
+        return list(picked.split([len(s) - p for s, p in zip(seqs, prompts)]))
+
+    def _packed_forward(self, seqs: list, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every sequence but its last token, packed as documents: (the rows that predict each completion
+        token, in order; the final hidden states)."""
         dev = self.embed_tokens.weight.device
-        lengths = [len(s) - 1 for s in seqs]                               # the last token is never fed
+        lengths = [len(s) - 1 for s in seqs]
         ids = torch.tensor([t for s in seqs for t in s[:-1]], device=dev)
         bounds = [0, *itertools.accumulate(lengths)]
         cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
@@ -566,12 +590,75 @@ class DecoderLM(nn.Module):
         # Row p - 1 + j of a sequence predicts its completion token j.
         rows = torch.cat([torch.arange(start + p - 1, start + n, device=dev)
                           for start, p, n in zip(bounds, prompts, lengths)])
-        inv_t = torch.tensor([1.0 / t if t else 1.0 for t, p, n in zip(temps, prompts, lengths)
-                              for _ in range(n - p + 1)], dtype=torch.float32, device=dev)
-        logp = _log_softmax(self.logits(h[rows]) * inv_t[:, None], self.batch_invariant)   # [rows, V]
-        targets = torch.tensor([t for s, p in zip(seqs, prompts) for t in s[p:]], device=dev)
-        picked = logp.gather(1, targets[:, None])[:, 0]
-        return list(picked.split([len(s) - p for s, p in zip(seqs, prompts)]))
+        return rows, h
+
+    def _prompt_shared_forward(self, seqs: list, prompts: list, share: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over each distinct prompt once, then every completion's fed tokens (positions
+        p .. len - 2), the completions of a group side by side.  Returns (the rows predicting each
+        completion token, in the sequences' order; the final hidden states)."""
+        dev = self.embed_tokens.weight.device
+        lay = _SharedPrompts(seqs, prompts, share, dev)
+        h = self.layers_forward(lay.ids, lay.positions, self._shared_attention(lay), self._shared_mix(lay))
+        return lay.rows, h
+
+    def _shared_attention(self, lay: _SharedPrompts):
+        """attend for ``_prompt_shared_forward``: prompt rows causal over their prompt; completion rows
+        over their prompt's keys (every one visible) and over their own causal keys, merged."""
+        scale, mode = self.config.head_dim ** -0.5, self.batch_invariant
+
+        def attend(i, q, k, v):
+            t_p = lay.prompt_rows
+            qp, kp, vp, qc, kc, vc = q[:t_p], k[:t_p], v[:t_p], q[t_p:], k[t_p:], v[t_p:]
+            out_p, _ = self._attention(qp, kp, vp, lay.cu_p, lay.cu_p, lay.max_p, lay.max_p, scale, causal=True)
+            if qc.shape[0] == 0:
+                return out_p
+            # The prompt's keys: a group's completion rows packed as one query sequence read them once.
+            o_a, lse_a = self._attention(qc, kp, vp, lay.cu_c_by_group, lay.cu_p, lay.max_c_group, lay.max_p,
+                                         scale, causal=False)
+            if mode:   # the engine's bits: each completion row alone over its prompt's keys (one-row tiles)
+                o_a, lse_a = _value_with_gradient_of(self._rows_over_prompts(qc, kp, vp, lay, scale), (o_a, lse_a))
+            o_b, lse_b = self._attention(qc, kc, vc, lay.cu_c, lay.cu_c, lay.max_c, lay.max_c, scale, causal=True)
+            out_c, _ = _merge_states(o_a, lse_a, o_b, lse_b)
+            return torch.cat([out_p, out_c.to(out_p.dtype)])
+        return attend
+
+    def _rows_over_prompts(self, qc, kp, vp, lay, scale):
+        """Batch-invariant mode: each completion row as its own one-query sequence over its prompt's keys,
+        as the engine's decode computes it (the prompt's K/V viewed as pages of one token, each row's
+        block table its prompt's rows).  Inference kernels: no gradient here."""
+        with torch.no_grad():
+            table = lay.prompt_table                                           # [completion rows, max_p]
+            out, lse = self.varlen_attn(qc, kp[:, None], vp[:, None], lay.cu_rows, None, 1, lay.max_p, scale=scale,
+                                        window_size=(-1, -1), enable_gqa=True, seqused_k=lay.row_prompt_len,
+                                        block_table=table, return_aux=_LSE, batch_invariant=True)
+        return out, lse
+
+    def _attention(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, *, causal):
+        """(out [T_q, H, D], lse [H, T_q] fp32) of varlen attention, through ``varlen_attn`` or in plain
+        PyTorch (per sequence) without one."""
+        window = (-1, 0) if causal else (-1, -1)
+        if self.varlen_attn is not None:
+            mode = dict(batch_invariant=True) if self.batch_invariant else {}
+            return self.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window,
+                                    enable_gqa=True, return_aux=_LSE, **mode)
+        return _torch_attention_lse(q, k, v, cu_q.tolist(), cu_k.tolist(), scale, causal)
+
+    def _shared_mix(self, lay: _SharedPrompts):
+        """mix for ``_prompt_shared_forward``: the prompts as documents (their final state kept), then
+        each completion continuing from its prompt's state."""
+        def mix(i, module, h):
+            t_p = lay.prompt_rows
+            cache = module.new_cache()
+            out_p = module(h[:t_p][None], cu_seqlens=lay.cu_p, cache=cache)[0]
+            if h.shape[0] == t_p:
+                return out_p
+            forked = module.new_cache()
+            for name, t in vars(cache).items():
+                if isinstance(t, torch.Tensor):
+                    setattr(forked, name, t[lay.group_of])          # each completion gets its prompt's state
+            out_c = module(h[t_p:][None], cu_seqlens=lay.cu_c, cache=forked)[0]
+            return torch.cat([out_p, out_c])
+        return mix
 
     def _packed_attention(self, cu: torch.Tensor, longest: int):
         """``layers_forward``'s attend over documents packed along T (cu [N + 1] int32): through
@@ -654,6 +741,111 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     """Rotate-half rotary embedding, fp32 inside: x [T, H, D], cos / sin [T, 1, D/2]."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class _SharedPrompts:
+    """The packed layout of ``token_logprobs`` with shared prompts: every distinct prompt once (rows
+    0 .. T_p - 1, the prompts one after another), then every sequence's fed completion tokens, ordered
+    by prompt so that a group's completion rows are contiguous.  Index tensors for the calls below."""
+
+    def __init__(self, seqs: list, prompts: list, share: bool, dev):
+        heads, group_of = {}, []
+        for s, p in zip(seqs, prompts):
+            group_of.append(heads.setdefault(tuple(s[:p]) if share else len(heads), len(heads)))
+        prompt_tokens = list(heads) if share else [s[:p] for s, p in zip(seqs, prompts)]
+        order = sorted(range(len(seqs)), key=group_of.__getitem__)          # completions, grouped
+        plen = [len(t) for t in prompt_tokens]
+        clen = [len(seqs[n]) - 1 - prompts[n] for n in order]               # fed completion tokens
+        p_bounds = [0, *itertools.accumulate(plen)]
+        c_bounds = [0, *itertools.accumulate(clen)]
+        self.prompt_rows = p_bounds[-1]
+        self.ids = torch.tensor([t for ts in prompt_tokens for t in ts] +
+                                [t for n in order for t in seqs[n][prompts[n]:-1]], device=dev)
+        self.positions = torch.tensor([i for n in plen for i in range(n)] +
+                                      [prompts[n] + i for n, c in zip(order, clen) for i in range(c)], device=dev)
+        groups = [group_of[n] for n in order]
+        per_group = [sum(c for g2, c in zip(groups, clen) if g2 == g) for g in range(len(plen))]
+
+        def cu(lengths):
+            return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=dev)
+
+        self.cu_p, self.cu_c, self.cu_c_by_group = cu(plen), cu(clen), cu(per_group)
+        self.max_p, self.max_c, self.max_c_group = max(plen), max(clen, default=0), max(per_group, default=0)
+        self.group_of = torch.tensor(groups, device=dev)                   # completion -> its prompt
+        # Each completion row alone over its prompt's keys (the batch-invariant mode): prompt rows as pages.
+        row_group = [g for g, c in zip(groups, clen) for _ in range(c)]
+        self.cu_rows = cu([1] * len(row_group))
+        self.row_prompt_len = torch.tensor([plen[g] for g in row_group], dtype=torch.int32, device=dev)
+        table = torch.zeros(len(row_group), self.max_p, dtype=torch.int32)
+        for r, g in enumerate(row_group):
+            table[r, :plen[g]] = torch.arange(p_bounds[g], p_bounds[g + 1])
+        self.prompt_table = table.to(dev)
+        # Completion token 0 comes from its prompt's last row, token j > 0 from the completion's row j - 1.
+        first = self.prompt_rows
+        span = {n: range(first + c_bounds[k], first + c_bounds[k + 1]) for k, n in enumerate(order)}
+        self.rows = torch.tensor([r for n in range(len(seqs)) for r in [p_bounds[group_of[n] + 1] - 1, *span[n]]],
+                                 device=dev)
+
+
+class _LseRequest(NamedTuple):
+    """``return_aux`` for a varlen_attn plug-in (PyTorch's AuxRequest, duck-typed): ask for the lse."""
+    lse: bool = True
+
+
+_LSE = _LseRequest()
+
+
+def _merge_states(out_a, lse_a, out_b, lse_b):
+    """Two attention states over disjoint key sets -> the state over their union: with m = max(lse_a, lse_b),
+    w = exp(lse - m), lse = m + log(w_a + w_b), out = (w_a out_a + w_b out_b) / (w_a + w_b).  out [T, H, D],
+    lse [H, T] fp32; a side with lse = -inf (no keys) drops out.  Elementwise (exp, log and IEEE
+    arithmetic): a row's bits do not depend on its neighbours.  Differentiable."""
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)                    # [H, T]
+    den = w_a + w_b
+    lse = torch.where(den == 0, torch.full_like(m, float("-inf")), m + torch.log(den))
+    w_a, w_b, den = (x.t()[..., None] for x in (w_a, w_b, torch.where(den == 0, torch.ones_like(den), den)))
+    out = (w_a * out_a.float() + w_b * out_b.float()) / den                  # [T, H, D]
+    return out, lse
+
+
+class _ValueOf(torch.autograd.Function):
+    """Forward: ``exact``'s values; backward: the incoming gradient goes to ``plain`` (the same math in
+    another tiling).  The batch-invariant mode's values with the default kernels' gradients."""
+
+    @staticmethod
+    def forward(ctx, plain, exact):
+        return exact.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _value_with_gradient_of(exact: tuple, plain: tuple) -> tuple:
+    if not torch.is_grad_enabled():
+        return exact
+    return tuple(_ValueOf.apply(p, e) for p, e in zip(plain, exact))
+
+
+def _torch_attention_lse(q, k, v, cu_q: list, cu_k: list, scale: float, causal: bool):
+    """Varlen attention with its lse in plain PyTorch, one sequence at a time: (out [T_q, H_q, D],
+    lse [H_q, T_q] fp32).  Causal is bottom-right aligned; a row that sees no key gets 0 and -inf."""
+    outs, lses = [], []
+    h_q, d, h_kv = q.shape[1], q.shape[2], k.shape[1]
+    for b in range(len(cu_q) - 1):
+        qs, ks, vs = q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
+        l_q, l_k = qs.shape[0], ks.shape[0]
+        s = torch.einsum("qhgd,khd->hgqk", qs.float().view(l_q, h_kv, h_q // h_kv, d), ks.float()) * scale
+        if causal:
+            hidden = torch.arange(l_k, device=q.device)[None] > torch.arange(l_q, device=q.device)[:, None] + l_k - l_q
+            s = s.masked_fill(hidden, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)                                      # [H_kv, G, L_q]
+        p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+        outs.append(torch.einsum("hgqk,khd->qhgd", p, vs.float()).reshape(l_q, h_q, d).to(q.dtype))
+        lses.append(lse.reshape(h_q, l_q))
+    return torch.cat(outs), torch.cat(lses, dim=1)
 
 
 def _init_std(name: str, p: torch.Tensor, c: ModelConfig) -> float | None:

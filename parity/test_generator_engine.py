@@ -128,13 +128,13 @@ class ToyLinear(nn.Module):
     def new_cache(self):
         return ToyCache()
 
-    def _scan(self, x, state, last):  # x [L, D]
+    def _scan(self, x, state, last):  # x [L, D]; an empty document keeps its state
         u, outs = self.w_in(x), []
         for t in range(x.shape[0]):
             state = self.decay * state + u[t] + 0.5 * last
             last = u[t]
             outs.append(state)
-        return self.w_out(torch.stack(outs)), state, last
+        return self.w_out(torch.stack(outs) if outs else x), state, last
 
     def forward(self, x, *, cu_seqlens=None, cache=None):
         if cu_seqlens is None and cache is None:  # training on B equal rows: each row a document

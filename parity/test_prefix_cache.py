@@ -27,6 +27,7 @@ import torch
 import fast.generator_engine as fast_ge
 import ref.gated_deltanet as ref_gdn
 import ref.generator_engine as ref_ge
+from fast.paged_varlen_attention import varlen_attn as fast_varlen_attn
 from test_generator_engine import ToyLinear, assert_same, small_config
 
 TIMEOUT = 120.0
@@ -351,3 +352,49 @@ def test_nothing_leaks_after_random_traffic(policy):
     print(f"{served} samples, {cancelled} cancelled: {dict((k, stats[k]) for k in (*STATS, 'preemptions'))}")
     assert stats["preemptions"] > 0 and stats["evictions"] > 0 and stats["prefix_hit_tokens"] > 0
     assert stats["state_checkpoints"] > 0 and cancelled > 0
+
+
+# ----------------------------------------------------------------------------- the trainer's shared prompts
+
+def grpo_sequences(seed, *, prompts=3, n=3, vocab=96):
+    """prompt + completion token lists: ``prompts`` prompts with n completions each, shuffled."""
+    rng = random.Random(seed)
+    seqs = []
+    for _ in range(prompts):
+        p = tokens(rng, rng.randint(1, 11), vocab)
+        seqs += [(p + tokens(rng, rng.randint(1, 7), vocab), len(p)) for _ in range(n)]
+    rng.shuffle(seqs)
+    return [s for s, _ in seqs], [p for _, p in seqs]
+
+
+def loss_and_grads(model, seqs, prompts, **kw):
+    model.zero_grad()
+    lps = model.token_logprobs(seqs, prompts, temperature=0.8, **kw)
+    torch.stack([lp.square().sum() for lp in lps]).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return torch.cat(lps).detach(), grads
+
+
+@pytest.mark.parametrize("rg,kind", [(ref_ge, "attention"), (ref_ge, "hybrid"), (fast_ge, "attention"),
+                                     (fast_ge, "hybrid"), (fast_ge, "attention+varlen_attn")],
+                         ids=["ref-attention", "ref-hybrid", "fast-attention", "fast-hybrid", "fast-varlen_attn"])
+def test_shared_prompt_recompute_equals_separate_recomputes(rg, kind):
+    """token_logprobs over GRPO groups with each prompt computed once (cascade attention, the linear
+    layers continuing from the prompt's state) against the same sequences recomputed whole: values
+    and every parameter's gradient within the tolerance rule (fp64 reference, fp32 separate
+    recomputes as the low-precision baseline)."""
+    from conftest import check_close
+    cfg = (hybrid_config if kind == "hybrid" else small_config)(rg)
+    kw = dict(linear_layer=gdn_layer) if kind == "hybrid" else {}
+    seqs, prompts = grpo_sequences(seed=17)
+    plug = dict(varlen_attn=fast_varlen_attn) if kind == "attention+varlen_attn" else {}
+    model = rg.DecoderLM(cfg, seed=4, **kw, **plug)
+    shared, g_shared = loss_and_grads(model, seqs, prompts, share_prompts=True)
+    separate, g_separate = loss_and_grads(model, seqs, prompts, share_prompts=False)
+    model64 = rg.DecoderLM(cfg, seed=4, dtype=torch.float64, **kw)
+    model64.load_state_dict(model.state_dict())
+    exact, g_exact = loss_and_grads(model64, seqs, prompts, share_prompts=False)
+    check_close("logprobs", shared, exact, separate)
+    assert set(g_shared) == set(g_exact)
+    for name in g_exact:
+        check_close(f"grad {name}", g_shared[name], g_exact[name], g_separate[name], factor=3.0)

@@ -77,7 +77,7 @@ Tensors and types
                     on B equal rows) and ``m(x [N, T, hidden], cache=c)`` (continue N sequences from the
                     state in ``c``: a decode step with T = 1, a prefill resumed after a cached prefix);
                     with ``cu_seqlens`` and a filled ``c``, each document continues from its state (a
-                    zero state is a fresh start);
+                    zero state is a fresh start; a document may be empty);
                     ``m.new_cache()`` gives an empty cache whose tensor attributes hold the N
                     sequences on dim 0 once filled (ref/gated_deltanet.py's layer, with new_cache)
 
@@ -285,14 +285,37 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
     q [L_q, H_q, D]; k, v [L_k, H_kv, D] -> [L_q, H_q, D] in q's dtype.  Query row i sees keys
     j <= i + L_k - L_q: the whole prompt in a prefill, every cached key in a decode step."""
+    return attention_with_lse(q, k, v, scale, causal=True)[0]
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool):
+    """``causal_attention`` (or every key visible, ``causal=False``) and its log-sum-exp: (out [L_q, H_q,
+    D] in q's dtype, lse [H_q, L_q] fp32).  A row that sees no key gets out 0 and lse -inf."""
     l_q, h_q, d = q.shape
     l_k, h_kv = k.shape[0], k.shape[1]
     qf = q.float().view(l_q, h_kv, h_q // h_kv, d)                            # [L_q, H_kv, G, D]
     s = torch.einsum("qhgd,khd->hgqk", qf, k.float()) * scale                 # [H_kv, G, L_q, L_k]
-    future = torch.arange(l_k, device=q.device)[None] > torch.arange(l_q, device=q.device)[:, None] + (l_k - l_q)
-    p = torch.softmax(s.masked_fill(future, float("-inf")), dim=-1)
+    if causal:
+        future = torch.arange(l_k, device=q.device)[None] > torch.arange(l_q, device=q.device)[:, None] + (l_k - l_q)
+        s = s.masked_fill(future, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                         # [H_kv, G, L_q]
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     o = torch.einsum("hgqk,khd->qhgd", p, v.float())                         # [L_q, H_kv, G, D]
-    return o.reshape(l_q, h_q, d).to(q.dtype)
+    return o.reshape(l_q, h_q, d).to(q.dtype), lse.reshape(h_q, l_q)
+
+
+def merge_states(out_a, lse_a, out_b, lse_b):
+    """The attention state over two disjoint key sets from each one's (out [L, H, D], lse [H, L]):
+    lse = log(e^lse_a + e^lse_b) and out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b (the larger lse
+    subtracted first; a side with no key, lse = -inf, drops out).  Cascade attention is this merge of
+    a query's attention over a shared prefix and over its own suffix."""
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)                    # [H, L]
+    den = w_a + w_b
+    lse = torch.where(den == 0, torch.full_like(m, float("-inf")), m + torch.log(den))
+    w_a, w_b, den = (x.t()[..., None] for x in (w_a, w_b, torch.where(den == 0, torch.ones_like(den), den)))
+    return (w_a * out_a.float() + w_b * out_b.float()) / den, lse
 
 
 class Attention(nn.Module):
@@ -450,30 +473,84 @@ class DecoderLM(nn.Module):
         h = self.layers_forward(input_ids.reshape(-1), positions, attend, mix)
         return self.logits(h).view(b, t, -1)
 
-    def token_logprobs(self, sequences, prompt_lengths, *, temperature=1.0) -> list[torch.Tensor]:
+    def token_logprobs(self, sequences, prompt_lengths, *, temperature=1.0, share_prompts=True) -> list[torch.Tensor]:
         """What a trainer recomputes for the tokens a generator sampled.
 
         ``sequences``: token ids, prompt + completion; ``prompt_lengths``: one int p per sequence,
         1 <= p < len; ``temperature``: one float >= 0 or one per sequence.  For completion token j
         (at position p + j) the logprob is log_softmax(logits * fp32(1 / T))[token] at position
-        p + j - 1 (T = 0: unscaled, what greedy sampling reports), from one forward over the
-        sequences packed as documents, without their last tokens.  Returns one fp32 tensor
-        [len - p] per sequence; differentiable."""
+        p + j - 1 (T = 0: unscaled, what greedy sampling reports).  Returns one fp32 tensor
+        [len - p] per sequence; differentiable.
+
+        ``share_prompts`` (a GRPO group: n completions of one prompt): each distinct prompt runs once.
+        Its tokens go through the model once; a completion token attends to the prompt's keys and to
+        its own earlier keys, two attention states merged exactly (``merge_states``: cascade
+        attention), and "linear" layers continue each completion from the prompt's final state.  The
+        prompt's gradients are then the sum over its completions.  False: one forward over the
+        sequences packed whole as documents (the same numbers, to rounding)."""
         seqs, prompts, temps = _check_logprob_inputs(sequences, prompt_lengths, temperature, self.config)
+        if not isinstance(share_prompts, bool):
+            raise TypeError(f"share_prompts must be a bool, got {type(share_prompts).__name__}")
         if not seqs:
             return []
         dev = self.embed_tokens.weight.device
-        inputs = [s[:-1] for s in seqs]                                     # the last token is never fed
-        bounds = [0, *itertools.accumulate(len(s) for s in inputs)]
-        packed = torch.tensor([t for s in inputs for t in s], device=dev)[None]            # [1, T]
-        logits = self.forward(packed, cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=dev))[0]
+        if share_prompts:
+            rows, logits = self._shared_prompt_logits(seqs, prompts)
+        else:
+            inputs = [s[:-1] for s in seqs]                                 # the last token is never fed
+            bounds = [0, *itertools.accumulate(len(s) for s in inputs)]
+            packed = torch.tensor([t for s in inputs for t in s], device=dev)[None]            # [1, T]
+            logits = self.forward(packed, cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=dev))[0]
+            rows = [list(range(start + p - 1, start + len(seq) - 1)) for start, seq, p in zip(bounds, seqs, prompts)]
         out = []
-        for start, seq, p, temp in zip(bounds, seqs, prompts, temps):
-            rows = logits[start + p - 1:start + len(seq) - 1]                # [len - p, V]: predict seq[p:]
+        for r, seq, p, temp in zip(rows, seqs, prompts, temps):
             inv_t = torch.tensor(1.0 / temp if temp else 1.0, dtype=torch.float32, device=dev)
-            logp = torch.log_softmax(rows * inv_t, dim=-1)
+            logp = torch.log_softmax(logits[r] * inv_t, dim=-1)               # [len - p, V]: predict seq[p:]
             out.append(logp.gather(1, torch.tensor(seq[p:], device=dev)[:, None])[:, 0])
         return out
+
+    def _shared_prompt_logits(self, seqs: list, prompts: list):
+        """Logits of every distinct prompt's tokens, then of every completion's fed tokens (positions p
+        .. len - 2), in one pass; per sequence, the rows that predict its completion tokens."""
+        dev, c = self.embed_tokens.weight.device, self.config
+        group_of, heads = [], {}
+        for s, p in zip(seqs, prompts):
+            group_of.append(heads.setdefault(tuple(s[:p]), len(heads)))
+        prompt_ids = [list(t) for t in heads]
+        p_bounds = [0, *itertools.accumulate(len(t) for t in prompt_ids)]
+        fed = [s[p:-1] for s, p in zip(seqs, prompts)]                       # each completion's fed tokens
+        c_bounds = [p_bounds[-1] + b for b in [0, *itertools.accumulate(len(f) for f in fed)]]
+        ids = torch.tensor([t for ids_ in prompt_ids + fed for t in ids_], device=dev)
+        positions = torch.tensor([i for t in prompt_ids for i in range(len(t))] +
+                                 [p + i for p, f in zip(prompts, fed) for i in range(len(f))], device=dev)
+        scale = c.head_dim ** -0.5
+
+        def attend(i, q, k, v):
+            outs = [causal_attention(q[a:b], k[a:b], v[a:b], scale) for a, b in zip(p_bounds, p_bounds[1:])]
+            for g, a, b in zip(group_of, c_bounds, c_bounds[1:]):
+                pa, pb = p_bounds[g], p_bounds[g + 1]
+                # Cascade: over the prompt's keys (all visible), over its own keys (causal), merged.
+                o_prefix, lse_prefix = attention_with_lse(q[a:b], k[pa:pb], v[pa:pb], scale, causal=False)
+                o_own, lse_own = attention_with_lse(q[a:b], k[a:b], v[a:b], scale, causal=True)
+                outs.append(merge_states(o_prefix, lse_prefix, o_own, lse_own)[0].to(q.dtype))
+            return torch.cat(outs)
+
+        def mix(i, module, h):
+            cache = module.new_cache()
+            cu = torch.tensor(p_bounds, dtype=torch.int32, device=dev)
+            out_prompts = module(h[:p_bounds[-1]][None], cu_seqlens=cu, cache=cache)[0]
+            if h.shape[0] == p_bounds[-1]:
+                return out_prompts
+            forked = module.new_cache()                                      # each completion: its prompt's state
+            for name, t in vars(cache).items():
+                if isinstance(t, torch.Tensor):
+                    setattr(forked, name, t[torch.tensor(group_of, device=dev)])
+            cu = torch.tensor([b - p_bounds[-1] for b in c_bounds], dtype=torch.int32, device=dev)
+            return torch.cat([out_prompts, module(h[p_bounds[-1]:][None], cu_seqlens=cu, cache=forked)[0]])
+
+        logits = self.logits(self.layers_forward(ids, positions, attend, mix))
+        rows = [[p_bounds[g + 1] - 1, *range(a, b)] for g, a, b in zip(group_of, c_bounds, c_bounds[1:])]
+        return rows, logits
 
 
 # ----------------------------------------------------------------------------- sampling
