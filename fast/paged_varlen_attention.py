@@ -145,310 +145,55 @@ def varlen_attn_out(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
     return out
 
 
-def _prepare(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa, seqused_k,
-             block_table, num_splits, softcap, sinks, batch_invariant, out=None):
-    """The host checks; returns the op's scalars (max_q, max_k, scale, left, right, softcap)."""
-    max_q, max_k, left, right = _check_meta(
-        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
-        enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
-        softcap=softcap, sinks=sinks, batch_invariant=batch_invariant, out=out)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
-        if block_table is not None:
-            raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only, as in "
-                                      "PyTorch: call it under torch.no_grad(), or pass packed key/value to train")
-        if out is not None:
-            raise NotImplementedError("varlen_attn_out is forward-only, as in PyTorch: call it under "
-                                      "torch.no_grad(), or use varlen_attn to train")
-    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    return max_q, max_k, scale, left, right, float(softcap)
-
-
-# ----------------------------------------------------------------------------- custom ops: forward, backward, autograd
-
-@torch.library.custom_op("twofold::varlen_attn", mutates_args=())
-def _varlen_attn_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
-                    cu_seq_k: Optional[torch.Tensor], max_q: int, max_k: int, scale: float, window_left: int,
-                    window_right: int, seqused_k: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
-                    softcap: float, sinks: Optional[torch.Tensor],
-                    batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table)
-    out = query.new_empty(query.shape)
-    lse = _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
-                  seqused_k, block_table, softcap, sinks, rows_used=rows, zero_padding=True,
-                  batch_invariant=batch_invariant)
-    return out, lse
-
-
-@_varlen_attn_op.register_fake
-def _varlen_attn_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_left, window_right,
-                      seqused_k, block_table, softcap, sinks, batch_invariant):
-    return query.new_empty(query.shape), query.new_empty(query.shape[1], query.shape[0], dtype=torch.float32)
-
-
-@torch.library.custom_op("twofold::varlen_attn_out", mutates_args=("out",))
-def _varlen_attn_out_op(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        cu_seq_q: torch.Tensor, cu_seq_k: Optional[torch.Tensor], max_q: int, max_k: int,
-                        scale: float, window_left: int, window_right: int, seqused_k: Optional[torch.Tensor],
-                        block_table: Optional[torch.Tensor], softcap: float,
-                        sinks: Optional[torch.Tensor], batch_invariant: bool) -> torch.Tensor:
-    rows = _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table)
-    return _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
-                   seqused_k, block_table, softcap, sinks, rows_used=rows, zero_padding=False,
-                   batch_invariant=batch_invariant)
-
-
-@_varlen_attn_out_op.register_fake
-def _varlen_attn_out_fake(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_left,
-                          window_right, seqused_k, block_table, softcap, sinks, batch_invariant):
-    return query.new_empty(query.shape[1], query.shape[0], dtype=torch.float32)
-
-
-# The backward: twofold::varlen_attn_bwd, tied to twofold::varlen_attn by register_autograd.
-@torch.library.custom_op("twofold::varlen_attn_bwd", mutates_args=())
-def _varlen_attn_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], query: torch.Tensor,
-                        key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                        cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, seqused_k: Optional[torch.Tensor],
-                        max_q: int, max_k: int, scale: float, window_left: int, window_right: int, softcap: float,
-                        sinks: Optional[torch.Tensor]
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (dq, dk, dv, dsinks or an empty tensor)."""
-    return _launch_bwd(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, max_q,
-                       max_k, scale, window_left, window_right, softcap, sinks)
-
-
-@_varlen_attn_bwd_op.register_fake
-def _varlen_attn_bwd_fake(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, max_q,
-                          max_k, scale, window_left, window_right, softcap, sinks):
-    dsinks = torch.empty_like(sinks) if sinks is not None else query.new_empty(0)
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dsinks
-
-
-def _setup_context(ctx, inputs, output):
-    (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_left, window_right, seqused_k,
-     block_table, softcap, sinks, _) = inputs
-    if block_table is not None:  # varlen_attn raised already; this guards direct calls of the op
-        raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only")
-    out, lse = output
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, sinks)
-    ctx.scalars = (max_q, max_k, scale, window_left, window_right, softcap)
-
-
-def _backward(ctx, grad_out, grad_lse):
-    query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, sinks = ctx.saved_tensors
-    if grad_out is None:  # only the lse was used
-        grad_out = torch.zeros_like(out)
-    dq, dk, dv, dsinks = _varlen_attn_bwd_op(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k,
-                                             seqused_k, *ctx.scalars, sinks)
-    return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None,
-            dsinks if sinks is not None else None, None)
-
-
-def _no_double_backward(ctx, *grads):
-    raise NotImplementedError("fast varlen_attn has no double backward (second derivative); "
-                              "ref.paged_varlen_attention.varlen_attn has one through plain autograd")
-
-
-_varlen_attn_op.register_autograd(_backward, setup_context=_setup_context)
-_varlen_attn_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
-
-
-# ----------------------------------------------------------------------------- launchers
-
-def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
-            seqused_k, block_table, softcap, sinks, *, rows_used, zero_padding, batch_invariant):
-    """Writes ``out`` and returns ``lse [H_q, T_q]`` fp32.  Inputs were checked by the caller.
-
-    Rows past cu_seq_q[-1] (a padded buffer) get lse -inf and, with ``zero_padding`` (varlen_attn,
-    not varlen_attn_out), out 0.  ``rows_used`` is cu_seq_q[-1] when the value checks read it, else
-    None (CUDA-graph capture), and then the padding kernel runs whatever the data.
-    """
-    t_q, h_q, head_dim = query.shape
-    num_seqs = cu_seq_q.numel() - 1
-    lse = torch.empty(h_q, t_q, dtype=torch.float32, device=query.device)
-    if t_q == 0 or num_seqs == 0 or max_q == 0 or head_dim == 0:   # no row sees a key: all rows padding
-        if zero_padding:
-            out.zero_()
-        lse.fill_(float("-inf"))
-        return lse
-    paged = block_table is not None
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    target = out
-    align = _pow2_divisor(*query.stride()[:-1], *out.stride()[:-1], *key.stride()[:-1], *value.stride()[:-1])
-    if align < _MIN_ALIGN or out.stride(-1) != 1:
-        # Rows aligned to fewer than 4 elements would compile to scalar loads that spill
-        # registers: stage through copies whose rows are 16-byte aligned (a slow path, for
-        # odd head dims or strides; the common head dims never take it).
-        query, key, value = (_padded_copy(t) for t in (query, key, value))
-        target = _padded_copy(out, copy=not zero_padding)   # varlen_attn_out keeps its padding rows
-        align = _pow2_divisor(*query.stride()[:-1], *target.stride()[:-1], *key.stride()[:-1],
-                              *value.stride()[:-1])
-    h_kv = key.shape[-2]
-    group = h_q // h_kv
-    if paged:
-        k_strides, v_strides = key.stride()[:3], value.stride()[:3]      # page, slot, head
-        page_size, stride_bt = key.shape[1], block_table.stride(0)
-    else:
-        k_strides, v_strides = (0, *key.stride()[:2]), (0, *value.stride()[:2])
-        page_size, stride_bt = 1, 0
-    has_softcap = softcap > 0
-    qk_scale = scale / softcap if has_softcap else scale * _LOG2E.value
-    int_dummy = cu_seq_q                                                  # never read when its flag is off
-    args = (query, key, value, target, lse, sinks if sinks is not None else query,
-            cu_seq_q, cu_seq_k if cu_seq_k is not None else int_dummy,
-            seqused_k if seqused_k is not None else int_dummy,
-            block_table if paged else int_dummy,
-            query.stride(0), query.stride(1), target.stride(0), target.stride(1), lse.stride(0),
-            *k_strides, *v_strides, stride_bt, page_size, num_seqs,
-            min(4096, max(16, triton.next_power_of_2(max_q * group))),
-            qk_scale, float(softcap), window_left, window_right)
-    flags = dict(GROUP=group, IS_PAGED=paged, HAS_SEQUSED=seqused_k is not None,
-                 HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=has_softcap,
-                 HAS_SINKS=sinks is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
-                 ALIGN=align, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim))
-
-    def grid(meta):
-        # The mode's position-aligned tiles (see the kernel): a sequence's first row sits at a multiple
-        # of gcd(G, BLOCK_M), at most BLOCK_M - gcd, so its rows may need one tile more.
-        rows = max_q * group
-        if meta.get("BATCH_INVARIANT"):
-            rows += meta["BLOCK_M"] - math.gcd(group, meta["BLOCK_M"])
-        return (triton.cdiv(rows, meta["BLOCK_M"]) * num_seqs, h_kv)
-
-    if batch_invariant:
-        # One fixed config per device family, dtype and head-dim class: never tuned, never forced.
-        family = None if not query.is_cuda else _gpu_family(
-            query.device.index if query.device.index is not None else torch.cuda.current_device())
-        config = _invariant_config(family, head_dim, query.element_size())
-        with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
-            _attn_fwd_kernel[grid](*args, **flags, **config, BATCH_INVARIANT=True)
-    elif query.is_cuda:
-        with torch.cuda.device(query.device):
-            if _FORCED_CONFIG is not None:
-                _attn_fwd_kernel[grid](*args, **flags, **_FORCED_CONFIG)
-            else:
-                family = _gpu_family(query.device.index if query.device.index is not None
-                                     else torch.cuda.current_device())
-                _TUNED[(family, _block_d(head_dim), query.element_size())][grid](*args, **flags)
-    else:
-        _attn_fwd_kernel[grid](*args, **flags, **_INTERPRET_BLOCKS, num_warps=4)
-    if rows_used is None or rows_used < t_q:
-        _fill_padding(cu_seq_q, lse=lse, zeros=(target,) if zero_padding else ())
-    if target is not out:
-        out.copy_(target)
-    return lse
-
-
-def _launch_bwd(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k,
-                scale, window_left, window_right, softcap, sinks):
-    """Returns (dq, dk, dv, dsinks or an empty tensor).  Packed K/V only; the forward checked the inputs."""
-    t_q, h_q, head_dim = query.shape
-    h_kv = key.shape[1]
-    group = h_q // h_kv
-    num_seqs = cu_seq_q.numel() - 1
-    dsinks = torch.zeros_like(sinks) if sinks is not None else query.new_empty(0)
-    if t_q == 0 or num_seqs == 0 or max_q == 0 or head_dim == 0:
-        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dsinks
-    block_d = _block_d(head_dim)
-    tensors = [t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value, out, grad_out)]
-    padded = head_dim != block_d or _pow2_divisor(*(s for t in tensors for s in t.stride()[:-1])) < 16
-    if padded:
-        # Head dims that are not a power of two (or rows not 16-element aligned) run on zero-padded
-        # copies of width block_d: the extra zero columns change no dot product, and every load is a
-        # full, vectorized row (a column mask at D = 100 would split loads into 4-element pieces and
-        # spill the dK/dV kernel's registers).  One extra copy of q, k, v, o, dO; dq, dk, dv sliced back.
-        tensors = [_zero_padded(t, block_d) for t in tensors]
-    query_, key_, value_, out_, grad_out_ = tensors
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (query_, key_, value_))
-    if seqused_k is not None or max_k == 0:
-        dk.zero_()   # keys past seqused_k (or of a sequence no program visits) get gradient 0
-        dv.zero_()
-
-    # 1. delta = rowsum(dO * O) - dlse, the log2-domain lse, the sink gradient's partial sums.
-    block_t = max(16, 4096 // block_d)
-    delta = torch.empty(h_q, t_q, dtype=torch.float32, device=query.device)
-    lse2 = torch.empty_like(delta)
-    n_t = triton.cdiv(t_q, block_t)
-    dsink_part = torch.empty(h_q, n_t, dtype=torch.float32, device=query.device)
-    dlse_strides = grad_lse.stride() if grad_lse is not None else (0, 0)
-    device_ctx = torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext()
-    with device_ctx:
-        _attn_bwd_preprocess_kernel[(n_t, h_q)](
-            out_, grad_out_, lse, grad_lse if grad_lse is not None else lse, sinks if sinks is not None else lse,
-            delta, lse2, dsink_part, t_q, out_.stride(0), out_.stride(1), grad_out_.stride(0), grad_out_.stride(1),
-            *dlse_strides, HAS_DLSE=grad_lse is not None, HAS_SINKS=sinks is not None, BLOCK_D=block_d,
-            BLOCK_T=block_t, num_warps=4)
-        if sinks is not None:
-            dsinks = dsink_part.sum(1).to(sinks.dtype)
-
-        # 2. dK, dV over key blocks; 3. dQ over query tiles.
-        has_softcap = softcap > 0
-        qk_scale = scale / softcap if has_softcap else scale * _LOG2E.value
-        common = (qk_scale, float(softcap), scale, window_left, window_right)
-        int_dummy = cu_seq_q
-        seq_args = (cu_seq_q, cu_seq_k, seqused_k if seqused_k is not None else int_dummy)
-        in_strides = (*query_.stride()[:2], *key_.stride()[:2], *value_.stride()[:2], *grad_out_.stride()[:2])
-        flags = dict(GROUP=group, HAS_SEQUSED=seqused_k is not None, HAS_LEFT=window_left >= 0,
-                     HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=has_softcap,
-                     DOT_PRECISION="ieee" if query.dtype == torch.float32 else None, BLOCK_D=block_d)
-        dkdv_args = (query_, key_, value_, grad_out_, lse2, delta, dk, dv, *seq_args, *in_strides,
-                     *dk.stride()[:2], *dv.stride()[:2], lse2.stride(0), num_seqs,
-                     min(4096, max(16, triton.next_power_of_2(max_k))), *common)
-        dq_args = (query_, key_, value_, grad_out_, lse2, delta, dq, *seq_args, *in_strides, *dq.stride()[:2],
-                   lse2.stride(0), num_seqs, min(4096, max(16, triton.next_power_of_2(max_q * group))), *common)
-
-        def dkdv_grid(meta):
-            return (triton.cdiv(max_k, meta["BLOCK_N"]) * num_seqs, h_kv)
-
-        def dq_grid(meta):
-            return (triton.cdiv(max_q * group, meta["BLOCK_M"]) * num_seqs, h_kv)
-
-        if not query.is_cuda:
-            blocks = dict(_INTERPRET_BLOCKS, num_warps=4)
-            if max_k > 0:
-                _attn_bwd_dkdv_kernel[dkdv_grid](*dkdv_args, **flags, **blocks)
-            _attn_bwd_dq_kernel[dq_grid](*dq_args, **flags, **blocks)
-        elif _FORCED_BWD_CONFIGS is not None:
-            if max_k > 0:
-                _attn_bwd_dkdv_kernel[dkdv_grid](*dkdv_args, **flags, **_FORCED_BWD_CONFIGS[0])
-            _attn_bwd_dq_kernel[dq_grid](*dq_args, **flags, **_FORCED_BWD_CONFIGS[1])
-        else:
-            family = _gpu_family(query.device.index if query.device.index is not None
-                                 else torch.cuda.current_device())
-            table_key = (family, block_d, query.element_size())
-            if max_k > 0:
-                _TUNED_DKDV[table_key][dkdv_grid](*dkdv_args, **flags)
-            _TUNED_DQ[table_key][dq_grid](*dq_args, **flags)
-        # Rows past cu_seq_q[-1] / keys past cu_seq_k[-1] (padded buffers) belong to no sequence: no
-        # kernel above wrote them.  Without a host copy of the offsets, a small kernel zeroes them.
-        _fill_padding(cu_seq_q, zeros=(dq,))
-        if not (seqused_k is not None or max_k == 0):      # else dk, dv were zeroed whole
-            _fill_padding(cu_seq_k, zeros=(dk, dv))
-    if padded:
-        dq, dk, dv = (t[..., :head_dim].contiguous() for t in (dq, dk, dv))
-    return dq, dk, dv, dsinks
-
-
-def _fill_padding(cu_seq, *, zeros=(), lse=None):
-    """Rows t >= cu_seq[-1] of the [T, H, D] tensors ``zeros`` (at most two) become 0, and of
-    ``lse`` [H, T] -inf.  Reads cu_seq[-1] on the device (no host copy), so it also runs under
-    CUDA-graph capture."""
-    t, h = (zeros[0].shape[0], zeros[0].shape[1]) if zeros else (lse.shape[1], lse.shape[0])
-    if t == 0 or h == 0:
-        return
-    # Pointer slots left empty get cu_seq: a valid pointer the kernel never reads.
-    x, y = (*zeros, cu_seq, cu_seq)[:2]
-    x_strides, y_strides = (t.stride()[:2] if t is not cu_seq else (0, 0) for t in (x, y))
-    head_dim = zeros[0].shape[-1] if zeros else 0
-    device_ctx = torch.cuda.device(cu_seq.device) if cu_seq.is_cuda else contextlib.nullcontext()
-    with device_ctx:
-        _padding_rows_kernel[(triton.cdiv(t, 16), h)](
-            x, y, lse if lse is not None else cu_seq, cu_seq, cu_seq.numel() - 1, t, *x_strides, *y_strides,
-            lse.stride(0) if lse is not None else 0, HEAD_DIM=head_dim, NUM_ZEROS=len(zeros),
-            HAS_LSE=lse is not None, BLOCK_T=16, BLOCK_D=_block_d(head_dim), num_warps=1)
-
-
 # ----------------------------------------------------------------------------- forward kernel
+#
+# A row's result is made of the next three functions and the score transform in _attn_key_blocks'
+# loop.  fast/flash_decoding.py holds the same code, character for character, so that its
+# batch-invariant decode rounds like this kernel.  (The transform stays inline: as a function called
+# in the loop it cost the fp32 D = 256 sm_90 build 8 bytes of stack.)
+
+@triton.jit
+def _online_softmax_step(acc, l_i, m_i, b_s, b_v, DOT_PRECISION: tl.constexpr):
+    """One key block of the online softmax: b_s [BLOCK_M, BLOCK_N] log2-domain scores (-inf where
+    hidden), b_v [BLOCK_N, BLOCK_D]; returns the new (acc, l, m)."""
+    m_new = tl.maximum(m_i, tl.max(b_s, 1))
+    # A row that has seen nothing yet keeps m = -inf; subtracting 0 instead keeps its
+    # 2^(-inf) = 0 probabilities from turning into 2^(-inf + inf) = nan.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    b_p = tl.exp2(b_s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(b_p, 1)
+    acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _finish_rows(acc, l_i, m_i, b_sink, HAS_SINKS: tl.constexpr):
+    """(out, lse) of the rows: acc / l and (m + log2 l) ln 2, after the sink (b_sink, natural log)."""
+    if HAS_SINKS:
+        # The sink is one more logit in the denominator, with no value vector.  A sink of -inf is no
+        # sink; one of +inf takes all the mass (its term is 1 against m = +inf, not 2^(inf - inf)).
+        b_sink = b_sink * _LOG2E
+        m_fin = tl.maximum(m_i, b_sink)
+        m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)          # no key seen and a sink of -inf
+        alpha = tl.exp2(m_i - m_fin)
+        l_i = l_i * alpha + tl.exp2(tl.where(b_sink == m_fin, 0.0, b_sink - m_fin))
+        acc = acc * alpha[:, None]
+        m_i = m_fin
+    # l = 0: the row saw nothing (out 0, lse -inf).  Tested as == 0, so that a NaN stays NaN.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    b_o = acc / l_safe[:, None]
+    b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    return b_o, b_lse
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp2 (portable: the interpreter has no libdevice).  For large |x|, 2^(2x log2e)
+    # overflows to inf or underflows to 0 and the expression saturates to +-1 as it should.
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)
+
 
 @triton.jit
 def _attn_fwd_kernel(
@@ -596,41 +341,6 @@ def _attn_fwd_kernel(
 
 
 @triton.jit
-def _visible_span(first, last, length, before, after, HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr):
-    """Items t in [0, length) seen from positions x in [first, last], where x sees t iff
-    x - before <= t <= x + after: returns [lo, hi), seen by some x, and [full_lo, full_hi), seen
-    by every x.  Forward / dQ: x = the key position a query row is aligned with, t = a key,
-    (before, after) = (left, right).  dK/dV: x = key j - (L_k - L_q), t = a query position,
-    (before, after) = (right, left): the same window read from the key's side."""
-    lo = 0
-    hi = length
-    full_lo = 0
-    full_hi = length
-    if HAS_BEFORE:
-        lo = tl.maximum(first - before, 0)
-        full_lo = tl.maximum(last - before, lo)
-    if HAS_AFTER:
-        hi = tl.minimum(last + after + 1, length)
-        full_hi = tl.minimum(first + after + 1, hi)
-    return lo, hi, full_lo, full_hi
-
-
-@triton.jit
-def _block_segments(lo, full_lo, full_hi, BLOCK: tl.constexpr):
-    """Cut the visible span at BLOCK boundaries into three loops: [blk_lo, edge_a_hi) masked,
-    [full_blk_lo, full_blk_hi) unmasked (every item of every block visible), [edge_c_lo, hi)
-    masked.  Without a fully visible block, the last loop takes everything."""
-    blk_lo = (lo // BLOCK) * BLOCK
-    full_blk_lo = tl.maximum(tl.cdiv(full_lo, BLOCK) * BLOCK, blk_lo)
-    full_blk_hi = (full_hi // BLOCK) * BLOCK
-    has_full = full_blk_lo < full_blk_hi
-    edge_a_hi = tl.where(has_full, full_blk_lo, blk_lo)
-    full_blk_hi = tl.where(has_full, full_blk_hi, full_blk_lo)
-    edge_c_lo = tl.where(has_full, full_blk_hi, blk_lo)
-    return blk_lo, edge_a_hi, full_blk_lo, full_blk_hi, edge_c_lo
-
-
-@triton.jit
 def _attn_key_blocks(acc, l_i, m_i, b_q, k_ptr, v_ptr, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
                      n_start, n_end, qk_scale, softcap, window_left, window_right, page_size,
                      stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
@@ -680,52 +390,39 @@ def _attn_key_blocks(acc, l_i, m_i, b_q, k_ptr, v_ptr, bt_row_ptr, bos_k, L_k, o
     return acc, l_i, m_i
 
 
-# A row's result is made of the score transform in the loop above and the next three functions.
-# fast/flash_decoding.py holds the same code, character for character, so that its batch-invariant
-# decode rounds like this kernel.  (The transform stays inline: as a function called in the loop
-# it cost the fp32 D = 256 sm_90 build 8 bytes of stack.)
-
 @triton.jit
-def _online_softmax_step(acc, l_i, m_i, b_s, b_v, DOT_PRECISION: tl.constexpr):
-    """One key block of the online softmax: b_s [BLOCK_M, BLOCK_N] log2-domain scores (-inf where
-    hidden), b_v [BLOCK_N, BLOCK_D]; returns the new (acc, l, m)."""
-    m_new = tl.maximum(m_i, tl.max(b_s, 1))
-    # A row that has seen nothing yet keeps m = -inf; subtracting 0 instead keeps its
-    # 2^(-inf) = 0 probabilities from turning into 2^(-inf + inf) = nan.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    b_p = tl.exp2(b_s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(b_p, 1)
-    acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
-
-
-@triton.jit
-def _finish_rows(acc, l_i, m_i, b_sink, HAS_SINKS: tl.constexpr):
-    """(out, lse) of the rows: acc / l and (m + log2 l) ln 2, after the sink (b_sink, natural log)."""
-    if HAS_SINKS:
-        # The sink is one more logit in the denominator, with no value vector.  A sink of -inf is no
-        # sink; one of +inf takes all the mass (its term is 1 against m = +inf, not 2^(inf - inf)).
-        b_sink = b_sink * _LOG2E
-        m_fin = tl.maximum(m_i, b_sink)
-        m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)          # no key seen and a sink of -inf
-        alpha = tl.exp2(m_i - m_fin)
-        l_i = l_i * alpha + tl.exp2(tl.where(b_sink == m_fin, 0.0, b_sink - m_fin))
-        acc = acc * alpha[:, None]
-        m_i = m_fin
-    # l = 0: the row saw nothing (out 0, lse -inf).  Tested as == 0, so that a NaN stays NaN.
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    b_o = acc / l_safe[:, None]
-    b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-    return b_o, b_lse
+def _visible_span(first, last, length, before, after, HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr):
+    """Items t in [0, length) seen from positions x in [first, last], where x sees t iff
+    x - before <= t <= x + after: returns [lo, hi), seen by some x, and [full_lo, full_hi), seen
+    by every x.  Forward / dQ: x = the key position a query row is aligned with, t = a key,
+    (before, after) = (left, right).  dK/dV: x = key j - (L_k - L_q), t = a query position,
+    (before, after) = (right, left): the same window read from the key's side."""
+    lo = 0
+    hi = length
+    full_lo = 0
+    full_hi = length
+    if HAS_BEFORE:
+        lo = tl.maximum(first - before, 0)
+        full_lo = tl.maximum(last - before, lo)
+    if HAS_AFTER:
+        hi = tl.minimum(last + after + 1, length)
+        full_hi = tl.minimum(first + after + 1, hi)
+    return lo, hi, full_lo, full_hi
 
 
 @triton.jit
-def _tanh(x):
-    # tanh through exp2 (portable: the interpreter has no libdevice).  For large |x|, 2^(2x log2e)
-    # overflows to inf or underflows to 0 and the expression saturates to +-1 as it should.
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)
+def _block_segments(lo, full_lo, full_hi, BLOCK: tl.constexpr):
+    """Cut the visible span at BLOCK boundaries into three loops: [blk_lo, edge_a_hi) masked,
+    [full_blk_lo, full_blk_hi) unmasked (every item of every block visible), [edge_c_lo, hi)
+    masked.  Without a fully visible block, the last loop takes everything."""
+    blk_lo = (lo // BLOCK) * BLOCK
+    full_blk_lo = tl.maximum(tl.cdiv(full_lo, BLOCK) * BLOCK, blk_lo)
+    full_blk_hi = (full_hi // BLOCK) * BLOCK
+    has_full = full_blk_lo < full_blk_hi
+    edge_a_hi = tl.where(has_full, full_blk_lo, blk_lo)
+    full_blk_hi = tl.where(has_full, full_blk_hi, full_blk_lo)
+    edge_c_lo = tl.where(has_full, full_blk_hi, blk_lo)
+    return blk_lo, edge_a_hi, full_blk_lo, full_blk_hi, edge_c_lo
 
 
 @triton.jit
@@ -1202,6 +899,291 @@ _TUNED_DQ = {(family, block_d, elt): triton.autotune(
 _FORCED_BWD_CONFIGS: Optional[tuple[dict, dict]] = None
 
 
+# ----------------------------------------------------------------------------- custom ops: forward, backward, autograd
+
+@torch.library.custom_op("twofold::varlen_attn", mutates_args=())
+def _varlen_attn_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
+                    cu_seq_k: Optional[torch.Tensor], max_q: int, max_k: int, scale: float, window_left: int,
+                    window_right: int, seqused_k: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                    softcap: float, sinks: Optional[torch.Tensor],
+                    batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table)
+    out = query.new_empty(query.shape)
+    lse = _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
+                  seqused_k, block_table, softcap, sinks, rows_used=rows, zero_padding=True,
+                  batch_invariant=batch_invariant)
+    return out, lse
+
+
+@_varlen_attn_op.register_fake
+def _varlen_attn_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_left, window_right,
+                      seqused_k, block_table, softcap, sinks, batch_invariant):
+    return query.new_empty(query.shape), query.new_empty(query.shape[1], query.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("twofold::varlen_attn_out", mutates_args=("out",))
+def _varlen_attn_out_op(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        cu_seq_q: torch.Tensor, cu_seq_k: Optional[torch.Tensor], max_q: int, max_k: int,
+                        scale: float, window_left: int, window_right: int, seqused_k: Optional[torch.Tensor],
+                        block_table: Optional[torch.Tensor], softcap: float,
+                        sinks: Optional[torch.Tensor], batch_invariant: bool) -> torch.Tensor:
+    rows = _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table)
+    return _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
+                   seqused_k, block_table, softcap, sinks, rows_used=rows, zero_padding=False,
+                   batch_invariant=batch_invariant)
+
+
+@_varlen_attn_out_op.register_fake
+def _varlen_attn_out_fake(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_left,
+                          window_right, seqused_k, block_table, softcap, sinks, batch_invariant):
+    return query.new_empty(query.shape[1], query.shape[0], dtype=torch.float32)
+
+
+# The backward: twofold::varlen_attn_bwd, tied to twofold::varlen_attn by register_autograd.
+@torch.library.custom_op("twofold::varlen_attn_bwd", mutates_args=())
+def _varlen_attn_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], query: torch.Tensor,
+                        key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                        cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, seqused_k: Optional[torch.Tensor],
+                        max_q: int, max_k: int, scale: float, window_left: int, window_right: int, softcap: float,
+                        sinks: Optional[torch.Tensor]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dq, dk, dv, dsinks or an empty tensor)."""
+    return _launch_bwd(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, max_q,
+                       max_k, scale, window_left, window_right, softcap, sinks)
+
+
+@_varlen_attn_bwd_op.register_fake
+def _varlen_attn_bwd_fake(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, max_q,
+                          max_k, scale, window_left, window_right, softcap, sinks):
+    dsinks = torch.empty_like(sinks) if sinks is not None else query.new_empty(0)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dsinks
+
+
+def _setup_context(ctx, inputs, output):
+    (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_left, window_right, seqused_k,
+     block_table, softcap, sinks, _) = inputs
+    if block_table is not None:  # varlen_attn raised already; this guards direct calls of the op
+        raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only")
+    out, lse = output
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, sinks)
+    ctx.scalars = (max_q, max_k, scale, window_left, window_right, softcap)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, sinks = ctx.saved_tensors
+    if grad_out is None:  # only the lse was used
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, dsinks = _varlen_attn_bwd_op(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k,
+                                             seqused_k, *ctx.scalars, sinks)
+    return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None,
+            dsinks if sinks is not None else None, None)
+
+
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError("fast varlen_attn has no double backward (second derivative); "
+                              "ref.paged_varlen_attention.varlen_attn has one through plain autograd")
+
+
+_varlen_attn_op.register_autograd(_backward, setup_context=_setup_context)
+_varlen_attn_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
+            seqused_k, block_table, softcap, sinks, *, rows_used, zero_padding, batch_invariant):
+    """Writes ``out`` and returns ``lse [H_q, T_q]`` fp32.  Inputs were checked by the caller.
+
+    Rows past cu_seq_q[-1] (a padded buffer) get lse -inf and, with ``zero_padding`` (varlen_attn,
+    not varlen_attn_out), out 0.  ``rows_used`` is cu_seq_q[-1] when the value checks read it, else
+    None (CUDA-graph capture), and then the padding kernel runs whatever the data.
+    """
+    t_q, h_q, head_dim = query.shape
+    num_seqs = cu_seq_q.numel() - 1
+    lse = torch.empty(h_q, t_q, dtype=torch.float32, device=query.device)
+    if t_q == 0 or num_seqs == 0 or max_q == 0 or head_dim == 0:   # no row sees a key: all rows padding
+        if zero_padding:
+            out.zero_()
+        lse.fill_(float("-inf"))
+        return lse
+    paged = block_table is not None
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    target = out
+    align = _pow2_divisor(*query.stride()[:-1], *out.stride()[:-1], *key.stride()[:-1], *value.stride()[:-1])
+    if align < _MIN_ALIGN or out.stride(-1) != 1:
+        # Rows aligned to fewer than 4 elements would compile to scalar loads that spill
+        # registers: stage through copies whose rows are 16-byte aligned (a slow path, for
+        # odd head dims or strides; the common head dims never take it).
+        query, key, value = (_padded_copy(t) for t in (query, key, value))
+        target = _padded_copy(out, copy=not zero_padding)   # varlen_attn_out keeps its padding rows
+        align = _pow2_divisor(*query.stride()[:-1], *target.stride()[:-1], *key.stride()[:-1],
+                              *value.stride()[:-1])
+    h_kv = key.shape[-2]
+    group = h_q // h_kv
+    if paged:
+        k_strides, v_strides = key.stride()[:3], value.stride()[:3]      # page, slot, head
+        page_size, stride_bt = key.shape[1], block_table.stride(0)
+    else:
+        k_strides, v_strides = (0, *key.stride()[:2]), (0, *value.stride()[:2])
+        page_size, stride_bt = 1, 0
+    has_softcap = softcap > 0
+    qk_scale = scale / softcap if has_softcap else scale * _LOG2E.value
+    int_dummy = cu_seq_q                                                  # never read when its flag is off
+    args = (query, key, value, target, lse, sinks if sinks is not None else query,
+            cu_seq_q, cu_seq_k if cu_seq_k is not None else int_dummy,
+            seqused_k if seqused_k is not None else int_dummy,
+            block_table if paged else int_dummy,
+            query.stride(0), query.stride(1), target.stride(0), target.stride(1), lse.stride(0),
+            *k_strides, *v_strides, stride_bt, page_size, num_seqs,
+            min(4096, max(16, triton.next_power_of_2(max_q * group))),
+            qk_scale, float(softcap), window_left, window_right)
+    flags = dict(GROUP=group, IS_PAGED=paged, HAS_SEQUSED=seqused_k is not None,
+                 HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=has_softcap,
+                 HAS_SINKS=sinks is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+                 ALIGN=align, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim))
+
+    def grid(meta):
+        # The mode's position-aligned tiles (see the kernel): a sequence's first row sits at a multiple
+        # of gcd(G, BLOCK_M), at most BLOCK_M - gcd, so its rows may need one tile more.
+        rows = max_q * group
+        if meta.get("BATCH_INVARIANT"):
+            rows += meta["BLOCK_M"] - math.gcd(group, meta["BLOCK_M"])
+        return (triton.cdiv(rows, meta["BLOCK_M"]) * num_seqs, h_kv)
+
+    if batch_invariant:
+        # One fixed config per device family, dtype and head-dim class: never tuned, never forced.
+        family = None if not query.is_cuda else _gpu_family(
+            query.device.index if query.device.index is not None else torch.cuda.current_device())
+        config = _invariant_config(family, head_dim, query.element_size())
+        with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
+            _attn_fwd_kernel[grid](*args, **flags, **config, BATCH_INVARIANT=True)
+    elif query.is_cuda:
+        with torch.cuda.device(query.device):
+            if _FORCED_CONFIG is not None:
+                _attn_fwd_kernel[grid](*args, **flags, **_FORCED_CONFIG)
+            else:
+                family = _gpu_family(query.device.index if query.device.index is not None
+                                     else torch.cuda.current_device())
+                _TUNED[(family, _block_d(head_dim), query.element_size())][grid](*args, **flags)
+    else:
+        _attn_fwd_kernel[grid](*args, **flags, **_INTERPRET_BLOCKS, num_warps=4)
+    if rows_used is None or rows_used < t_q:
+        _fill_padding(cu_seq_q, lse=lse, zeros=(target,) if zero_padding else ())
+    if target is not out:
+        out.copy_(target)
+    return lse
+
+
+def _launch_bwd(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k,
+                scale, window_left, window_right, softcap, sinks):
+    """Returns (dq, dk, dv, dsinks or an empty tensor).  Packed K/V only; the forward checked the inputs."""
+    t_q, h_q, head_dim = query.shape
+    h_kv = key.shape[1]
+    group = h_q // h_kv
+    num_seqs = cu_seq_q.numel() - 1
+    dsinks = torch.zeros_like(sinks) if sinks is not None else query.new_empty(0)
+    if t_q == 0 or num_seqs == 0 or max_q == 0 or head_dim == 0:
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dsinks
+    block_d = _block_d(head_dim)
+    tensors = [t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value, out, grad_out)]
+    padded = head_dim != block_d or _pow2_divisor(*(s for t in tensors for s in t.stride()[:-1])) < 16
+    if padded:
+        # Head dims that are not a power of two (or rows not 16-element aligned) run on zero-padded
+        # copies of width block_d: the extra zero columns change no dot product, and every load is a
+        # full, vectorized row (a column mask at D = 100 would split loads into 4-element pieces and
+        # spill the dK/dV kernel's registers).  One extra copy of q, k, v, o, dO; dq, dk, dv sliced back.
+        tensors = [_zero_padded(t, block_d) for t in tensors]
+    query_, key_, value_, out_, grad_out_ = tensors
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (query_, key_, value_))
+    if seqused_k is not None or max_k == 0:
+        dk.zero_()   # keys past seqused_k (or of a sequence no program visits) get gradient 0
+        dv.zero_()
+
+    # 1. delta = rowsum(dO * O) - dlse, the log2-domain lse, the sink gradient's partial sums.
+    block_t = max(16, 4096 // block_d)
+    delta = torch.empty(h_q, t_q, dtype=torch.float32, device=query.device)
+    lse2 = torch.empty_like(delta)
+    n_t = triton.cdiv(t_q, block_t)
+    dsink_part = torch.empty(h_q, n_t, dtype=torch.float32, device=query.device)
+    dlse_strides = grad_lse.stride() if grad_lse is not None else (0, 0)
+    device_ctx = torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext()
+    with device_ctx:
+        _attn_bwd_preprocess_kernel[(n_t, h_q)](
+            out_, grad_out_, lse, grad_lse if grad_lse is not None else lse, sinks if sinks is not None else lse,
+            delta, lse2, dsink_part, t_q, out_.stride(0), out_.stride(1), grad_out_.stride(0), grad_out_.stride(1),
+            *dlse_strides, HAS_DLSE=grad_lse is not None, HAS_SINKS=sinks is not None, BLOCK_D=block_d,
+            BLOCK_T=block_t, num_warps=4)
+        if sinks is not None:
+            dsinks = dsink_part.sum(1).to(sinks.dtype)
+
+        # 2. dK, dV over key blocks; 3. dQ over query tiles.
+        has_softcap = softcap > 0
+        qk_scale = scale / softcap if has_softcap else scale * _LOG2E.value
+        common = (qk_scale, float(softcap), scale, window_left, window_right)
+        int_dummy = cu_seq_q
+        seq_args = (cu_seq_q, cu_seq_k, seqused_k if seqused_k is not None else int_dummy)
+        in_strides = (*query_.stride()[:2], *key_.stride()[:2], *value_.stride()[:2], *grad_out_.stride()[:2])
+        flags = dict(GROUP=group, HAS_SEQUSED=seqused_k is not None, HAS_LEFT=window_left >= 0,
+                     HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=has_softcap,
+                     DOT_PRECISION="ieee" if query.dtype == torch.float32 else None, BLOCK_D=block_d)
+        dkdv_args = (query_, key_, value_, grad_out_, lse2, delta, dk, dv, *seq_args, *in_strides,
+                     *dk.stride()[:2], *dv.stride()[:2], lse2.stride(0), num_seqs,
+                     min(4096, max(16, triton.next_power_of_2(max_k))), *common)
+        dq_args = (query_, key_, value_, grad_out_, lse2, delta, dq, *seq_args, *in_strides, *dq.stride()[:2],
+                   lse2.stride(0), num_seqs, min(4096, max(16, triton.next_power_of_2(max_q * group))), *common)
+
+        def dkdv_grid(meta):
+            return (triton.cdiv(max_k, meta["BLOCK_N"]) * num_seqs, h_kv)
+
+        def dq_grid(meta):
+            return (triton.cdiv(max_q * group, meta["BLOCK_M"]) * num_seqs, h_kv)
+
+        if not query.is_cuda:
+            blocks = dict(_INTERPRET_BLOCKS, num_warps=4)
+            if max_k > 0:
+                _attn_bwd_dkdv_kernel[dkdv_grid](*dkdv_args, **flags, **blocks)
+            _attn_bwd_dq_kernel[dq_grid](*dq_args, **flags, **blocks)
+        elif _FORCED_BWD_CONFIGS is not None:
+            if max_k > 0:
+                _attn_bwd_dkdv_kernel[dkdv_grid](*dkdv_args, **flags, **_FORCED_BWD_CONFIGS[0])
+            _attn_bwd_dq_kernel[dq_grid](*dq_args, **flags, **_FORCED_BWD_CONFIGS[1])
+        else:
+            family = _gpu_family(query.device.index if query.device.index is not None
+                                 else torch.cuda.current_device())
+            table_key = (family, block_d, query.element_size())
+            if max_k > 0:
+                _TUNED_DKDV[table_key][dkdv_grid](*dkdv_args, **flags)
+            _TUNED_DQ[table_key][dq_grid](*dq_args, **flags)
+        # Rows past cu_seq_q[-1] / keys past cu_seq_k[-1] (padded buffers) belong to no sequence: no
+        # kernel above wrote them.  Without a host copy of the offsets, a small kernel zeroes them.
+        _fill_padding(cu_seq_q, zeros=(dq,))
+        if not (seqused_k is not None or max_k == 0):      # else dk, dv were zeroed whole
+            _fill_padding(cu_seq_k, zeros=(dk, dv))
+    if padded:
+        dq, dk, dv = (t[..., :head_dim].contiguous() for t in (dq, dk, dv))
+    return dq, dk, dv, dsinks
+
+
+def _fill_padding(cu_seq, *, zeros=(), lse=None):
+    """Rows t >= cu_seq[-1] of the [T, H, D] tensors ``zeros`` (at most two) become 0, and of
+    ``lse`` [H, T] -inf.  Reads cu_seq[-1] on the device (no host copy), so it also runs under
+    CUDA-graph capture."""
+    t, h = (zeros[0].shape[0], zeros[0].shape[1]) if zeros else (lse.shape[1], lse.shape[0])
+    if t == 0 or h == 0:
+        return
+    # Pointer slots left empty get cu_seq: a valid pointer the kernel never reads.
+    x, y = (*zeros, cu_seq, cu_seq)[:2]
+    x_strides, y_strides = (t.stride()[:2] if t is not cu_seq else (0, 0) for t in (x, y))
+    head_dim = zeros[0].shape[-1] if zeros else 0
+    device_ctx = torch.cuda.device(cu_seq.device) if cu_seq.is_cuda else contextlib.nullcontext()
+    with device_ctx:
+        _padding_rows_kernel[(triton.cdiv(t, 16), h)](
+            x, y, lse if lse is not None else cu_seq, cu_seq, cu_seq.numel() - 1, t, *x_strides, *y_strides,
+            lse.stride(0) if lse is not None else 0, HEAD_DIM=head_dim, NUM_ZEROS=len(zeros),
+            HAS_LSE=lse is not None, BLOCK_T=16, BLOCK_D=_block_d(head_dim), num_warps=1)
+
+
 # ----------------------------------------------------------------------------- launch plumbing
 
 @functools.cache
@@ -1248,6 +1230,24 @@ def _padded_copy(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- input checks
+
+def _prepare(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa, seqused_k,
+             block_table, num_splits, softcap, sinks, batch_invariant, out=None):
+    """The host checks; returns the op's scalars (max_q, max_k, scale, left, right, softcap)."""
+    max_q, max_k, left, right = _check_meta(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
+        enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
+        softcap=softcap, sinks=sinks, batch_invariant=batch_invariant, out=out)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
+        if block_table is not None:
+            raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only, as in "
+                                      "PyTorch: call it under torch.no_grad(), or pass packed key/value to train")
+        if out is not None:
+            raise NotImplementedError("varlen_attn_out is forward-only, as in PyTorch: call it under "
+                                      "torch.no_grad(), or use varlen_attn to train")
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    return max_q, max_k, scale, left, right, float(softcap)
+
 
 def _check_meta(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa,
                 seqused_k, block_table, num_splits, softcap, sinks, batch_invariant, out=None):
