@@ -301,34 +301,21 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    if BATCH_INVARIANT:
-        # Blocks from key 0 in steps of BLOCK_N, all masked.  The blocks the tile's other rows add are
-        # hidden from this row, and a fully hidden block leaves (m, l, acc) exactly as they were
-        # (p = 2^-inf = 0 and alpha = 2^0 = 1; on a row that has seen nothing yet, alpha = 0 on zeros).
+    # The key blocks the tile sees, one loop per segment (unrolled at compile time): [blk_lo, edge_a_hi)
+    # masked, [full_blk_lo, full_blk_hi) without a mask (every row sees every key), [edge_c_lo, hi)
+    # masked.  Only a left window bound leaves blocks in the first segment (without one that loop
+    # would be empty; leaving it out of the code saves registers).  BATCH_INVARIANT runs one masked
+    # segment, [blk_lo, hi): blocks from key 0 in steps of BLOCK_N.  The blocks the tile's other rows
+    # add are hidden from this row, and a fully hidden block leaves (m, l, acc) exactly as they were
+    # (p = 2^-inf = 0 and alpha = 2^0 = 1; on a row that has seen nothing yet, alpha = 0 on zeros).
+    seg_start = (blk_lo, full_blk_lo, edge_c_lo)
+    seg_end = (hi, full_blk_hi, hi) if BATCH_INVARIANT else (edge_a_hi, full_blk_hi, hi)
+    for i_seg in tl.static_range(0 if HAS_LEFT or BATCH_INVARIANT else 1, 1 if BATCH_INVARIANT else 3):
         acc, l_i, m_i = _attn_key_blocks(
             acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
-            blk_lo, hi, qk_scale, softcap, window_left, window_right, page_size,
+            seg_start[i_seg], seg_end[i_seg], qk_scale, softcap, window_left, window_right, page_size,
             stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
-            True, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, ALIGN, BLOCK_N)
-    else:
-        if HAS_LEFT:
-            # Only a left window bound leaves partly hidden blocks before the fully visible ones.
-            # (Without one this loop would be empty; leaving it out of the code saves registers.)
-            acc, l_i, m_i = _attn_key_blocks(
-                acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
-                blk_lo, edge_a_hi, qk_scale, softcap, window_left, window_right, page_size,
-                stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
-                True, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, ALIGN, BLOCK_N)
-        acc, l_i, m_i = _attn_key_blocks(
-            acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
-            full_blk_lo, full_blk_hi, qk_scale, softcap, window_left, window_right, page_size,
-            stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
-            False, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HEAD_DIM != BLOCK_D, DOT_PRECISION, ALIGN, BLOCK_N)
-        acc, l_i, m_i = _attn_key_blocks(
-            acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
-            edge_c_lo, hi, qk_scale, softcap, window_left, window_right, page_size,
-            stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
-            True, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, ALIGN, BLOCK_N)
+            i_seg != 1, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HEAD_DIM != BLOCK_D, DOT_PRECISION, ALIGN, BLOCK_N)
 
     b_sink = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_SINKS:
