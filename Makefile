@@ -11,20 +11,20 @@ FEATURES := paged_varlen_attention flash_decoding gated_deltanet view_replay_off
 .PHONY: help install parity compile-check bench report demo lint roofline
 
 help:
-	@echo "Targets (durations measured on a 2-core CPU machine without a GPU):"
+	@echo "Targets (durations measured on a 2-core CPU machine without a GPU; parity/make_durations.py):"
 	@echo "  make install        dependencies into the active Python (keeps an installed torch)        ~1 min"
 	@echo "  make parity         every parity test: the full grid on CUDA, else the Triton            ~11 min"
 	@echo "                      interpreter on small shapes, plus the sm_80/sm_90 build check"
-	@echo "  make compile-check  ahead-of-time build of every kernel and every config (no GPU needed)  ~6 min"
+	@echo "  make compile-check  ahead-of-time build of every kernel and every config (no GPU needed) ~10 min"
 	@echo "  make bench          every benchmark (FEATURE=name for one); prints its tables and writes  ~5 min"
 	@echo "                      bench/results/latest/; RECORD=1 also appends to the committed CSVs"
 	@echo "                      and regenerates the README tables and plots"
-	@echo "  make report         regenerate the README tables and plots from bench/results/*.csv       ~5 s"
+	@echo "  make report         regenerate the README tables and plots from bench/results/*.csv       ~1 s"
 	@echo "  make roofline       bytes each kernel moves vs its IO bound, and its sm_90 build, beside  ~10 min"
 	@echo "                      fla-core 0.6.0 (Triton interpreter; RECORD=1 saves CSV, plot, README)"
-	@echo "  make demo           the end-to-end RL-style loop (bench/rl_loop.py; DEMO_ARGS=--ray for a  ~1 min"
+	@echo "  make demo           the end-to-end RL-style loop (bench/rl_loop.py; DEMO_ARGS=--ray for a  ~40 s"
 	@echo "                      Ray fleet)"
-	@echo "  make lint           ruff, byte-compilation and the single-file rules                      ~40 s"
+	@echo "  make lint           ruff, byte-compilation and the single-file rules                      ~15 s"
 	@echo "FEATURE names: $(FEATURES)"
 
 # A PyTorch that is already installed is kept: GPU machines bring their own CUDA build.

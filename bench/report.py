@@ -71,8 +71,11 @@ FAMILIES: dict[str, list[Family]] = {
                "a CPU): ms per call."),
     ],
     "view_replay_offload": [
-        Family("cpu hooks", "Hook cost on CPU", "Microseconds of pack + unpack work per saved tensor of a small "
-               "block stack (identity hooks are the floor of any Python hook); counts per step of what ref did."),
+        Family("cpu hooks", "Hook cost and memory freed on CPU", "Microseconds of pack + unpack work per saved "
+               "tensor of a small block stack (identity hooks are the floor of any Python hook; lower is better), "
+               "beside what it buys: the activation KiB one step's autograd graph still holds in place between "
+               "forward and backward (device memory on a GPU; identity hooks hold what no offloading holds; on a "
+               "CPU save_on_cpu's copy is a no-op) and the KiB copied out; counts per step."),
         Family("bf16", "Training step on GPU", "Step time, peak activation memory and bytes moved per step; "
                "targets: peak cut >= 50%, step overhead <= 10%, >= 1.3x faster than save_on_cpu."),
     ],
@@ -279,60 +282,94 @@ def draw_plots(all_rows: dict[str, list[dict]]) -> list[tuple[Path, str]]:
     except ImportError:
         print("matplotlib is not installed: no plots (pip install matplotlib)")
         return []
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
     drawn = []
+    # Every plot tells ref from fast by colour and by label (and by line style); grey is a baseline.
+    impl_color = {"ref": "#d95f02", "fast": "#1b65b0"}
 
-    def line_plot(name, caption, series, xlabel, ylabel, logx=False):
+    def color_of(impl):
+        return next((c for prefix, c in impl_color.items() if impl.startswith(prefix)), "#7f7f7f")
+
+    def save(fig, name, caption):
+        fig.tight_layout()
+        path = RESULTS / f"{name}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        drawn.append((path, caption))
+
+    def line_plot(name, caption, series, xlabel, ylabel, *, better, logx=False):
+        """One line per (label, impl): colour and style by impl, marker by label; the legend lists
+        fast's lines in its first column and ref's in its second."""
         if not series:
             return
-        fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=110)
+        fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)
         labels = sorted({label for label, _ in series})
-        colors = {label: f"C{i}" for i, label in enumerate(labels)}     # one color per label, dashed = not fast
-        for (label, impl), pts in sorted(series.items()):
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o", color=colors[label] if len(labels) > 1 else None,
-                    linestyle="-" if impl.startswith("fast") else "--", label=f"{impl} {label}".strip())
+        markers = dict(zip(labels, "osD^vP*X"))
+        order = sorted(series, key=lambda key: (not key[1].startswith("fast"), key[1], key[0]))
+        for label, impl in order:
+            xs, ys = zip(*series[(label, impl)])
+            ax.plot(xs, ys, marker=markers[label], color=color_of(impl),
+                    linestyle="-" if impl.startswith("fast") else "--", label=f"{impl}: {label}" if label else impl)
         if logx:
             ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_locator(FixedLocator(sorted({x for pts in series.values() for x, _ in pts})))
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(f"{ylabel}\n({better} is better)")
+        ax.set_ylim(bottom=0)
         ax.set_title(caption, fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        path = RESULTS / f"{name}.png"
-        fig.savefig(path)
-        plt.close(fig)
-        drawn.append((path, caption))
+        ax.legend(fontsize=7, ncol=2 if len(order) > 4 else 1)
+        save(fig, name, caption)
 
-    def bar_plot(name, caption, values: dict, ylabel):
-        if not values:
+    def offload_plot(name, caption, run):
+        """Left: what offloading costs in time; right: what it buys in memory, per impl."""
+        def values(metric):
+            return {r["impl"]: float(r["value"]) for r in run if r["metric"] == metric}, \
+                next((r["unit"] for r in run if r["metric"] == metric), "")
+        cpu = any(r["metric"] == "hook_time_per_saved_tensor" for r in run)
+        (time_v, time_unit), (mem_v, mem_unit) = (
+            (values("hook_time_per_saved_tensor"), values("activations_in_place")) if cpu
+            else (values("step_time"), values("peak_activation_mem")))
+        if not time_v or not mem_v:
             return
-        fig, ax = plt.subplots(figsize=(6.4, 3.2), dpi=110)
-        ax.bar(list(values), list(values.values()), color="#4a7ebb")
-        for i, v in enumerate(values.values()):
-            ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
-        ax.set_ylabel(ylabel)
-        ax.set_title(caption, fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
-        fig.tight_layout()
-        path = RESULTS / f"{name}.png"
-        fig.savefig(path)
-        plt.close(fig)
-        drawn.append((path, caption))
+        baseline = "identity_hooks" if cpu else "none"
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(8.4, 3.6), dpi=110)
+        for ax, vals, unit, what in ((ax_t, time_v, time_unit, "time: hook work per saved tensor" if cpu
+                                      else "time: training step"),
+                                     (ax_m, mem_v, mem_unit, "memory: activations held in place until backward"
+                                      if cpu else "memory: peak activations")):
+            impls = list(vals)
+            bars = ax.bar(range(len(impls)), list(vals.values()), color=[color_of(i) for i in impls])
+            for bar, impl in zip(bars, impls):
+                v = vals[impl]
+                text = f"{v:.3g}"
+                if ax is ax_m and mem_v.get(baseline):
+                    text += f"\n{v / mem_v[baseline]:.0%}"
+                ax.text(bar.get_x() + bar.get_width() / 2, v, text, ha="center", va="bottom", fontsize=8)
+            ticks = [f"{i}\n(no-op on CPU)" if cpu and i == "save_on_cpu" and ax is ax_m else i for i in impls]
+            ax.set_xticks(range(len(impls)), ticks, fontsize=8)
+            ax.set_ylabel(f"{unit} (lower is better)")
+            ax.set_title(what, fontsize=9)
+            ax.set_ylim(0, max(vals.values()) * 1.25 or 1)
+            ax.grid(axis="y", alpha=0.3)
+        fig.suptitle(caption, fontsize=10)
+        save(fig, name, caption)
 
     for feature, rows in all_rows.items():
         for run in latest_runs(feature, rows)[:1]:
             if feature == "routed_generator":
                 line_plot("routed_generator_overhead", "Router overhead per request vs fleet size (CPU)",
                           _series(run, r"overhead n=(?P<x>\d+) (?P<label>\w+)", "overhead_cpu"),
-                          "generators in the fleet", "us per request", logx=True)
+                          "generators in the fleet", "us per request", better="lower", logx=True)
                 line_plot("routed_generator_engine", "Engine tokens/s vs batch (CPU)",
                           _series(run, r"engine cpu b=(?P<x>\d+) .*", "tokens_per_s"),
-                          "requests in flight", "tokens/s", logx=True)
+                          "requests in flight", "tokens/s", better="higher", logx=True)
             elif feature == "view_replay_offload":
-                bar_plot("view_replay_offload_hooks", "Offload hook cost per saved tensor (CPU)",
-                         {r["impl"]: float(r["value"]) for r in run if r["metric"] == "hook_time_per_saved_tensor"},
-                         "us per saved tensor")
+                where = "CPU" if _device_class(run[0]["device"]) == "cpu" else run[0]["device"]
+                offload_plot("view_replay_offload_hooks",
+                             f"Offloading: the time it costs beside the activation memory it frees ({where})", run)
     return drawn
 
 

@@ -25,7 +25,11 @@ model around it; autograd's own cost of calling into Python (a few microseconds 
 tensor) comes on top for every hook alike.  The implementations run interleaved, round
 after round, each keeping its fastest run: on a shared machine the minimum is the estimate
 least disturbed by other work (a difference of two whole step times is not: it drowns in
-the noise there).
+the noise there).  Beside that cost, what it buys, measured on the same model: the activation
+bytes one real step's autograd graph still holds in place between forward and backward (the
+device memory that offloading frees on a GPU), found by weak references to the storage of every
+tensor autograd saves (parameters, buffers and the input left out), and the bytes ref and fast
+copied out.  On a CPU, save_on_cpu's ``.cpu()`` returns the tensor itself, so it holds everything.
 
     python bench/view_replay_offload.py              # GPU rows on CUDA, else the CPU rows
     python bench/view_replay_offload.py --no-save    # print only
@@ -36,6 +40,7 @@ import contextlib
 import gc
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -264,14 +269,53 @@ def bench_cpu(rec: Recorder, args):
     for impl, ms in best.items():
         rec.add(case, impl, "hook_time_per_saved_tensor", ms * 1e3 / n_saved, "us")
 
-    ctx = ref_mod.OffloadActivations(min_offload_bytes=0, module=model)
+    # What the time buys: the activation bytes one real step leaves in place between forward and
+    # backward, through each context manager (fresh objects, entered as in training).
+    fresh = {**makers, "fast": lambda: fast_mod.OffloadActivations(min_offload_bytes=0, module=model)}
+    in_place = {}
+    for impl, make_ctx in fresh.items():
+        held, ctx = activations_held(model, step, make_ctx, keep_alive=(x,))
+        in_place[impl] = held
+        rec.add(case, impl, "activations_in_place", held / 2**10, "KiB")
+        if impl in ("ref", "fast"):
+            rec.add(case, impl, "offloaded", ctx.stats["offloaded_bytes"] / 2**10, "KiB/step")
+            for key in ("kept", "offloaded_storages", "replayed_views"):
+                rec.add(case, impl, key, ctx.stats[key], "count/step")
+    print("\nactivation bytes left in place between forward and backward: "
+          + ", ".join(f"{k} {v / 2**10:.1f} KiB" for k, v in in_place.items())
+          + "\n(on a CPU save_on_cpu's .cpu() is a no-op, so it leaves everything in place; on a GPU it moves "
+          "every saved tensor, views included, to the host)")
+    print("No kernel here: the CPU rows measure the hooks' Python overhead (CPU tensors copied to "
+          "separate host buffers) and the activation bytes they free; step time, peak device memory and copy "
+          "overlap need CUDA (run this on a GPU).")
+
+
+def activations_held(model, step, make_ctx, keep_alive=()) -> tuple[int, object]:
+    """Bytes of the activation storages that one forward's autograd graph still holds, in place,
+    when the forward is done: what sits in the device's memory until backward.  Measured, not
+    counted from a context manager's own stats: the context's pack hook is wrapped to take a weak
+    reference to the storage of every tensor autograd saves; after the forward, with only the
+    loss (and so the graph) alive, a storage whose weak reference still resolves is held.
+    Parameters, buffers and ``keep_alive`` tensors (the input) are left out: they live anyway.
+    Runs the backward afterwards.  Returns (bytes, the context manager)."""
+    live_anyway = {id(t.untyped_storage()) for t in [*model.parameters(), *model.buffers(), *keep_alive]}
+    storages = {}                                      # id -> (weak reference, bytes)
+    ctx = make_ctx()
+    inner = ctx.pack_hook
+
+    def recording_pack(t):
+        s = t.untyped_storage()
+        if id(s) not in live_anyway:
+            storages.setdefault(id(s), (weakref.ref(s), s.nbytes()))
+        return inner(t)
+
+    ctx.pack_hook = recording_pack                     # pushed by __enter__ (saved_tensors_hooks)
     with ctx:
         loss = step()
+    gc.collect()
+    held = sum(nbytes for ref, nbytes in storages.values() if ref() is not None)
     loss.backward()
-    for key in ("kept", "offloaded_storages", "replayed_views"):
-        rec.add(case, "ref", key, ctx.stats[key], "count/step")
-    print("\nNo kernel here: the CPU rows measure the hooks' Python overhead (CPU tensors copied to "
-          "separate host buffers); step time, peak memory and copy overlap need CUDA (run this on a GPU).")
+    return held, ctx
 
 
 def _flags(ap):

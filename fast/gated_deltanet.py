@@ -18,6 +18,29 @@ What it computes
     the tokens, writes it once.  Both ops are trainable (the backward's math is written above
     ``_chunk_backward`` and above the recurrent backward kernel); deterministic, no atomics.
 
+Map: each kernel (and its host driver), in call order, beside the function of ref/gated_deltanet.py
+it computes and that function's line there (the ref has no backward: its autograd through the same
+functions is the backward's specification; parity/test_gated_deltanet.py checks this map)
+    fast                        ref/gated_deltanet.py        line      what
+    _l2norm_kernel              _l2norm                      312       use_qk_l2norm_in_kernel (first)
+    _chunk_forward              _chunk                       207       the five kernels in order
+    _chunk_cumsum_kernel        _GateSums.forward            133       1. gc, gr (+ the in-kernel gate)
+    _chunk_kkt_solve_kernel     _wy_inverse                  163       2. A = (I + tril(..))^-1
+    _chunk_wu_kernel            _wy_w_u                      179       3. w, u
+    _chunk_h_kernel             _chunk_state_pass            186       4. S per chunk, v_new = u - w S
+    _chunk_o_kernel             _chunk_state_pass            186       5. o
+    _chunk_backward             _chunk                       207       recompute, then a. .. e.
+    _chunk_dv_local_kernel      _chunk_state_pass            186       a. dU from the in-chunk scores
+    _chunk_dhu_kernel           _chunk_state_pass            186       b. the reverse pass over chunks
+    _chunk_dqkwg_kernel         _chunk_state_pass            186       c. dQ, dK, dW, db
+    _chunk_wy_bwd_kernel        _wy_w_u, _wy_inverse         179, 163  d. through w, u and the solve
+    _chunk_dg_kernel            _GateSums.backward           145       e. dg from db
+    _l2norm_bwd_kernel          _l2norm                      312       through the l2norm
+    _recurrent_forward          _recurrent                   100       decode: one kernel
+    _recurrent_kernel           _recurrent                   100       the recurrence, state in registers
+    _recurrent_backward         _recurrent                   100
+    _recurrent_bwd_kernel       _recurrent                   100       reverse pass over the tokens
+
 Batch and split invariance (``fused_recurrent_gated_delta_rule``, guaranteed)
     For each sequence, o and the final state are the same bits whichever other sequences share the
     call (a dense batch or cu_seqlens, at any position in the pack), and however its tokens are split

@@ -145,310 +145,55 @@ def varlen_attn_out(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
     return out
 
 
-def _prepare(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa, seqused_k,
-             block_table, num_splits, softcap, sinks, batch_invariant, out=None):
-    """The host checks; returns the op's scalars (max_q, max_k, scale, left, right, softcap)."""
-    max_q, max_k, left, right = _check_meta(
-        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
-        enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
-        softcap=softcap, sinks=sinks, batch_invariant=batch_invariant, out=out)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
-        if block_table is not None:
-            raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only, as in "
-                                      "PyTorch: call it under torch.no_grad(), or pass packed key/value to train")
-        if out is not None:
-            raise NotImplementedError("varlen_attn_out is forward-only, as in PyTorch: call it under "
-                                      "torch.no_grad(), or use varlen_attn to train")
-    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
-    return max_q, max_k, scale, left, right, float(softcap)
-
-
-# ----------------------------------------------------------------------------- custom ops: forward, backward, autograd
-
-@torch.library.custom_op("twofold::varlen_attn", mutates_args=())
-def _varlen_attn_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
-                    cu_seq_k: Optional[torch.Tensor], max_q: int, max_k: int, scale: float, window_left: int,
-                    window_right: int, seqused_k: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
-                    softcap: float, sinks: Optional[torch.Tensor],
-                    batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table)
-    out = query.new_empty(query.shape)
-    lse = _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
-                  seqused_k, block_table, softcap, sinks, rows_used=rows, zero_padding=True,
-                  batch_invariant=batch_invariant)
-    return out, lse
-
-
-@_varlen_attn_op.register_fake
-def _varlen_attn_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_left, window_right,
-                      seqused_k, block_table, softcap, sinks, batch_invariant):
-    return query.new_empty(query.shape), query.new_empty(query.shape[1], query.shape[0], dtype=torch.float32)
-
-
-@torch.library.custom_op("twofold::varlen_attn_out", mutates_args=("out",))
-def _varlen_attn_out_op(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        cu_seq_q: torch.Tensor, cu_seq_k: Optional[torch.Tensor], max_q: int, max_k: int,
-                        scale: float, window_left: int, window_right: int, seqused_k: Optional[torch.Tensor],
-                        block_table: Optional[torch.Tensor], softcap: float,
-                        sinks: Optional[torch.Tensor], batch_invariant: bool) -> torch.Tensor:
-    rows = _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table)
-    return _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
-                   seqused_k, block_table, softcap, sinks, rows_used=rows, zero_padding=False,
-                   batch_invariant=batch_invariant)
-
-
-@_varlen_attn_out_op.register_fake
-def _varlen_attn_out_fake(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_left,
-                          window_right, seqused_k, block_table, softcap, sinks, batch_invariant):
-    return query.new_empty(query.shape[1], query.shape[0], dtype=torch.float32)
-
-
-# The backward: twofold::varlen_attn_bwd, tied to twofold::varlen_attn by register_autograd.
-@torch.library.custom_op("twofold::varlen_attn_bwd", mutates_args=())
-def _varlen_attn_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], query: torch.Tensor,
-                        key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                        cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, seqused_k: Optional[torch.Tensor],
-                        max_q: int, max_k: int, scale: float, window_left: int, window_right: int, softcap: float,
-                        sinks: Optional[torch.Tensor]
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (dq, dk, dv, dsinks or an empty tensor)."""
-    return _launch_bwd(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, max_q,
-                       max_k, scale, window_left, window_right, softcap, sinks)
-
-
-@_varlen_attn_bwd_op.register_fake
-def _varlen_attn_bwd_fake(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, max_q,
-                          max_k, scale, window_left, window_right, softcap, sinks):
-    dsinks = torch.empty_like(sinks) if sinks is not None else query.new_empty(0)
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dsinks
-
-
-def _setup_context(ctx, inputs, output):
-    (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_left, window_right, seqused_k,
-     block_table, softcap, sinks, _) = inputs
-    if block_table is not None:  # varlen_attn raised already; this guards direct calls of the op
-        raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only")
-    out, lse = output
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, sinks)
-    ctx.scalars = (max_q, max_k, scale, window_left, window_right, softcap)
-
-
-def _backward(ctx, grad_out, grad_lse):
-    query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, sinks = ctx.saved_tensors
-    if grad_out is None:  # only the lse was used
-        grad_out = torch.zeros_like(out)
-    dq, dk, dv, dsinks = _varlen_attn_bwd_op(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k,
-                                             seqused_k, *ctx.scalars, sinks)
-    return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None,
-            dsinks if sinks is not None else None, None)
-
-
-def _no_double_backward(ctx, *grads):
-    raise NotImplementedError("fast varlen_attn has no double backward (second derivative); "
-                              "ref.paged_varlen_attention.varlen_attn has one through plain autograd")
-
-
-_varlen_attn_op.register_autograd(_backward, setup_context=_setup_context)
-_varlen_attn_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
-
-
-# ----------------------------------------------------------------------------- launchers
-
-def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
-            seqused_k, block_table, softcap, sinks, *, rows_used, zero_padding, batch_invariant):
-    """Writes ``out`` and returns ``lse [H_q, T_q]`` fp32.  Inputs were checked by the caller.
-
-    Rows past cu_seq_q[-1] (a padded buffer) get lse -inf and, with ``zero_padding`` (varlen_attn,
-    not varlen_attn_out), out 0.  ``rows_used`` is cu_seq_q[-1] when the value checks read it, else
-    None (CUDA-graph capture), and then the padding kernel runs whatever the data.
-    """
-    t_q, h_q, head_dim = query.shape
-    num_seqs = cu_seq_q.numel() - 1
-    lse = torch.empty(h_q, t_q, dtype=torch.float32, device=query.device)
-    if t_q == 0 or num_seqs == 0 or max_q == 0 or head_dim == 0:   # no row sees a key: all rows padding
-        if zero_padding:
-            out.zero_()
-        lse.fill_(float("-inf"))
-        return lse
-    paged = block_table is not None
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    target = out
-    align = _pow2_divisor(*query.stride()[:-1], *out.stride()[:-1], *key.stride()[:-1], *value.stride()[:-1])
-    if align < _MIN_ALIGN or out.stride(-1) != 1:
-        # Rows aligned to fewer than 4 elements would compile to scalar loads that spill
-        # registers: stage through copies whose rows are 16-byte aligned (a slow path, for
-        # odd head dims or strides; the common head dims never take it).
-        query, key, value = (_padded_copy(t) for t in (query, key, value))
-        target = _padded_copy(out, copy=not zero_padding)   # varlen_attn_out keeps its padding rows
-        align = _pow2_divisor(*query.stride()[:-1], *target.stride()[:-1], *key.stride()[:-1],
-                              *value.stride()[:-1])
-    h_kv = key.shape[-2]
-    group = h_q // h_kv
-    if paged:
-        k_strides, v_strides = key.stride()[:3], value.stride()[:3]      # page, slot, head
-        page_size, stride_bt = key.shape[1], block_table.stride(0)
-    else:
-        k_strides, v_strides = (0, *key.stride()[:2]), (0, *value.stride()[:2])
-        page_size, stride_bt = 1, 0
-    has_softcap = softcap > 0
-    qk_scale = scale / softcap if has_softcap else scale * _LOG2E.value
-    int_dummy = cu_seq_q                                                  # never read when its flag is off
-    args = (query, key, value, target, lse, sinks if sinks is not None else query,
-            cu_seq_q, cu_seq_k if cu_seq_k is not None else int_dummy,
-            seqused_k if seqused_k is not None else int_dummy,
-            block_table if paged else int_dummy,
-            query.stride(0), query.stride(1), target.stride(0), target.stride(1), lse.stride(0),
-            *k_strides, *v_strides, stride_bt, page_size, num_seqs,
-            min(4096, max(16, triton.next_power_of_2(max_q * group))),
-            qk_scale, float(softcap), window_left, window_right)
-    flags = dict(GROUP=group, IS_PAGED=paged, HAS_SEQUSED=seqused_k is not None,
-                 HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=has_softcap,
-                 HAS_SINKS=sinks is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
-                 ALIGN=align, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim))
-
-    def grid(meta):
-        # The mode's position-aligned tiles (see the kernel): a sequence's first row sits at a multiple
-        # of gcd(G, BLOCK_M), at most BLOCK_M - gcd, so its rows may need one tile more.
-        rows = max_q * group
-        if meta.get("BATCH_INVARIANT"):
-            rows += meta["BLOCK_M"] - math.gcd(group, meta["BLOCK_M"])
-        return (triton.cdiv(rows, meta["BLOCK_M"]) * num_seqs, h_kv)
-
-    if batch_invariant:
-        # One fixed config per device family, dtype and head-dim class: never tuned, never forced.
-        family = None if not query.is_cuda else _gpu_family(
-            query.device.index if query.device.index is not None else torch.cuda.current_device())
-        config = _invariant_config(family, head_dim, query.element_size())
-        with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
-            _attn_fwd_kernel[grid](*args, **flags, **config, BATCH_INVARIANT=True)
-    elif query.is_cuda:
-        with torch.cuda.device(query.device):
-            if _FORCED_CONFIG is not None:
-                _attn_fwd_kernel[grid](*args, **flags, **_FORCED_CONFIG)
-            else:
-                family = _gpu_family(query.device.index if query.device.index is not None
-                                     else torch.cuda.current_device())
-                _TUNED[(family, _block_d(head_dim), query.element_size())][grid](*args, **flags)
-    else:
-        _attn_fwd_kernel[grid](*args, **flags, **_INTERPRET_BLOCKS, num_warps=4)
-    if rows_used is None or rows_used < t_q:
-        _fill_padding(cu_seq_q, lse=lse, zeros=(target,) if zero_padding else ())
-    if target is not out:
-        out.copy_(target)
-    return lse
-
-
-def _launch_bwd(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k,
-                scale, window_left, window_right, softcap, sinks):
-    """Returns (dq, dk, dv, dsinks or an empty tensor).  Packed K/V only; the forward checked the inputs."""
-    t_q, h_q, head_dim = query.shape
-    h_kv = key.shape[1]
-    group = h_q // h_kv
-    num_seqs = cu_seq_q.numel() - 1
-    dsinks = torch.zeros_like(sinks) if sinks is not None else query.new_empty(0)
-    if t_q == 0 or num_seqs == 0 or max_q == 0 or head_dim == 0:
-        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dsinks
-    block_d = _block_d(head_dim)
-    tensors = [t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value, out, grad_out)]
-    padded = head_dim != block_d or _pow2_divisor(*(s for t in tensors for s in t.stride()[:-1])) < 16
-    if padded:
-        # Head dims that are not a power of two (or rows not 16-element aligned) run on zero-padded
-        # copies of width block_d: the extra zero columns change no dot product, and every load is a
-        # full, vectorized row (a column mask at D = 100 would split loads into 4-element pieces and
-        # spill the dK/dV kernel's registers).  One extra copy of q, k, v, o, dO; dq, dk, dv sliced back.
-        tensors = [_zero_padded(t, block_d) for t in tensors]
-    query_, key_, value_, out_, grad_out_ = tensors
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (query_, key_, value_))
-    if seqused_k is not None or max_k == 0:
-        dk.zero_()   # keys past seqused_k (or of a sequence no program visits) get gradient 0
-        dv.zero_()
-
-    # 1. delta = rowsum(dO * O) - dlse, the log2-domain lse, the sink gradient's partial sums.
-    block_t = max(16, 4096 // block_d)
-    delta = torch.empty(h_q, t_q, dtype=torch.float32, device=query.device)
-    lse2 = torch.empty_like(delta)
-    n_t = triton.cdiv(t_q, block_t)
-    dsink_part = torch.empty(h_q, n_t, dtype=torch.float32, device=query.device)
-    dlse_strides = grad_lse.stride() if grad_lse is not None else (0, 0)
-    device_ctx = torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext()
-    with device_ctx:
-        _attn_bwd_preprocess_kernel[(n_t, h_q)](
-            out_, grad_out_, lse, grad_lse if grad_lse is not None else lse, sinks if sinks is not None else lse,
-            delta, lse2, dsink_part, t_q, out_.stride(0), out_.stride(1), grad_out_.stride(0), grad_out_.stride(1),
-            *dlse_strides, HAS_DLSE=grad_lse is not None, HAS_SINKS=sinks is not None, BLOCK_D=block_d,
-            BLOCK_T=block_t, num_warps=4)
-        if sinks is not None:
-            dsinks = dsink_part.sum(1).to(sinks.dtype)
-
-        # 2. dK, dV over key blocks; 3. dQ over query tiles.
-        has_softcap = softcap > 0
-        qk_scale = scale / softcap if has_softcap else scale * _LOG2E.value
-        common = (qk_scale, float(softcap), scale, window_left, window_right)
-        int_dummy = cu_seq_q
-        seq_args = (cu_seq_q, cu_seq_k, seqused_k if seqused_k is not None else int_dummy)
-        in_strides = (*query_.stride()[:2], *key_.stride()[:2], *value_.stride()[:2], *grad_out_.stride()[:2])
-        flags = dict(GROUP=group, HAS_SEQUSED=seqused_k is not None, HAS_LEFT=window_left >= 0,
-                     HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=has_softcap,
-                     DOT_PRECISION="ieee" if query.dtype == torch.float32 else None, BLOCK_D=block_d)
-        dkdv_args = (query_, key_, value_, grad_out_, lse2, delta, dk, dv, *seq_args, *in_strides,
-                     *dk.stride()[:2], *dv.stride()[:2], lse2.stride(0), num_seqs,
-                     min(4096, max(16, triton.next_power_of_2(max_k))), *common)
-        dq_args = (query_, key_, value_, grad_out_, lse2, delta, dq, *seq_args, *in_strides, *dq.stride()[:2],
-                   lse2.stride(0), num_seqs, min(4096, max(16, triton.next_power_of_2(max_q * group))), *common)
-
-        def dkdv_grid(meta):
-            return (triton.cdiv(max_k, meta["BLOCK_N"]) * num_seqs, h_kv)
-
-        def dq_grid(meta):
-            return (triton.cdiv(max_q * group, meta["BLOCK_M"]) * num_seqs, h_kv)
-
-        if not query.is_cuda:
-            blocks = dict(_INTERPRET_BLOCKS, num_warps=4)
-            if max_k > 0:
-                _attn_bwd_dkdv_kernel[dkdv_grid](*dkdv_args, **flags, **blocks)
-            _attn_bwd_dq_kernel[dq_grid](*dq_args, **flags, **blocks)
-        elif _FORCED_BWD_CONFIGS is not None:
-            if max_k > 0:
-                _attn_bwd_dkdv_kernel[dkdv_grid](*dkdv_args, **flags, **_FORCED_BWD_CONFIGS[0])
-            _attn_bwd_dq_kernel[dq_grid](*dq_args, **flags, **_FORCED_BWD_CONFIGS[1])
-        else:
-            family = _gpu_family(query.device.index if query.device.index is not None
-                                 else torch.cuda.current_device())
-            table_key = (family, block_d, query.element_size())
-            if max_k > 0:
-                _TUNED_DKDV[table_key][dkdv_grid](*dkdv_args, **flags)
-            _TUNED_DQ[table_key][dq_grid](*dq_args, **flags)
-        # Rows past cu_seq_q[-1] / keys past cu_seq_k[-1] (padded buffers) belong to no sequence: no
-        # kernel above wrote them.  Without a host copy of the offsets, a small kernel zeroes them.
-        _fill_padding(cu_seq_q, zeros=(dq,))
-        if not (seqused_k is not None or max_k == 0):      # else dk, dv were zeroed whole
-            _fill_padding(cu_seq_k, zeros=(dk, dv))
-    if padded:
-        dq, dk, dv = (t[..., :head_dim].contiguous() for t in (dq, dk, dv))
-    return dq, dk, dv, dsinks
-
-
-def _fill_padding(cu_seq, *, zeros=(), lse=None):
-    """Rows t >= cu_seq[-1] of the [T, H, D] tensors ``zeros`` (at most two) become 0, and of
-    ``lse`` [H, T] -inf.  Reads cu_seq[-1] on the device (no host copy), so it also runs under
-    CUDA-graph capture."""
-    t, h = (zeros[0].shape[0], zeros[0].shape[1]) if zeros else (lse.shape[1], lse.shape[0])
-    if t == 0 or h == 0:
-        return
-    # Pointer slots left empty get cu_seq: a valid pointer the kernel never reads.
-    x, y = (*zeros, cu_seq, cu_seq)[:2]
-    x_strides, y_strides = (t.stride()[:2] if t is not cu_seq else (0, 0) for t in (x, y))
-    head_dim = zeros[0].shape[-1] if zeros else 0
-    device_ctx = torch.cuda.device(cu_seq.device) if cu_seq.is_cuda else contextlib.nullcontext()
-    with device_ctx:
-        _padding_rows_kernel[(triton.cdiv(t, 16), h)](
-            x, y, lse if lse is not None else cu_seq, cu_seq, cu_seq.numel() - 1, t, *x_strides, *y_strides,
-            lse.stride(0) if lse is not None else 0, HEAD_DIM=head_dim, NUM_ZEROS=len(zeros),
-            HAS_LSE=lse is not None, BLOCK_T=16, BLOCK_D=_block_d(head_dim), num_warps=1)
-
-
 # ----------------------------------------------------------------------------- forward kernel
+#
+# A row's result is made of the next three functions and the score transform in _attn_key_blocks'
+# loop.  fast/flash_decoding.py holds the same code, character for character, so that its
+# batch-invariant decode rounds like this kernel.  (The transform stays inline: as a function called
+# in the loop it cost the fp32 D = 256 sm_90 build 8 bytes of stack.)
+
+@triton.jit
+def _online_softmax_step(acc, l_i, m_i, b_s, b_v, DOT_PRECISION: tl.constexpr):
+    """One key block of the online softmax: b_s [BLOCK_M, BLOCK_N] log2-domain scores (-inf where
+    hidden), b_v [BLOCK_N, BLOCK_D]; returns the new (acc, l, m)."""
+    m_new = tl.maximum(m_i, tl.max(b_s, 1))
+    # A row that has seen nothing yet keeps m = -inf; subtracting 0 instead keeps its
+    # 2^(-inf) = 0 probabilities from turning into 2^(-inf + inf) = nan.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    b_p = tl.exp2(b_s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(b_p, 1)
+    acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _finish_rows(acc, l_i, m_i, b_sink, HAS_SINKS: tl.constexpr):
+    """(out, lse) of the rows: acc / l and (m + log2 l) ln 2, after the sink (b_sink, natural log)."""
+    if HAS_SINKS:
+        # The sink is one more logit in the denominator, with no value vector.  A sink of -inf is no
+        # sink; one of +inf takes all the mass (its term is 1 against m = +inf, not 2^(inf - inf)).
+        b_sink = b_sink * _LOG2E
+        m_fin = tl.maximum(m_i, b_sink)
+        m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)          # no key seen and a sink of -inf
+        alpha = tl.exp2(m_i - m_fin)
+        l_i = l_i * alpha + tl.exp2(tl.where(b_sink == m_fin, 0.0, b_sink - m_fin))
+        acc = acc * alpha[:, None]
+        m_i = m_fin
+    # l = 0: the row saw nothing (out 0, lse -inf).  Tested as == 0, so that a NaN stays NaN.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    b_o = acc / l_safe[:, None]
+    b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    return b_o, b_lse
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp2 (portable: the interpreter has no libdevice).  For large |x|, 2^(2x log2e)
+    # overflows to inf or underflows to 0 and the expression saturates to +-1 as it should.
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)
+
 
 @triton.jit
 def _attn_fwd_kernel(
@@ -556,34 +301,21 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    if BATCH_INVARIANT:
-        # Blocks from key 0 in steps of BLOCK_N, all masked.  The blocks the tile's other rows add are
-        # hidden from this row, and a fully hidden block leaves (m, l, acc) exactly as they were
-        # (p = 2^-inf = 0 and alpha = 2^0 = 1; on a row that has seen nothing yet, alpha = 0 on zeros).
+    # The key blocks the tile sees, one loop per segment (unrolled at compile time): [blk_lo, edge_a_hi)
+    # masked, [full_blk_lo, full_blk_hi) without a mask (every row sees every key), [edge_c_lo, hi)
+    # masked.  Only a left window bound leaves blocks in the first segment (without one that loop
+    # would be empty; leaving it out of the code saves registers).  BATCH_INVARIANT runs one masked
+    # segment, [blk_lo, hi): blocks from key 0 in steps of BLOCK_N.  The blocks the tile's other rows
+    # add are hidden from this row, and a fully hidden block leaves (m, l, acc) exactly as they were
+    # (p = 2^-inf = 0 and alpha = 2^0 = 1; on a row that has seen nothing yet, alpha = 0 on zeros).
+    seg_start = (blk_lo, full_blk_lo, edge_c_lo)
+    seg_end = (hi, full_blk_hi, hi) if BATCH_INVARIANT else (edge_a_hi, full_blk_hi, hi)
+    for i_seg in tl.static_range(0 if HAS_LEFT or BATCH_INVARIANT else 1, 1 if BATCH_INVARIANT else 3):
         acc, l_i, m_i = _attn_key_blocks(
             acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
-            blk_lo, hi, qk_scale, softcap, window_left, window_right, page_size,
+            seg_start[i_seg], seg_end[i_seg], qk_scale, softcap, window_left, window_right, page_size,
             stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
-            True, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, ALIGN, BLOCK_N)
-    else:
-        if HAS_LEFT:
-            # Only a left window bound leaves partly hidden blocks before the fully visible ones.
-            # (Without one this loop would be empty; leaving it out of the code saves registers.)
-            acc, l_i, m_i = _attn_key_blocks(
-                acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
-                blk_lo, edge_a_hi, qk_scale, softcap, window_left, window_right, page_size,
-                stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
-                True, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, ALIGN, BLOCK_N)
-        acc, l_i, m_i = _attn_key_blocks(
-            acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
-            full_blk_lo, full_blk_hi, qk_scale, softcap, window_left, window_right, page_size,
-            stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
-            False, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HEAD_DIM != BLOCK_D, DOT_PRECISION, ALIGN, BLOCK_N)
-        acc, l_i, m_i = _attn_key_blocks(
-            acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
-            edge_c_lo, hi, qk_scale, softcap, window_left, window_right, page_size,
-            stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
-            True, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, True, DOT_PRECISION, ALIGN, BLOCK_N)
+            i_seg != 1, IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HEAD_DIM != BLOCK_D, DOT_PRECISION, ALIGN, BLOCK_N)
 
     b_sink = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_SINKS:
@@ -593,41 +325,6 @@ def _attn_fwd_kernel(
     p_o = o_ptr + o_o_row[:, None] + o_d[None, :]
     tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
     tl.store(lse_ptr + o_head.to(tl.int64) * stride_lse_head + bos_q + o_pos, b_lse, mask=m_r)
-
-
-@triton.jit
-def _visible_span(first, last, length, before, after, HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr):
-    """Items t in [0, length) seen from positions x in [first, last], where x sees t iff
-    x - before <= t <= x + after: returns [lo, hi), seen by some x, and [full_lo, full_hi), seen
-    by every x.  Forward / dQ: x = the key position a query row is aligned with, t = a key,
-    (before, after) = (left, right).  dK/dV: x = key j - (L_k - L_q), t = a query position,
-    (before, after) = (right, left): the same window read from the key's side."""
-    lo = 0
-    hi = length
-    full_lo = 0
-    full_hi = length
-    if HAS_BEFORE:
-        lo = tl.maximum(first - before, 0)
-        full_lo = tl.maximum(last - before, lo)
-    if HAS_AFTER:
-        hi = tl.minimum(last + after + 1, length)
-        full_hi = tl.minimum(first + after + 1, hi)
-    return lo, hi, full_lo, full_hi
-
-
-@triton.jit
-def _block_segments(lo, full_lo, full_hi, BLOCK: tl.constexpr):
-    """Cut the visible span at BLOCK boundaries into three loops: [blk_lo, edge_a_hi) masked,
-    [full_blk_lo, full_blk_hi) unmasked (every item of every block visible), [edge_c_lo, hi)
-    masked.  Without a fully visible block, the last loop takes everything."""
-    blk_lo = (lo // BLOCK) * BLOCK
-    full_blk_lo = tl.maximum(tl.cdiv(full_lo, BLOCK) * BLOCK, blk_lo)
-    full_blk_hi = (full_hi // BLOCK) * BLOCK
-    has_full = full_blk_lo < full_blk_hi
-    edge_a_hi = tl.where(has_full, full_blk_lo, blk_lo)
-    full_blk_hi = tl.where(has_full, full_blk_hi, full_blk_lo)
-    edge_c_lo = tl.where(has_full, full_blk_hi, blk_lo)
-    return blk_lo, edge_a_hi, full_blk_lo, full_blk_hi, edge_c_lo
 
 
 @triton.jit
@@ -680,52 +377,39 @@ def _attn_key_blocks(acc, l_i, m_i, b_q, k_ptr, v_ptr, bt_row_ptr, bos_k, L_k, o
     return acc, l_i, m_i
 
 
-# A row's result is made of the score transform in the loop above and the next three functions.
-# fast/flash_decoding.py holds the same code, character for character, so that its batch-invariant
-# decode rounds like this kernel.  (The transform stays inline: as a function called in the loop
-# it cost the fp32 D = 256 sm_90 build 8 bytes of stack.)
-
 @triton.jit
-def _online_softmax_step(acc, l_i, m_i, b_s, b_v, DOT_PRECISION: tl.constexpr):
-    """One key block of the online softmax: b_s [BLOCK_M, BLOCK_N] log2-domain scores (-inf where
-    hidden), b_v [BLOCK_N, BLOCK_D]; returns the new (acc, l, m)."""
-    m_new = tl.maximum(m_i, tl.max(b_s, 1))
-    # A row that has seen nothing yet keeps m = -inf; subtracting 0 instead keeps its
-    # 2^(-inf) = 0 probabilities from turning into 2^(-inf + inf) = nan.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    b_p = tl.exp2(b_s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(b_p, 1)
-    acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=DOT_PRECISION)
-    return acc, l_i, m_new
-
-
-@triton.jit
-def _finish_rows(acc, l_i, m_i, b_sink, HAS_SINKS: tl.constexpr):
-    """(out, lse) of the rows: acc / l and (m + log2 l) ln 2, after the sink (b_sink, natural log)."""
-    if HAS_SINKS:
-        # The sink is one more logit in the denominator, with no value vector.  A sink of -inf is no
-        # sink; one of +inf takes all the mass (its term is 1 against m = +inf, not 2^(inf - inf)).
-        b_sink = b_sink * _LOG2E
-        m_fin = tl.maximum(m_i, b_sink)
-        m_fin = tl.where(m_fin == float("-inf"), 0.0, m_fin)          # no key seen and a sink of -inf
-        alpha = tl.exp2(m_i - m_fin)
-        l_i = l_i * alpha + tl.exp2(tl.where(b_sink == m_fin, 0.0, b_sink - m_fin))
-        acc = acc * alpha[:, None]
-        m_i = m_fin
-    # l = 0: the row saw nothing (out 0, lse -inf).  Tested as == 0, so that a NaN stays NaN.
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    b_o = acc / l_safe[:, None]
-    b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-    return b_o, b_lse
+def _visible_span(first, last, length, before, after, HAS_BEFORE: tl.constexpr, HAS_AFTER: tl.constexpr):
+    """Items t in [0, length) seen from positions x in [first, last], where x sees t iff
+    x - before <= t <= x + after: returns [lo, hi), seen by some x, and [full_lo, full_hi), seen
+    by every x.  Forward / dQ: x = the key position a query row is aligned with, t = a key,
+    (before, after) = (left, right).  dK/dV: x = key j - (L_k - L_q), t = a query position,
+    (before, after) = (right, left): the same window read from the key's side."""
+    lo = 0
+    hi = length
+    full_lo = 0
+    full_hi = length
+    if HAS_BEFORE:
+        lo = tl.maximum(first - before, 0)
+        full_lo = tl.maximum(last - before, lo)
+    if HAS_AFTER:
+        hi = tl.minimum(last + after + 1, length)
+        full_hi = tl.minimum(first + after + 1, hi)
+    return lo, hi, full_lo, full_hi
 
 
 @triton.jit
-def _tanh(x):
-    # tanh through exp2 (portable: the interpreter has no libdevice).  For large |x|, 2^(2x log2e)
-    # overflows to inf or underflows to 0 and the expression saturates to +-1 as it should.
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)
+def _block_segments(lo, full_lo, full_hi, BLOCK: tl.constexpr):
+    """Cut the visible span at BLOCK boundaries into three loops: [blk_lo, edge_a_hi) masked,
+    [full_blk_lo, full_blk_hi) unmasked (every item of every block visible), [edge_c_lo, hi)
+    masked.  Without a fully visible block, the last loop takes everything."""
+    blk_lo = (lo // BLOCK) * BLOCK
+    full_blk_lo = tl.maximum(tl.cdiv(full_lo, BLOCK) * BLOCK, blk_lo)
+    full_blk_hi = (full_hi // BLOCK) * BLOCK
+    has_full = full_blk_lo < full_blk_hi
+    edge_a_hi = tl.where(has_full, full_blk_lo, blk_lo)
+    full_blk_hi = tl.where(has_full, full_blk_hi, full_blk_lo)
+    edge_c_lo = tl.where(has_full, full_blk_hi, blk_lo)
+    return blk_lo, edge_a_hi, full_blk_lo, full_blk_hi, edge_c_lo
 
 
 @triton.jit
@@ -1202,6 +886,291 @@ _TUNED_DQ = {(family, block_d, elt): triton.autotune(
 _FORCED_BWD_CONFIGS: Optional[tuple[dict, dict]] = None
 
 
+# ----------------------------------------------------------------------------- custom ops: forward, backward, autograd
+
+@torch.library.custom_op("twofold::varlen_attn", mutates_args=())
+def _varlen_attn_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
+                    cu_seq_k: Optional[torch.Tensor], max_q: int, max_k: int, scale: float, window_left: int,
+                    window_right: int, seqused_k: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                    softcap: float, sinks: Optional[torch.Tensor],
+                    batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table)
+    out = query.new_empty(query.shape)
+    lse = _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
+                  seqused_k, block_table, softcap, sinks, rows_used=rows, zero_padding=True,
+                  batch_invariant=batch_invariant)
+    return out, lse
+
+
+@_varlen_attn_op.register_fake
+def _varlen_attn_fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_left, window_right,
+                      seqused_k, block_table, softcap, sinks, batch_invariant):
+    return query.new_empty(query.shape), query.new_empty(query.shape[1], query.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("twofold::varlen_attn_out", mutates_args=("out",))
+def _varlen_attn_out_op(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        cu_seq_q: torch.Tensor, cu_seq_k: Optional[torch.Tensor], max_q: int, max_k: int,
+                        scale: float, window_left: int, window_right: int, seqused_k: Optional[torch.Tensor],
+                        block_table: Optional[torch.Tensor], softcap: float,
+                        sinks: Optional[torch.Tensor], batch_invariant: bool) -> torch.Tensor:
+    rows = _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table)
+    return _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
+                   seqused_k, block_table, softcap, sinks, rows_used=rows, zero_padding=False,
+                   batch_invariant=batch_invariant)
+
+
+@_varlen_attn_out_op.register_fake
+def _varlen_attn_out_fake(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_left,
+                          window_right, seqused_k, block_table, softcap, sinks, batch_invariant):
+    return query.new_empty(query.shape[1], query.shape[0], dtype=torch.float32)
+
+
+# The backward: twofold::varlen_attn_bwd, tied to twofold::varlen_attn by register_autograd.
+@torch.library.custom_op("twofold::varlen_attn_bwd", mutates_args=())
+def _varlen_attn_bwd_op(grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor], query: torch.Tensor,
+                        key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                        cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, seqused_k: Optional[torch.Tensor],
+                        max_q: int, max_k: int, scale: float, window_left: int, window_right: int, softcap: float,
+                        sinks: Optional[torch.Tensor]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dq, dk, dv, dsinks or an empty tensor)."""
+    return _launch_bwd(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, max_q,
+                       max_k, scale, window_left, window_right, softcap, sinks)
+
+
+@_varlen_attn_bwd_op.register_fake
+def _varlen_attn_bwd_fake(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, max_q,
+                          max_k, scale, window_left, window_right, softcap, sinks):
+    dsinks = torch.empty_like(sinks) if sinks is not None else query.new_empty(0)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dsinks
+
+
+def _setup_context(ctx, inputs, output):
+    (query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_left, window_right, seqused_k,
+     block_table, softcap, sinks, _) = inputs
+    if block_table is not None:  # varlen_attn raised already; this guards direct calls of the op
+        raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only")
+    out, lse = output
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, sinks)
+    ctx.scalars = (max_q, max_k, scale, window_left, window_right, softcap)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, sinks = ctx.saved_tensors
+    if grad_out is None:  # only the lse was used
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, dsinks = _varlen_attn_bwd_op(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k,
+                                             seqused_k, *ctx.scalars, sinks)
+    return (dq, dk, dv, None, None, None, None, None, None, None, None, None, None,
+            dsinks if sinks is not None else None, None)
+
+
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError("fast varlen_attn has no double backward (second derivative); "
+                              "ref.paged_varlen_attention.varlen_attn has one through plain autograd")
+
+
+_varlen_attn_op.register_autograd(_backward, setup_context=_setup_context)
+_varlen_attn_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_left, window_right,
+            seqused_k, block_table, softcap, sinks, *, rows_used, zero_padding, batch_invariant):
+    """Writes ``out`` and returns ``lse [H_q, T_q]`` fp32.  Inputs were checked by the caller.
+
+    Rows past cu_seq_q[-1] (a padded buffer) get lse -inf and, with ``zero_padding`` (varlen_attn,
+    not varlen_attn_out), out 0.  ``rows_used`` is cu_seq_q[-1] when the value checks read it, else
+    None (CUDA-graph capture), and then the padding kernel runs whatever the data.
+    """
+    t_q, h_q, head_dim = query.shape
+    num_seqs = cu_seq_q.numel() - 1
+    lse = torch.empty(h_q, t_q, dtype=torch.float32, device=query.device)
+    if t_q == 0 or num_seqs == 0 or max_q == 0 or head_dim == 0:   # no row sees a key: all rows padding
+        if zero_padding:
+            out.zero_()
+        lse.fill_(float("-inf"))
+        return lse
+    paged = block_table is not None
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    target = out
+    align = _pow2_divisor(*query.stride()[:-1], *out.stride()[:-1], *key.stride()[:-1], *value.stride()[:-1])
+    if align < _MIN_ALIGN or out.stride(-1) != 1:
+        # Rows aligned to fewer than 4 elements would compile to scalar loads that spill
+        # registers: stage through copies whose rows are 16-byte aligned (a slow path, for
+        # odd head dims or strides; the common head dims never take it).
+        query, key, value = (_padded_copy(t) for t in (query, key, value))
+        target = _padded_copy(out, copy=not zero_padding)   # varlen_attn_out keeps its padding rows
+        align = _pow2_divisor(*query.stride()[:-1], *target.stride()[:-1], *key.stride()[:-1],
+                              *value.stride()[:-1])
+    h_kv = key.shape[-2]
+    group = h_q // h_kv
+    if paged:
+        k_strides, v_strides = key.stride()[:3], value.stride()[:3]      # page, slot, head
+        page_size, stride_bt = key.shape[1], block_table.stride(0)
+    else:
+        k_strides, v_strides = (0, *key.stride()[:2]), (0, *value.stride()[:2])
+        page_size, stride_bt = 1, 0
+    has_softcap = softcap > 0
+    qk_scale = scale / softcap if has_softcap else scale * _LOG2E.value
+    int_dummy = cu_seq_q                                                  # never read when its flag is off
+    args = (query, key, value, target, lse, sinks if sinks is not None else query,
+            cu_seq_q, cu_seq_k if cu_seq_k is not None else int_dummy,
+            seqused_k if seqused_k is not None else int_dummy,
+            block_table if paged else int_dummy,
+            query.stride(0), query.stride(1), target.stride(0), target.stride(1), lse.stride(0),
+            *k_strides, *v_strides, stride_bt, page_size, num_seqs,
+            min(4096, max(16, triton.next_power_of_2(max_q * group))),
+            qk_scale, float(softcap), window_left, window_right)
+    flags = dict(GROUP=group, IS_PAGED=paged, HAS_SEQUSED=seqused_k is not None,
+                 HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=has_softcap,
+                 HAS_SINKS=sinks is not None, DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+                 ALIGN=align, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim))
+
+    def grid(meta):
+        # The mode's position-aligned tiles (see the kernel): a sequence's first row sits at a multiple
+        # of gcd(G, BLOCK_M), at most BLOCK_M - gcd, so its rows may need one tile more.
+        rows = max_q * group
+        if meta.get("BATCH_INVARIANT"):
+            rows += meta["BLOCK_M"] - math.gcd(group, meta["BLOCK_M"])
+        return (triton.cdiv(rows, meta["BLOCK_M"]) * num_seqs, h_kv)
+
+    if batch_invariant:
+        # One fixed config per device family, dtype and head-dim class: never tuned, never forced.
+        family = None if not query.is_cuda else _gpu_family(
+            query.device.index if query.device.index is not None else torch.cuda.current_device())
+        config = _invariant_config(family, head_dim, query.element_size())
+        with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
+            _attn_fwd_kernel[grid](*args, **flags, **config, BATCH_INVARIANT=True)
+    elif query.is_cuda:
+        with torch.cuda.device(query.device):
+            if _FORCED_CONFIG is not None:
+                _attn_fwd_kernel[grid](*args, **flags, **_FORCED_CONFIG)
+            else:
+                family = _gpu_family(query.device.index if query.device.index is not None
+                                     else torch.cuda.current_device())
+                _TUNED[(family, _block_d(head_dim), query.element_size())][grid](*args, **flags)
+    else:
+        _attn_fwd_kernel[grid](*args, **flags, **_INTERPRET_BLOCKS, num_warps=4)
+    if rows_used is None or rows_used < t_q:
+        _fill_padding(cu_seq_q, lse=lse, zeros=(target,) if zero_padding else ())
+    if target is not out:
+        out.copy_(target)
+    return lse
+
+
+def _launch_bwd(grad_out, grad_lse, query, key, value, out, lse, cu_seq_q, cu_seq_k, seqused_k, max_q, max_k,
+                scale, window_left, window_right, softcap, sinks):
+    """Returns (dq, dk, dv, dsinks or an empty tensor).  Packed K/V only; the forward checked the inputs."""
+    t_q, h_q, head_dim = query.shape
+    h_kv = key.shape[1]
+    group = h_q // h_kv
+    num_seqs = cu_seq_q.numel() - 1
+    dsinks = torch.zeros_like(sinks) if sinks is not None else query.new_empty(0)
+    if t_q == 0 or num_seqs == 0 or max_q == 0 or head_dim == 0:
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dsinks
+    block_d = _block_d(head_dim)
+    tensors = [t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value, out, grad_out)]
+    padded = head_dim != block_d or _pow2_divisor(*(s for t in tensors for s in t.stride()[:-1])) < 16
+    if padded:
+        # Head dims that are not a power of two (or rows not 16-element aligned) run on zero-padded
+        # copies of width block_d: the extra zero columns change no dot product, and every load is a
+        # full, vectorized row (a column mask at D = 100 would split loads into 4-element pieces and
+        # spill the dK/dV kernel's registers).  One extra copy of q, k, v, o, dO; dq, dk, dv sliced back.
+        tensors = [_zero_padded(t, block_d) for t in tensors]
+    query_, key_, value_, out_, grad_out_ = tensors
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (query_, key_, value_))
+    if seqused_k is not None or max_k == 0:
+        dk.zero_()   # keys past seqused_k (or of a sequence no program visits) get gradient 0
+        dv.zero_()
+
+    # 1. delta = rowsum(dO * O) - dlse, the log2-domain lse, the sink gradient's partial sums.
+    block_t = max(16, 4096 // block_d)
+    delta = torch.empty(h_q, t_q, dtype=torch.float32, device=query.device)
+    lse2 = torch.empty_like(delta)
+    n_t = triton.cdiv(t_q, block_t)
+    dsink_part = torch.empty(h_q, n_t, dtype=torch.float32, device=query.device)
+    dlse_strides = grad_lse.stride() if grad_lse is not None else (0, 0)
+    device_ctx = torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext()
+    with device_ctx:
+        _attn_bwd_preprocess_kernel[(n_t, h_q)](
+            out_, grad_out_, lse, grad_lse if grad_lse is not None else lse, sinks if sinks is not None else lse,
+            delta, lse2, dsink_part, t_q, out_.stride(0), out_.stride(1), grad_out_.stride(0), grad_out_.stride(1),
+            *dlse_strides, HAS_DLSE=grad_lse is not None, HAS_SINKS=sinks is not None, BLOCK_D=block_d,
+            BLOCK_T=block_t, num_warps=4)
+        if sinks is not None:
+            dsinks = dsink_part.sum(1).to(sinks.dtype)
+
+        # 2. dK, dV over key blocks; 3. dQ over query tiles.
+        has_softcap = softcap > 0
+        qk_scale = scale / softcap if has_softcap else scale * _LOG2E.value
+        common = (qk_scale, float(softcap), scale, window_left, window_right)
+        int_dummy = cu_seq_q
+        seq_args = (cu_seq_q, cu_seq_k, seqused_k if seqused_k is not None else int_dummy)
+        in_strides = (*query_.stride()[:2], *key_.stride()[:2], *value_.stride()[:2], *grad_out_.stride()[:2])
+        flags = dict(GROUP=group, HAS_SEQUSED=seqused_k is not None, HAS_LEFT=window_left >= 0,
+                     HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=has_softcap,
+                     DOT_PRECISION="ieee" if query.dtype == torch.float32 else None, BLOCK_D=block_d)
+        dkdv_args = (query_, key_, value_, grad_out_, lse2, delta, dk, dv, *seq_args, *in_strides,
+                     *dk.stride()[:2], *dv.stride()[:2], lse2.stride(0), num_seqs,
+                     min(4096, max(16, triton.next_power_of_2(max_k))), *common)
+        dq_args = (query_, key_, value_, grad_out_, lse2, delta, dq, *seq_args, *in_strides, *dq.stride()[:2],
+                   lse2.stride(0), num_seqs, min(4096, max(16, triton.next_power_of_2(max_q * group))), *common)
+
+        def dkdv_grid(meta):
+            return (triton.cdiv(max_k, meta["BLOCK_N"]) * num_seqs, h_kv)
+
+        def dq_grid(meta):
+            return (triton.cdiv(max_q * group, meta["BLOCK_M"]) * num_seqs, h_kv)
+
+        if not query.is_cuda:
+            blocks = dict(_INTERPRET_BLOCKS, num_warps=4)
+            if max_k > 0:
+                _attn_bwd_dkdv_kernel[dkdv_grid](*dkdv_args, **flags, **blocks)
+            _attn_bwd_dq_kernel[dq_grid](*dq_args, **flags, **blocks)
+        elif _FORCED_BWD_CONFIGS is not None:
+            if max_k > 0:
+                _attn_bwd_dkdv_kernel[dkdv_grid](*dkdv_args, **flags, **_FORCED_BWD_CONFIGS[0])
+            _attn_bwd_dq_kernel[dq_grid](*dq_args, **flags, **_FORCED_BWD_CONFIGS[1])
+        else:
+            family = _gpu_family(query.device.index if query.device.index is not None
+                                 else torch.cuda.current_device())
+            table_key = (family, block_d, query.element_size())
+            if max_k > 0:
+                _TUNED_DKDV[table_key][dkdv_grid](*dkdv_args, **flags)
+            _TUNED_DQ[table_key][dq_grid](*dq_args, **flags)
+        # Rows past cu_seq_q[-1] / keys past cu_seq_k[-1] (padded buffers) belong to no sequence: no
+        # kernel above wrote them.  Without a host copy of the offsets, a small kernel zeroes them.
+        _fill_padding(cu_seq_q, zeros=(dq,))
+        if not (seqused_k is not None or max_k == 0):      # else dk, dv were zeroed whole
+            _fill_padding(cu_seq_k, zeros=(dk, dv))
+    if padded:
+        dq, dk, dv = (t[..., :head_dim].contiguous() for t in (dq, dk, dv))
+    return dq, dk, dv, dsinks
+
+
+def _fill_padding(cu_seq, *, zeros=(), lse=None):
+    """Rows t >= cu_seq[-1] of the [T, H, D] tensors ``zeros`` (at most two) become 0, and of
+    ``lse`` [H, T] -inf.  Reads cu_seq[-1] on the device (no host copy), so it also runs under
+    CUDA-graph capture."""
+    t, h = (zeros[0].shape[0], zeros[0].shape[1]) if zeros else (lse.shape[1], lse.shape[0])
+    if t == 0 or h == 0:
+        return
+    # Pointer slots left empty get cu_seq: a valid pointer the kernel never reads.
+    x, y = (*zeros, cu_seq, cu_seq)[:2]
+    x_strides, y_strides = (t.stride()[:2] if t is not cu_seq else (0, 0) for t in (x, y))
+    head_dim = zeros[0].shape[-1] if zeros else 0
+    device_ctx = torch.cuda.device(cu_seq.device) if cu_seq.is_cuda else contextlib.nullcontext()
+    with device_ctx:
+        _padding_rows_kernel[(triton.cdiv(t, 16), h)](
+            x, y, lse if lse is not None else cu_seq, cu_seq, cu_seq.numel() - 1, t, *x_strides, *y_strides,
+            lse.stride(0) if lse is not None else 0, HEAD_DIM=head_dim, NUM_ZEROS=len(zeros),
+            HAS_LSE=lse is not None, BLOCK_T=16, BLOCK_D=_block_d(head_dim), num_warps=1)
+
+
 # ----------------------------------------------------------------------------- launch plumbing
 
 @functools.cache
@@ -1248,111 +1217,122 @@ def _padded_copy(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- input checks
+#
+# One row per tensor argument (name, shape in the size names of the module docstring, dtype rule),
+# checked in order by _check_tensors; then the rules that tie arguments together, the scalars, and
+# the values of the index tensors.  ref/paged_varlen_attention.py holds the same code, so both
+# files raise the same errors for the same bad inputs (parity/ checks it); what this kernel adds
+# is in _check_fast_limits.
+
+def _prepare(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa, seqused_k,
+             block_table, num_splits, softcap, sinks, batch_invariant, out=None):
+    """The host checks; returns the op's scalars (max_q, max_k, scale, left, right, softcap)."""
+    max_q, max_k, left, right = _check_meta(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
+        enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
+        softcap=softcap, sinks=sinks, batch_invariant=batch_invariant, out=out)
+    _check_fast_limits(query)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
+        if block_table is not None:
+            raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only, as in "
+                                      "PyTorch: call it under torch.no_grad(), or pass packed key/value to train")
+        if out is not None:
+            raise NotImplementedError("varlen_attn_out is forward-only, as in PyTorch: call it under "
+                                      "torch.no_grad(), or use varlen_attn to train")
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    return max_q, max_k, scale, left, right, float(softcap)
+
+
+_SIZES = {"N": "sequence count", "T_q": "query token count", "T_k": "key token count", "H_q": "query head count",
+          "H_kv": "KV head count", "D": "head dim", "num_pages": "page count", "page_size": "page size",
+          "max_pages": "pages per sequence"}
+
 
 def _check_meta(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa,
                 seqused_k, block_table, num_splits, softcap, sinks, batch_invariant, out=None):
-    """Shape, dtype and device checks that need no data (they also run on fake tensors).
-    Returns (max_q, max_k, left, right) as ints."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+    """Shapes, dtypes and devices: the checks that read no tensor's data (they also run on fake
+    tensors).  Returns (max_q, max_k, left, right) as ints."""
     paged = block_table is not None
-    if query.dim() != 3:
-        raise ValueError(f"query must be [T_q, H_q, D], got shape {tuple(query.shape)}")
-    kv_rank = 4 if paged else 3
-    kv_layout = "[num_pages, page_size, H_kv, D] (paged)" if paged else "[T_k, H_kv, D]"
-    for name, t in (("key", key), ("value", value)):
-        if t.dim() != kv_rank:
-            raise ValueError(f"{name} must be {kv_layout}, got shape {tuple(t.shape)}")
-    if key.shape != value.shape:
-        raise ValueError(f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}")
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise TypeError(f"query, key, value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
-    if key.shape[-1] != query.shape[-1]:
-        raise ValueError(f"head dim mismatch: query has D={query.shape[-1]}, key/value have D={key.shape[-1]}")
-    h_q, h_kv = query.shape[1], key.shape[-2]
+    kv = ("num_pages", "page_size", "H_kv", "D") if paged else ("T_k", "H_kv", "D")
+    size = _check_tensors(
+        # name          tensor        shape                 dtype          may be None
+        ("query",       query,        ("T_q", "H_q", "D"),  "float",       False),
+        ("key",         key,          kv,                   "query",       False),   # query's dtype
+        ("value",       value,        kv,                   "query",       False),
+        ("cu_seq_q",    cu_seq_q,     ("N+1",),             torch.int32,   False),
+        ("cu_seq_k",    cu_seq_k,     ("N+1",),             torch.int32,   True),    # None only when paged
+        ("block_table", block_table,  ("N", "max_pages"),   torch.int32,   True),
+        ("seqused_k",   seqused_k,    ("N",),               torch.int32,   True),    # required when paged
+        ("sinks",       sinks,        ("H_q",),             "float",       True),
+        ("out",         out,          ("T_q", "H_q", "D"),  None,          True))    # dtype: below
+    if cu_seq_k is None and not paged:
+        raise ValueError("cu_seq_k may be None only with a paged KV cache (block_table)")
+    if paged and seqused_k is None:
+        raise ValueError("block_table requires seqused_k (the number of valid keys per sequence)")
+    h_q, h_kv = size["H_q"], size["H_kv"]
     if not enable_gqa and h_q != h_kv:
         raise ValueError(f"Expect query and key/value to have the same number of heads but got Hq={h_q} "
                          f"and Hkv={h_kv}. Try setting enable_gqa=True for GQA.")
     if h_kv == 0 or h_q % h_kv != 0:
         raise ValueError(f"Expect number of query heads to be a multiple of kv heads for GQA but got "
                          f"Hq={h_q} and Hkv={h_kv}.")
+    if out is not None and out.dtype != query.dtype:
+        raise ValueError(f"out must be {query.dtype} like query, got {out.dtype}")
+    return _check_scalars(max_q, max_k, scale=scale, window_size=window_size, num_splits=num_splits,
+                          softcap=softcap, batch_invariant=batch_invariant)
 
-    def index_tensor(name, t, dim):
+
+def _check_tensors(*rows):
+    """Check a table of (name, tensor, shape, dtype, may be None) rows in order; returns the sizes.
+
+    ``shape`` names each dimension's size: the first row to name a size fixes it and later rows
+    must agree ("N+1" fixes N to the length minus one).  ``dtype`` is "float", a torch.dtype, the
+    name of an earlier row whose dtype is required, or None (any).  One device for all.
+    """
+    size, owner, dtypes, devices = {}, {}, {}, {}
+    for name, t, shape, dtype, optional in rows:
+        if t is None and optional:
+            continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32, got {t.dtype}")
-        if t.dim() != dim:
-            raise ValueError(f"{name} must have {dim} dimension(s), got shape {tuple(t.shape)}")
-
-    index_tensor("cu_seq_q", cu_seq_q, 1)
-    if cu_seq_q.numel() < 1:
-        raise ValueError("cu_seq_q must have N + 1 >= 1 entries, got 0")
-    n = cu_seq_q.numel() - 1
-    if cu_seq_k is not None:
-        index_tensor("cu_seq_k", cu_seq_k, 1)
-        if cu_seq_k.numel() != n + 1:
-            raise ValueError(f"cu_seq_k must have N + 1 = {n + 1} entries like cu_seq_q, got {cu_seq_k.numel()}")
-    elif not paged:
-        raise ValueError("cu_seq_k may be None only with a paged KV cache (block_table)")
-    if paged:
-        if seqused_k is None:
-            raise ValueError("block_table requires seqused_k (the number of valid keys per sequence)")
-        index_tensor("block_table", block_table, 2)
-        if block_table.shape[0] != n:
-            raise ValueError(f"block_table must be [N={n}, max_pages], got shape {tuple(block_table.shape)}")
-    if seqused_k is not None:
-        index_tensor("seqused_k", seqused_k, 1)
-        if seqused_k.numel() != n:
-            raise ValueError(f"seqused_k must be [N={n}], got shape {tuple(seqused_k.shape)}")
-    if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
-            raise TypeError("sinks must be a floating torch.Tensor of shape [H_q]")
-        if sinks.shape != (h_q,):
-            raise ValueError(f"sinks must be [H_q={h_q}], got shape {tuple(sinks.shape)}")
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if out.shape != query.shape or out.dtype != query.dtype:
-            raise ValueError(f"out must be {tuple(query.shape)} {query.dtype} like query, "
-                             f"got {tuple(out.shape)} {out.dtype}")
-    named = [("query", query), ("key", key), ("value", value), ("cu_seq_q", cu_seq_q), ("cu_seq_k", cu_seq_k),
-             ("seqused_k", seqused_k), ("block_table", block_table), ("sinks", sinks), ("out", out)]
-    devices = {name: t.device for name, t in named if t is not None}
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if dtype == "float" and not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+        if isinstance(dtype, torch.dtype) and t.dtype != dtype:
+            raise TypeError(f"{name} must be {str(dtype).removeprefix('torch.')}, got {t.dtype}")
+        if dtype in dtypes and t.dtype != dtypes[dtype]:
+            raise TypeError(f"{dtype} and {name} must share a dtype, got {dtypes[dtype]} and {t.dtype}")
+        dims = [(d, d.removesuffix("+1"), int(d.endswith("+1"))) for d in shape]   # (text, size, offset)
+        layout = "[" + ", ".join(f"{d}={size[s] + k}" if s in size else d for d, s, k in dims) + "]"
+        if t.dim() != len(shape):
+            raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+        for (d, s, k), n in zip(dims, t.shape):
+            if n - k < 0:
+                raise ValueError(f"{name} must be {layout} with {d} >= 1, got shape {tuple(t.shape)}")
+            if size.setdefault(s, n - k) != n - k:
+                raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}: {_SIZES.get(s, 'size')} "
+                                 f"mismatch, {owner[s]} and {name} have {s}={size[s]} and {n - k}")
+            owner.setdefault(s, name)
+        dtypes[name], devices[name] = t.dtype, t.device
     if len(set(devices.values())) > 1:
         raise ValueError(f"all tensors must be on one device, got mixed devices {devices}")
+    return size
+
+
+def _check_scalars(max_q, max_k, *, scale, window_size, num_splits, softcap, batch_invariant):
+    """The non-tensor arguments; returns (max_q, max_k, left, right) as ints."""
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
         raise ValueError(f"window_size must be (left, right) integers >= -1, got {window_size!r}")
     left, right = (_integer("window_size", w, -1) for w in window_size)
     max_q, max_k = _integer("max_q", max_q, 0), _integer("max_k", max_k, 0)
+    if num_splits is not None:
+        _integer("num_splits", num_splits, 1)
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not isinstance(softcap, (int, float)) or softcap < 0:
         raise ValueError(f"softcap must be a float >= 0, got {softcap!r}")
-    if num_splits is not None:
-        _integer("num_splits", num_splits, 1)
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
-    # What this kernel adds to the contract's checks.
-    if query.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(f"fast varlen_attn supports fp16, bf16, fp32; got {query.dtype} (the reference takes fp64)")
-    if query.shape[-1] > 256:
-        raise ValueError(f"fast varlen_attn supports head dims up to 256, got D={query.shape[-1]}")
-    _check_device("query", query)
     return max_q, max_k, left, right
-
-
-def _check_device(name, t):
-    """Triton needs a GPU driver; say so on the host instead of failing inside Triton."""
-    if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError(
-            f"{name} is a {t.device.type} tensor, and fast/paged_varlen_attention.py runs Triton kernels, "
-            f"which need CUDA tensors.  Move the inputs to a GPU; or set TRITON_INTERPRET=1 before triton is "
-            f"imported to run the kernels on CPU tensors in the Triton interpreter (slow: for tests); or use "
-            f"ref/paged_varlen_attention.py, the same API in plain PyTorch, for CPU work.")
 
 
 def _integer(name, value, minimum):
@@ -1370,45 +1350,61 @@ def _integer(name, value, minimum):
 
 
 def _check_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, *, seqused_k, block_table):
-    """Checks that read the index tensors (one small device-to-host copy); returns cu_seq_q[-1]."""
-    paged = block_table is not None
-    cq = cu_seq_q.tolist()
-    if cq[0] != 0 or any(b < a for a, b in zip(cq, cq[1:])):
-        raise ValueError(f"cu_seq_q must start at 0 and be non-decreasing, got {cq[:8]}...")
-    if cq[-1] > query.shape[0]:      # < T_q is a padded buffer: the rows past it belong to no sequence
-        raise ValueError(f"cu_seq_q[-1] must be <= T_q = query.shape[0] = {query.shape[0]}, got {cq[-1]}")
-    q_lens = [b - a for a, b in zip(cq, cq[1:])]
-    if paged:
-        k_lens = seqused_k.tolist()
-        page_size, num_pages = key.shape[1], key.shape[0]
-        capacity = block_table.shape[1] * page_size
-        for b, length in enumerate(k_lens):
-            if not 0 <= length <= capacity:
-                raise ValueError(f"seqused_k[{b}] = {length} is beyond the {block_table.shape[1]} pages of "
-                                 f"{page_size} keys that block_table holds per sequence (capacity {capacity})")
-        table = block_table.tolist()
-        for b, length in enumerate(k_lens):
-            bad = [x for x in table[b][:-(-length // page_size)] if not 0 <= x < num_pages]
-            if bad:
-                raise ValueError(f"block_table[{b}] points at page {bad[0]}, outside the pool of {num_pages} pages")
-    else:
-        ck = cu_seq_k.tolist()
-        if ck[0] != 0 or any(b < a for a, b in zip(ck, ck[1:])):
-            raise ValueError(f"cu_seq_k must start at 0 and be non-decreasing, got {ck[:8]}...")
-        if ck[-1] > key.shape[0]:
-            raise ValueError(f"cu_seq_k[-1] must be <= T_k = key.shape[0] = {key.shape[0]}, got {ck[-1]}")
-        k_lens = [b - a for a, b in zip(ck, ck[1:])]
+    """The checks that read the index tensors (one small device-to-host copy: a wrong length would
+    otherwise give a silently wrong answer or an out-of-bounds read).  Returns (q_lens, k_starts,
+    k_lens), host lists."""
+    _, q_lens = _offsets("cu_seq_q", cu_seq_q.tolist(), "T_q = query.shape[0]", query.shape[0])
+    if block_table is None:
+        k_starts, k_lens = _offsets("cu_seq_k", cu_seq_k.tolist(), "T_k = key.shape[0]", key.shape[0])
         if seqused_k is not None:
             used = seqused_k.tolist()
             for b, (u, length) in enumerate(zip(used, k_lens)):
                 if not 0 <= u <= length:
                     raise ValueError(f"seqused_k[{b}] = {u} is outside [0, {length}], the keys sequence {b} has")
             k_lens = used
-    if q_lens and max(q_lens) > max_q:
-        raise ValueError(f"max_q = {max_q} is smaller than the longest query sequence ({max(q_lens)})")
-    if k_lens and max(k_lens) > max_k:
-        raise ValueError(f"max_k = {max_k} is smaller than the longest key sequence ({max(k_lens)})")
-    return cq[-1]
+    else:
+        k_starts, k_lens = [0] * len(q_lens), seqused_k.tolist()
+        (num_pages, page_size), max_pages = key.shape[:2], block_table.shape[1]
+        for b, length in enumerate(k_lens):
+            if not 0 <= length <= max_pages * page_size:
+                raise ValueError(f"seqused_k[{b}] = {length} is beyond the {max_pages} pages of {page_size} keys "
+                                 f"that block_table holds per sequence (capacity {max_pages * page_size})")
+        for b, (length, pages) in enumerate(zip(k_lens, block_table.tolist())):
+            bad = [p for p in pages[:-(-length // page_size)] if not 0 <= p < num_pages]
+            if bad:
+                raise ValueError(f"block_table[{b}] points at page {bad[0]}, outside the pool of {num_pages} pages")
+    for name, limit, lens, what in (("max_q", max_q, q_lens, "query"), ("max_k", max_k, k_lens, "key")):
+        if lens and max(lens) > limit:
+            raise ValueError(f"{name} = {limit} is smaller than the longest {what} sequence ({max(lens)})")
+    return q_lens, k_starts, k_lens
+
+
+def _offsets(name, cu, limit_text, limit):
+    """(starts, lengths) from the offsets ``cu`` [N + 1]: from 0, non-decreasing, at most ``limit``."""
+    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"{name} must start at 0 and be non-decreasing, got {cu[:8]}...")
+    if cu[-1] > limit:          # < limit is a padded buffer: the rows past cu[-1] belong to no sequence
+        raise ValueError(f"{name}[-1] must be <= {limit_text} = {limit}, got {cu[-1]}")
+    return cu[:-1], [b - a for a, b in zip(cu, cu[1:])]
+
+
+def _check_fast_limits(query):
+    """What this kernel adds to the contract's checks: fp16 / bf16 / fp32, head dims up to 256, CUDA."""
+    if query.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"fast varlen_attn supports fp16, bf16, fp32; got {query.dtype} (the reference takes fp64)")
+    if query.shape[-1] > 256:
+        raise ValueError(f"fast varlen_attn supports head dims up to 256, got D={query.shape[-1]}")
+    _check_device("query", query)
+
+
+def _check_device(name, t):
+    """Triton needs a GPU driver; say so on the host instead of failing inside Triton."""
+    if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(
+            f"{name} is a {t.device.type} tensor, and fast/paged_varlen_attention.py runs Triton kernels, "
+            f"which need CUDA tensors.  Move the inputs to a GPU; or set TRITON_INTERPRET=1 before triton is "
+            f"imported to run the kernels on CPU tensors in the Triton interpreter (slow: for tests); or use "
+            f"ref/paged_varlen_attention.py, the same API in plain PyTorch, for CPU work.")
 
 
 def _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, block_table):
@@ -1416,4 +1412,6 @@ def _validate_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k, bl
     device-to-host copy is illegal there, so the values go unchecked."""
     if query.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    return _check_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k=seqused_k, block_table=block_table)
+    q_lens, _, _ = _check_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k=seqused_k,
+                                 block_table=block_table)
+    return sum(q_lens)

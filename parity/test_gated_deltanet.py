@@ -22,8 +22,10 @@ Interpreter tier: fp32 / fp16, small shapes.  GPU tier: bf16, T up to 32k, K = V
 """
 from __future__ import annotations
 
+import ast
 import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -370,6 +372,34 @@ def test_fast_compiles_without_graph_break(kind):
     o_e, s_e = f(*inputs)
     torch.testing.assert_close(o_c, o_e)
     torch.testing.assert_close(s_c, s_e)
+
+
+
+def test_the_fast_files_map_is_true():
+    """fast/gated_deltanet.py's docstring maps each kernel (and host driver) to the function of
+    ref/gated_deltanet.py it computes, with that function's line: every name on both sides exists,
+    every line is the ref function's ``def``, and every kernel of the fast file is on the map."""
+    doc = fast.__doc__
+    rows = doc[doc.index("\nMap:"):].split("\n\n", 1)[0].splitlines()
+    header = next(i for i, line in enumerate(rows) if line.split()[:2] == ["fast", "ref/gated_deltanet.py"])
+    ref_text = Path(ref.__file__).read_text()
+    ref_defs = {}                                    # "name" or "Class.method" -> the line of its def
+    for node in ast.parse(ref_text).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            ref_defs[node.name] = node.lineno
+        if isinstance(node, ast.ClassDef):
+            ref_defs.update({f"{node.name}.{m.name}": m.lineno for m in node.body if isinstance(m, ast.FunctionDef)})
+    mapped = set()
+    for row in rows[header + 1:]:
+        name, ref_names, lines = re.split(r"\s{2,}", row.strip())[:3]
+        assert hasattr(fast, name), f"map row {row.strip()!r}: fast has no {name}"
+        for ref_name, line in zip(ref_names.split(", "), lines.split(", "), strict=True):
+            assert ref_name in ref_defs, f"map row {row.strip()!r}: ref/gated_deltanet.py has no {ref_name}"
+            assert ref_defs[ref_name] == int(line), (
+                f"map row {row.strip()!r}: {ref_name} is at line {ref_defs[ref_name]} of ref/gated_deltanet.py")
+        mapped.add(name)
+    kernels = {name for name, obj in vars(fast).items() if name.endswith("_kernel") and callable(obj)}
+    assert kernels <= mapped, f"kernels missing from the map: {sorted(kernels - mapped)}"
 
 
 # ----------------------------------------------------------------------------- 4. the layer

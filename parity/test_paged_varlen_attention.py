@@ -6,6 +6,7 @@ sequences up to 8k, head dims 64/128/256, every autotune config.
 """
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -503,6 +504,21 @@ def test_bad_input_raises(mod, case):
     _, spec, exc, match = case
     with pytest.raises(exc, match=match):
         mod.varlen_attn(*spec["args"], **spec["kw"])
+
+
+def test_ref_and_fast_share_the_input_checks():
+    """The contract's checks are one piece of code held by both files (each file copies alone), so
+    both raise the same error, message included, for the same bad input; fast adds only its own
+    limits (_check_fast_limits)."""
+    def sources(module):
+        text = Path(module.__file__).read_text()
+        return {node.name: ast.get_source_segment(text, node) for node in ast.parse(text).body
+                if isinstance(node, ast.FunctionDef)}
+
+    ref_src, fast_src = sources(ref), sources(fast)
+    for name in ("_check_meta", "_check_tensors", "_check_scalars", "_integer", "_check_values", "_offsets"):
+        assert ref_src[name] == fast_src[name], f"{name} differs between ref/ and fast/"
+    assert ref._SIZES == fast._SIZES
 
 
 @pytest.mark.parametrize("mod", [ref, fast], ids=["ref", "fast"])

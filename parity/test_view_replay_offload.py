@@ -1121,3 +1121,29 @@ def test_gpu_peak_memory_and_no_leak():
     assert peak_fast <= 0.6 * peak_none
     assert left_fast == left_none, f"device bytes left after backward: {left_fast} (plain run: {left_none})"
     assert not any(eng.fifo for eng in ctx._engines.values())
+
+
+def test_the_benchmarks_memory_measurement():
+    """bench/view_replay_offload.py's CPU rows put the activation bytes a step holds in place beside the
+    hooks' time; the measurement (weak references to the saved storages) sees what each context keeps:
+    everything without offloading (and with save_on_cpu, whose .cpu() is a no-op on CPU tensors),
+    nothing once ref or fast offloaded every activation."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "bench" / "view_replay_offload.py"
+    spec = importlib.util.spec_from_file_location("bench_view_replay_offload", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = bench.make_model(2, 32, 2, 64, 8, dtype=torch.float32, device="cpu")
+    x = torch.randn(1, 8, 32)
+
+    def step():
+        return model(x).square().mean()
+
+    held = {name: bench.activations_held(model, step, make, keep_alive=(x,))[0] for name, make in dict(
+        identity=lambda: torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+        save_on_cpu=lambda: torch.autograd.graph.save_on_cpu(pin_memory=False),
+        ref=lambda: ref_mod.OffloadActivations(min_offload_bytes=0, module=model),
+        fast=lambda: fast_mod.OffloadActivations(min_offload_bytes=0, module=model)).items()}
+    assert held["identity"] > 10_000 and held["save_on_cpu"] == held["identity"]
+    assert held["ref"] == held["fast"] == 0, held

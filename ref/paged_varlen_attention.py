@@ -198,10 +198,13 @@ def varlen_attn_out(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
 def _varlen_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size,
                     enable_gqa, seqused_k, block_table, num_splits, softcap, sinks, batch_invariant, upcast,
                     out=None):
-    paged, q_lens, k_starts, k_lens, (left, right) = _check_inputs(
+    max_q, max_k, left, right = _check_meta(
         query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
         enable_gqa=enable_gqa, seqused_k=seqused_k, block_table=block_table, num_splits=num_splits,
         softcap=softcap, sinks=sinks, batch_invariant=batch_invariant, out=out)
+    q_lens, k_starts, k_lens = _check_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, seqused_k=seqused_k,
+                                             block_table=block_table)
+    paged = block_table is not None
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
         if paged:
             raise NotImplementedError("varlen_attn with a paged KV cache (block_table) is inference-only, as in "
@@ -246,139 +249,102 @@ def _gather_keys(key, value, b, *, paged, k_starts, k_lens, block_table):
 
 
 # ----------------------------------------------------------------------------- input checks
+#
+# One row per tensor argument (name, shape in the size names of the module docstring, dtype rule),
+# checked in order by _check_tensors; then the rules that tie arguments together, the scalars, and
+# the values of the index tensors.  fast/paged_varlen_attention.py holds the same code, so both
+# files raise the same errors for the same bad inputs.
 
-def _check_inputs(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size,
-                  enable_gqa, seqused_k, block_table, num_splits, softcap, sinks, batch_invariant, out=None):
-    """Validate everything on the host; returns (paged, q_lens, k_starts, k_lens, (left, right)), ints.
+_SIZES = {"N": "sequence count", "T_q": "query token count", "T_k": "key token count", "H_q": "query head count",
+          "H_kv": "KV head count", "D": "head dim", "num_pages": "page count", "page_size": "page size",
+          "max_pages": "pages per sequence"}
 
-    Reading the index tensors costs one small device-to-host copy; a wrong length would
-    otherwise give a silently wrong answer or an out-of-bounds read.
-    """
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+
+def _check_meta(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size, enable_gqa,
+                seqused_k, block_table, num_splits, softcap, sinks, batch_invariant, out=None):
+    """Shapes, dtypes and devices: the checks that read no tensor's data (they also run on fake
+    tensors).  Returns (max_q, max_k, left, right) as ints."""
     paged = block_table is not None
-    if query.dim() != 3:
-        raise ValueError(f"query must be [T_q, H_q, D], got shape {tuple(query.shape)}")
-    kv_rank = 4 if paged else 3
-    kv_layout = "[num_pages, page_size, H_kv, D] (paged)" if paged else "[T_k, H_kv, D]"
-    for name, t in (("key", key), ("value", value)):
-        if t.dim() != kv_rank:
-            raise ValueError(f"{name} must be {kv_layout}, got shape {tuple(t.shape)}")
-    if key.shape != value.shape:
-        raise ValueError(f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}")
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise TypeError(f"query, key, value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
-    if key.shape[-1] != query.shape[-1]:
-        raise ValueError(f"head dim mismatch: query has D={query.shape[-1]}, key/value have D={key.shape[-1]}")
-    h_q, h_kv = query.shape[1], key.shape[-2]
+    kv = ("num_pages", "page_size", "H_kv", "D") if paged else ("T_k", "H_kv", "D")
+    size = _check_tensors(
+        # name          tensor        shape                 dtype          may be None
+        ("query",       query,        ("T_q", "H_q", "D"),  "float",       False),
+        ("key",         key,          kv,                   "query",       False),   # query's dtype
+        ("value",       value,        kv,                   "query",       False),
+        ("cu_seq_q",    cu_seq_q,     ("N+1",),             torch.int32,   False),
+        ("cu_seq_k",    cu_seq_k,     ("N+1",),             torch.int32,   True),    # None only when paged
+        ("block_table", block_table,  ("N", "max_pages"),   torch.int32,   True),
+        ("seqused_k",   seqused_k,    ("N",),               torch.int32,   True),    # required when paged
+        ("sinks",       sinks,        ("H_q",),             "float",       True),
+        ("out",         out,          ("T_q", "H_q", "D"),  None,          True))    # dtype: below
+    if cu_seq_k is None and not paged:
+        raise ValueError("cu_seq_k may be None only with a paged KV cache (block_table)")
+    if paged and seqused_k is None:
+        raise ValueError("block_table requires seqused_k (the number of valid keys per sequence)")
+    h_q, h_kv = size["H_q"], size["H_kv"]
     if not enable_gqa and h_q != h_kv:
         raise ValueError(f"Expect query and key/value to have the same number of heads but got Hq={h_q} "
                          f"and Hkv={h_kv}. Try setting enable_gqa=True for GQA.")
     if h_kv == 0 or h_q % h_kv != 0:
         raise ValueError(f"Expect number of query heads to be a multiple of kv heads for GQA but got "
                          f"Hq={h_q} and Hkv={h_kv}.")
+    if out is not None and out.dtype != query.dtype:
+        raise ValueError(f"out must be {query.dtype} like query, got {out.dtype}")
+    return _check_scalars(max_q, max_k, scale=scale, window_size=window_size, num_splits=num_splits,
+                          softcap=softcap, batch_invariant=batch_invariant)
 
-    def index_tensor(name, t, dim):
+
+def _check_tensors(*rows):
+    """Check a table of (name, tensor, shape, dtype, may be None) rows in order; returns the sizes.
+
+    ``shape`` names each dimension's size: the first row to name a size fixes it and later rows
+    must agree ("N+1" fixes N to the length minus one).  ``dtype`` is "float", a torch.dtype, the
+    name of an earlier row whose dtype is required, or None (any).  One device for all.
+    """
+    size, owner, dtypes, devices = {}, {}, {}, {}
+    for name, t, shape, dtype, optional in rows:
+        if t is None and optional:
+            continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32, got {t.dtype}")
-        if t.dim() != dim:
-            raise ValueError(f"{name} must have {dim} dimension(s), got shape {tuple(t.shape)}")
-
-    index_tensor("cu_seq_q", cu_seq_q, 1)
-    if cu_seq_q.numel() < 1:
-        raise ValueError("cu_seq_q must have N + 1 >= 1 entries, got 0")
-    n = cu_seq_q.numel() - 1
-    if cu_seq_k is not None:
-        index_tensor("cu_seq_k", cu_seq_k, 1)
-        if cu_seq_k.numel() != n + 1:
-            raise ValueError(f"cu_seq_k must have N + 1 = {n + 1} entries like cu_seq_q, got {cu_seq_k.numel()}")
-    elif not paged:
-        raise ValueError("cu_seq_k may be None only with a paged KV cache (block_table)")
-    if paged:
-        if seqused_k is None:
-            raise ValueError("block_table requires seqused_k (the number of valid keys per sequence)")
-        index_tensor("block_table", block_table, 2)
-        if block_table.shape[0] != n:
-            raise ValueError(f"block_table must be [N={n}, max_pages], got shape {tuple(block_table.shape)}")
-    if seqused_k is not None:
-        index_tensor("seqused_k", seqused_k, 1)
-        if seqused_k.numel() != n:
-            raise ValueError(f"seqused_k must be [N={n}], got shape {tuple(seqused_k.shape)}")
-    if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
-            raise TypeError("sinks must be a floating torch.Tensor of shape [H_q]")
-        if sinks.shape != (h_q,):
-            raise ValueError(f"sinks must be [H_q={h_q}], got shape {tuple(sinks.shape)}")
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if out.shape != query.shape or out.dtype != query.dtype:
-            raise ValueError(f"out must be {tuple(query.shape)} {query.dtype} like query, "
-                             f"got {tuple(out.shape)} {out.dtype}")
-    named = [("query", query), ("key", key), ("value", value), ("cu_seq_q", cu_seq_q), ("cu_seq_k", cu_seq_k),
-             ("seqused_k", seqused_k), ("block_table", block_table), ("sinks", sinks), ("out", out)]
-    devices = {name: t.device for name, t in named if t is not None}
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if dtype == "float" and not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+        if isinstance(dtype, torch.dtype) and t.dtype != dtype:
+            raise TypeError(f"{name} must be {str(dtype).removeprefix('torch.')}, got {t.dtype}")
+        if dtype in dtypes and t.dtype != dtypes[dtype]:
+            raise TypeError(f"{dtype} and {name} must share a dtype, got {dtypes[dtype]} and {t.dtype}")
+        dims = [(d, d.removesuffix("+1"), int(d.endswith("+1"))) for d in shape]   # (text, size, offset)
+        layout = "[" + ", ".join(f"{d}={size[s] + k}" if s in size else d for d, s, k in dims) + "]"
+        if t.dim() != len(shape):
+            raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+        for (d, s, k), n in zip(dims, t.shape):
+            if n - k < 0:
+                raise ValueError(f"{name} must be {layout} with {d} >= 1, got shape {tuple(t.shape)}")
+            if size.setdefault(s, n - k) != n - k:
+                raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}: {_SIZES.get(s, 'size')} "
+                                 f"mismatch, {owner[s]} and {name} have {s}={size[s]} and {n - k}")
+            owner.setdefault(s, name)
+        dtypes[name], devices[name] = t.dtype, t.device
     if len(set(devices.values())) > 1:
         raise ValueError(f"all tensors must be on one device, got mixed devices {devices}")
+    return size
+
+
+def _check_scalars(max_q, max_k, *, scale, window_size, num_splits, softcap, batch_invariant):
+    """The non-tensor arguments; returns (max_q, max_k, left, right) as ints."""
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
         raise ValueError(f"window_size must be (left, right) integers >= -1, got {window_size!r}")
-    window = tuple(_integer("window_size", w, -1) for w in window_size)
+    left, right = (_integer("window_size", w, -1) for w in window_size)
     max_q, max_k = _integer("max_q", max_q, 0), _integer("max_k", max_k, 0)
+    if num_splits is not None:
+        _integer("num_splits", num_splits, 1)
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not isinstance(softcap, (int, float)) or softcap < 0:
         raise ValueError(f"softcap must be a float >= 0, got {softcap!r}")
-    if num_splits is not None:
-        _integer("num_splits", num_splits, 1)
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
-
-    # Value checks: one small device-to-host copy of the index tensors.
-    cq = cu_seq_q.tolist()
-    if cq[0] != 0 or any(b < a for a, b in zip(cq, cq[1:])):
-        raise ValueError(f"cu_seq_q must start at 0 and be non-decreasing, got {cq[:8]}...")
-    if cq[-1] > query.shape[0]:      # < T_q is a padded buffer: the rows past it belong to no sequence
-        raise ValueError(f"cu_seq_q[-1] must be <= T_q = query.shape[0] = {query.shape[0]}, got {cq[-1]}")
-    q_lens = [b - a for a, b in zip(cq, cq[1:])]
-    if paged:
-        k_lens = seqused_k.tolist()
-        k_starts = [0] * n
-        page_size, num_pages = key.shape[1], key.shape[0]
-        capacity = block_table.shape[1] * page_size
-        for b, length in enumerate(k_lens):
-            if not 0 <= length <= capacity:
-                raise ValueError(f"seqused_k[{b}] = {length} is beyond the {block_table.shape[1]} pages of "
-                                 f"{page_size} keys that block_table holds per sequence (capacity {capacity})")
-        used_pages = [-(-length // page_size) for length in k_lens]
-        table = block_table.tolist()
-        for b, p in enumerate(used_pages):
-            bad = [x for x in table[b][:p] if not 0 <= x < num_pages]
-            if bad:
-                raise ValueError(f"block_table[{b}] points at page {bad[0]}, outside the pool of {num_pages} pages")
-    else:
-        ck = cu_seq_k.tolist()
-        if ck[0] != 0 or any(b < a for a, b in zip(ck, ck[1:])):
-            raise ValueError(f"cu_seq_k must start at 0 and be non-decreasing, got {ck[:8]}...")
-        if ck[-1] > key.shape[0]:
-            raise ValueError(f"cu_seq_k[-1] must be <= T_k = key.shape[0] = {key.shape[0]}, got {ck[-1]}")
-        k_starts = ck[:-1]
-        k_lens = [b - a for a, b in zip(ck, ck[1:])]
-        if seqused_k is not None:
-            used = seqused_k.tolist()
-            for b, (u, length) in enumerate(zip(used, k_lens)):
-                if not 0 <= u <= length:
-                    raise ValueError(f"seqused_k[{b}] = {u} is outside [0, {length}], the keys sequence {b} has")
-            k_lens = used
-    if n and max(q_lens) > max_q:
-        raise ValueError(f"max_q = {max_q} is smaller than the longest query sequence ({max(q_lens)})")
-    if n and max(k_lens) > max_k:
-        raise ValueError(f"max_k = {max_k} is smaller than the longest key sequence ({max(k_lens)})")
-    return paged, q_lens, k_starts, k_lens, window
+    return max_q, max_k, left, right
 
 
 def _integer(name, value, minimum):
@@ -393,6 +359,45 @@ def _integer(name, value, minimum):
     if value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value}")
     return value
+
+
+def _check_values(query, key, cu_seq_q, cu_seq_k, max_q, max_k, *, seqused_k, block_table):
+    """The checks that read the index tensors (one small device-to-host copy: a wrong length would
+    otherwise give a silently wrong answer or an out-of-bounds read).  Returns (q_lens, k_starts,
+    k_lens), host lists."""
+    _, q_lens = _offsets("cu_seq_q", cu_seq_q.tolist(), "T_q = query.shape[0]", query.shape[0])
+    if block_table is None:
+        k_starts, k_lens = _offsets("cu_seq_k", cu_seq_k.tolist(), "T_k = key.shape[0]", key.shape[0])
+        if seqused_k is not None:
+            used = seqused_k.tolist()
+            for b, (u, length) in enumerate(zip(used, k_lens)):
+                if not 0 <= u <= length:
+                    raise ValueError(f"seqused_k[{b}] = {u} is outside [0, {length}], the keys sequence {b} has")
+            k_lens = used
+    else:
+        k_starts, k_lens = [0] * len(q_lens), seqused_k.tolist()
+        (num_pages, page_size), max_pages = key.shape[:2], block_table.shape[1]
+        for b, length in enumerate(k_lens):
+            if not 0 <= length <= max_pages * page_size:
+                raise ValueError(f"seqused_k[{b}] = {length} is beyond the {max_pages} pages of {page_size} keys "
+                                 f"that block_table holds per sequence (capacity {max_pages * page_size})")
+        for b, (length, pages) in enumerate(zip(k_lens, block_table.tolist())):
+            bad = [p for p in pages[:-(-length // page_size)] if not 0 <= p < num_pages]
+            if bad:
+                raise ValueError(f"block_table[{b}] points at page {bad[0]}, outside the pool of {num_pages} pages")
+    for name, limit, lens, what in (("max_q", max_q, q_lens, "query"), ("max_k", max_k, k_lens, "key")):
+        if lens and max(lens) > limit:
+            raise ValueError(f"{name} = {limit} is smaller than the longest {what} sequence ({max(lens)})")
+    return q_lens, k_starts, k_lens
+
+
+def _offsets(name, cu, limit_text, limit):
+    """(starts, lengths) from the offsets ``cu`` [N + 1]: from 0, non-decreasing, at most ``limit``."""
+    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"{name} must start at 0 and be non-decreasing, got {cu[:8]}...")
+    if cu[-1] > limit:          # < limit is a padded buffer: the rows past cu[-1] belong to no sequence
+        raise ValueError(f"{name}[-1] must be <= {limit_text} = {limit}, got {cu[-1]}")
+    return cu[:-1], [b - a for a, b in zip(cu, cu[1:])]
 
 
 if __name__ == "__main__":
