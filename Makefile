@@ -52,9 +52,11 @@ bench:
 report:
 	$(PYTHON) bench/report.py
 
-# The kernel observatory's report (bench/roofline.py): Triton interpreter on CPU, no GPU.  fla-core is
-# the peer it measures beside ours: installed for the report (ops only, no dependencies), never vendored.
-# RECORD=1 appends bench/results/roofline.csv, redraws roofline.png and the README's tables.
+# The kernel observatory's report (bench/roofline.py): Triton interpreter on CPU, no GPU.  The peers it
+# measures beside ours are installed for the report, never vendored: fla-core (ops only, no dependencies)
+# into the active Python; vLLM's and SGLang's wheels downloaded by bench/peers.py (pip download --no-deps,
+# into ~/.cache/twofold/peers) and their kernel modules loaded alone.
+# RECORD=1 appends bench/results/roofline.csv, redraws roofline.png and bench/README.md's tables.
 roofline:
 	@$(PYTHON) -c "import sys, fla; sys.exit(fla.__version__ != '0.6.0')" 2>/dev/null || \
 		$(PIP) install --no-deps "fla-core==0.6.0"
