@@ -775,7 +775,7 @@ def peer_table(results) -> str:
     """The attention cases side by side: issued / IO bound of every implementation, and the sm_90 build
     of its main kernel (the first it launches) with its programs and modelled waves."""
     attention = [(c, p) for c, p in results if isinstance(c, (Decode, Prefill)) and c.op == "fwd"]
-    impls = list(OrderedDict.fromkeys(i for _, p in attention for i in p if i != "fla"))
+    impls = [i for i in IMPLS if i != "fla" and any(i in p for _, p in attention)]
     labels = {i: SHORT[i] for i in impls}
     lines = ["| case | " + " | ".join(labels[i] for i in impls) + " |", "|---|" + "---|" * len(impls)]
     for case, per_impl in attention:
@@ -872,18 +872,19 @@ def plot(results):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullFormatter
-    impls = list(OrderedDict.fromkeys(i for _, p in results for i, r in p.items() if "summary" in r))
-    width = 0.84 / len(impls)
-    fig, ax = plt.subplots(figsize=(max(10, 1.6 * len(results)), 5.5))
-    colors = plt.get_cmap("tab10").colors
-    for k, impl in enumerate(impls):
-        xs, ys = [], []
-        for i, (_, per_impl) in enumerate(results):
-            if "summary" in per_impl.get(impl, {}):
-                xs.append(i - 0.42 + width * (k + 0.5))
-                ys.append(per_impl[impl]["summary"]["issued_over_bound"])
-        ax.bar(xs, ys, width, label=LEGEND[impl], color=colors[k % len(colors)])
-        for x, y in zip(xs, ys):
+    impls = [i for i in IMPLS if any("summary" in p.get(i, {}) for _, p in results)]
+    colors = dict(zip(impls, plt.get_cmap("tab10").colors))
+    most = max(sum("summary" in r for r in p.values()) for _, p in results)
+    width = 0.84 / most
+    fig, ax = plt.subplots(figsize=(max(10, 1.7 * len(results)), 6.5))
+    drawn = set()
+    for i, (_, per_impl) in enumerate(results):
+        present = [impl for impl in impls if "summary" in per_impl.get(impl, {})]
+        for k, impl in enumerate(present):     # the case's bars side by side, centred on its tick
+            x = i + width * (k - (len(present) - 1) / 2)
+            y = per_impl[impl]["summary"]["issued_over_bound"]
+            ax.bar(x, y, width, color=colors[impl], label=None if impl in drawn else LEGEND[impl])
+            drawn.add(impl)
             ax.text(x, y * 1.03, f"{y:.2f}", ha="center", va="bottom", fontsize=6, rotation=90)
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_xticks(range(len(results)))
@@ -895,11 +896,14 @@ def plot(results):
     ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
     ax.yaxis.set_minor_formatter(NullFormatter())
     top = max(r["summary"]["issued_over_bound"] for _, p in results for r in p.values() if "summary" in r)
-    ax.set_ylim(0.9, top * 1.6)
+    ax.set_ylim(0.9, top * 1.5)
     ax.set_ylabel("issued bytes / IO lower bound (log scale; lower is better)")
     ax.set_title("Bytes each op's kernels issue over the bytes it must move, lower is better "
                  "(Triton interpreter count; 1 = every byte once)", fontsize=10)
-    ax.legend(fontsize=7, loc="upper left")
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda j: list(LEGEND.values()).index(labels[j]))
+    ax.legend([handles[j] for j in order], [labels[j] for j in order], fontsize=7, ncol=2,
+              loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     fig.tight_layout()
     PLOT.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(PLOT, dpi=120)
