@@ -8,7 +8,9 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 FEATURES := paged_varlen_attention flash_decoding gated_deltanet view_replay_offload routed_generator
 
-.PHONY: help install parity compile-check bench report demo lint roofline
+DRY_RUN ?= 0
+
+.PHONY: help install parity compile-check bench report demo lint roofline gpu-evidence
 
 help:
 	@echo "Targets (durations measured on a 2-core CPU machine without a GPU; parity/make_durations.py):"
@@ -20,8 +22,13 @@ help:
 	@echo "                      bench/results/latest/; RECORD=1 also appends to the committed CSVs"
 	@echo "                      and regenerates the README tables and plots"
 	@echo "  make report         regenerate the README tables and plots from bench/results/*.csv       ~1 s"
-	@echo "  make roofline       bytes each kernel moves vs its IO bound, and its sm_90 build, beside  ~10 min"
-	@echo "                      fla-core 0.6.0 (Triton interpreter; RECORD=1 saves CSV, plot, README)"
+	@echo "  make roofline       bytes each kernel moves vs its IO bound, and its sm_90 build, beside   ~9 min"
+	@echo "                      vLLM's and SGLang's Triton attention and fla-core (Triton interpreter;"
+	@echo "                      RECORD=1 saves CSV, plot and bench/README.md's tables; 13 min on a"
+	@echo "                      first run, while the Triton cache fills)"
+	@echo "  make gpu-evidence   on a lent GPU: parity (bf16 grid), the bitwise GPU tier, the kernel     <= 9.5 min"
+	@echo "                      and offload benchmarks, the report; parts of <= 9 min, resumable (run"
+	@echo "                      again to go on); DRY_RUN=1 lists them with their GPU budgets (43 min)    ~1 s"
 	@echo "  make demo           the end-to-end RL-style loop (bench/rl_loop.py; DEMO_ARGS=--ray for a  ~40 s"
 	@echo "                      Ray fleet)"
 	@echo "  make lint           ruff, byte-compilation and the single-file rules                      ~15 s"
@@ -52,9 +59,11 @@ bench:
 report:
 	$(PYTHON) bench/report.py
 
-# The kernel observatory's report (bench/roofline.py): Triton interpreter on CPU, no GPU.  fla-core is
-# the peer it measures beside ours: installed for the report (ops only, no dependencies), never vendored.
-# RECORD=1 appends bench/results/roofline.csv, redraws roofline.png and the README's tables.
+# The kernel observatory's report (bench/roofline.py): Triton interpreter on CPU, no GPU.  The peers it
+# measures beside ours are installed for the report, never vendored: fla-core (ops only, no dependencies)
+# into the active Python; vLLM's and SGLang's wheels downloaded by bench/peers.py (pip download --no-deps,
+# into ~/.cache/twofold/peers) and their kernel modules loaded alone.
+# RECORD=1 appends bench/results/roofline.csv, redraws roofline.png and bench/README.md's tables.
 roofline:
 	@$(PYTHON) -c "import sys, fla; sys.exit(fla.__version__ != '0.6.0')" 2>/dev/null || \
 		$(PIP) install --no-deps "fla-core==0.6.0"
@@ -62,6 +71,11 @@ roofline:
 
 demo:
 	$(PYTHON) bench/rl_loop.py $(DEMO_ARGS)
+
+# The GPU kit (bench/gpu_evidence.py): the figures owed to a GPU in parts of at most 9 minutes, resumable
+# (bench/results/latest/gpu-evidence.json); DRY_RUN=1 lists the parts, their CPU-side cost and GPU budget.
+gpu-evidence:
+	$(PYTHON) bench/gpu_evidence.py $(if $(filter 1,$(DRY_RUN)),--dry-run)
 
 lint:
 	$(PYTHON) -m ruff check .

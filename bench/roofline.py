@@ -1,11 +1,13 @@
 """The kernel observatory's report (``make roofline``): memory traffic against the IO lower bound and
-the sm_90 build of every kernel, ours beside fla-core 0.6.0's, measured without a GPU.
+the sm_90 build of every kernel, ours beside the production peers (vLLM's and SGLang's Triton attention,
+bench/peers.py; fla-core 0.6.0 for Gated DeltaNet), measured without a GPU.
 
     python bench/roofline.py            # measure and print the tables (CPU, Triton interpreter)
     python bench/roofline.py --record   # also append bench/results/roofline.csv, draw roofline.png,
-                                        # rewrite the README's "Kernel observatory" tables
+                                        # rewrite bench/README.md's kernel observatory tables
     python bench/roofline.py --quick    # build only each kernel's first config for sm_90 (traffic of
                                         # every config is measured either way)
+    python bench/roofline.py --only decode   # the cases whose name contains "decode" (no --record)
 
 What is measured (parity/observatory.py has the instrument)
     Each case runs once per autotune config in the Triton interpreter on CPU, fp16, at fixed shapes.
@@ -18,13 +20,13 @@ What is measured (parity/observatory.py has the instrument)
     limits, not measured.  No timing: the interpreter cannot time a GPU kernel.
 
 The IO lower bound of an op: every input it must read and every output it must write, once
-(the tensors and formulas are in the Case classes below and in the README).  issued / bound >= 1 is the
+(the tensors and formulas are in the Case classes below and in bench/README.md).  issued / bound >= 1 is the
 re-reading a kernel does; unique / bound > 1 is traffic no cache can remove (intermediates).
 
 The runs are the GPU's launches, not the CPU tier's: shims below make our launchers take their
 CUDA paths (the autotuners, the sm_90 tile configs) and make fla answer as on an H100; the one
 autotuner shim then launches the r-th distinct config of each kernel in round r, where a GPU
-would have benchmarked them all.  fla's outputs are checked against ours on identical inputs.
+would have benchmarked them all.  The peers' outputs are checked against ours on identical inputs.
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"    # fla's Triton kernels, not 
 import torch  # noqa: E402  (after TRITON_INTERPRET is set)
 
 FLA_VERSION = "0.6.0"
-README = ROOT / "README.md"
+BENCH_README = ROOT / "bench" / "README.md"
 BEGIN, END = "<!-- roofline:begin -->", "<!-- roofline:end -->"
 PLOT = ROOT / "bench" / "results" / "roofline.png"
 MB = 1e6
@@ -107,11 +109,13 @@ class _ViaAutotuner:
     """Stands in for an attention kernel that the CPU path launches with small fixed tiles: the
     launch goes to the autotuner the CUDA path uses, for sm_90 and the input's element size."""
 
-    def __init__(self, table: dict):
-        self.table = table
+    def __init__(self, table: dict, kernel):
+        self.table, self.kernel = table, kernel
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
+            if kwargs.get("BATCH_INVARIANT"):      # the mode's one fixed config, launched as given
+                return self.kernel[grid](*args, **kwargs)
             for fixed in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"):
                 kwargs.pop(fixed, None)
             return self.table[(90, kwargs["BLOCK_D"], args[0].element_size())][grid](*args, **kwargs)
@@ -127,11 +131,15 @@ def install_shims():
     import fast.gated_deltanet as gdn
     import fast.paged_varlen_attention as pva
     gdn._launch = lambda tuned, grid, args, meta: tuned[grid](*args, **meta)          # its CUDA branch
-    pva._attn_fwd_kernel = _ViaAutotuner(pva._TUNED)
-    pva._attn_bwd_dkdv_kernel = _ViaAutotuner(pva._TUNED_DKDV)
-    pva._attn_bwd_dq_kernel = _ViaAutotuner(pva._TUNED_DQ)
+    pva._attn_fwd_kernel = _ViaAutotuner(pva._TUNED, pva._attn_fwd_kernel)
+    pva._attn_bwd_dkdv_kernel = _ViaAutotuner(pva._TUNED_DKDV, pva._attn_bwd_dkdv_kernel)
+    pva._attn_bwd_dq_kernel = _ViaAutotuner(pva._TUNED_DQ, pva._attn_bwd_dq_kernel)
     cpu_config = fd._fwd_config
     fd._fwd_config = lambda *args: cpu_config(*args[:-1], torch.device("cuda"))      # the GPU's tiles
+    # batch_invariant=True: the mode's sm_90 tiles (its CPU tier runs the interpreter's 16 x 16 tile)
+    decode_invariant, varlen_invariant = fd._invariant_config, pva._invariant_config
+    fd._invariant_config = lambda *args: decode_invariant(*args[:-1], 90)
+    pva._invariant_config = lambda family, head_dim, elt: varlen_invariant(90, head_dim, elt)
 
     import fla.utils
     from fla.utils.hardware import Backend
@@ -150,7 +158,15 @@ def install_shims():
     for name, mod in list(sys.modules.items()):
         if name.startswith("fla.") and mod is not None:
             mod.__dict__["range"] = _loop_range
-    return dict(gdn=gdn, pva=pva, fd=fd, fla=fla)
+    # The production peers (bench/peers.py): their modules, or why they are missing.
+    import peers
+    loaded = {}
+    for peer in peers.VERSIONS:
+        try:
+            loaded[peer] = peers.load(peer)
+        except Exception as e:  # the report runs without a peer that cannot be installed, and says so
+            loaded[peer] = f"not installed: {str(e)[:300]}"
+    return dict(gdn=gdn, pva=pva, fd=fd, fla=fla, peers=loaded)
 
 
 # ----------------------------------------------------------------------------- the cases
@@ -168,28 +184,39 @@ def nbytes(*tensors) -> int:
 
 
 class Case:
-    """One op at fixed shapes: ``ours()`` / ``fla()`` run it (each returns its outputs), ``bound`` is
-    the IO lower bound in bytes with its ``formula``, ``useful`` the FLOPs the math needs."""
+    """One op at fixed shapes: ``run(impl, observed)`` runs it with ``impl`` ("ours", or a peer of
+    ``impls``, each a method of that name) and returns its outputs; ``bound`` is the IO lower bound in
+    bytes with its ``formula``, ``useful`` the FLOPs the math needs; ``kernels[impl]`` names what a peer
+    row ran."""
     name: str
     op: str
     formula: str
     useful_formula: str
+    impls: tuple = ("ours", "fla")
+    kernels: dict = {}
 
-    def outputs_match(self, ours, fla) -> str:
+    def run(self, impl: str, observed):
+        return getattr(self, impl)(observed)
+
+    def label(self, impl: str) -> str:
+        return f"{IMPLS[impl]}: {self.kernels[impl]}" if impl in self.kernels else IMPLS[impl]
+
+    def outputs_match(self, ours, theirs, impl: str) -> str:
         """A one-line comparison; raises when the outputs differ by more than fp16 noise."""
         lines = []
-        for name, a, b in zip(self.output_names, ours, fla):
+        for name, a, b in zip(self.output_names, ours, theirs):
             a, b = a.detach().double(), b.detach().double()
             err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
             lines.append(f"{name} {err:.1e}")
             if not err <= self.rtol:
-                raise AssertionError(f"{self.name} {self.op}: {name} differs from fla's: relative error {err:.2e} "
-                                     f"> {self.rtol}")
-        return "rel. err. vs fla: " + ", ".join(lines)
+                raise AssertionError(f"{self.name} {self.op}: {name} differs from {IMPLS[impl]}'s: relative error "
+                                     f"{err:.2e} > {self.rtol}")
+        return ", ".join(lines)
 
 
 class GdnChunk(Case):
     T, H, K, V, C = 512, 2, 128, 128, 64
+    kernels = {"fla": "chunk_gated_delta_rule"}
 
     def __init__(self, mods, op):
         self.mods, self.op = mods, op
@@ -243,6 +270,7 @@ class GdnChunk(Case):
 
 class GdnDecode(Case):
     N, H, K, V = 8, 2, 128, 128
+    kernels = {"fla": "fused_recurrent_gated_delta_rule"}
 
     def __init__(self, mods):
         self.mods, self.op = mods, "fwd"
@@ -301,6 +329,12 @@ class Prefill(Case):
 
     def __init__(self, mods, op):
         self.mods, self.op = mods, op
+        if op == "fwd":
+            self.impls = ("ours", "ours_invariant", "fla", "vllm_2d", "sglang_extend")
+            self.kernels = {"fla": "parallel_attn", "vllm_2d": "unified_attention, 2D (kernel_unified_attention)",
+                            "sglang_extend": "extend_attention_fwd (_fwd_kernel)"}
+        else:
+            self.kernels = {"fla": "parallel_attn backward"}
         layout = f"paged, page {self.PAGE}" if op == "fwd" else "packed (our backward takes packed keys)"
         self.name = f"prefill causal {self.N}x{self.L} GQA {self.HQ}/{self.HKV} D={self.D} {layout}"
         g = _gen(3)
@@ -355,12 +389,50 @@ class Prefill(Case):
         with observed():
             return list(torch.autograd.grad(o, leaves, self.do[None]))
 
+    def ours_invariant(self, observed):
+        pva = self.mods["pva"]
+        used = torch.full((self.N,), self.L, dtype=torch.int32)
+        with observed():
+            o = pva.varlen_attn(self.q, self.k_pool, self.v_pool, self.cu, None, self.L, self.L,
+                                window_size=(-1, 0), enable_gqa=True, seqused_k=used, block_table=self.table,
+                                batch_invariant=True)
+        return [o]
+
+    def vllm_2d(self, observed):
+        uni = self.mods["peers"]["vllm"]["vllm.v1.attention.ops.triton_unified_attention"]
+        out = torch.empty_like(self.q)
+        used = torch.full((self.N,), self.L, dtype=torch.int32)
+        with observed():
+            uni.unified_attention(self.q, self.k_pool, self.v_pool, out, self.cu, self.L, used, self.L,
+                                  self.D ** -0.5, True, (-1, -1), self.table, 0.0, None, None, None)
+        return [out]
+
+    def sglang_extend(self, observed):
+        ext = self.mods["peers"]["sglang"]["sglang.kernels.ops.attention.extend_attention"]
+        out = torch.empty_like(self.q)
+        # A fresh prefill: no prefix in the pool, the chunk's K and V in the packed extend tensors.
+        no_prefix = torch.zeros(self.N + 1, dtype=torch.int32)
+        with observed():
+            ext.extend_attention_fwd(self.q, self.k, self.v, out, self.k_pool.view(-1, self.HKV, self.D),
+                                     self.v_pool.view(-1, self.HKV, self.D), self.cu, no_prefix,
+                                     torch.zeros(0, dtype=torch.int32), None, True, None, self.L, 1.0, 1.0,
+                                     page_size=self.PAGE)
+        return [out]
+
 
 class Decode(Case):
     B, HQ, HKV, D, PAGE = 4, 8, 2, 128, 16
 
     def __init__(self, mods, length: int, paged: bool = True):
         self.mods, self.op, self.L, self.paged = mods, "fwd", length, paged
+        self.impls = ("ours", "ours_invariant", "fla", "vllm_3d", "vllm_2d", "vllm_2stage", "sglang_2stage")
+        self.vllm_splits = min(1 << max(0, (length // 512 - 1).bit_length()), 2 * 132)   # vLLM's rule
+        self.kernels = {
+            "fla": "attn_decoding_one_step (its naive decoding kernel: K and V read once per query head)",
+            "vllm_3d": "unified_attention, 3D (kernel_unified_attention, 16 segments, + reduce_segments)",
+            "vllm_2d": "unified_attention, 2D (kernel_unified_attention)",
+            "vllm_2stage": f"decode_attention_fwd, 2-stage ({self.vllm_splits} splits)",
+            "sglang_2stage": "decode_attention_fwd, 2-stage (get_num_kv_splits_triton's splits, at most 8)"}
         layout = f"paged, page {self.PAGE}" if paged else "contiguous cache"
         self.name = f"decode B={self.B} L={length // 1024}k GQA {self.HQ}/{self.HKV} D={self.D} {layout}"
         g = _gen(4)
@@ -396,6 +468,81 @@ class Decode(Case):
                                        cu_seqlens=cu)
         return [o.view(self.B, 1, self.HQ, self.D)]
 
+    def ours_invariant(self, observed):
+        used = torch.full((self.B,), self.L, dtype=torch.int32)
+        with observed():
+            o = self.mods["fd"].flash_decode(self.q, self.k_cache, self.v_cache, used, block_table=self.table,
+                                             batch_invariant=True)
+        return [o]
+
+    def _pages(self):
+        """(K pool, V pool, block table, page size) as the vLLM kernels take them: the contiguous cache is
+        one page per sequence."""
+        if self.paged:
+            return self.k_cache, self.v_cache, self.table, self.PAGE
+        return self.k_cache, self.v_cache, torch.arange(self.B, dtype=torch.int32)[:, None], self.L
+
+    def _vllm_unified(self, observed, three_d: bool):
+        uni = self.mods["peers"]["vllm"]["vllm.v1.attention.ops.triton_unified_attention"]
+        k, v, table, _ = self._pages()
+        q = self.q.view(self.B, self.HQ, self.D)
+        out = torch.empty_like(q)
+        cu = torch.arange(self.B + 1, dtype=torch.int32)
+        used = torch.full((self.B,), self.L, dtype=torch.int32)
+        split = {}
+        if three_d:   # vLLM's Triton backend: 3D below 128 / H_kv sequences, 16 segments, fp32 scratch
+            segs = 16
+            split = dict(seq_threshold_3D=128 // self.HKV, num_par_softmax_segments=segs,
+                         softmax_segm_output=torch.empty(self.B, self.HQ, segs, self.D),
+                         softmax_segm_max=torch.empty(self.B, self.HQ, segs),
+                         softmax_segm_expsum=torch.empty(self.B, self.HQ, segs))
+        with observed():
+            uni.unified_attention(q, k, v, out, cu, 1, used, self.L, self.D ** -0.5, True, (-1, -1), table, 0.0,
+                                  None, None, None, **split)
+        return [out.view(self.B, 1, self.HQ, self.D)]
+
+    def vllm_3d(self, observed):
+        return self._vllm_unified(observed, True)
+
+    def vllm_2d(self, observed):
+        return self._vllm_unified(observed, False)
+
+    def vllm_2stage(self, observed):
+        dec = self.mods["peers"]["vllm"]["vllm.v1.attention.ops.triton_decode_attention"]
+        k, v, table, page = self._pages()
+        q = self.q.view(self.B, self.HQ, self.D)
+        out, lse = torch.empty_like(q), torch.empty(self.B, self.HQ)
+        logits = torch.empty(self.B, self.HQ, self.vllm_splits, self.D + 1)
+        used = torch.full((self.B,), self.L, dtype=torch.int32)
+        with observed():
+            dec.decode_attention_fwd(q, k, v, out, lse, table, used, logits, self.vllm_splits, self.D ** -0.5,
+                                     page_size=page)
+        return [out.view(self.B, 1, self.HQ, self.D)]
+
+    def sglang_2stage(self, observed):
+        mods = self.mods["peers"]["sglang"]
+        dec = mods["sglang.kernels.ops.attention.decode_attention"]
+        k, v, table, page = self._pages()
+        j = torch.arange(self.L)
+        if self.paged:        # the slot of each key in SGLang's token pool [pages * page, H_kv, D]: [B, L]
+            slots = (table[:, j // page].long() * page + j % page).to(torch.int32)
+        else:                 # the contiguous cache as a pool of one-key pages
+            slots, page = (torch.arange(self.B)[:, None] * self.L + j).to(torch.int32), 1
+        q = self.q.view(self.B, self.HQ, self.D)
+        indptr = torch.arange(self.B + 1, dtype=torch.int32) * self.L
+        used = torch.full((self.B,), self.L, dtype=torch.int32)
+        max_splits, splits = 8, torch.empty(self.B, dtype=torch.int32)      # SGLang's default cap
+        mods["sglang.kernels.ops.attention.metadata"].get_num_kv_splits_triton[(1,)](
+            splits, used, self.B, 1, self.HQ, self.HKV, max_splits, 132, MAX_NUM_SEQ=256)
+        out = torch.empty_like(q)
+        logits = torch.empty(self.B, self.HQ, max_splits, self.D)
+        lse = torch.empty(self.B, self.HQ, max_splits)
+        with observed():
+            dec.decode_attention_fwd(q, k.view(-1, self.HKV, self.D), v.view(-1, self.HKV, self.D), out, indptr,
+                                     slots.reshape(-1), logits, lse, splits, max_splits, self.D ** -0.5, 1.0, 1.0,
+                                     page_size=page)
+        return [out.view(self.B, 1, self.HQ, self.D)]
+
 
 def make_cases(mods, quick: bool) -> list[Case]:
     cases = [GdnChunk(mods, "fwd"), GdnChunk(mods, "bwd"), GdnDecode(mods),
@@ -407,7 +554,15 @@ def make_cases(mods, quick: bool) -> list[Case]:
 
 # ----------------------------------------------------------------------------- measuring
 
-IMPLS = {"ours": "twofold", "fla": f"fla-core {FLA_VERSION}"}
+IMPLS = {"ours": "twofold", "ours_invariant": "twofold, batch_invariant=True", "fla": f"fla-core {FLA_VERSION}",
+         "vllm_3d": "vLLM 0.33.0", "vllm_2d": "vLLM 0.33.0", "vllm_2stage": "vLLM 0.33.0",
+         "sglang_2stage": "SGLang 0.5.23", "sglang_extend": "SGLang 0.5.23"}
+SHORT = {"ours": "twofold", "ours_invariant": "twofold, batch_invariant=True",
+         "vllm_3d": "vLLM unified_attention 3D", "vllm_2d": "vLLM unified_attention 2D",
+         "vllm_2stage": "vLLM decode_attention_fwd 2-stage", "sglang_2stage": "SGLang decode_attention_fwd 2-stage",
+         "sglang_extend": "SGLang extend_attention_fwd"}
+PEER_OF = {"vllm_3d": "vllm", "vllm_2d": "vllm", "vllm_2stage": "vllm", "sglang_2stage": "sglang",
+           "sglang_extend": "sglang"}
 
 
 class Measured:
@@ -434,7 +589,8 @@ def measure(case: Case, impl: str) -> Measured:
     import contextlib
 
     from observatory import observe
-    run = case.ours if impl == "ours" else case.fla
+    def run(observed):
+        return case.run(impl, observed)
     m = Measured()
     t0 = time.perf_counter()
     rounds, r = 1, 0
@@ -522,8 +678,12 @@ def build_all(specs: dict, workers: int) -> dict:
 
 def build_worker(src: str, dst: str):
     import aot_compile
+    specs = json.loads(Path(src).read_text())
+    if any(spec["module"].split(".")[0] in ("vllm", "sglang") for spec in specs):
+        import peers
+        peers.install_shims()             # their kernel modules import by package name
     out = []
-    for spec in json.loads(Path(src).read_text()):
+    for spec in specs:
         try:
             out.append(aot_compile.build_launch(spec))
         except Exception as e:  # a kernel that cannot be imported or built is reported, not fatal
@@ -587,20 +747,57 @@ def _static_cells(st) -> list[str]:
 
 
 def summary_table(results) -> str:
-    lines = ["| case | op | impl | kernels | issued MB | of which torch ops | unique MB | IO bound MB | "
-             "issued / bound | unique / bound | issued vs fla (kernels only) | dot / useful FLOPs |",
+    lines = ["| case | op | impl: what it ran | kernels | issued MB | of which torch ops | unique MB | IO bound MB | "
+             "issued / bound | unique / bound | twofold's issued / this row's (kernels only) | dot / useful FLOPs |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case, per_impl in results:
-        fla_issued = per_impl["fla"]["summary"]["issued"] if "fla" in per_impl else None
+        ours = per_impl["ours"]["summary"]
         for impl, res in per_impl.items():
+            if "missing" in res:
+                lines.append(f"| {case.name} | {case.op} | {case.label(impl)} | {res['missing']} |" + " |" * 8)
+                continue
             s = res["summary"]
-            fla_kernels = fla_issued - per_impl["fla"]["summary"]["glue"] if fla_issued else None
-            versus = (f"{s['issued'] / fla_issued:.2f}x ({(s['issued'] - s['glue']) / fla_kernels:.2f}x)"
-                      if fla_issued else "")
+            versus = "" if impl == "ours" else (f"{ours['issued'] / s['issued']:.2f}x "
+                                                f"({(ours['issued'] - ours['glue']) / (s['issued'] - s['glue']):.2f}x)")
             dot = f"{s['dot_over_useful']:.2f}" if s["flops"] else "no dots"
-            lines.append(f"| {case.name} | {case.op} | {IMPLS[impl]} | {s['launches']} | {_mb(s['issued'])} | "
+            lines.append(f"| {case.name} | {case.op} | {case.label(impl)} | {s['launches']} | {_mb(s['issued'])} | "
                          f"{_mb(s['glue'])} | {_mb(s['unique'])} | {_mb(s['bound'])} | {s['issued_over_bound']:.2f} | "
                          f"{s['unique_over_bound']:.2f} | {versus} | {dot} |")
+    return "\n".join(lines)
+
+
+def _main_launch(res):
+    """The launch that does the attention (the first kernel; the merge / reduce kernels come after)."""
+    return next(row for row in res["kernels"] if row["first"] and row["record"].module != "torch")
+
+
+def peer_table(results) -> str:
+    """The attention cases side by side: issued / IO bound of every implementation, and the sm_90 build
+    of its main kernel (the first it launches) with its programs and modelled waves."""
+    attention = [(c, p) for c, p in results if isinstance(c, (Decode, Prefill)) and c.op == "fwd"]
+    impls = [i for i in IMPLS if i != "fla" and any(i in p for _, p in attention)]
+    labels = {i: SHORT[i] for i in impls}
+    lines = ["| case | " + " | ".join(labels[i] for i in impls) + " |", "|---|" + "---|" * len(impls)]
+    for case, per_impl in attention:
+        traffic, build = [], []
+        for i in impls:
+            res = per_impl.get(i)
+            if res is None:
+                traffic.append("–")
+                build.append("–")
+            elif "missing" in res:
+                traffic.append("not installed")
+                build.append("")
+            else:
+                traffic.append(f"{res['summary']['issued_over_bound']:.3f}")
+                row = _main_launch(res)
+                st, rec = row["static"] or {}, row["record"]
+                programs = rec.programs_run or 0
+                build.append(f"{st.get('reg', '?')} / {st.get('shared', 0) / 1024:.1f} / {st.get('sass', '?')} / "
+                             f"{programs} ({programs / 132:.2f}; {st.get('waves', 0):.2f})" if st else "build failed")
+        lines.append(f"| {case.name}: issued / IO bound | " + " | ".join(traffic) + " |")
+        lines.append(f"| {case.name}: {_main_launch(per_impl['ours'])['kernel']} and peers' main kernel, regs / "
+                     f"smem KB / SASS / programs (per 132 SMs; modelled waves) | " + " | ".join(build) + " |")
     return "\n".join(lines)
 
 
@@ -610,7 +807,7 @@ def kernel_table(results, *, first_only: bool) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case, per_impl in results:
         for impl, res in per_impl.items():
-            for row in res["kernels"]:
+            for row in res.get("kernels", []):
                 if first_only and not row["first"]:
                     continue
                 rec = row["record"]
@@ -625,19 +822,26 @@ def record_rows(results, wall_s: float):
     from harness import Recorder
     rec = Recorder("roofline")
     rec.stamp["device"] = "cpu-interpreter"
-    rec.stamp["triton"] = f"{triton.__version__}; fla-core {FLA_VERSION}"
+    import peers
+    rec.stamp["triton"] = (f"{triton.__version__}; fla-core {FLA_VERSION}; "
+                           + "; ".join(f"{p} {v}" for p, v in peers.VERSIONS.items()))
     for case, per_impl in results:
         label = f"{case.name} {case.op}"
         for impl, res in per_impl.items():
+            if "missing" in res:
+                rec.missing(label, case.label(impl), res["missing"])
+                continue
             s = res["summary"]
             for metric, unit in (("issued", "B"), ("unique", "B"), ("bound", "B"), ("issued_over_bound", "x"),
                                  ("unique_over_bound", "x"), ("flops", "FLOP"), ("useful", "FLOP"),
                                  ("dot_over_useful", "x"), ("glue", "B"), ("launches", "count")):
-                rec.add(label, IMPLS[impl], metric if metric not in ("flops", "glue") else
+                rec.add(label, case.label(impl), metric if metric not in ("flops", "glue") else
                         {"flops": "dot_flops", "glue": "torch_op_bytes"}[metric], s[metric], unit)
             for row in res["kernels"]:
                 r = row["record"]
                 name = f"{IMPLS[impl]}: {row['kernel']}" + (f" {{{row['config']}}}" if row["config"] else "")
+                if row["first"] and r.module != "torch":
+                    rec.add(label, name, "programs", r.programs_run, "count")
                 for metric, value, unit in (("issued", r.issued_bytes, "B"), ("unique", r.unique_bytes, "B"),
                                             ("dot_flops", r.dot_flops, "FLOP")):
                     rec.add(label, name, metric, value, unit)
@@ -650,29 +854,56 @@ def record_rows(results, wall_s: float):
     return rec.save()
 
 
+LEGEND = {
+    "ours": "twofold",
+    "ours_invariant": "twofold, batch_invariant=True",
+    "fla": f"fla-core {FLA_VERSION}: chunk / fused_recurrent (GDN), parallel_attn (prefill), "
+           "its naive decoding kernel (decode)",
+    "vllm_3d": "vLLM 0.33.0 unified_attention, 3D path (16 segments)",
+    "vllm_2d": "vLLM 0.33.0 unified_attention, 2D path",
+    "vllm_2stage": "vLLM 0.33.0 decode_attention_fwd (2-stage decode)",
+    "sglang_2stage": "SGLang 0.5.23 decode_attention_fwd (2-stage decode)",
+    "sglang_extend": "SGLang 0.5.23 extend_attention_fwd (prefill)",
+}
+
+
 def plot(results):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    labels, ours, theirs = [], [], []
-    for case, per_impl in results:
-        labels.append(case.short)
-        ours.append(per_impl["ours"]["summary"]["issued_over_bound"])
-        theirs.append(per_impl["fla"]["summary"]["issued_over_bound"] if "fla" in per_impl else 0)
-    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(labels)), 4.5))
-    x = range(len(labels))
-    ax.bar([i - 0.2 for i in x], ours, 0.4, label="twofold")
-    ax.bar([i + 0.2 for i in x], theirs, 0.4, label=f"fla-core {FLA_VERSION}")
+    from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullFormatter
+    impls = [i for i in IMPLS if any("summary" in p.get(i, {}) for _, p in results)]
+    colors = dict(zip(impls, plt.get_cmap("tab10").colors))
+    most = max(sum("summary" in r for r in p.values()) for _, p in results)
+    width = 0.84 / most
+    fig, ax = plt.subplots(figsize=(max(10, 1.7 * len(results)), 6.5))
+    drawn = set()
+    for i, (_, per_impl) in enumerate(results):
+        present = [impl for impl in impls if "summary" in per_impl.get(impl, {})]
+        for k, impl in enumerate(present):     # the case's bars side by side, centred on its tick
+            x = i + width * (k - (len(present) - 1) / 2)
+            y = per_impl[impl]["summary"]["issued_over_bound"]
+            ax.bar(x, y, width, color=colors[impl], label=None if impl in drawn else LEGEND[impl])
+            drawn.add(impl)
+            ax.text(x, y * 1.03, f"{y:.2f}", ha="center", va="bottom", fontsize=6, rotation=90)
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
-    ax.set_xticks(list(x))
-    ax.set_xticklabels(labels, fontsize=8)
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        ax.text(i - 0.2, a, f"{a:.2f}", ha="center", va="bottom", fontsize=7)
-        ax.text(i + 0.2, b, f"{b:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(results)))
+    ax.set_xticklabels([case.short for case, _ in results], fontsize=8)
+    ax.set_xlabel("op at fixed shapes (fp16; GQA 8/2, D = 128, page 16 for attention)")
     ax.set_yscale("log")
-    ax.set_ylabel("issued bytes / IO lower bound (log)")
-    ax.set_title("Bytes each op's kernels issue, over the bytes it must move (Triton interpreter, fp16)")
-    ax.legend()
+    ticks = [1, 1.5, 2, 3, 5, 10, 20]
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    top = max(r["summary"]["issued_over_bound"] for _, p in results for r in p.values() if "summary" in r)
+    ax.set_ylim(0.9, top * 1.5)
+    ax.set_ylabel("issued bytes / IO lower bound (log scale; lower is better)")
+    ax.set_title("Bytes each op's kernels issue over the bytes it must move, lower is better "
+                 "(Triton interpreter count; 1 = every byte once)", fontsize=10)
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda j: list(LEGEND.values()).index(labels[j]))
+    ax.legend([handles[j] for j in order], [labels[j] for j in order], fontsize=7, ncol=2,
+              loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     fig.tight_layout()
     PLOT.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(PLOT, dpi=120)
@@ -681,18 +912,26 @@ def plot(results):
 
 def readme_block(results, wall_s: float, quick: bool) -> str:
     import triton
+
+    import peers
     formulas = OrderedDict()
     for case, _ in results:
         formulas.setdefault((case.name.split(" ")[0], case.op), (case.formula, case.useful_formula))
-    lines = [f"*Triton {triton.__version__} interpreter on CPU, fp16, sm_90 builds; fla-core {FLA_VERSION}; "
-             f"`make roofline` took {wall_s / 60:.1f} min{' (--quick)' if quick else ''}.*", "",
+    versions = ", ".join(f"{p} {v}" for p, v in peers.VERSIONS.items())
+    lines = [f"*Triton {triton.__version__} interpreter on CPU, fp16, sm_90 builds; fla-core {FLA_VERSION}, "
+             f"{versions}; `make roofline` took {wall_s / 60:.1f} min{' (--quick)' if quick else ''}.*", "",
+             "The attention ops beside the production Triton kernels (issued / IO bound, lower is better; then "
+             "the main kernel's sm_90 build: registers / shared memory KB / SASS instructions / programs "
+             "launched, as a fraction of 132 SMs and as modelled waves):", "",
+             peer_table(results), "",
+             "Every op, every implementation (the impl column names the kernel it ran):", "",
              summary_table(results), "",
              "IO lower bounds (e bytes per element, 2 in fp16; T tokens, H / HV query-key / value heads, "
              "K / V their head dims, N sequences, B batch, L keys per sequence, D head dim, H_q / H_kv "
              "query / KV heads) and useful FLOPs:", ""]
     for (family, op), (formula, useful) in formulas.items():
         lines.append(f"- {family} {op}: {formula}; useful FLOPs: {useful}.")
-    lines += ["", "![issued bytes over the IO bound, ours beside fla](bench/results/roofline.png)", "",
+    lines += ["", "![issued bytes over the IO bound, every implementation](results/roofline.png)", "",
               "<details><summary>Every kernel launch at its first config, with its sm_90 build "
               "(occupancy and waves modelled)</summary>", "", kernel_table(results, first_only=True), "",
               "</details>", "",
@@ -702,12 +941,12 @@ def readme_block(results, wall_s: float, quick: bool) -> str:
 
 
 def update_readme(block: str):
-    text = README.read_text()
+    text = BENCH_README.read_text()
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"README.md lacks the markers {BEGIN} ... {END}")
+        raise SystemExit(f"bench/README.md lacks the markers {BEGIN} ... {END}")
     before, rest = text.split(BEGIN, 1)
     _, after = rest.split(END, 1)
-    README.write_text(before + BEGIN + "\n" + block + "\n" + END + after)
+    BENCH_README.write_text(before + BEGIN + "\n" + block + "\n" + END + after)
 
 
 # ----------------------------------------------------------------------------- main
@@ -718,21 +957,29 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="build only each kernel's first config for sm_90")
     ap.add_argument("--workers", type=int, default=max(1, min(4, os.cpu_count() or 1)),
                     help="processes building for sm_90")
+    ap.add_argument("--only", default="", help="run only the cases whose name contains this (not with --record)")
     args = ap.parse_args(argv)
+    if args.only and args.record:
+        ap.error("--record writes the full report: run every case")
     t0 = time.perf_counter()
     torch.manual_seed(0)
     mods = install_shims()
-    cases = make_cases(mods, args.quick)
+    cases = [c for c in make_cases(mods, args.quick) if args.only in f"{c.name} {c.op}"]
     measured = []
     for case in cases:
         per_impl = OrderedDict()
-        for impl in ("ours", "fla"):
+        for impl in case.impls:
+            peer = PEER_OF.get(impl)
+            if peer is not None and isinstance(mods["peers"][peer], str):
+                per_impl[impl] = dict(missing=mods["peers"][peer])
+                print(f"{case.name} {case.op}: {case.label(impl)}: {mods['peers'][peer]}", flush=True)
+                continue
             m = measure(case, impl)
             per_impl[impl] = dict(measured=m)
             measured.append(m)
-        check = case.outputs_match(per_impl["ours"]["measured"].outputs, per_impl["fla"]["measured"].outputs)
-        print(f"{case.name} {case.op}: ours {per_impl['ours']['measured'].seconds:.0f} s, "
-              f"fla {per_impl['fla']['measured'].seconds:.0f} s; {check}", flush=True)
+            check = "" if impl == "ours" else "; rel. err. vs twofold: " + case.outputs_match(
+                per_impl["ours"]["measured"].outputs, m.outputs, impl)
+            print(f"{case.name} {case.op}: {case.label(impl)}: {m.seconds:.0f} s{check}", flush=True)
         case.per_impl = per_impl
     specs = build_specs(measured, args.quick)
     t1 = time.perf_counter()
@@ -741,10 +988,13 @@ def main(argv=None) -> int:
     results = []
     for case in cases:
         for res in case.per_impl.values():
-            res["summary"] = summarize(case, res["measured"])
-            res["kernels"] = kernel_rows(res["measured"], built)
+            if "measured" in res:
+                res["summary"] = summarize(case, res["measured"])
+                res["kernels"] = kernel_rows(res["measured"], built)
         results.append((case, case.per_impl))
     wall = time.perf_counter() - t0
+    print()
+    print(peer_table(results))
     print()
     print(summary_table(results))
     print()
@@ -754,7 +1004,7 @@ def main(argv=None) -> int:
         record_rows(results, wall)
         plot(results)
         update_readme(readme_block(results, wall, args.quick))
-        print(f"wrote {PLOT.relative_to(ROOT)} and the README's kernel observatory tables")
+        print(f"wrote {PLOT.relative_to(ROOT)} and the kernel observatory tables of {BENCH_README.relative_to(ROOT)}")
     return 0
 
 

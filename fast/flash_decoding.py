@@ -13,7 +13,8 @@ The math (the reference states it in full)
     sequence with L keys sees j <= L - S_q + i; lse_i = log(sum_j exp(s_ij) [+ exp(sink_h)]);
     o_i = sum_j exp(s_ij - lse_i) v_j; a row that sees no key: o = 0, lse = -inf; a sink of -inf
     is no sink, one of +inf takes all the mass (o = 0, lse = +inf); a NaN stays NaN.
-    Split s over key range C_s gives (o_s, lse_s) without the sink; the merge is
+    Split s over key range C_s gives (o_s, lse_s) without the sink (o_s stored in the input dtype,
+    lse_s in fp32); the merge, in fp32, is
     lse = log(sum_s exp(lse_s) + exp(sink)), o = sum_s exp(lse_s - lse) o_s, the largest lse
     subtracted first.  ``merge_attention_states`` reads lse = +inf (PyTorch's CUDA varlen_attn
     marks a row with no key that way) as an empty side, like -inf.
@@ -21,7 +22,9 @@ The math (the reference states it in full)
     several splits, ``_merge_splits_kernel``; each kernel's docstring gives its FLOPs and bytes.
     ``num_splits=None`` asks ``choose_num_splits`` with the device's SM count (the interpreter
     assumes an H100's 132), one program per SM, and the cache's capacity, a shape: no host copy,
-    the same choice under CUDA-graph capture.  ``num_splits=1`` is deterministic, and a sequence's
+    the same choice under CUDA-graph capture; the count is then capped so that the splits' extra
+    bytes (q read again, partials written and read) stay within 5% of the K and V bytes
+    (``_traffic_splits``).  ``num_splits=1`` is deterministic, and a sequence's
     result does not depend on the rest of the batch.
 
 Tensors (B sequences, S_q rows, H_q / H_kv heads, D head dim)
@@ -83,12 +86,16 @@ import triton.language as tl
 __all__ = ["choose_num_splits", "flash_decode", "merge_attention_states"]
 
 _INTERPRETER_SMS = 132       # what the gate assumes for CPU tensors under the Triton interpreter (an H100)
-# The shape gate plans one program per SM: each keeps 24-32 KB of K/V loads in flight (see
-# _fwd_config), and every further split adds fp32 partials (written, then read by the merge) and
+# The shape gate plans one program per SM: each keeps 16-32 KB of K/V loads in flight (see
+# _fwd_config), and every further split adds partials (written, then read by the merge) and
 # another read of q.  Programs past one per SM would only be worth that traffic if one program
 # cannot keep an SM's share of HBM bandwidth busy: the GPU benchmark that decides it is owed.
 _PROGRAMS_PER_SM = 1
 _MAX_SPLITS = 1024
+# Each split past the first costs traffic: it reads the tile's q rows again, and its partial output (the
+# input dtype) and lse (fp32) are written, then read by the merge.  The gate's split count is capped so
+# that these bytes stay within this fraction of the K and V bytes the launch must read (_traffic_splits).
+_SPLIT_TRAFFIC = 0.05
 _LOG2E = tl.constexpr(1.4426950408889634)   # log2(e): kernels use it as is, the host as .value
 
 
@@ -263,10 +270,12 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         num_splits = choose_num_splits(batch, h_kv, capacity, num_sms=_sm_count(q.device),
                                        num_q_tiles=cfg["num_q_tiles"], block_n=cfg["BLOCK_N"],
                                        programs_per_sm=_PROGRAMS_PER_SM)
+        num_splits = min(num_splits, _traffic_splits(capacity, s_q * group, d, q.element_size()))
     num_splits = max(1, min(num_splits, max_blocks, _MAX_SPLITS))
     split = num_splits > 1
     if split:
-        o_part, lse_part = _new_partials((batch, s_q, h_q, num_splits, d), (batch, s_q, h_q, num_splits), q.device)
+        o_part, lse_part = _new_partials((batch, s_q, h_q, num_splits, d), (batch, s_q, h_q, num_splits), q.dtype,
+                                         q.device)
         o_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3))
         l_strides = (lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), lse_part.stride(3))
         o_dst, l_dst = o_part, lse_part
@@ -289,7 +298,8 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         IS_PAGED=paged, IS_SPLIT=split, HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_ALIGN=cfg["KV_ALIGN"],
-        BATCH_INVARIANT=batch_invariant, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BATCH_INVARIANT=batch_invariant, BLOCK_IN_PAGE=paged and k_cache.shape[1] % cfg["BLOCK_N"] == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split:
         _merge_splits_kernel[(batch * s_q * h_q,)](
             o_part, lse_part, sk, out, lse,
@@ -373,29 +383,34 @@ def _decode_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_PAGED: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr, BATCH_INVARIANT: tl.constexpr = False,
+    BLOCK_IN_PAGE: tl.constexpr = False,
 ):
     """One program per (sequence x KV head, split, query tile).  The tile packs the S_q rows of
     all G query heads of one KV head (row r = i * G + g), so K and V are read once per KV head,
     not once per query head.  It streams its share of the key blocks (page ids looked up per
-    key, so any page size works) through an online softmax in fp32 (exp2, scale folded with
-    log2 e).  With one split it adds the sink and writes out / lse: no partials, and a
-    sequence's result does not depend on the rest of the batch.  With several it writes fp32
-    partial outputs and LSEs for ``_merge_splits_kernel``.
+    block when BLOCK_N divides the page size, else per key, so any page size works) through an
+    online softmax in fp32 (exp2, scale folded with log2 e).  With one split it adds the sink and
+    writes out / lse: no partials, and a sequence's result does not depend on the rest of the
+    batch.  With several it writes each split's normalized output in the input dtype (rounded like
+    the final output) and its LSE in fp32 for ``_merge_splits_kernel``.
 
     FLOPs ~= 4 * B * H_q * S_q * L * D (QK^T and PV; L the mean seqused_k).
     Minimum bytes (the IO bound) = B * (2 * L * H_kv * D * elt (K, V once) + 2 * S_q * H_q * D * elt
     (q, out) + 4 * S_q * H_q (lse) + 4 * ceil(L / page_size) (page ids)).
     Issued bytes (active lanes) with s splits add, per sequence: (s - 1) * S_q * H_q * D * elt (each
-    split reads q), 4 * (H_kv * L - ceil(L / page_size)) (each program reads the page id of every
-    key it streams), 2 * s * S_q * H_q * (D + 1) * 4 + 4 * s * S_q * H_q (fp32 partials written
-    here, read by the merge, whose two passes read the partial lse twice) and 4 * H_kv * s
-    (seqused_k).  At B = 4, GQA 8/2, D = 128, fp16, page 16 the gate's s = 14 at L = 8k gives
-    issued / bound = 1.0246, s = 16 at L = 1k gives 1.163 (one 64-key chunk per program: the
-    partials buy 128 programs instead of 8); the Triton interpreter's count of active lanes
-    gives the same bytes exactly.
+    split reads q); the page ids each program reads, 4 * H_kv * ceil(L / BLOCK_N) when BLOCK_N
+    divides the page size (one per key block), else 4 * H_kv * L (one per key), less the bound's
+    4 * ceil(L / page_size); s * S_q * H_q * (2 * D * elt + 12) - 4 * S_q * H_q (the partial outputs
+    written here and read by the merge; the fp32 partial LSEs written here and read by both passes
+    of the merge, against the one final lse); and 4 * H_kv * s (seqused_k).  At B = 4, GQA 8/2,
+    D = 128, fp16, page 16: s = 14 at L = 8k gives issued / bound = 1.0104, and s = 8 at L = 1k
+    (the traffic cap, _traffic_splits: the SM count alone would split 16 ways) 1.0458, with 64
+    programs; the Triton interpreter's count of active lanes gives the same bytes exactly.
+    (Past 1.05 at 1k there is no room for a ninth split: it would re-read q and write and read a
+    partial, >= 3 * S_q * H_q * D * elt more bytes per sequence, i.e. >= 1.0506.)
     """
-    # o_ptr / lse_ptr are out [B, S_q, H_q, D] / lse [B, H_q, S_q] with one split, else the fp32
-    # partials [B, S_q, H_q, NUM_SPLITS, D] / [B, S_q, H_q, NUM_SPLITS]: the strides say which.
+    # o_ptr / lse_ptr are out [B, S_q, H_q, D] / lse [B, H_q, S_q] with one split, else the partials
+    # [B, S_q, H_q, NUM_SPLITS, D] (q's dtype) / [B, S_q, H_q, NUM_SPLITS] (fp32): the strides say which.
     i_bh, i_split, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hkv = i_bh // H_kv, i_bh % H_kv
     i_b64 = i_b.to(tl.int64)
@@ -410,8 +425,12 @@ def _decode_fwd_kernel(
         if i_m * BLOCK_M >= S_q * GROUP + shift:          # the launch has one tile more than the rows need
             return
     o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M) - shift
-    i_q = o_r // GROUP
-    i_hq = i_hkv * GROUP + o_r % GROUP
+    if S_q == 1 and not BATCH_INVARIANT:   # decoding (a launch makes an int equal to 1 a constant): no division
+        i_q = o_r * 0
+        i_hq = i_hkv * GROUP + o_r
+    else:
+        i_q = o_r // GROUP
+        i_hq = i_hkv * GROUP + o_r % GROUP
     m_r = (o_r >= 0) & (o_r < S_q * GROUP)
     o_d = tl.arange(0, BLOCK_D)
     if BLOCK_D == HEAD_DIM:
@@ -431,10 +450,22 @@ def _decode_fwd_kernel(
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)                 # running max, log2 units
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)                                # running sum of exp2
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # BLOCK_IN_PAGE: each key block lies in one page (BLOCK_N divides the page size), whose id and the
+    # block's offset in it advance with the loop instead of being divided out per block.
+    i_page = start // PAGE_SIZE
+    o_page = start % PAGE_SIZE
     for start_n in range(start, end, BLOCK_N):
         o_n = start_n + tl.arange(0, BLOCK_N)
         m_n = o_n < end
-        if IS_PAGED:
+        if IS_PAGED and BLOCK_IN_PAGE:    # one page id per block, rows at a fixed stride
+            page = tl.load(bt_ptr + i_b64 * stride_btb + i_page).to(tl.int64)
+            o_t = o_page + tl.arange(0, BLOCK_N)
+            o_k = page * stride_kb + (o_t * stride_kt + i_hkv * stride_kh)
+            o_v = page * stride_vb + (o_t * stride_vt + i_hkv * stride_vh)
+            o_page += BLOCK_N
+            i_page += (o_page == PAGE_SIZE).to(tl.int32)
+            o_page = tl.where(o_page == PAGE_SIZE, 0, o_page)
+        elif IS_PAGED:
             page = tl.load(bt_ptr + i_b64 * stride_btb + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
             o_k = page * stride_kb + (o_n % PAGE_SIZE) * stride_kt + i_hkv * stride_kh
             o_v = page * stride_vb + (o_n % PAGE_SIZE) * stride_vt + i_hkv * stride_vh
@@ -523,9 +554,10 @@ def _merge_splits_kernel(
     S_q, H_q, NUM_SPLITS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """One program per (sequence, row, query head) merges the splits' fp32 partials in a fixed
-    order and adds the sink once.  FLOPs ~= 3 * B * S_q * H_q * num_splits * D; bytes =
-    B * S_q * H_q * (num_splits * (D + 1) * 4 + D * elt + 4)."""
+    """One program per (sequence, row, query head) merges the splits' partials (outputs in the input
+    dtype, LSEs in fp32) in a fixed order, in fp32, and adds the sink once.  FLOPs ~= 3 * B * S_q *
+    H_q * num_splits * D; bytes = B * S_q * H_q * (num_splits * (D * elt + 4) + D * elt + 4), plus
+    4 * num_splits per row for the second read of the LSEs (a pass for the max, one for the sum)."""
     # One program per row (b, i, h), numbered like the partials [B, S_q, H_q, NUM_SPLITS, ...].
     i_row = tl.program_id(0)
     i_h, i_s, i_b = i_row % H_q, (i_row // H_q) % S_q, i_row // (H_q * S_q)
@@ -550,7 +582,7 @@ def _merge_splits_kernel(
         m_sp = s0 + o_sp < NUM_SPLITS
         b_w = tl.exp(tl.load(plse_ptr + base + s0 + o_sp, mask=m_sp, other=float("-inf")) - m)   # [BLOCK_S]
         p_po = po_ptr + (base + s0 + o_sp)[:, None] * HEAD_DIM + o_d[None, :]
-        b_po = tl.load(p_po, mask=m_sp[:, None] & m_d[None, :], other=0.0)                     # [BLOCK_S, BLOCK_D]
+        b_po = tl.load(p_po, mask=m_sp[:, None] & m_d[None, :], other=0.0).to(tl.float32)       # [BLOCK_S, BLOCK_D]
         b_acc += tl.sum(tl.where(b_w[:, None] == 0, 0.0, b_w[:, None] * b_po), 0)   # a NaN stays NaN
         b_den += b_w
     den = tl.sum(b_den, 0)
@@ -612,24 +644,27 @@ def _fwd_config(head_dim: int, dtype: torch.dtype, rows: int, paged: bool, kv_al
     counts is the bytes each program keeps in flight, not tile width.
     - BLOCK_N: about 8 KB of K and V per pipeline stage (2 * BLOCK_N * BLOCK_D * elt), at least 16
       keys (one mma): 32 keys at D = 64, 16 at D = 128 and 256 in 16-bit types.
-    - Stages: three K/V buffers when a stage holds <= 8 KB (24 KB in flight), else two (32 KB).
-      Paged loads are indirect (page id, then K/V) and Triton's pipeliner spreads the stages over
-      both levels: 2 * buffers + 1 stages give the paged K/V loads ``buffers`` buffers, buffers + 1
-      do for the contiguous cache.
+    - Stages: two K/V buffers (16 KB in flight at 8 KB a stage; 32 KB at D = 256).  A third buffer
+      cost 8 KB of shared memory per program at D = 128 (29 KB instead of 20.5 KB) and, with its
+      pipeline prologue, about 140 SASS instructions paged (30 contiguous); its worth at run time is a GPU measurement,
+      owed.  Paged loads are indirect (page id, then K/V) and Triton's pipeliner spreads the stages
+      over both levels: 2 * buffers + 1 stages give the paged K/V loads ``buffers`` buffers,
+      buffers + 1 do for the contiguous cache.
     - BLOCK_M rows of (query row, group head): up to 64 (32 at D = 256, 16 in fp32); decoding
       (S_q = 1, G <= 16) takes one 16-row tile.
     - 4 warps, 8 for tiles of 32 rows or more, fp32 (IEEE dots on FMA units) and rows not aligned to
       16 bytes (narrower vectors, more addresses in registers).
-    sm_90, D = 128, 16-bit, 16-row tile (parity/aot_compile.py, as a launch specializes it):
-    64-80 registers, 29 KB of shared memory (three 8 KB K/V stages, q and the P tile), so 6 programs
-    fit an SM; every config builds without spills for sm_80 and sm_90 (parity/test_compile.py).
+    sm_90, D = 128, 16-bit, 16-row tile, split launch (parity/aot_compile.py, as a launch specializes
+    it): 63 registers, 20.5 KB of shared memory (two 8 KB K/V stages and q), 856 SASS instructions
+    paged (page 16), 64 / 20.5 KB / 709 contiguous, so 8 programs fit an SM; every config builds
+    without spills for sm_80 and sm_90 (parity/test_compile.py).
     """
     elt = torch.finfo(dtype).bits // 8
     block_d = max(16, triton.next_power_of_2(head_dim))
     max_m = 16 if elt == 4 else (64 if block_d <= 128 else 32)
     block_m = min(max_m, max(16, triton.next_power_of_2(rows)))
     block_n = max(16, 8192 // (2 * block_d * elt))
-    buffers = 3 if 2 * block_n * block_d * elt <= 8192 else 2
+    buffers = 2
     if device.type != "cuda":
         block_n = 16  # the interpreter: small blocks so small test shapes still loop over several
     num_warps = 8 if block_m >= 32 or elt == 4 or kv_align * elt < 16 else 4
@@ -698,9 +733,17 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _new_partials(o_shape, lse_shape, device):
-    """The fp32 partial buffers of a split launch (a function so tests can poison them)."""
-    return (torch.empty(o_shape, dtype=torch.float32, device=device),
+def _traffic_splits(capacity: int, rows: int, head_dim: int, elt: int) -> int:
+    """The most splits whose extra bytes per (sequence, KV head), 3 * rows * (D * elt + 4) each (q read
+    again; the partial out and lse written, then read), stay within _SPLIT_TRAFFIC of the K and V bytes
+    of a full cache, 2 * capacity * D * elt.  B = 4, GQA 8/2, D = 128, fp16: 8 splits at 1k keys, 67 at 8k."""
+    return max(1, int(_SPLIT_TRAFFIC * 2 * capacity * head_dim * elt) // (3 * rows * (head_dim * elt + 4)))
+
+
+def _new_partials(o_shape, lse_shape, dtype, device):
+    """The partial buffers of a split launch: each split's normalized output in the input dtype, its lse
+    in fp32 (a function so tests can poison them)."""
+    return (torch.empty(o_shape, dtype=dtype, device=device),
             torch.empty(lse_shape, dtype=torch.float32, device=device))
 
 

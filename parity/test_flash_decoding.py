@@ -7,7 +7,7 @@
    fp64; paged caches from ``build_page_pools`` (shuffled, over-allocated pools, NaN in every
    unused slot, spare block-table columns pointing at random pages) and contiguous caches with
    NaN past seqused_k, so a read past the valid keys turns the output into NaN; num_splits in
-   {1, 2, 7, auto} agree; outputs and the fp32 partial buffers are NaN-poisoned.
+   {1, 2, 7, auto} agree; outputs and the partial buffers are NaN-poisoned.
 3. k_new / v_new land in their slots and nothing else in the cache changes; num_splits=1 is
    batch-invariant (bitwise); batched == each sequence alone.
 4. merge_attention_states: exact with an empty side, never NaN, associative, and merging the
@@ -190,22 +190,26 @@ def test_num_splits_agree(page, dtype):
 
 
 def test_poisoned_partials(monkeypatch):
-    """The fp32 partial buffers of a split launch start as NaN: every slot the merge reads is written."""
+    """The partial buffers of a split launch (out in the input dtype, lse fp32) start as NaN: every slot
+    the merge reads is written."""
     calls = []
 
-    def poisoned(o_shape, lse_shape, device):
-        calls.append((o_shape, lse_shape))
-        return (torch.full(o_shape, float("nan"), device=device), torch.full(lse_shape, float("nan"), device=device))
+    def poisoned(o_shape, lse_shape, dtype, device):
+        calls.append((o_shape, lse_shape, dtype))
+        return (torch.full(o_shape, float("nan"), dtype=dtype, device=device),
+                torch.full(lse_shape, float("nan"), device=device))
 
     monkeypatch.setattr(fast, "_new_partials", poisoned)
     case64 = build_case(batch=4, s_q=3, h_q=4, h_kv=2, d=40, page_size=7, max_len=100, seed=5)
-    case = as_dtype(case64, torch.float32)
-    o64, lse64 = run(ref, case64, sinks=case64["sinks"])
-    o_low, lse_low = run(ref, case, sinks=case["sinks"], upcast=False)
-    o_fast, lse_fast = run_fast(case, sinks=case["sinks"], num_splits=5)
-    assert calls and calls[0][0][3] == 5, "the split path did not run"
-    check_close("poisoned partials out", o_fast, o64, o_low)
-    check_close("poisoned partials lse", lse_fast, lse64, lse_low)
+    for dtype in (torch.float32, torch.float16):
+        calls.clear()
+        case = as_dtype(case64, dtype)
+        o64, lse64 = run(ref, case64, sinks=case64["sinks"])
+        o_low, lse_low = run(ref, case, sinks=case["sinks"], upcast=False)
+        o_fast, lse_fast = run_fast(case, sinks=case["sinks"], num_splits=5)
+        assert calls and calls[0][0][3] == 5 and calls[0][2] == dtype, "the split path did not run"
+        check_close(f"poisoned partials out {dtype}", o_fast, o64, o_low)
+        check_close(f"poisoned partials lse {dtype}", lse_fast, lse64, lse_low)
 
 
 def test_auto_splits_use_the_gate(monkeypatch):

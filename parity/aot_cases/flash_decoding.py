@@ -49,7 +49,7 @@ def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16,
               page if paged else 1, num_splits if split else 1)
     signature, constants = _int_types(dict(zip(names, values)))
     t = _TYPES[dtype]
-    signature.update(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}", o_ptr="*fp32" if split else f"*{t}",
+    signature.update(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}", o_ptr=f"*{t}",
                      seqused_ptr="*i32", bt_ptr="*i32", sinks_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32",
                      softcap="fp32")
     layout = "paged" if paged else "dense"
@@ -63,7 +63,8 @@ def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16,
         constexprs=dict(constants, HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
                         BLOCK_N=cfg["BLOCK_N"], IS_PAGED=paged, IS_SPLIT=split, HAS_SINKS=extras,
                         HAS_SOFTCAP=extras, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                        KV_ALIGN=cfg["KV_ALIGN"], BATCH_INVARIANT=invariant_family is not None),
+                        KV_ALIGN=cfg["KV_ALIGN"], BATCH_INVARIANT=invariant_family is not None,
+                        BLOCK_IN_PAGE=paged and page % cfg["BLOCK_N"] == 0),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # fp32 dots are IEEE (FMA units); wgmma needs a 64-row tile, smaller tiles use mma.sync.
         tensor_cores=dtype != torch.float32, wgmma=cfg["BLOCK_M"] >= 64)
@@ -127,7 +128,7 @@ def cases(m) -> list[dict]:
         for d in (64, 256):
             cases.append(dict(
                 kernel=m._merge_splits_kernel, name=f"merge_splits[{t},D={d}]",
-                signature=dict(po_ptr="*fp32", plse_ptr="*fp32", sinks_ptr="*fp32", o_ptr=f"*{t}",
+                signature=dict(po_ptr=f"*{t}", plse_ptr="*fp32", sinks_ptr="*fp32", o_ptr=f"*{t}",
                                lse_ptr="*fp32", stride_ob=i32, stride_os=i32, stride_oh=i32, S_q=i32, H_q=i32,
                                NUM_SPLITS=i32),
                 constexprs=dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_S=16, HAS_SINKS=d == 64), num_warps=4, num_stages=1))
