@@ -756,96 +756,92 @@ def _capacity(k_cache, block_table) -> int:
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+_SIZES = {"B": "batch size", "S_q": "query row count", "H_q": "query head count", "H_kv": "KV head count",
+          "D": "head dim", "S_max": "cache length", "num_pages": "page count", "page_size": "page size",
+          "max_pages": "pages per sequence"}
+
+
 def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, scale, num_splits,
                   softcap, sinks, out, batch_invariant):
-    """Shapes, dtypes, devices and strides (no device-to-host copy: this runs under torch.compile)."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, S_q, H_q, D], got shape {tuple(q.shape)}")
-    batch, s_q, h_q, d = q.shape
-    if s_q < 1:
-        raise ValueError(f"q must have S_q >= 1 query rows per sequence, got shape {tuple(q.shape)}")
+    """Shapes, dtypes, devices and strides (no device-to-host copy: this runs under torch.compile):
+    ref/flash_decoding.py's table and rules, then what this kernel adds."""
     paged = block_table is not None
-    layout = "[num_pages, page_size, H_kv, D] (paged)" if paged else "[B, S_max, H_kv, D]"
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} "
-                         f"and {tuple(v_cache.shape)}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    cache = ("num_pages", "page_size", "H_kv", "D") if paged else ("B", "S_max", "H_kv", "D")
+    size = _check_tensors(
+        # name          tensor        shape                       dtype          may be None
+        ("q",           q,            ("B", "S_q", "H_q", "D"),   "float",       False),
+        ("k_cache",     k_cache,      cache,                      "q",           False),   # q's dtype
+        ("v_cache",     v_cache,      cache,                      "q",           False),
+        ("seqused_k",   seqused_k,    ("B",),                     torch.int32,   False),
+        ("block_table", block_table,  ("B", "max_pages"),         torch.int32,   True),
+        ("k_new",       k_new,        ("B", "S_q", "H_kv", "D"),  "q",           True),    # with v_new
+        ("v_new",       v_new,        ("B", "S_q", "H_kv", "D"),  "q",           True),
+        ("sinks",       sinks,        ("H_q",),                   "float",       True),
+        ("out",         out,          ("B", "S_q", "H_q", "D"),   None,          True))    # dtype: below
+    if size["S_q"] < 1:
+        raise ValueError(f"q must have S_q >= 1 query rows per sequence, got shape {tuple(q.shape)}")
+    if size["H_kv"] == 0 or size["H_q"] % size["H_kv"] != 0:
+        raise ValueError(f"the number of query heads must be a multiple of the KV heads, got H_q={size['H_q']} "
+                         f"and H_kv={size['H_kv']}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together")
+    if out is not None and out.dtype != q.dtype:
+        raise ValueError(f"out must be {q.dtype} like q, got {out.dtype}")
+    _check_scalars(scale=scale, softcap=softcap, num_splits=num_splits, batch_invariant=batch_invariant)
+    # What this kernel adds to the contract's checks.
     if q.dtype not in _DTYPES:
         raise TypeError(f"q must be float16, bfloat16 or float32 in the fast path, got {q.dtype}")
-    if not paged and k_cache.shape[0] != batch:
-        raise ValueError(f"k_cache must be [B={batch}, S_max, H_kv, D] without a block_table, "
-                         f"got shape {tuple(k_cache.shape)}")
-    if k_cache.shape[-1] != d:
-        raise ValueError(f"head dim mismatch: q has D={d}, k_cache/v_cache have D={k_cache.shape[-1]}")
-    if d > 256:
-        raise ValueError(f"head dim D must be <= 256 in the fast path, got D={d}")
-    h_kv = k_cache.shape[2]
-    if h_kv == 0 or h_q % h_kv != 0:
-        raise ValueError(f"the number of query heads must be a multiple of the KV heads, got H_q={h_q} "
-                         f"and H_kv={h_kv}")
+    if size["D"] > 256:
+        raise ValueError(f"head dim D must be <= 256 in the fast path, got D={size['D']}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride in the head dim (it is written in place), "
                              f"got strides {tuple(t.stride())}")
+    if out is not None and out.stride(-1) != 1:
+        raise ValueError(f"out must have unit stride in the head dim, got strides {tuple(out.stride())}")
 
-    def index_tensor(name, t, shape_text, dim):
+
+def _check_tensors(*rows):
+    """Check a table of (name, tensor, shape, dtype, may be None) rows in order; returns the sizes.
+
+    ``shape`` names each dimension's size: the first row to name a size fixes it and later rows
+    must agree.  ``dtype`` is "float", a torch.dtype, the name of an earlier row whose dtype is
+    required, or None (any).  One device for all.
+    """
+    size, owner, dtypes, devices = {}, {}, {}, {}
+    for name, t, shape, dtype, optional in rows:
+        if t is None and optional:
+            continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32, got {t.dtype}")
-        if t.dim() != dim or t.shape[0] != batch:
-            raise ValueError(f"{name} must be {shape_text}, got shape {tuple(t.shape)}")
-
-    index_tensor("seqused_k", seqused_k, f"[B={batch}]", 1)
-    if paged:
-        index_tensor("block_table", block_table, f"[B={batch}, max_pages]", 2)
-    if (k_new is None) != (v_new is None):
-        raise ValueError("k_new and v_new must be given together")
-    if k_new is not None:
-        expect = (batch, s_q, h_kv, d)
-        for name, t in (("k_new", k_new), ("v_new", v_new)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if tuple(t.shape) != expect:
-                raise ValueError(f"{name} must be [B, S_q, H_kv, D] = {expect}, got shape {tuple(t.shape)}")
-            if t.dtype != q.dtype:
-                raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
-    if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
-            raise TypeError("sinks must be a floating torch.Tensor of shape [H_q]")
-        if tuple(sinks.shape) != (h_q,):
-            raise ValueError(f"sinks must be [H_q={h_q}], got shape {tuple(sinks.shape)}")
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if out.shape != q.shape or out.dtype != q.dtype:
-            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} like q, got {tuple(out.shape)} {out.dtype}")
-        if out.stride(-1) != 1:
-            raise ValueError(f"out must have unit stride in the head dim, got strides {tuple(out.stride())}")
-    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seqused_k", seqused_k),
-             ("block_table", block_table), ("k_new", k_new), ("v_new", v_new), ("sinks", sinks), ("out", out)]
-    devices = {name: t.device for name, t in named if t is not None}
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if dtype == "float" and not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+        if isinstance(dtype, torch.dtype) and t.dtype != dtype:
+            raise TypeError(f"{name} must be {str(dtype).removeprefix('torch.')}, got {t.dtype}")
+        if dtype in dtypes and t.dtype != dtypes[dtype]:
+            raise TypeError(f"{dtype} and {name} must share a dtype, got {dtypes[dtype]} and {t.dtype}")
+        layout = "[" + ", ".join(f"{s}={size[s]}" if s in size else s for s in shape) + "]"
+        if t.dim() != len(shape):
+            raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+        for s, n in zip(shape, t.shape):
+            if size.setdefault(s, n) != n:
+                raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}: {_SIZES.get(s, 'size')} "
+                                 f"mismatch, {owner[s]} and {name} have {s}={size[s]} and {n}")
+            owner.setdefault(s, name)
+        dtypes[name], devices[name] = t.dtype, t.device
     if len(set(devices.values())) > 1:
         raise ValueError(f"all tensors must be on one device, got mixed devices {devices}")
+    return size
+
+
+def _check_scalars(*, scale, softcap, num_splits, batch_invariant):
+    """The non-tensor arguments."""
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not isinstance(softcap, (int, float)) or softcap < 0:
         raise ValueError(f"softcap must be a float >= 0, got {softcap!r}")
     if num_splits is not None:
         _integer("num_splits", num_splits, 1)
-    _check_batch_invariant(batch_invariant, num_splits)
-
-
-def _check_batch_invariant(batch_invariant, num_splits):
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
     if batch_invariant and num_splits is not None and operator.index(num_splits) != 1:
