@@ -83,7 +83,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["choose_num_splits", "flash_decode", "merge_attention_states"]
+__all__ = ["cascade_decode", "choose_num_splits", "flash_decode", "merge_attention_states"]
 
 _INTERPRETER_SMS = 132       # what the gate assumes for CPU tensors under the Triton interpreter (an H100)
 # The shape gate plans one program per SM: each keeps 16-32 KB of K/V loads in flight (see
@@ -102,23 +102,67 @@ _LOG2E = tl.constexpr(1.4426950408889634)   # log2(e): kernels use it as is, the
 # ----------------------------------------------------------------------------- public API
 
 def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None, v_new=None, scale=None,
-                 num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None, batch_invariant=False):
+                 num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None, batch_invariant=False,
+                 cache_leftpad=None):
     """Decode attention of q against the KV cache; see the module docstring for shapes.
 
     With ``k_new``/``v_new`` the cache is written in place first.  ``num_splits=None`` lets
     ``choose_num_splits`` decide; ``num_splits=1`` is deterministic and independent of the rest of
     the batch.  ``batch_invariant=True`` (one split; ``num_splits`` None or 1) also rounds exactly
     like fast/paged_varlen_attention.py's ``varlen_attn(..., batch_invariant=True)``: see "Batch
-    invariance" in the module docstring.
+    invariance" in the module docstring.  ``cache_leftpad [B] int32`` (flash-attn's name): sequence
+    b's keys start at that position (0 <= cache_leftpad[b] <= seqused_k[b]); the mode then aligns
+    tiles and key blocks to that start.
     Returns ``out [B, S_q, H_q, D]``, or ``(out, lse [B, H_q, S_q] fp32)`` when ``return_lse``;
     with ``out=`` the result is written there.
     """
-    _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new, v_new=v_new,
-                  scale=scale, num_splits=num_splits, softcap=softcap, sinks=sinks, out=out,
-                  batch_invariant=batch_invariant)
-    _check_device("q", q)
+    q, seqused_k, block_table, sinks, out = _prepare(
+        q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new, v_new=v_new, scale=scale,
+        num_splits=num_splits, softcap=softcap, sinks=sinks, out=out, batch_invariant=batch_invariant,
+        cache_leftpad=cache_leftpad)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     num_splits = 0 if num_splits is None else operator.index(num_splits)   # 0: the shape gate decides
+    lse = torch.ops.twofold.flash_decode(q, k_cache, v_cache, seqused_k, block_table, sinks, out, scale,
+                                         float(softcap), num_splits, k_new is None, batch_invariant,
+                                         cache_leftpad.contiguous() if cache_leftpad is not None else None)
+    return (out, lse) if return_lse else out
+
+
+def cascade_decode(q, k_cache, v_cache, seqused_k, *, block_table, cu_groups, prefix_lens, k_new=None, v_new=None,
+                   scale=None, softcap=0.0, sinks=None, return_lse=False, out=None):
+    """Cascade (shared-prefix) decode over a paged cache: ``flash_decode`` for groups of sequences whose
+    first keys lie in the same pages, such as a GRPO group's samples behind their prompt.
+
+    Group g is rows cu_groups[g] .. cu_groups[g + 1] - 1 (``cu_groups [G + 1] int32``, 0 .. B); its
+    first ``prefix_lens[g]`` keys (``prefix_lens [G] int32``) lie in the same pages for all its rows,
+    and every query row sees them all (prefix_lens[g] <= seqused_k[b] - S_q + 1).  One kernel reads
+    each group's prefix K/V once for all the group's rows (they share a tile, as GQA's heads do),
+    the decode kernel reads each row's own keys after the prefix, and the split merge combines the
+    two states exactly and adds the sink.  The result equals ``flash_decode``'s for every row, to
+    rounding; the other keywords are flash_decode's.  Returns ``out [B, S_q, H_q, D]``, or ``(out,
+    lse [B, H_q, S_q] fp32)``.
+    """
+    if block_table is None:
+        raise ValueError("cascade_decode needs a paged cache (block_table): a group's rows share the pages "
+                         "that hold its prefix")
+    q, seqused_k, block_table, sinks, out = _prepare(
+        q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new, v_new=v_new, scale=scale,
+        num_splits=None, softcap=softcap, sinks=sinks, out=out, batch_invariant=False, cache_leftpad=None)
+    _check_group_tensors(cu_groups, prefix_lens, q)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    lse = torch.ops.twofold.cascade_decode(q, k_cache, v_cache, seqused_k, block_table, cu_groups.contiguous(),
+                                           prefix_lens.contiguous(), sinks, out, scale, float(softcap), k_new is None)
+    return (out, lse) if return_lse else out
+
+
+def _prepare(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, scale, num_splits, softcap, sinks, out,
+             batch_invariant, cache_leftpad):
+    """The host checks and layouts both decode functions need, and the append of k_new / v_new (which
+    validates the index tensors with one host copy).  Returns (q, seqused_k, block_table, sinks, out)."""
+    _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new, v_new=v_new,
+                  scale=scale, num_splits=num_splits, softcap=softcap, sinks=sinks, out=out,
+                  batch_invariant=batch_invariant, cache_leftpad=cache_leftpad)
+    _check_device("q", q)
     q = q if q.stride(-1) == 1 else q.contiguous()
     seqused_k = seqused_k.contiguous()
     if block_table is not None and block_table.stride(-1) != 1:
@@ -129,11 +173,8 @@ def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None
     if k_new is not None:
         k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
         v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
-        # The append validates the index tensors (one host copy); the attention then skips it.
         torch.ops.twofold.kv_cache_append(k_cache, v_cache, k_new, v_new, seqused_k, block_table)
-    lse = torch.ops.twofold.flash_decode(q, k_cache, v_cache, seqused_k, block_table, sinks, out, scale,
-                                         float(softcap), num_splits, k_new is None, batch_invariant)
-    return (out, lse) if return_lse else out
+    return q, seqused_k, block_table, sinks, out
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):
@@ -245,7 +286,7 @@ def _(k_cache, v_cache, k_new, v_new, seqused_k, block_table):
 def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqused_k: torch.Tensor,
                   block_table: Optional[torch.Tensor], sinks: Optional[torch.Tensor], out: torch.Tensor,
                   scale: float, softcap: float, num_splits: int, check_values: bool,
-                  batch_invariant: bool) -> torch.Tensor:
+                  batch_invariant: bool, cache_leftpad: Optional[torch.Tensor]) -> torch.Tensor:
     """Writes out [B, S_q, H_q, D]; returns lse [B, H_q, S_q].  num_splits 0 = the shape gate."""
     batch, s_q, h_q, d = q.shape
     h_kv = k_cache.shape[2]
@@ -255,6 +296,8 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if check_values:
         _check_values(seqused_k, block_table, s_q=s_q, capacity=capacity, num_pages=k_cache.shape[0],
                       page_size=k_cache.shape[1])
+    if cache_leftpad is not None:
+        _check_leftpad(cache_leftpad, seqused_k)
     lse = torch.empty(batch, h_q, s_q, dtype=torch.float32, device=q.device)
     if q.numel() == 0:
         return lse
@@ -295,10 +338,12 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         *o_strides, *l_strides,
         block_table.stride(0) if paged else 0,
         h_kv, group, s_q, k_cache.shape[1], num_splits, qk_scale, softcap,
+        cache_leftpad if cache_leftpad is not None else seqused_k,
         HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         IS_PAGED=paged, IS_SPLIT=split, HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_ALIGN=cfg["KV_ALIGN"],
-        BATCH_INVARIANT=batch_invariant, BLOCK_IN_PAGE=paged and k_cache.shape[1] % cfg["BLOCK_N"] == 0,
+        BATCH_INVARIANT=batch_invariant, HAS_LEFTPAD=cache_leftpad is not None,
+        BLOCK_IN_PAGE=paged and k_cache.shape[1] % cfg["BLOCK_N"] == 0 and cache_leftpad is None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split:
         _merge_splits_kernel[(batch * s_q * h_q,)](
@@ -312,7 +357,67 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 @_flash_decode.register_fake
 def _(q, k_cache, v_cache, seqused_k, block_table, sinks, out, scale, softcap, num_splits, check_values,
-      batch_invariant):
+      batch_invariant, cache_leftpad):
+    batch, s_q, h_q, _ = q.shape
+    return q.new_empty(batch, h_q, s_q, dtype=torch.float32)
+
+
+@torch.library.custom_op("twofold::cascade_decode", mutates_args=("out",))
+def _cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqused_k: torch.Tensor,
+                    block_table: torch.Tensor, cu_groups: torch.Tensor, prefix_lens: torch.Tensor,
+                    sinks: Optional[torch.Tensor], out: torch.Tensor, scale: float, softcap: float,
+                    check_values: bool) -> torch.Tensor:
+    """Writes out [B, S_q, H_q, D]; returns lse [B, H_q, S_q]: the prefix kernel writes split 0 of the
+    partials, the decode kernel the suffix's splits 1 .. s (keys from each row's prefix length on),
+    the split merge the result."""
+    batch, s_q, h_q, d = q.shape
+    h_kv, page_size = k_cache.shape[2], k_cache.shape[1]
+    group = h_q // h_kv
+    capacity = _capacity(k_cache, block_table)
+    if check_values:
+        _check_values(seqused_k, block_table, s_q=s_q, capacity=capacity, num_pages=k_cache.shape[0],
+                      page_size=page_size)
+    largest = _check_group_values(cu_groups, prefix_lens, seqused_k, block_table, s_q=s_q, page_size=page_size)
+    lse = torch.empty(batch, h_q, s_q, dtype=torch.float32, device=q.device)
+    if q.numel() == 0:
+        return lse
+    kv_align, elt = _kv_align(k_cache, v_cache), q.element_size()
+    cfg = _fwd_config(d, q.dtype, s_q * group, True, kv_align, q.device)                 # the suffix
+    pre = _fwd_config(d, q.dtype, largest * s_q * group, True, kv_align, q.device)       # the prefix
+    splits = choose_num_splits(batch, h_kv, capacity, num_sms=_sm_count(q.device), num_q_tiles=cfg["num_q_tiles"],
+                               block_n=cfg["BLOCK_N"], programs_per_sm=_PROGRAMS_PER_SM)
+    splits = max(1, min(splits, _traffic_splits(capacity, s_q * group, d, elt), -(-capacity // cfg["BLOCK_N"])))
+    o_part, lse_part = _new_partials((batch, s_q, h_q, 1 + splits, d), (batch, s_q, h_q, 1 + splits), q.dtype,
+                                     q.device)
+    qk_scale = scale / softcap if softcap > 0 else scale * _LOG2E.value
+    flags = dict(HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], HAS_SOFTCAP=softcap > 0, KV_ALIGN=kv_align,
+                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    n_groups = prefix_lens.numel()
+    _cascade_prefix_kernel[(n_groups * h_kv, -(-largest * s_q * group // pre["BLOCK_M"]))](
+        q, k_cache, v_cache, block_table, cu_groups, prefix_lens, o_part, lse_part,
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *o_part.stride()[:3], *lse_part.stride()[:3],
+        block_table.stride(0), h_kv, group, s_q, page_size, qk_scale, softcap,
+        BLOCK_M=pre["BLOCK_M"], BLOCK_N=pre["BLOCK_N"], num_warps=pre["num_warps"], num_stages=pre["num_stages"],
+        **flags)
+    # The suffix: the rows' keys from their group's prefix length on, into splits 1 .. s.
+    row_prefix = torch.repeat_interleave(prefix_lens, cu_groups.diff(), output_size=batch)
+    o_suffix, lse_suffix = o_part[:, :, :, 1:], lse_part[:, :, :, 1:]
+    _decode_fwd_kernel[(batch * h_kv, splits, cfg["num_q_tiles"])](
+        q, k_cache, v_cache, seqused_k, block_table, seqused_k, o_suffix, lse_suffix,
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *o_suffix.stride()[:4],
+        *lse_suffix.stride()[:4], block_table.stride(0), h_kv, group, s_q, page_size, splits, qk_scale, softcap,
+        row_prefix, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], IS_PAGED=True, IS_SPLIT=True, HAS_SINKS=False,
+        HAS_LEFTPAD=True, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
+    sk = sinks if sinks is not None else seqused_k
+    _merge_splits_kernel[(batch * s_q * h_q,)](
+        o_part, lse_part, sk, out, lse, out.stride(0), out.stride(1), out.stride(2), s_q, h_q, 1 + splits,
+        HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_S=min(16, triton.next_power_of_2(1 + splits)),
+        HAS_SINKS=sinks is not None, num_warps=4)
+    return lse
+
+
+@_cascade_decode.register_fake
+def _(q, k_cache, v_cache, seqused_k, block_table, cu_groups, prefix_lens, sinks, out, scale, softcap, check_values):
     batch, s_q, h_q, _ = q.shape
     return q.new_empty(batch, h_q, s_q, dtype=torch.float32)
 
@@ -372,6 +477,77 @@ def _append_kv_kernel(
 
 
 @triton.jit
+def _cascade_prefix_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_groups_ptr, prefix_ptr, o_ptr, lse_ptr,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+    stride_btb,
+    H_kv, GROUP, S_q, PAGE_SIZE, qk_scale, softcap,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr,
+):
+    """``cascade_decode``'s shared prefix.  One program per (group x KV head, row tile): the tile packs
+    the rows of every sequence of the group, row r = (n * S_q + i) * G + g for its n-th sequence,
+    query row i and head g, so the prefix's K and V (through the group's first block-table row) are
+    read once for the whole group, not once per sequence.  Every row sees every prefix key (the host
+    checked prefix <= seqused_k - S_q + 1).  Writes each row's partial state, normalized out in the
+    partials' dtype and lse in fp32, without the sink, at split 0 of the partials.
+
+    FLOPs ~= 4 * n * S_q * H_q * P * D per group of n sequences with a prefix of P keys.  Minimum
+    bytes = 2 * P * H_kv * D * elt (the prefix's K and V once) + n * S_q * H_q * (2 * D * elt + 4)
+    (q, the partial out and lse) + 4 * ceil(P / page_size) (page ids) per group; a group of more than
+    BLOCK_M / (S_q G) sequences reads the prefix once per row tile.
+    """
+    i_gh, i_m = tl.program_id(0), tl.program_id(1)
+    i_g, i_hkv = i_gh // H_kv, i_gh % H_kv
+    first = tl.load(cu_groups_ptr + i_g)
+    rows = (tl.load(cu_groups_ptr + i_g + 1) - first) * S_q * GROUP
+    if i_m * BLOCK_M >= rows:                            # the grid is sized by the largest group
+        return
+    prefix = tl.load(prefix_ptr + i_g)
+
+    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_r = o_r < rows
+    i_b = (first + o_r // (S_q * GROUP)).to(tl.int64)    # the row's sequence
+    i_q = (o_r // GROUP) % S_q
+    i_hq = i_hkv * GROUP + o_r % GROUP
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    p_q = q_ptr + i_b[:, None] * stride_qb + i_q[:, None] * stride_qs + i_hq[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)           # [BLOCK_M, BLOCK_D]
+
+    bt_row = bt_ptr + first.to(tl.int64) * stride_btb
+    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(0, prefix, BLOCK_N):
+        o_n = start_n + tl.arange(0, BLOCK_N)
+        m_n = o_n < prefix
+        page = tl.load(bt_row + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
+        o_k = page * stride_kb + (o_n % PAGE_SIZE) * stride_kt + i_hkv * stride_kh
+        o_v = page * stride_vb + (o_n % PAGE_SIZE) * stride_vt + i_hkv * stride_vh
+        if KV_ALIGN > 1:
+            o_k = tl.multiple_of(o_k, KV_ALIGN)
+            o_v = tl.multiple_of(o_v, KV_ALIGN)
+        m_kv = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(k_ptr + o_k[:, None] + o_d[None, :], mask=m_kv, other=0.0)
+        b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_kv, other=0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)       # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:                                                # log2-domain scores
+            b_s = softcap * _tanh(b_s * qk_scale) * _LOG2E     # qk_scale = scale / softcap
+        else:
+            b_s = b_s * qk_scale                                          # qk_scale = scale * log2(e)
+        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+        b_acc, b_l, b_m = _online_softmax_step(b_acc, b_l, b_m, b_s, b_v, DOT_PRECISION)
+
+    b_o, b_lse = _finish_rows(b_acc, b_l, b_m, tl.zeros([BLOCK_M], dtype=tl.float32), False)
+    p_o = o_ptr + i_b[:, None] * stride_ob + i_q[:, None] * stride_os + i_hq[:, None] * stride_oh + o_d[None, :]
+    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+    tl.store(lse_ptr + i_b * stride_lb + i_q * stride_ls + i_hq * stride_lh, b_lse, mask=m_r)
+
+
+@triton.jit
 def _decode_fwd_kernel(
     q_ptr, k_ptr, v_ptr, seqused_ptr, bt_ptr, sinks_ptr, o_ptr, lse_ptr,
     stride_qb, stride_qs, stride_qh,
@@ -379,11 +555,11 @@ def _decode_fwd_kernel(
     stride_ob, stride_os, stride_oh, stride_osplit,
     stride_lb, stride_ls, stride_lh, stride_lsplit,
     stride_btb,
-    H_kv, GROUP, S_q, PAGE_SIZE, NUM_SPLITS, qk_scale, softcap,
+    H_kv, GROUP, S_q, PAGE_SIZE, NUM_SPLITS, qk_scale, softcap, leftpad_ptr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_PAGED: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr, BATCH_INVARIANT: tl.constexpr = False,
-    BLOCK_IN_PAGE: tl.constexpr = False,
+    BLOCK_IN_PAGE: tl.constexpr = False, HAS_LEFTPAD: tl.constexpr = False,
 ):
     """One program per (sequence x KV head, split, query tile).  The tile packs the S_q rows of
     all G query heads of one KV head (row r = i * G + g), so K and V are read once per KV head,
@@ -414,7 +590,12 @@ def _decode_fwd_kernel(
     i_bh, i_split, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_hkv = i_bh // H_kv, i_bh % H_kv
     i_b64 = i_b.to(tl.int64)
-    seqlen = tl.load(seqused_ptr + i_b)
+    # HAS_LEFTPAD: the sequence's keys start at position kv_first (cache_leftpad; a cascade's suffix starts
+    # after its shared prefix).  Key k of this call is position kv_first + k; below, seqlen counts them.
+    kv_first = 0
+    if HAS_LEFTPAD:
+        kv_first = tl.load(leftpad_ptr + i_b)
+    seqlen = tl.load(seqused_ptr + i_b) - kv_first
 
     # Tile rows pack (query row i, head g of the group) as r = i * GROUP + g: K/V are read once per KV head.
     # BATCH_INVARIANT puts row (position p, head g) at slot (p * G + g) mod BLOCK_M, as the varlen
@@ -466,12 +647,14 @@ def _decode_fwd_kernel(
             i_page += (o_page == PAGE_SIZE).to(tl.int32)
             o_page = tl.where(o_page == PAGE_SIZE, 0, o_page)
         elif IS_PAGED:
-            page = tl.load(bt_ptr + i_b64 * stride_btb + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
-            o_k = page * stride_kb + (o_n % PAGE_SIZE) * stride_kt + i_hkv * stride_kh
-            o_v = page * stride_vb + (o_n % PAGE_SIZE) * stride_vt + i_hkv * stride_vh
+            o_pos = o_n + kv_first                                          # the keys' positions
+            page = tl.load(bt_ptr + i_b64 * stride_btb + o_pos // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
+            o_k = page * stride_kb + (o_pos % PAGE_SIZE) * stride_kt + i_hkv * stride_kh
+            o_v = page * stride_vb + (o_pos % PAGE_SIZE) * stride_vt + i_hkv * stride_vh
         else:
-            o_k = i_b64 * stride_kb + o_n.to(tl.int64) * stride_kt + i_hkv * stride_kh
-            o_v = i_b64 * stride_vb + o_n.to(tl.int64) * stride_vt + i_hkv * stride_vh
+            o_pos = (o_n + kv_first).to(tl.int64)
+            o_k = i_b64 * stride_kb + o_pos * stride_kt + i_hkv * stride_kh
+            o_v = i_b64 * stride_vb + o_pos * stride_vt + i_hkv * stride_vh
         if KV_ALIGN > 1:  # the host checked that every K/V row starts at a multiple of KV_ALIGN elements
             o_k = tl.multiple_of(o_k, KV_ALIGN)
             o_v = tl.multiple_of(o_v, KV_ALIGN)
@@ -679,7 +862,7 @@ def _fwd_config(head_dim: int, dtype: torch.dtype, rows: int, paged: bool, kv_al
 # then the interpreter's (CPU tensors).
 _INVARIANT_CONFIG_TABLE = {
     (90, 64, 2): (64, 64, 4, 3, 3), (90, 128, 2): (64, 64, 8, 3, 3), (90, 256, 2): (64, 32, 8, 3, 3),
-    (80, 64, 2): (64, 64, 4, 3, 3), (80, 128, 2): (64, 32, 8, 3, 2), (80, 256, 2): (64, 16, 8, 3, 3),
+    (80, 64, 2): (64, 64, 4, 3, 3), (80, 128, 2): (64, 32, 8, 3, 3), (80, 256, 2): (64, 16, 8, 3, 3),
     (90, 64, 4): (16, 16, 4, 2, 2), (90, 128, 4): (32, 16, 8, 2, 2), (90, 256, 4): (16, 16, 8, 1, 1),
     (80, 64, 4): (16, 16, 4, 2, 2), (80, 128, 4): (32, 16, 8, 2, 2), (80, 256, 4): (16, 16, 4, 2, 2),
 }
@@ -762,7 +945,7 @@ _SIZES = {"B": "batch size", "S_q": "query row count", "H_q": "query head count"
 
 
 def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, scale, num_splits,
-                  softcap, sinks, out, batch_invariant):
+                  softcap, sinks, out, batch_invariant, cache_leftpad):
     """Shapes, dtypes, devices and strides (no device-to-host copy: this runs under torch.compile):
     ref/flash_decoding.py's table and rules, then what this kernel adds."""
     paged = block_table is not None
@@ -777,7 +960,8 @@ def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, 
         ("k_new",       k_new,        ("B", "S_q", "H_kv", "D"),  "q",           True),    # with v_new
         ("v_new",       v_new,        ("B", "S_q", "H_kv", "D"),  "q",           True),
         ("sinks",       sinks,        ("H_q",),                   "float",       True),
-        ("out",         out,          ("B", "S_q", "H_q", "D"),   None,          True))    # dtype: below
+        ("out",         out,          ("B", "S_q", "H_q", "D"),   None,          True),    # dtype: below
+        ("cache_leftpad", cache_leftpad, ("B",),                  torch.int32,   True))
     if size["S_q"] < 1:
         raise ValueError(f"q must have S_q >= 1 query rows per sequence, got shape {tuple(q.shape)}")
     if size["H_kv"] == 0 or size["H_q"] % size["H_kv"] != 0:
@@ -893,6 +1077,58 @@ def _check_values(seqused_k, block_table, *, s_q, capacity, num_pages, page_size
         bad = [p for p in table[b][:-(-length // page_size)] if not 0 <= p < num_pages]
         if bad:
             raise ValueError(f"block_table[{b}] points at page {bad[0]}, outside the pool of {num_pages} pages")
+
+
+def _check_leftpad(cache_leftpad, seqused_k):
+    """0 <= cache_leftpad[b] <= seqused_k[b] (one small device-to-host copy, none during capture)."""
+    if cache_leftpad.numel() == 0 or (cache_leftpad.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    if bool(((cache_leftpad < 0) | (cache_leftpad > seqused_k)).any()):
+        for b, (first, length) in enumerate(zip(cache_leftpad.tolist(), seqused_k.tolist())):
+            if not 0 <= first <= length:
+                raise ValueError(f"cache_leftpad[{b}] = {first} must be in [0, seqused_k[{b}] = {length}]")
+
+
+def _check_group_tensors(cu_groups, prefix_lens, q):
+    """cascade_decode's group tensors: int32, one dimension, on q's device (no host copy)."""
+    for name, t, shape in (("cu_groups", cu_groups, "[G + 1]"), ("prefix_lens", prefix_lens, "[G]")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be an int32 torch.Tensor {shape}, got {type(t).__name__}")
+        if t.dtype != torch.int32 or t.dim() != 1:
+            raise TypeError(f"{name} must be an int32 tensor {shape}, got {t.dtype} of shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device} like q, got {t.device}")
+    if cu_groups.numel() != prefix_lens.numel() + 1:
+        raise ValueError(f"cu_groups must have one more entry than prefix_lens ({prefix_lens.numel()} groups), got "
+                         f"{cu_groups.numel()}")
+
+
+def _check_group_values(cu_groups, prefix_lens, seqused_k, block_table, *, s_q, page_size) -> int:
+    """cu_groups rises from 0 to B; each prefix is seen by every query row of its group and lies in the
+    same pages for all of them.  Reduced on the device, one host copy; returns the largest group."""
+    batch = seqused_k.numel()
+    bounds = cu_groups.to(torch.int64)
+    sizes = bounds.diff()
+    fails = [(bounds[:1] != 0).sum() + (bounds[-1:] != batch).sum() + (sizes < 0).sum()]
+    if not bool(fails[0] == 0):
+        raise ValueError(f"cu_groups must rise from 0 to B = {batch}, got {cu_groups.tolist()}")
+    group = torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device), sizes, output_size=batch)
+    prefix = prefix_lens.to(torch.int64)[group]                                    # [B]: its group's prefix
+    lens = seqused_k.to(torch.int64)
+    fails.append(((prefix < 0) | (prefix > (lens - s_q + 1).clamp(min=0))).sum())
+    cols = torch.arange(block_table.shape[1], device=lens.device)
+    shared = cols[None, :] < ((prefix + page_size - 1) // page_size)[:, None]     # [B, max_pages]
+    fails.append((shared & (block_table != block_table[bounds[:-1][group]])).sum())
+    largest = sizes.max() if sizes.numel() else sizes.new_zeros(())
+    _, bad_prefix, bad_pages, largest = torch.stack([*fails, largest]).tolist()   # the one copy
+    if bad_prefix:
+        raise ValueError("prefix_lens[g] must be in [0, seqused_k[b] - S_q + 1] for every row b of group g (every "
+                         f"query row sees the whole prefix): prefix_lens {prefix_lens.tolist()}, cu_groups "
+                         f"{cu_groups.tolist()}, seqused_k {seqused_k.tolist()}")
+    if bad_pages:
+        raise ValueError("the rows of a group must hold their prefix in the same pages: block_table rows differ "
+                         "within a group over the first ceil(prefix_lens[g] / page_size) pages")
+    return largest
 
 
 def _integer(name, value, minimum):

@@ -557,14 +557,16 @@ class DecoderLM(nn.Module):
         tokens go through the model once, each completion attends to its K/V (the prompt's keys, then
         its own causal keys, the two states merged exactly) and the linear layers continue each
         completion from the prompt's final state; gradients reach the prompt once, summed over the
-        group.  False, or the batch-invariant mode: one packed forward over every sequence whole (in
-        the mode, with ``varlen_attn``, the logprobs are bitwise the engine's)."""
+        group.  False: one packed forward over every sequence whole.  In batch-invariant mode (with
+        ``varlen_attn``) every completion row reduces its keys in those two segments either way, each
+        row alone over its prompt's keys as the engine's decode does, and the logprobs are bitwise the
+        engine's (the gradients are the default kernels')."""
         seqs, prompts, temps = _check_logprob_inputs(sequences, prompt_lengths, temperature, self.config)
         if not isinstance(share_prompts, bool):
             raise TypeError(f"share_prompts must be a bool, got {type(share_prompts).__name__}")
         if not seqs:
             return []
-        if share_prompts and not self.batch_invariant:
+        if share_prompts or self.batch_invariant:
             rows, h = self._prompt_shared_forward(seqs, prompts, share_prompts)
         else:
             rows, h = self._packed_forward(seqs, prompts)
@@ -1193,7 +1195,8 @@ class Generator:
 
     def __init__(self, config: ModelConfig | None = None, *, state_dict=None, seed: int = 0, name: str = "generator",
                  policy_version: int = 0, linear_layer=None, device=None, dtype=None, varlen_attn=None,
-                 flash_decode=None, page_size: int = 16, num_pages: int | None = None, max_batch_size: int = 256,
+                 flash_decode=None, cascade_decode=None, page_size: int = 16, num_pages: int | None = None,
+                 max_batch_size: int = 256,
                  max_prefill_tokens: int = 8192, prefix_caching: bool = True, checkpoint_interval: int = 1,
                  num_checkpoints: int | None = None, kv_on_swap: str = "keep", batch_invariant: bool = False):
         if not isinstance(name, str) or not name:
@@ -1212,6 +1215,13 @@ class Generator:
         if kv_on_swap not in ("keep", "recompute"):
             raise ValueError(f"kv_on_swap must be 'keep' or 'recompute', got {kv_on_swap!r}")
         _check_mode(batch_invariant, varlen_attn)
+        if batch_invariant and flash_decode is None:
+            raise ValueError("batch_invariant=True needs flash_decode (fast/flash_decoding.flash_decode): a decode "
+                             "step reduces its keys in two segments, the prompt's and its own from cache_leftpad on, "
+                             "as DecoderLM.token_logprobs does")
+        for name_, fn in (("flash_decode", flash_decode), ("cascade_decode", cascade_decode)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name_} must be None or a function with that signature, got {type(fn).__name__}")
         self.name = name
         self.device = torch.device("cpu" if device is None else device)
         self.batch_invariant = batch_invariant
@@ -1225,8 +1235,8 @@ class Generator:
         self._shadow = None                 # the second weight set, allocated by the first load
         self._version = policy_version
         self._varlen_attn = varlen_attn or _torch_varlen_attn
-        # Batch-invariant mode without flash_decode: decode through varlen_attn, one row per request.
-        self._flash_decode = flash_decode or (None if batch_invariant else _torch_flash_decode)
+        self._flash_decode = flash_decode or _torch_flash_decode
+        self._cascade_decode = cascade_decode
         self._attn_kw = dict(batch_invariant=True) if batch_invariant else {}
         self.page_size, self.max_batch_size, self.max_prefill_tokens = page_size, max_batch_size, max_prefill_tokens
         self.prefix_caching, self.checkpoint_interval, self.kv_on_swap = prefix_caching, checkpoint_interval, kv_on_swap
@@ -1684,12 +1694,22 @@ class Generator:
             cuts.append(sorted((b, slot) for b in marks if start < b <= end
                                for slot in [self._checkpoint_at(s, b)] if slot is not None))
 
+        # The mode: rows at or after a prompt's end (a preempted request's completion, recomputed) reduce
+        # their keys in the decode's two segments.
+        completions = [(n, max(start, s.n_prompt), end) for n, (s, start, end) in enumerate(work)
+                       if self.batch_invariant and end > s.n_prompt]
+
         def attend(i, q, k, v):
             kc, vc = self._k[self._pool_index[i]], self._v[self._pool_index[i]]
             kc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, where, k)
             vc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, where, v)
-            return self._varlen_attn(q, kc, vc, cu, None, longest, keys, scale=scale, window_size=(-1, 0),
-                                     enable_gqa=True, seqused_k=used, block_table=table, **self._attn_kw)
+            out = self._varlen_attn(q, kc, vc, cu, None, longest, keys, scale=scale, window_size=(-1, 0),
+                                    enable_gqa=True, seqused_k=used, block_table=table, **self._attn_kw)
+            for n, first, _ in completions:
+                rows = slice(int(cu[n]) + first - work[n][1], int(cu[n + 1]))
+                out[rows] = self._two_segments(q[rows][None], kc, vc, used[n:n + 1], table[n:n + 1],
+                                               used[n:n + 1] * 0 + work[n][0].n_prompt, dict(scale=scale))[0]
+            return out
 
         def mix(i, module, h):
             return self._prefill_linear(i, module, h, work, cuts, slots)
@@ -1797,8 +1817,15 @@ class Generator:
         return forks
 
     def _decode(self, model: DecoderLM, seqs: list, settle: list) -> list:
-        """One token for every decoding request: a batched forward over their last tokens."""
-        dev, c, ps = self.device, self.config, self.page_size
+        """One token for every decoding request: a batched forward over their last tokens.  A group's
+        samples decode side by side through ``cascade_decode`` (their prompt's shared pages read once);
+        the batch-invariant mode reduces every row's keys in two segments (``_two_segments``)."""
+        dev, c = self.device, self.config
+        if self._cascade_decode is not None and not self.batch_invariant:   # a group's samples side by side
+            by_group: dict = {}
+            for s in seqs:
+                by_group.setdefault(id(s.group), []).append(s)
+            seqs = [s for members in by_group.values() for s in members]
         ids = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
         positions = torch.tensor([len(s.tokens) - 1 for s in seqs], device=dev)
         used = (positions + 1).to(torch.int32)
@@ -1806,21 +1833,19 @@ class Generator:
         self._flush_table()
         table = self._table[slots, :max(len(s.pages) for s in seqs)]
         scale = c.head_dim ** -0.5
-        if self._flash_decode is None:  # varlen_attn with one query row per request; the new K/V written first
-            where = torch.tensor([s.pages[(len(s.tokens) - 1) // ps] * ps + (len(s.tokens) - 1) % ps for s in seqs],
-                                 device=dev)
-            rows = torch.arange(len(seqs) + 1, dtype=torch.int32, device=dev)
-            longest = max(len(s.tokens) for s in seqs)
+        groups = self._decode_groups(seqs) if self._cascade_decode is not None and not self.batch_invariant else None
+        prompts = torch.tensor([s.n_prompt for s in seqs], dtype=torch.int32, device=dev)
 
         def attend(i, q, k, v):
             kc, vc = self._k[self._pool_index[i]], self._v[self._pool_index[i]]
-            if self._flash_decode is None:
-                kc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, where, k)
-                vc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, where, v)
-                return self._varlen_attn(q, kc, vc, rows, None, 1, longest, scale=scale, window_size=(-1, 0),
-                                         enable_gqa=True, seqused_k=used, block_table=table, **self._attn_kw)
-            return self._flash_decode(q[:, None], kc, vc, used, block_table=table, k_new=k[:, None],
-                                      v_new=v[:, None], scale=scale, **self._attn_kw)[:, 0]
+            new = dict(k_new=k[:, None], v_new=v[:, None], scale=scale)
+            if self.batch_invariant:
+                return self._two_segments(q[:, None], kc, vc, used, table, prompts, new)[:, 0]
+            if groups is not None:
+                cu, prefix = groups
+                return self._cascade_decode(q[:, None], kc, vc, used, block_table=table, cu_groups=cu,
+                                            prefix_lens=prefix, **new)[:, 0]
+            return self._flash_decode(q[:, None], kc, vc, used, block_table=table, **new)[:, 0]
 
         def mix(i, module, h):
             cache = module.new_cache()
@@ -1835,6 +1860,44 @@ class Generator:
             s.computed = len(s.tokens)
             self._key_full_pages(s)
         return self._advance(seqs, model.logits(h), settle)
+
+    def _decode_groups(self, seqs: list):
+        """(cu_groups, prefix_lens) of a decode batch ordered by request: the samples of one request that
+        still share its prompt's full pages form a group (prefix: those pages' keys); None when no
+        group has two samples (plain flash_decode then)."""
+        ps, bounds, prefixes = self.page_size, [0], []
+        for n, s in enumerate(seqs):
+            shared = s.n_prompt // ps
+            head = seqs[bounds[-1]]
+            if n and s.group is head.group and s.pages[:shared] == head.pages[:shared]:
+                continue
+            if n:
+                bounds.append(n)
+            prefixes.append(shared * ps)
+        bounds.append(len(seqs))
+        if len(prefixes) == len(seqs):
+            return None
+        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+        prefixes = [p if size > 1 else 0 for p, size in zip(prefixes, sizes)]
+        dev = self.device
+        return (torch.tensor(bounds, dtype=torch.int32, device=dev),
+                torch.tensor(prefixes, dtype=torch.int32, device=dev))
+
+    def _two_segments(self, q, kc, vc, used, table, prompts, new):
+        """The batch-invariant mode's attention for completion rows q [B, S_q, H_q, D] (positions used - S_q
+        .. used - 1, all at or after their prompt's end): over the prompt's keys, then over the
+        sequence's own keys from the prompt's end on (``cache_leftpad``), merged as
+        ``DecoderLM.token_logprobs`` merges them.  ``new``: k_new / v_new and scale for the second call."""
+        b, s_q = q.shape[:2]
+        rows = q.reshape(b * s_q, 1, *q.shape[2:])                          # each row alone over its prompt
+        o_a, lse_a = self._flash_decode(
+            rows, kc, vc, prompts.repeat_interleave(s_q), block_table=table.repeat_interleave(s_q, dim=0),
+            scale=new["scale"], return_lse=True, batch_invariant=True)
+        o_b, lse_b = self._flash_decode(q, kc, vc, used, block_table=table, cache_leftpad=prompts, return_lse=True,
+                                        batch_invariant=True, **new)
+        lse_b = lse_b.transpose(1, 2).flatten(0, 1).t()                     # [B, H, S_q] -> [H, B * S_q]
+        out, _ = _merge_states(o_a[:, 0], lse_a[:, :, 0].t(), o_b.flatten(0, 1), lse_b)
+        return out.to(q.dtype).unflatten(0, (b, s_q))
 
     def _key_full_pages(self, seq: _Seq) -> None:
         """Key the pages a decode step filled (prompt + generated tokens), with a checkpoint where one is due."""

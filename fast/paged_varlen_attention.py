@@ -503,15 +503,16 @@ _TUNED = {(family, block_d, elt): triton.autotune(
 # kernel, stages of fast/flash_decoding.py's decode kernel).  A row's bits depend on BLOCK_N (the
 # key blocks), BLOCK_M and num_warps (the MMA and reduction layouts), so a trainer's packed forward,
 # a paged prefill and a decode step must all run the same tile; the pipeline depth only moves loads
-# and is chosen per kernel (three stages, or two with BLOCK_N = 64, spill a few bytes in the decode
-# kernel's 32-row sm_80 D = 128 build).  64-row tiles (one wgmma warpgroup on sm_90) from the default
-# table's alignment-free lists: a prefill reads K/V once per 64 packed rows instead of the default's
-# first choice of 128 (2x the K/V bytes); a decode step fills S_q * G of the 64 rows (64 FLOPs per
-# K/V byte in 16-bit: memory-bound still, under the A100's and H100's tensor-FLOP/s-to-bytes/s
-# ratios).  fp32 keeps its default (only) tile.  fast/flash_decoding.py holds the same table.
+# and is chosen per kernel (the decode kernel's sm_80 D = 128 build takes three stages: with two,
+# ptxas holds it to 128 registers and spills 16 bytes when it reads keys from a cache_leftpad on).
+# 64-row tiles (one wgmma warpgroup on sm_90) from the default table's alignment-free lists: a
+# prefill reads K/V once per 64 packed rows instead of the default's first choice of 128 (2x the K/V
+# bytes); a decode step fills S_q * G of the 64 rows (64 FLOPs per K/V byte in 16-bit: memory-bound
+# still, under the A100's and H100's tensor-FLOP/s-to-bytes/s ratios).  fp32 keeps its default (only)
+# tile.  fast/flash_decoding.py holds the same table.
 _INVARIANT_CONFIG_TABLE = {
     (90, 64, 2): (64, 64, 4, 3, 3), (90, 128, 2): (64, 64, 8, 3, 3), (90, 256, 2): (64, 32, 8, 3, 3),
-    (80, 64, 2): (64, 64, 4, 3, 3), (80, 128, 2): (64, 32, 8, 3, 2), (80, 256, 2): (64, 16, 8, 3, 3),
+    (80, 64, 2): (64, 64, 4, 3, 3), (80, 128, 2): (64, 32, 8, 3, 3), (80, 256, 2): (64, 16, 8, 3, 3),
     (90, 64, 4): (16, 16, 4, 2, 2), (90, 128, 4): (32, 16, 8, 2, 2), (90, 256, 4): (16, 16, 8, 1, 1),
     (80, 64, 4): (16, 16, 4, 2, 2), (80, 128, 4): (32, 16, 8, 2, 2), (80, 256, 4): (16, 16, 4, 2, 2),
 }

@@ -81,14 +81,14 @@ def check_attention(seed: int) -> tuple[int, int]:
     return good, total
 
 
-def check_engine(kind: str, *, requests: int, seed: int, page_size: int, decode_kernel: bool) -> tuple[int, int]:
+def check_engine(kind: str, *, requests: int, seed: int, page_size: int) -> tuple[int, int]:
     """Engine == trainer (and alone == busy) for every request; a run without a preemption fails."""
     import fast.generator_engine as fast_ge
     import test_batch_invariant_engine as t
     from fast.paged_varlen_attention import varlen_attn
     reqs = t.requests(seed=seed, n=requests)
     torch.set_num_threads(1)
-    with t.generator(kind, True, decode_kernel=decode_kernel, page_size=page_size) as gen:
+    with t.generator(kind, True, page_size=page_size) as gen:
         busy = t.serve_busy(gen, reqs, seed=seed + 1)
         if gen.stats()["preemptions"] < 1:
             raise AssertionError(f"no preemption in the busy run: {gen.stats()}")
@@ -116,10 +116,10 @@ def main(argv=None) -> int:
     checks = {
         "matmul": lambda: check_matmul(),
         "attention": lambda: check_attention(args.seed),
-        "engine attention-only (varlen decode)": lambda: check_engine(
-            "attention", requests=args.requests, seed=args.seed, page_size=args.page_size, decode_kernel=False),
-        "engine hybrid (flash_decode)": lambda: check_engine(
-            "hybrid", requests=args.requests, seed=args.seed, page_size=args.page_size + 1, decode_kernel=True),
+        "engine attention-only": lambda: check_engine(
+            "attention", requests=args.requests, seed=args.seed, page_size=args.page_size),
+        "engine hybrid": lambda: check_engine(
+            "hybrid", requests=args.requests, seed=args.seed, page_size=args.page_size + 1),
     }
     report = {"corename": openblas_corename(), "aten": torch.backends.cpu.get_cpu_capability(), "checks": {}}
     for name, run in checks.items():

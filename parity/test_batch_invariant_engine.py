@@ -79,9 +79,9 @@ def requests(seed, n=N_REQUESTS):
     return out
 
 
-def generator(kind, invariant, *, decode_kernel=True, page_size=4):
+def generator(kind, invariant, *, page_size=4):
     """A busy engine: 8 slots and a pool of 56-57 KV slots (a request holds up to 28: preemptions)."""
-    plug = dict(varlen_attn=varlen_attn, flash_decode=flash_decode if decode_kernel else None)
+    plug = dict(varlen_attn=varlen_attn, flash_decode=flash_decode)
     return fast_ge.Generator(config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"], page_size=page_size,
                              num_pages=-(-56 // page_size), max_batch_size=8, batch_invariant=invariant, **plug)
 
@@ -117,13 +117,11 @@ def largest_mismatch(completions, recomputed):
                for c in completions)
 
 
-@pytest.mark.parametrize("kind,decode_kernel,page_size",
-                         [("attention", False, 4), ("hybrid", True, 3), ("hybrid-fast_gdn", True, 5)],
-                         ids=["attention-varlen_decode-page4", "hybrid-flash_decode-page3",
-                              "hybrid_fast_gdn-flash_decode-page5"])
-def test_engine_logprobs_equal_the_trainers_bitwise(kind, decode_kernel, page_size):
+@pytest.mark.parametrize("kind,page_size", [("attention", 4), ("hybrid", 3), ("hybrid-fast_gdn", 5)],
+                         ids=["attention-page4", "hybrid-page3", "hybrid_fast_gdn-page5"])
+def test_engine_logprobs_equal_the_trainers_bitwise(kind, page_size):
     reqs = requests(seed=11)
-    with generator(kind, True, decode_kernel=decode_kernel, page_size=page_size) as gen:
+    with generator(kind, True, page_size=page_size) as gen:
         busy = serve_busy(gen, reqs, seed=12)
         stats = gen.stats()
         assert stats["preemptions"] >= 1, stats
@@ -259,6 +257,8 @@ def test_bad_inputs_raise():
     c = config("attention")
     with pytest.raises(ValueError, match="batch_invariant=True needs varlen_attn"):
         fast_ge.Generator(c, batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant=True needs flash_decode"):
+        fast_ge.Generator(c, batch_invariant=True, varlen_attn=varlen_attn)
     with pytest.raises(ValueError, match="batch_invariant=True needs varlen_attn"):
         fast_ge.DecoderLM(c, batch_invariant=True)
     with pytest.raises(TypeError, match="batch_invariant must be a bool"):

@@ -57,6 +57,7 @@ ALLOWED_EXTRA = {
     # cache and plain attention, so it has nothing to tune or plug in).
     ("fast", "Generator", "varlen_attn"): "prefill attention plug-in of the paged engine",
     ("fast", "Generator", "flash_decode"): "decode attention plug-in of the paged engine",
+    ("fast", "Generator", "cascade_decode"): "shared-prefix decode plug-in for a group's samples",
     ("ref", "Generator", "cache_pages"): "the reference's prefix cache keeps copies of pages beside each "
                                          "request's contiguous cache (fast's cached pages live in its pool)",
     ("fast", "Generator", "checkpoint_interval"): "hybrid models: pages between linear-state checkpoints "

@@ -67,7 +67,7 @@ import operator
 
 import torch
 
-__all__ = ["choose_num_splits", "flash_decode", "merge_attention_states"]
+__all__ = ["cascade_decode", "choose_num_splits", "flash_decode", "merge_attention_states"]
 
 
 # ----------------------------------------------------------------------------- the math
@@ -100,42 +100,49 @@ def _merge(o_a, lse_a, o_b, lse_b):
     return o, lse
 
 
-def _attend_chunk(q, k, v, first, length, *, scale, softcap):
-    """Attention of one sequence's S_q rows to one chunk of its keys, without the sink.
+def _attend_chunk(q, k, v, key_pos, last_seen, *, scale, softcap):
+    """Attention of R query rows to one chunk of keys, without the sink.
 
-    q [S_q, H_q, D]; k, v [n, H_kv, D] hold the keys at positions first .. first + n - 1 of a
-    sequence with ``length`` keys.  Returns the partial state (o [S_q, H_q, D], lse [H_q, S_q]).
+    q [R, H_q, D]; k, v [n, H_kv, D] are the keys at positions ``key_pos`` [n]; row r sees the keys at
+    positions <= ``last_seen[r]``.  Returns the partial state (o [R, H_q, D], lse [H_q, R]).
     """
-    s_q, h_q, _ = q.shape
+    r, h_q, _ = q.shape
     h_kv = k.shape[1]
-    q = q.unflatten(1, (h_kv, h_q // h_kv))                         # [S_q, H_kv, G, D]: head h reads KV head h // G
-    s = torch.einsum("skgd,nkd->kgsn", q, k) * scale                # [H_kv, G, S_q, n]
+    q = q.unflatten(1, (h_kv, h_q // h_kv))                         # [R, H_kv, G, D]: head h reads KV head h // G
+    s = torch.einsum("skgd,nkd->kgsn", q, k) * scale                # [H_kv, G, R, n]
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
-    key_pos = first + torch.arange(k.shape[0], device=q.device)     # [n]
-    last_seen = length - s_q + torch.arange(s_q, device=q.device)   # [S_q]: row i sees j <= L - S_q + i
     s = s.masked_fill(key_pos[None, :] > last_seen[:, None], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)                                # [H_kv, G, S_q], -inf for a row that sees nothing
+    lse = torch.logsumexp(s, dim=-1)                                # [H_kv, G, R], -inf for a row that sees nothing
     p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)[..., None])
-    o = torch.einsum("kgsn,nkd->skgd", p, v)                        # [S_q, H_kv, G, D]
-    return o.flatten(1, 2), lse.flatten(0, 1)                       # [S_q, H_q, D], [H_q, S_q]
+    o = torch.einsum("kgsn,nkd->skgd", p, v)                        # [R, H_kv, G, D]
+    return o.flatten(1, 2), lse.flatten(0, 1)                       # [R, H_q, D], [H_q, R]
+
+
+def _with_sink(o, lse, sinks, dtype):
+    """The sink: one more state (o = 0, lse = sink_h), merged once at the end."""
+    if sinks is None:
+        return o, lse
+    return _merge(o, lse, torch.zeros_like(o), sinks.to(dtype)[:, None].expand(lse.shape))
 
 
 # ----------------------------------------------------------------------------- public API
 
 def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None, v_new=None, scale=None,
                  num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None, batch_invariant=False,
-                 upcast=True):
+                 cache_leftpad=None, upcast=True):
     """Decode attention of q against the KV cache; see the module docstring for shapes.
 
-    With ``k_new``/``v_new`` the cache is written in place first.  ``batch_invariant=True`` names the
-    fast kernel's bitwise contract (module docstring): one chunk (num_splits None or 1).
+    With ``k_new``/``v_new`` the cache is written in place first.  ``cache_leftpad [B] int32`` (as in
+    flash-attn's ``flash_attn_with_kvcache``): sequence b's keys start at that position, the ones
+    before it are not attended (0 <= cache_leftpad[b] <= seqused_k[b]).  ``batch_invariant=True``
+    names the fast kernel's bitwise contract (module docstring): one chunk (num_splits None or 1).
     Returns ``out [B, S_q, H_q, D]``, or ``(out, lse [B, H_q, S_q])`` when ``return_lse``; with
     ``out=`` the result is written there.
     """
-    lengths = _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new,
-                            v_new=v_new, scale=scale, num_splits=num_splits, softcap=softcap,
-                            sinks=sinks, out=out, batch_invariant=batch_invariant)
+    lengths, starts = _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new,
+                                    v_new=v_new, scale=scale, num_splits=num_splits, softcap=softcap,
+                                    sinks=sinks, out=out, batch_invariant=batch_invariant, cache_leftpad=cache_leftpad)
     batch, s_q, h_q, d = q.shape
     scale = d ** -0.5 if scale is None else float(scale)
     softcap = float(softcap)
@@ -146,20 +153,19 @@ def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None
         if k_new is not None:
             _append_to_cache(k_cache, v_cache, k_new, v_new, lengths, block_table)
         outs, lses = [], []
-        for b, length in enumerate(lengths):
+        for b, (length, first_key) in enumerate(zip(lengths, starts)):
             k, v = _gather_sequence(k_cache, v_cache, b, length, block_table)
             qb, k, v = q[b].to(dtype), k.to(dtype), v.to(dtype)
+            last_seen = length - s_q + torch.arange(s_q, device=q.device)     # row i is the key at L - S_q + i
             # Start from the empty state (o = 0, lse = -inf), the identity of the merge.
             o = torch.zeros(s_q, h_q, d, dtype=dtype, device=q.device)
             lse = torch.full((h_q, s_q), float("-inf"), dtype=dtype, device=q.device)
-            chunk = max(1, -(-length // splits))
-            for first in range(0, length, chunk):                   # the splits, one after another
-                o_c, lse_c = _attend_chunk(qb, k[first:first + chunk], v[first:first + chunk], first, length,
-                                           scale=scale, softcap=softcap)
+            chunk = max(1, -(-(length - first_key) // splits))
+            for first in range(first_key, length, chunk):           # the splits, one after another
+                pos = torch.arange(first, min(first + chunk, length), device=q.device)
+                o_c, lse_c = _attend_chunk(qb, k[pos], v[pos], pos, last_seen, scale=scale, softcap=softcap)
                 o, lse = _merge(o, lse, o_c, lse_c)
-            if sinks is not None:                                   # the sink: a state with no value, once
-                sink = sinks.to(dtype)[:, None].expand(h_q, s_q)
-                o, lse = _merge(o, lse, torch.zeros_like(o), sink)
+            o, lse = _with_sink(o, lse, sinks, dtype)
             outs.append(o.to(q.dtype))
             lses.append(lse.to(wide))
         result = torch.stack(outs) if outs else q.new_zeros(q.shape)
@@ -168,6 +174,57 @@ def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None
             out.copy_(result)
             result = out
     return (result, lse) if return_lse else result
+
+
+def cascade_decode(q, k_cache, v_cache, seqused_k, *, block_table, cu_groups, prefix_lens, k_new=None, v_new=None,
+                   scale=None, softcap=0.0, sinks=None, return_lse=False, out=None, upcast=True):
+    """Cascade (shared-prefix) decode: ``flash_decode`` over a paged cache for groups of sequences
+    whose first keys lie in the same pages, the n samples of a GRPO group behind their prompt.
+
+    Group g is the rows cu_groups[g] .. cu_groups[g + 1] - 1 (``cu_groups [G + 1] int32``, from 0 to B);
+    its first ``prefix_lens[g]`` keys (``prefix_lens [G] int32``) are in the same pages for every row
+    of the group, and every query row sees all of them (prefix_lens[g] <= seqused_k[b] - S_q + 1).
+    Each row's attention is two states merged exactly: over the shared prefix, computed for the
+    whole group's rows at once (the prefix's K/V read once per group), and over the row's own keys
+    after it; then the sink.  The result equals ``flash_decode``'s for every row; the other keywords
+    are flash_decode's.  Returns ``out [B, S_q, H_q, D]``, or ``(out, lse [B, H_q, S_q])``.
+    """
+    lengths, _ = _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new, v_new=v_new,
+                               scale=scale, num_splits=None, softcap=softcap, sinks=sinks, out=out,
+                               batch_invariant=False, cache_leftpad=None, paged_only="cascade_decode")
+    groups, prefixes = _check_groups(cu_groups, prefix_lens, block_table, lengths, s_q=q.shape[1],
+                                     page_size=k_cache.shape[1])
+    batch, s_q, h_q, d = q.shape
+    scale = d ** -0.5 if scale is None else float(scale)
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = wide if upcast else q.dtype
+    result = q.new_zeros(q.shape)
+    lse_all = torch.zeros(batch, h_q, s_q, dtype=wide, device=q.device)
+    with torch.no_grad():
+        if k_new is not None:
+            _append_to_cache(k_cache, v_cache, k_new, v_new, lengths, block_table)
+        for (first, last), prefix in zip(groups, prefixes):
+            rows = range(first, last)
+            # The prefix: every row of the group at once, K/V gathered from its first row's pages.
+            k, v = _gather_sequence(k_cache, v_cache, first, prefix, block_table)
+            q_rows = q[first:last].to(dtype).flatten(0, 1)                        # [n * S_q, H_q, D]
+            pos = torch.arange(prefix, device=q.device)
+            o_p, lse_p = _attend_chunk(q_rows, k.to(dtype), v.to(dtype), pos, torch.full((1,), prefix, device=q.device),
+                                       scale=scale, softcap=float(softcap))
+            o_p, lse_p = o_p.unflatten(0, (len(rows), s_q)), lse_p.unflatten(1, (len(rows), s_q))
+            for i, b in enumerate(rows):
+                # Its own keys, prefix .. L - 1 (causal), then the merge and the sink.
+                k, v = _gather_sequence(k_cache, v_cache, b, lengths[b], block_table)
+                pos = torch.arange(prefix, lengths[b], device=q.device)
+                last_seen = lengths[b] - s_q + torch.arange(s_q, device=q.device)
+                o_s, lse_s = _attend_chunk(q[b].to(dtype), k[pos].to(dtype), v[pos].to(dtype), pos, last_seen,
+                                           scale=scale, softcap=float(softcap))
+                o, lse = _with_sink(*_merge(o_p[i], lse_p[:, i], o_s, lse_s), sinks, dtype)
+                result[b], lse_all[b] = o.to(q.dtype), lse.to(wide)
+        if out is not None:
+            out.copy_(result)
+            result = out
+    return (result, lse_all) if return_lse else result
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b, *, upcast=True):
@@ -292,9 +349,12 @@ _SIZES = {"B": "batch size", "S_q": "query row count", "H_q": "query head count"
 
 
 def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, scale, num_splits,
-                  softcap, sinks, out, batch_invariant):
+                  softcap, sinks, out, batch_invariant, cache_leftpad, paged_only=None):
     """Validate shapes, dtypes and devices, then the values of the index tensors; returns the
-    sequence lengths as a host list."""
+    sequence lengths and the first key of each (cache_leftpad, else 0) as host lists."""
+    if paged_only and block_table is None:
+        raise ValueError(f"{paged_only} needs a paged cache (block_table): a group's rows share the pages "
+                         f"that hold its prefix")
     paged = block_table is not None
     cache = ("num_pages", "page_size", "H_kv", "D") if paged else ("B", "S_max", "H_kv", "D")
     size = _check_tensors(
@@ -307,7 +367,8 @@ def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, 
         ("k_new",       k_new,        ("B", "S_q", "H_kv", "D"),  "q",           True),    # with v_new
         ("v_new",       v_new,        ("B", "S_q", "H_kv", "D"),  "q",           True),
         ("sinks",       sinks,        ("H_q",),                   "float",       True),
-        ("out",         out,          ("B", "S_q", "H_q", "D"),   None,          True))    # dtype: below
+        ("out",         out,          ("B", "S_q", "H_q", "D"),   None,          True),    # dtype: below
+        ("cache_leftpad", cache_leftpad, ("B",),                  torch.int32,   True))
     if size["S_q"] < 1:
         raise ValueError(f"q must have S_q >= 1 query rows per sequence, got shape {tuple(q.shape)}")
     if size["H_kv"] == 0 or size["H_q"] % size["H_kv"] != 0:
@@ -318,9 +379,43 @@ def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, 
     if out is not None and out.dtype != q.dtype:
         raise ValueError(f"out must be {q.dtype} like q, got {out.dtype}")
     _check_scalars(scale=scale, softcap=softcap, num_splits=num_splits, batch_invariant=batch_invariant)
-    return _check_values(seqused_k, block_table, s_q=size["S_q"], page_size=k_cache.shape[1],
-                         capacity=block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1],
-                         num_pages=k_cache.shape[0])
+    lengths = _check_values(seqused_k, block_table, s_q=size["S_q"], page_size=k_cache.shape[1],
+                            capacity=block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1],
+                            num_pages=k_cache.shape[0])
+    starts = [0] * len(lengths) if cache_leftpad is None else cache_leftpad.tolist()
+    for b, (first, length) in enumerate(zip(starts, lengths)):
+        if not 0 <= first <= length:
+            raise ValueError(f"cache_leftpad[{b}] = {first} must be in [0, seqused_k[{b}] = {length}]")
+    return lengths, starts
+
+
+def _check_groups(cu_groups, prefix_lens, block_table, lengths, *, s_q, page_size):
+    """cascade_decode's groups: [(first row, end row)] and the prefix lengths, or a clear error."""
+    for name, t, shape in (("cu_groups", cu_groups, "[G + 1]"), ("prefix_lens", prefix_lens, "[G]")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be an int32 torch.Tensor {shape}, got {type(t).__name__}")
+        if t.dtype != torch.int32 or t.dim() != 1:
+            raise TypeError(f"{name} must be an int32 tensor {shape}, got {t.dtype} of shape {tuple(t.shape)}")
+        if t.device != block_table.device:
+            raise ValueError(f"{name} must be on {block_table.device} like block_table, got {t.device}")
+    bounds, prefixes = cu_groups.tolist(), prefix_lens.tolist()
+    if len(bounds) != len(prefixes) + 1:
+        raise ValueError(f"cu_groups must have one more entry than prefix_lens ({len(prefixes)} groups), got "
+                         f"{len(bounds)}")
+    if not bounds or bounds[0] != 0 or bounds[-1] != len(lengths) or any(b > e for b, e in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_groups must rise from 0 to B = {len(lengths)}, got {bounds}")
+    table = block_table.tolist()
+    for g, ((first, last), prefix) in enumerate(zip(zip(bounds, bounds[1:]), prefixes)):
+        for b in range(first, last):
+            if not 0 <= prefix <= max(0, lengths[b] - s_q + 1):
+                raise ValueError(f"prefix_lens[{g}] = {prefix} must be in [0, seqused_k[b] - S_q + 1] for every row "
+                                 f"b of its group (every query row sees the whole prefix); row {b} has "
+                                 f"seqused_k = {lengths[b]}")
+            pages = -(-prefix // page_size)
+            if table[b][:pages] != table[first][:pages]:
+                raise ValueError(f"block_table rows {first} and {b} of group {g} differ in the first {pages} pages: "
+                                 f"a group's prefix of {prefix} keys must lie in the same pages")
+    return list(zip(bounds, bounds[1:])), prefixes
 
 
 def _check_tensors(*rows):

@@ -18,11 +18,12 @@ from aot_compile import int_signature as _int_types
 
 
 def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16, batch=4, seq=8192, page=16,
-                 num_splits=7, invariant_family=None):
+                 num_splits=7, invariant_family=None, leftpad=False):
     """The decode kernel's build for one example launch: q [B, S_q, H_q, D], a paged pool of ``page``-key
     pages (or a contiguous cache of ``seq`` slots), ``num_splits`` partials or the output directly.
     ``kv_align`` < 16 pads the cache rows to a multiple of it (head dims like 100 or 63).
-    ``invariant_family`` (80 or 90): the batch-invariant launch on that family (its tile, one split)."""
+    ``invariant_family`` (80 or 90): the batch-invariant launch on that family (its tile, one split).
+    ``leftpad``: keys from cache_leftpad on (a cascade's suffix, the mode's second segment)."""
     if invariant_family is None:
         cfg = m._fwd_config(d, dtype, s_q * (h_q // h_kv), paged, kv_align, torch.device("cuda"))
     else:
@@ -51,8 +52,8 @@ def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16,
     t = _TYPES[dtype]
     signature.update(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}", o_ptr=f"*{t}",
                      seqused_ptr="*i32", bt_ptr="*i32", sinks_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32",
-                     softcap="fp32")
-    layout = "paged" if paged else "dense"
+                     softcap="fp32", leftpad_ptr="*i32")
+    layout = ("paged" if paged else "dense") + (",leftpad" if leftpad else "")
     mode = "" if invariant_family is None else f"invariant sm{invariant_family},"
     return dict(
         kernel=m._decode_fwd_kernel, archs=[80, 90] if invariant_family is None else [invariant_family],
@@ -64,9 +65,39 @@ def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16,
                         BLOCK_N=cfg["BLOCK_N"], IS_PAGED=paged, IS_SPLIT=split, HAS_SINKS=extras,
                         HAS_SOFTCAP=extras, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
                         KV_ALIGN=cfg["KV_ALIGN"], BATCH_INVARIANT=invariant_family is not None,
-                        BLOCK_IN_PAGE=paged and page % cfg["BLOCK_N"] == 0),
+                        BLOCK_IN_PAGE=paged and page % cfg["BLOCK_N"] == 0 and not leftpad, HAS_LEFTPAD=leftpad),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # fp32 dots are IEEE (FMA units); wgmma needs a 64-row tile, smaller tiles use mma.sync.
+        tensor_cores=dtype != torch.float32, wgmma=cfg["BLOCK_M"] >= 64)
+
+
+def _cascade_prefix_case(m, dtype, d, h_q, h_kv, s_q, n, page=16, batch=32):
+    """The cascade's prefix kernel for groups of n sequences (n * S_q * G rows), one split after it."""
+    group = h_q // h_kv
+    kv_align = 16 if d % 16 == 0 else 4
+    cfg = m._fwd_config(d, dtype, n * s_q * group, True, kv_align, torch.device("cuda"))
+    row = -(-d // kv_align) * kv_align
+    k_strides = (page * h_kv * row, h_kv * row, row)
+    q_strides = (s_q * h_q * d, h_q * d, d)
+    o_strides = (s_q * h_q * 2 * d, h_q * 2 * d, 2 * d)                # the partials [B, S_q, H_q, 1 + s, D]
+    l_strides = (s_q * h_q * 2, h_q * 2, 2)
+    names = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt",
+             "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lb", "stride_ls", "stride_lh", "stride_btb",
+             "H_kv", "GROUP", "S_q", "PAGE_SIZE")
+    values = (*q_strides, *k_strides, *k_strides, *o_strides, *l_strides, 8192 // page + 1, h_kv, group, s_q, page)
+    signature, constants = _int_types(dict(zip(names, values)))
+    t = _TYPES[dtype]
+    signature.update(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}", o_ptr=f"*{t}", lse_ptr="*fp32", bt_ptr="*i32",
+                     cu_groups_ptr="*i32", prefix_ptr="*i32", qk_scale="fp32", softcap="fp32")
+    return dict(
+        kernel=m._cascade_prefix_kernel, archs=[80, 90],
+        name=f"cascade_prefix[{t},D={d},n={n},S_q={s_q},G={group}:M={cfg['BLOCK_M']},N={cfg['BLOCK_N']},"
+             f"w{cfg['num_warps']},s{cfg['num_stages']}]",
+        signature=signature,
+        constexprs=dict(constants, HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                        HAS_SOFTCAP=dtype == torch.bfloat16, KV_ALIGN=kv_align,
+                        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32"),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         tensor_cores=dtype != torch.float32, wgmma=cfg["BLOCK_M"] >= 64)
 
 
@@ -117,6 +148,17 @@ def cases(m) -> list[dict]:
             (fp32, 128, 8, 2, 1, True, False, True),
             (fp32, 64, 8, 2, 1, False, False, False)]]
         cases.append(_decode_case(m, bf16, 100, 8, 2, 1, True, False, True, kv_align=4, invariant_family=family))
+        # The mode's second segment (keys from the prompt's end: cache_leftpad), decoding and recomputing.
+        cases += [_decode_case(m, bf16, 128, 32, 8, 1, True, False, False, invariant_family=family, leftpad=True),
+                  _decode_case(m, fp32, 64, 8, 2, 3, True, False, False, invariant_family=family, leftpad=True)]
+    # cascade_decode: the prefix kernel at the GRPO shape (8 samples x GQA 8/2 = 32 rows per tile) and a
+    # group of 16 verifying 4 rows (256 rows: 4 tiles), and the suffix through the decode kernel.
+    for dtype, d, h_q, h_kv, s_q, n in ((fp16, 128, 8, 2, 1, 8), (bf16, 128, 32, 8, 4, 16), (bf16, 64, 8, 2, 1, 4),
+                                        (bf16, 256, 8, 2, 1, 8), (fp32, 128, 8, 2, 1, 8), (bf16, 100, 8, 2, 1, 8)):
+        cases.append(_cascade_prefix_case(m, dtype, d, h_q, h_kv, s_q, n))
+    cases += [_decode_case(m, fp16, 128, 8, 2, 1, True, True, False, leftpad=True),
+              _decode_case(m, bf16, 128, 32, 8, 4, True, True, True, leftpad=True),
+              _decode_case(m, fp32, 64, 8, 2, 1, False, True, False, leftpad=True)]
     # Rows aligned to 4 or 1 elements only (8 warps, narrower vectors).
     cases += [_decode_case(m, bf16, 100, 8, 2, 3, True, True, True, kv_align=4),
               _decode_case(m, fp32, 100, 8, 2, 1, True, False, False, kv_align=4),
