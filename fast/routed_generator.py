@@ -667,11 +667,8 @@ class GeneratorRouter:
     def _pump(self) -> list:
         """Dispatch queued requests in arrival order while a generator is eligible."""
         now = self._fleet_status()
-        if self._n_dead == len(self._slots):  # nothing can ever serve them
-            queued = sorted([*self._fresh, *(t for _, t in self._retry)], key=lambda t: t.seq)
-            self._fresh, self._retry = deque(), []
-            return [(_set_exception, t.future, RouterError(f"request {t.request.request_id}: every generator is "
-                                                           f"dead", t.causes or [])) for t in queued if self._start(t)]
+        if self._n_dead == len(self._slots):
+            return self._fail_queue_all_dead()
         work = []
         fresh, retry = self._fresh, self._retry
         while fresh or retry:
@@ -686,6 +683,13 @@ class GeneratorRouter:
             heapq.heappop(retry) if from_retry else fresh.popleft()
             work.append(self._reserve(ticket, slot, now))
         return work
+
+    def _fail_queue_all_dead(self) -> list:
+        """Every generator is dead: nothing can ever serve what waits, so it fails now."""
+        queued = sorted([*self._fresh, *(t for _, t in self._retry)], key=lambda t: t.seq)
+        self._fresh, self._retry = deque(), []
+        return [(_set_exception, t.future, RouterError(f"request {t.request.request_id}: every generator is dead",
+                                                       t.causes or [])) for t in queued if self._start(t)]
 
     def _fleet_status(self) -> float:
         now = self._clock.now()
@@ -851,6 +855,8 @@ class GeneratorRouter:
             if self._down_since is not None:
                 self._expire_waiting(now, work)
             work += self._readmit_due(now)
+            if self._n_dead == len(self._slots):  # (removed just now: what waits can fail)
+                work += self._fail_queue_all_dead()
             self._fleet_status()
             while heap and not heap[0][3].live:
                 heapq.heappop(heap)
@@ -1133,7 +1139,8 @@ def _seconds(name: str, value, zero: bool = False) -> float:
 
 def ray_generators(make_generator, n: int, *, name_prefix: str = "ray-gen", max_restarts: int = 8,
                    num_cpus: float = 1.0, num_gpus: float = 0.0, actor_options: dict | None = None,
-                   call_timeout_s: float = 300.0, startup_timeout_s: float = 600.0) -> list:
+                   call_timeout_s: float = 300.0, startup_timeout_s: float = 600.0,
+                   connect_timeout_s: float = 30.0, ray_init_options: dict | None = None) -> list:
     """Start ``n`` Ray actors, each serving ``make_generator()``; return n protocol handles.
 
     ``make_generator`` is a picklable zero-argument callable that builds an engine (anything with
@@ -1142,10 +1149,15 @@ def ray_generators(make_generator, n: int, *, name_prefix: str = "ray-gen", max_
     Ray does not retry their calls (the router retries requests elsewhere).  ``actor_options`` are
     passed to ``ActorClass.options`` (e.g. ``scheduling_strategy``, ``runtime_env``,
     ``resources``).  ``call_timeout_s`` bounds a handle's ``load_weights``; ``startup_timeout_s`` the
-    wait for every engine to be built.  Uses the running Ray cluster (``ray.init()`` when none).
-    Each handle has ``name``, ``policy_version``, ``submit``, ``load_weights``, plus ``pid`` and
-    ``node_id`` of its actor's process (after a restart: refreshed on the first reply) and
-    ``close()`` (kills the actor).
+    wait for every engine to be built.
+    Ray: the instance this process already joined (``ray.init(address=...)`` first, to use a
+    cluster); else the one ``RAY_ADDRESS`` names, which must answer within ``connect_timeout_s``
+    (ConnectionError otherwise: ``ray.init`` alone retries a dead address for many minutes); else a
+    new local instance (``address="local"``: never one a stale session file of Ray's temp directory
+    names).  ``ray_init_options`` go to that ``ray.init`` call.
+    Each handle has ``name``, ``policy_version``, ``submit``, ``load_weights``, ``dead`` (true once
+    Ray reports the actor dead for good: out of restarts, or killed), ``pid`` and ``node_id`` of its
+    actor's process (after a restart: refreshed on the first reply) and ``close()`` (kills it).
     """
     ray = _ray()
     if not _is_int(n) or n < 1:
@@ -1156,8 +1168,9 @@ def ray_generators(make_generator, n: int, *, name_prefix: str = "ray-gen", max_
         raise ValueError(f"max_restarts must be an int >= -1 (-1: forever), got {max_restarts!r}")
     call_timeout_s = _seconds("call_timeout_s", call_timeout_s)
     startup_timeout_s = _seconds("startup_timeout_s", startup_timeout_s)
+    connect_timeout_s = _seconds("connect_timeout_s", connect_timeout_s)
     if not ray.is_initialized():
-        ray.init()
+        _start_ray(connect_timeout_s, ray_init_options or {})
     options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_restarts, max_task_retries=0,
                    scheduling_strategy="SPREAD", max_concurrency=1000)
     options.update(actor_options or {})
@@ -1182,6 +1195,26 @@ def _ray():
     except ImportError:
         raise ImportError("ray_generators needs ray (pip install 'ray>=2.40'); the router itself does not") from None
     return ray
+
+
+def _start_ray(timeout_s: float, options: dict) -> None:
+    """Join the Ray instance RAY_ADDRESS names, once it answers within ``timeout_s``; else start a
+    local one.  Never ``ray.init()`` bare: it follows Ray's session file to the last cluster this
+    machine joined, and retries one that is gone for many minutes."""
+    import os
+    import socket
+    ray = _ray()
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if address in ("", "local"):
+        ray.init(address="local", **{"include_dashboard": False, **options})
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        raise ConnectionError(f"RAY_ADDRESS={address} did not answer within {timeout_s:g} s ({exc}); unset it to "
+                              f"start a local Ray instance, or call ray.init(address=...) first") from None
+    ray.init(address=address, **options)
 
 
 class _EngineActor:
@@ -1248,6 +1281,11 @@ def _pack_weights(state_dict: Mapping) -> tuple:
     return meta, flat.numpy()
 
 
+def _cause(exc):
+    """The exception an actor raised, without Ray's remote traceback around it."""
+    return getattr(exc, "cause", None) or exc
+
+
 def _unpack_weights(packed: tuple) -> dict:
     """Views of the flat buffer (read-only when it maps the object store: the engine copies them in)."""
     import warnings
@@ -1266,12 +1304,15 @@ def _unpack_weights(packed: tuple) -> dict:
 class _RayGenerator:
     """A Ray actor behind ``GeneratorProtocol`` (made by ``ray_generators``)."""
 
+    _ASK_AGAIN_S = 0.5  # while Ray restarts the actor, ask what it is this often
+
     def __init__(self, name: str, actor, info: dict, store: _WeightStore, call_timeout_s: float):
         self.name, self._actor, self._store, self._call_timeout_s = name, actor, store, call_timeout_s
         self._lock = threading.Lock()
         self._incarnation, self._version = info["incarnation"], info["version"]
         self.pid, self.node_id = info["pid"], info["node_id"]
         self._vocab, self._max_seq_len = info["vocab_size"], info["max_seq_len"]
+        self._dead = False
 
     @property
     def policy_version(self) -> int:
@@ -1279,10 +1320,17 @@ class _RayGenerator:
         is heard from."""
         return self._version
 
+    @property
+    def dead(self) -> bool:
+        """True once Ray reports the actor dead for good (out of restarts, or killed): the router
+        removes it from the fleet."""
+        return self._dead
+
     def submit(self, request) -> Future:
+        _check_request(request)  # (the router checked it too; a handle may be called alone)
         prompt = request.prompt_token_ids
-        if not prompt or min(prompt) < 0 or (self._vocab is not None and max(prompt) >= self._vocab):
-            raise ValueError(f"prompt_token_ids must be token ids in [0, {self._vocab}), got {prompt[:8]}...")
+        if self._vocab is not None and max(prompt) >= self._vocab:
+            raise ValueError(f"prompt_token_ids must be token ids in [0, {self._vocab}), got {max(prompt)}")
         if self._max_seq_len is not None and len(prompt) >= self._max_seq_len:
             raise ValueError(f"prompt_token_ids: a prompt of {len(prompt)} tokens leaves no room to generate in "
                              f"a context of max_seq_len={self._max_seq_len}")
@@ -1314,27 +1362,37 @@ class _RayGenerator:
                 time.sleep(0.2)
             except ray.exceptions.RayActorError as exc:
                 self._died()
-                raise RuntimeError(f"{self.name}: its actor died during load_weights: {exc}") from None
+                raise RuntimeError(f"{self.name}: its actor died during load_weights: {type(exc).__name__}") from None
             except ray.exceptions.RayTaskError as exc:
-                raise RuntimeError(f"{self.name}: load_weights failed in the actor: {exc}") from None
+                cause = _cause(exc)
+                raise RuntimeError(f"{self.name}: load_weights failed in the actor: {type(cause).__name__}: "
+                                   f"{cause}") from None
         self._heard(incarnation, loaded)
 
     def close(self) -> None:
         """Kill the actor (no restart); its requests fail, the router retries them elsewhere."""
         ray = _ray()
+        self._dead = True
         ray.kill(self._actor, no_restart=True)
 
     def _reply(self, future: Future, rf) -> None:
         ray = _ray()
         try:
             incarnation, *fields = rf.result()
-        except ray.exceptions.RayActorError as exc:
+        except ray.exceptions.RayActorError as exc:  # its process died (or Ray is restarting it)
             self._died()
             outcome = RuntimeError(f"{self.name}: its actor died: {type(exc).__name__}")
         except (ray.exceptions.TaskCancelledError, CancelledError):
             outcome = CancelledError(f"{self.name}: cancelled")
-        except Exception as exc:  # noqa: BLE001 - the engine's own failure, wrapped by Ray
-            outcome = RuntimeError(f"{self.name}: {exc}")
+        except ray.exceptions.RayTaskError as exc:  # the engine raised inside the actor
+            cause = _cause(exc)
+            if isinstance(cause, (ValueError, TypeError)):  # it refused this request: the same type, so
+                kind = TypeError if isinstance(cause, TypeError) else ValueError  # the router fails it alone
+                outcome = kind(f"{cause} (refused by {self.name}'s engine)")
+            else:
+                outcome = RuntimeError(f"{self.name}: the engine failed the request: {type(cause).__name__}: {cause}")
+        except Exception as exc:  # noqa: BLE001 - anything else Ray raises
+            outcome = RuntimeError(f"{self.name}: {type(exc).__name__}: {exc}")
         else:
             self._heard(incarnation, None)
             outcome = Completion(*fields[:5], self.name, *fields[5:])
@@ -1363,13 +1421,24 @@ class _RayGenerator:
                 self._refresh()
 
     def _refresh(self) -> None:
-        """Ask the (restarted) actor what it is; -1 meanwhile.  Under the lock."""
+        """Ask the (restarted) actor what it is; -1 meanwhile.  Ray answers ActorUnavailableError
+        while it restarts the actor (ask again shortly: a fleet that never syncs gets its actor back
+        with its construction weights) and ActorDiedError once it is dead for good (``dead``).  Under
+        the lock."""
+        ray = _ray()
         ref = self._actor.describe.remote()
 
         def on_info(rf):
             try:
                 info = rf.result()
-            except Exception:  # noqa: BLE001 - dead for good (out of restarts): stays -1
+            except ray.exceptions.ActorDiedError:  # out of restarts, or killed: it never comes back
+                self._dead = True
+                return
+            except Exception:  # noqa: BLE001 - restarting (ActorUnavailableError), or the reply was lost
+                if not self._dead:
+                    retry = threading.Timer(self._ASK_AGAIN_S, self._ask_again)
+                    retry.daemon = True
+                    retry.start()
                 return
             with self._lock:
                 if info["incarnation"] == self._incarnation:   # a reply or a load was heard first
@@ -1380,6 +1449,11 @@ class _RayGenerator:
                     self._incarnation, self._version = info["incarnation"], info["version"]
                     self.pid, self.node_id = info["pid"], info["node_id"]
         ref.future().add_done_callback(on_info)
+
+    def _ask_again(self) -> None:
+        with self._lock:
+            if self._version == -1 and not self._dead:
+                self._refresh()
 
     def _cancel(self, ref) -> None:
         ray = _ray()

@@ -968,15 +968,22 @@ def test_a_dead_generator_is_removed_once(rg, manual):
         router.mark_healthy("a")
     h = router.submit(req(rg, 2))
     assert names(log)[-1] == "b"
-    # Every generator dead: queued and new requests fail at once.
-    only = MortalGen(rg, "only")
-    solo = rg.GeneratorRouter([only], clock=manual, failure_threshold=1)
-    queued = solo.submit(req(rg, 3))
-    only.dead = True
-    only.restart(RuntimeError("only: actor died"))
-    for fut in (queued, solo.submit(req(rg, 4))):
-        exc = fut.exception(TIMEOUT)
-        assert isinstance(exc, rg.RouterError) and "every generator is dead" in str(exc), exc
+    # Every generator dead: queued and new requests fail at once (found dead by a failure, or at
+    # re-admission while requests wait for it).
+    for when in ("failure", "readmission"):
+        only = MortalGen(rg, "only")
+        solo = rg.GeneratorRouter([only], clock=manual, failure_threshold=1, request_timeout_s=600.0)
+        queued = solo.submit(req(rg, 3))
+        if when == "failure":
+            only.dead = True
+        only.restart(RuntimeError("only: actor died"))
+        if when == "readmission":
+            assert solo.stats()["only"]["state"] == "open" and not queued.done()
+            only.dead = True
+            manual.advance(0.5)
+        for fut in (queued, solo.submit(req(rg, 4))):
+            exc = fut.exception(TIMEOUT)
+            assert isinstance(exc, rg.RouterError) and "every generator is dead" in str(exc), (when, exc)
     b.settle()
     assert h.result(TIMEOUT).generator_id == "b"
 

@@ -647,11 +647,8 @@ class GeneratorRouter:
         """Dispatch queued requests in arrival order while a generator is eligible.  Returns the
         work to do outside the lock."""
         now = self._fleet_status()
-        if all(s.state == DEAD for s in self._slots):  # nothing can ever serve them
-            work = [("fail", t.future, RouterError(f"request {t.request.request_id}: every generator is dead",
-                                                   t.causes)) for _, t in sorted(self._queue) if self._start(t)]
-            self._queue = []
-            return work
+        if all(s.state == DEAD for s in self._slots):
+            return self._fail_queue_all_dead()
         work = []
         while self._queue:
             ticket = self._queue[0][1]
@@ -672,6 +669,13 @@ class GeneratorRouter:
             self._attempts.add(attempt)
             self._schedule(attempt.deadline)
             work.append(("dispatch", attempt))
+        return work
+
+    def _fail_queue_all_dead(self) -> list:
+        """Every generator is dead: nothing can ever serve what waits, so it fails now."""
+        work = [("fail", t.future, RouterError(f"request {t.request.request_id}: every generator is dead", t.causes))
+                for _, t in sorted(self._queue) if self._start(t)]
+        self._queue = []
         return work
 
     def _fleet_status(self) -> float:
@@ -819,6 +823,8 @@ class GeneratorRouter:
                             t.causes + [(s.name, s.last_error) for s in self._slots if s.last_error is not None])))
                 heapq.heapify(self._queue)
             work += self._readmit_due(now)  # (nothing else can have become eligible: no _pump here)
+            if all(s.state == DEAD for s in self._slots):  # (removed just now: what waits can fail)
+                work += self._fail_queue_all_dead()
             self._fleet_status()
             later = [a.deadline for a in self._attempts] + [s.reopen_at for s in self._slots
                                                              if s.state == OPEN and s.reopen_at > now]
