@@ -24,7 +24,11 @@ one restart allowed, a small KV pool) behind a second router that never syncs:
        the sync returns at once (RouterError), not at its deadline or the handle's call_timeout_s
 After every sync that reports success, every generator in rotation serves the router's version.
 
-The drill writes what they saw as JSON; the tests assert on it.  Skipped (saying why) only where a
+A second test runs ``bench/rl_loop.py --ray`` (the demo) where Ray's session file names a cluster
+that cannot be reached: it starts a local Ray instance and runs; with ``RAY_ADDRESS`` naming that
+cluster it fails within its connect timeout, saying so.  Its output lines stay under 100 columns.
+
+The drills write what they saw as JSON; the tests assert on it.  Skipped (saying why) only where a
 namespace cannot be made; CI runs as root and runs them.
 """
 from __future__ import annotations
@@ -33,6 +37,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -355,5 +360,70 @@ def test_ray_fleet_survives_a_killed_and_a_hung_actor(tmp_path):
     assert not alive and waited < 5 and kind == "RouterError" and "closed" in text, f["close_sync"]
 
 
+UNREACHABLE = "10.255.255.1:6379"  # in a namespace with loopback only, no route leads there
+DEMO_FLAGS = ("--size", "--steps", "--ray", "--kill-at", "--batch-invariant")
+
+
+def startup_drill(out_path: str) -> None:
+    """The demo with Ray's session file (``ray_current_cluster`` in its temp directory) naming a
+    cluster that cannot be reached: once with RAY_ADDRESS naming it too, once without."""
+    temp_dir = tempfile.mkdtemp(prefix="rays", dir="/tmp")  # Ray's temp directory for these runs only
+    os.makedirs(f"{temp_dir}/ray")
+    Path(f"{temp_dir}/ray/ray_current_cluster").write_text(UNREACHABLE + "\n")
+    env = dict(os.environ, RAY_TMPDIR=temp_dir)
+    demo = [sys.executable, str(ROOT / "bench" / "rl_loop.py")]
+    facts = {}
+    t0 = time.monotonic()
+    run = subprocess.run([*demo, "--ray", "--steps", "1"], env=dict(env, RAY_ADDRESS=UNREACHABLE),
+                         capture_output=True, text=True, timeout=120)
+    facts["explicit"] = [run.returncode, time.monotonic() - t0, run.stderr[-800:]]
+    t0 = time.monotonic()
+    run = subprocess.run([*demo, "--ray", "--steps", "3"], env=env, capture_output=True, text=True, timeout=150)
+    facts["local"] = [run.returncode, time.monotonic() - t0, run.stdout, run.stderr[-3000:]]
+    facts["help"] = subprocess.run([*demo, "--help"], capture_output=True, text=True, timeout=60).stdout
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    Path(out_path).write_text(json.dumps(facts))
+
+
+def _help_text(usage: str, flag: str) -> str:
+    """The help argparse prints for ``flag`` (on its line, or on the next when the flag is long)."""
+    lines = usage.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.strip().startswith(flag))
+    rest = lines[i].strip().split("  ", 1)
+    if len(rest) == 2 and rest[1].strip():
+        return rest[1].strip()
+    nxt = lines[i + 1] if i + 1 < len(lines) else ""
+    return nxt.strip() if nxt.startswith(" " * 8) and not nxt.strip().startswith("-") else ""
+
+
+def test_ray_startup_is_bounded_and_the_demo_reads_well(tmp_path):
+    pytest.importorskip("ray")
+    from netns import run_isolated, unavailable
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    out = tmp_path / "facts.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TRITON_INTERPRET")}
+    env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT))
+    proc = run_isolated([sys.executable, __file__, "startup", str(out)], timeout=360, cwd=ROOT, env=env)
+    assert proc.returncode == 0 and out.exists(), f"the drill failed:\n{proc.stdout[-8000:]}"
+    f = json.loads(out.read_text())
+    code, took, err = f["explicit"]  # RAY_ADDRESS names a cluster nobody reaches: a clear error, in time
+    assert code != 0 and took < 60 and f"RAY_ADDRESS={UNREACHABLE} did not answer" in err, f["explicit"]
+    code, took, stdout, err = f["local"]  # no address: a local instance, whatever the session file says
+    print(f"demo with a stale session file: {took:.1f} s\n{stdout}")
+    assert code == 0, f"the demo failed ({took:.0f} s):\n{stdout[-3000:]}\n{err}"
+    lines = stdout.splitlines()
+    assert all(len(line) < 100 for line in lines), [line for line in lines if len(line) >= 100]
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == 3 and all("tok/s" in line and "compared)" in line for line in steps), steps
+    assert all("n/a" in line for line in steps if "(0/" in line), steps  # nothing compared: n/a, not 0
+    assert any(line.startswith("totals over 3 steps") for line in lines), lines
+    for flag in DEMO_FLAGS:
+        assert _help_text(f["help"], flag), f"--help says nothing about {flag}:\n{f['help']}"
+
+
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "drill":
     drill(sys.argv[2])
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "startup":
+    startup_drill(sys.argv[2])
