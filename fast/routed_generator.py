@@ -36,13 +36,21 @@ The fleet on Ray (``ray_generators``)
     function only: this file imports with torch alone.
     requests     ``submit`` sends the request to the actor (an async actor awaits the engine's
                  future, so one actor serves many requests at once) and returns a Future that
-                 the reply settles.  The request is checked against the engine's vocabulary and
-                 context first, so bad input still raises ValueError in ``submit``.
+                 the reply settles.  The request is checked like the router checks it, and against
+                 the engine's vocabulary and context, so bad input still raises in ``submit``; a
+                 ValueError / TypeError the engine raises inside the actor fails the future with
+                 the same type and the engine's message (the router fails that request alone).
     supervision  actors restart on death (``max_restarts``; Ray does not retry their tasks: the
                  router retries the requests elsewhere).  A handle that sees its actor die (or a
-                 reply from a new incarnation) reports policy_version -1 until it learns what the
-                 new process holds, so the router refuses it, opens it, and re-syncs it before
-                 re-admitting it; a load waits while Ray reports the actor as restarting.
+                 reply from a new incarnation) reports policy_version -1 and asks the actor what
+                 it is until it answers: Ray's ActorUnavailableError means it is restarting (ask
+                 again), so the new process is heard from even when no sync ever comes (it holds
+                 its construction weights); ActorDiedError means dead for good (out of restarts,
+                 or killed): ``dead`` turns true and the router removes it.  Meanwhile the router
+                 refuses it, opens it, and re-syncs it before re-admitting it; a load waits while
+                 Ray reports the actor as restarting.
+    ray          the running instance (``ray.init(address=...)`` first, for a cluster), else the one
+                 RAY_ADDRESS names if it answers within ``connect_timeout_s``, else a new local one.
     weights      each version is put into Ray's object store once, as one flat byte buffer
                  (zero-copy for the actors on the trainer's node, one transfer per other node),
                  and every actor loads from there; actors load independently, so one failing
