@@ -79,6 +79,7 @@ References
 """
 from __future__ import annotations
 
+import array
 import dataclasses
 import heapq
 import itertools
@@ -1122,15 +1123,24 @@ def _check_request(request, what: str = "request") -> None:
     if not isinstance(prompt, list):
         raise TypeError(f"{what}.prompt_token_ids must be a list of ints (token ids), got {type(prompt).__name__}")
     try:
-        lowest = min(map(operator.index, prompt), default=None)  # one pass at C speed
+        array.array("Q", prompt)  # ints >= 0 (0.7 us for 64 tokens: a third of min(map(operator.index, ...)))
     except TypeError:
         bad = next(t for t in prompt if not _is_index(t))
         raise TypeError(f"{what}.prompt_token_ids must hold ints (token ids), got {type(bad).__name__}") from None
-    if lowest is None:
+    except OverflowError:
+        raise ValueError(f"{what}.prompt_token_ids must be token ids >= 0, got {min(prompt)}") from None
+    if not prompt:
         raise ValueError(f"{what}.prompt_token_ids must hold at least one token, got an empty prompt")
-    if lowest < 0:
-        raise ValueError(f"{what}.prompt_token_ids must be token ids >= 0, got {lowest}")
-    _check_sampling(sampling, f"{what}.sampling.")
+    try:  # the common case in one expression; the table names the field otherwise
+        n, t, k, top_p, stops, seed = (sampling.max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p,
+                                       sampling.stop_token_ids, sampling.seed)
+        ok = (type(n) is int and n >= 1 and type(k) is int and k >= 0 and type(t) in (float, int) and t >= 0
+              and type(top_p) in (float, int) and 0 < top_p <= 1 and (seed is None or type(seed) is int)
+              and (stops == () or (type(stops) is tuple and all(type(i) is int and i >= 0 for i in stops))))
+    except AttributeError:
+        ok = False
+    if not ok:
+        _check_sampling(sampling, f"{what}.sampling.")
     if not isinstance(request_id, str):
         raise TypeError(f"{what}.request_id must be a str, got {type(request_id).__name__}")
 
