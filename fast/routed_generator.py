@@ -1226,6 +1226,9 @@ def _start_ray(timeout_s: float, options: dict) -> None:
     if address in ("", "local"):
         ray.init(address="local", **{"include_dashboard": False, **options})
         return
+    if address == "auto":  # whatever Ray finds on this machine: asked for, so not second-guessed (nor bounded)
+        ray.init(address="auto", **options)
+        return
     host, _, port = address.removeprefix("ray://").rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
