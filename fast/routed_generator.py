@@ -1170,7 +1170,8 @@ def ray_generators(make_generator, n: int, *, name_prefix: str = "ray-gen", max_
     wait for every engine to be built.
     Ray: the instance this process already joined (``ray.init(address=...)`` first, to use a
     cluster); else the one ``RAY_ADDRESS`` names, which must answer within ``connect_timeout_s``
-    (ConnectionError otherwise: ``ray.init`` alone retries a dead address for many minutes); else a
+    (ConnectionError otherwise: ``ray.init`` alone retries a dead address for many minutes;
+    ``RAY_ADDRESS=auto`` goes to ``ray.init`` unchecked); else a
     new local instance (``address="local"``: never one a stale session file of Ray's temp directory
     names).  ``ray_init_options`` go to that ``ray.init`` call.
     Each handle has ``name``, ``policy_version``, ``submit``, ``load_weights``, ``dead`` (true once
