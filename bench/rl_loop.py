@@ -33,12 +33,15 @@ What it runs
                  batch-invariant mode (fast varlen_attn / flash_decode with batch_invariant=True; on
                  a CPU under the Triton interpreter, so a smaller workload): the difference is 0.
 
-What it prints
-    per step: mean reward, loss, generated tokens/s, staleness (lag = trainer version when the
-    rollout is consumed minus the version it started on; span = max - min version inside one
-    rollout), the hot-swap sync time, offloaded bytes, the largest |generator - trainer| logprob
-    difference (over the rollouts served on one version); at the end the totals.  The CPU size runs
-    in about a minute; ``--size gpu`` (default on CUDA) is larger.
+What it prints (lines under 100 characters)
+    per step, on two lines: mean reward, loss, generated tokens/s (this step's tokens over this
+    step's wall time), staleness (lag = trainer version when the rollout is consumed minus the
+    version it started on; span = max - min version inside one rollout); the trainer's time, the
+    hot-swap sync time, the time spent waiting for rollouts, the bytes offloaded in this step, the
+    largest |generator - trainer| logprob difference over the rollouts served on one version ("n/a"
+    when every rollout of the step spans two versions: nothing to compare).  At the end the totals,
+    each labelled as one.  The CPU size runs in about a minute; ``--size gpu`` (default on CUDA) is
+    larger.
 
     python bench/rl_loop.py               # CPU: 60 steps, ~1 min on 2 cores; reward ~0.25 -> ~0.9
     python bench/rl_loop.py --steps 30    # half as long; reward ~0.25 -> ~0.5
@@ -46,10 +49,11 @@ What it prints
     python bench/rl_loop.py --ray --kill-at 10   # ... and SIGKILL one actor's process at step 10
     python bench/rl_loop.py --batch-invariant --steps 4   # bitwise on-policy: max |diff| 0 every step
 
-With ``--ray`` the two generators run as Ray actors on the local Ray instance (each builds its engine
-itself; weights reach them through the object store), and the fleet's health events are printed
-as they happen: with ``--kill-at`` the killed actor is opened, restarted by Ray, re-synced to the
-current version and closed again after a probe, while the loop goes on.
+With ``--ray`` the two generators run as Ray actors (each builds its engine itself; weights reach
+them through the object store) on a new local Ray instance, or on the cluster ``RAY_ADDRESS`` names
+(which must answer within 30 s); the fleet's health events are printed as they happen: with
+``--kill-at`` the killed actor is opened, restarted by Ray, re-synced to the current version and
+closed again after a probe, while the loop goes on.
 """
 from __future__ import annotations
 
@@ -60,6 +64,7 @@ import os
 import signal
 import statistics
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -195,6 +200,17 @@ def check_offload_is_exact(model, completions, group, device):
     return all(torch.equal(a, b) for a, b in zip(*grads)) and len(grads[0]) == len(grads[1])
 
 
+def say(text: str, indent: str = "") -> None:
+    """Print wrapped under 100 columns (continuation lines indented)."""
+    print(textwrap.fill(text, width=99, initial_indent=indent, subsequent_indent=indent + "    ",
+                        break_on_hyphens=False), flush=True)
+
+
+def one_line(text: str, indent: str = "         ") -> None:
+    """Print on one line under 100 columns (an error's details shortened)."""
+    print(indent + textwrap.shorten(text, width=99 - len(indent), placeholder=" ..."), flush=True)
+
+
 def build_generator(config, linear_layer, kw: dict):
     """One engine (in this process, or inside a Ray actor: then with one intra-op thread on a CPU)."""
     if kw["device"].type == "cpu":
@@ -204,8 +220,9 @@ def build_generator(config, linear_layer, kw: dict):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", choices=sorted(SIZES), default="gpu" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--size", choices=sorted(SIZES), default="gpu" if torch.cuda.is_available() else "cpu",
+                    help="model and batch size (default: gpu on CUDA, else cpu)")
+    ap.add_argument("--steps", type=int, default=60, help="optimizer steps to run (default: 60)")
     ap.add_argument("--ray", action="store_true", help="run the generators as Ray actors")
     ap.add_argument("--kill-at", type=int, default=None, help="with --ray: SIGKILL one actor's process at this step")
     ap.add_argument("--batch-invariant", action="store_true",
@@ -260,12 +277,10 @@ def main(argv=None) -> int:
     snapshots = {0: {k: v.detach().clone() for k, v in model.state_dict().items()}}
     opt = torch.optim.AdamW(model.parameters(), lr=size["lr"], weight_decay=0.0)
     offload = OffloadActivations(min_offload_bytes=4096, module=model)
-    if args.ray:
-        import ray
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    if args.ray:  # a new local Ray instance, or the cluster RAY_ADDRESS names (checked within 30 s)
         gens = rg.ray_generators(functools.partial(build_generator, config, gen_layer, gen_kw), 2,
-                                 name_prefix="gen", num_cpus=0, num_gpus=0.5 if on_gpu else 0)
+                                 name_prefix="gen", num_cpus=0, num_gpus=0.5 if on_gpu else 0, connect_timeout_s=30.0,
+                                 ray_init_options=dict(logging_level="ERROR", log_to_driver=False))
         kernels += f"; as Ray actors (pids {[g.pid for g in gens]})"
     else:
         gens = [build_generator(config, gen_layer, gen_kw) for _ in range(2)]
@@ -273,11 +288,13 @@ def main(argv=None) -> int:
             g.name = f"gen{i}"
     router = rg.GeneratorRouter(gens, policy="least_loaded")
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"hybrid model: {config.kinds}, {n_params / 1e6:.2f}M parameters; generators: {kernels}; "
-          f"{size['prompts']} prompts x {size['group']} samples x {size['out_len']} tokens per step")
+    say(f"hybrid model: {config.kinds}, {n_params / 1e6:.2f}M parameters")
+    say(f"generators: {kernels}")
+    say(f"per step: {size['prompts']} prompts x {size['group']} samples x {size['out_len']} tokens")
 
     version, history = 0, []
-    t_start = time.perf_counter()
+    t_start = t_step = time.perf_counter()
+    offloaded_before = 0
     pending = [router.submit(r) for r in make_batch(0, size, config.vocab_size)]
     try:
         for step in range(args.steps):
@@ -289,7 +306,7 @@ def main(argv=None) -> int:
             if step == 0:
                 with INTERPRETER_LOCK if invariant and not on_gpu else contextlib.nullcontext():
                     exact = check_offload_is_exact(model, completions, size["group"], device)
-                print(f"view-replay offload: gradients bitwise equal to a run without it: {exact}")
+                say(f"view-replay offload: gradients bitwise equal to a run without it: {exact}")
                 if not exact:
                     return 1
             # (the trainer's backward launches interpreter kernels too: it holds the lock throughout)
@@ -313,22 +330,27 @@ def main(argv=None) -> int:
             try:
                 router.sync_weights(snapshot, version, mode="hot_swap")
             except rg.RouterError as exc:  # a generator missed it: it is re-synced when it returns
-                print(f"         sync {version}: {exc}")
+                one_line(f"sync {version}: {exc}")
             t3 = time.perf_counter()
             tokens = sum(len(c.token_ids) for c in completions)
+            offloaded, offloaded_before = offload.stats["offloaded_bytes"] - offloaded_before, \
+                offload.stats["offloaded_bytes"]
             history.append(dict(reward=reward, tokens=tokens, lag=lag, span=span, train_s=t2 - t1,
                                 sync_s=t3 - t2, wait_s=waited, mismatch=mismatch, compared=compared,
                                 skipped=skipped))
+            # This step's figures only (the totals come at the end); a max over no rollouts is n/a.
+            diff = f"{mismatch:.1e}" if compared else "n/a"
             print(f"step {step:3d}  reward {reward:.3f}  loss {loss.item():+.4f}  "
-                  f"lag {statistics.fmean(lag):.2f} (max {max(lag)})  span {statistics.fmean(span):.2f}  "
-                  f"train {1e3 * (t2 - t1):6.1f} ms  sync {1e3 * (t3 - t2):6.1f} ms  waited {1e3 * waited:6.1f} ms  "
-                  f"offloaded {offload.stats['offloaded_bytes'] / 2**20:7.1f} MiB  "
-                  f"|gen - trainer| logprob max {mismatch:.2e} ({compared} rollouts)", flush=True)
+                  f"{tokens / (t3 - t_step):6,.0f} tok/s  logprob diff {diff} ({compared}/{len(completions)} compared)")
+            print(f"          lag {statistics.fmean(lag):.2f} (max {max(lag)})  span {statistics.fmean(span):.2f}  "
+                  f"train {1e3 * (t2 - t1):.0f} ms  sync {1e3 * (t3 - t2):.0f} ms  wait {1e3 * waited:.0f} ms  "
+                  f"offload {offloaded / 2**20:.1f} MiB", flush=True)
+            t_step = t3
             for _, name, event, detail in router.health_events():
                 if event != "synced":
-                    print(f"         fleet: {name} {event}: {detail}")
+                    one_line(f"fleet: {name} {event}: {detail}")
             if args.kill_at == step:
-                print(f"         killing {gens[0].name}'s process (pid {gens[0].pid})")
+                one_line(f"killing {gens[0].name}'s process (pid {gens[0].pid})")
                 os.kill(gens[0].pid, signal.SIGKILL)
             pending = upcoming
     finally:
@@ -341,22 +363,25 @@ def main(argv=None) -> int:
     all_lag = [x for h in history for x in h["lag"]]
     all_span = [x for h in history for x in h["span"]]
     s = offload.stats
-    print(f"\n{args.steps} steps in {elapsed:.1f} s: {gen_tokens / elapsed:.0f} generated tokens/s end to end, "
-          f"trainer {statistics.fmean(h['train_s'] for h in history) * 1e3:.0f} ms/step, hot-swap sync "
-          f"{statistics.fmean(h['sync_s'] for h in history) * 1e3:.1f} ms/step")
-    print(f"reward {first:.3f} (first 5 steps) -> {last:.3f} (last 5); staleness: lag mean "
-          f"{statistics.fmean(all_lag):.2f} max {max(all_lag)}, rollouts spanning two versions "
-          f"{100 * sum(x > 0 for x in all_span) / len(all_span):.0f}%")
-    print(f"offload: {s['offloaded_storages']} storages / {s['offloaded_bytes'] / 2**20:.1f} MiB to host, "
-          f"{s['replayed_views']} views replayed, {s['kept']} small tensors kept")
-    worst = max(h["mismatch"] for h in history)
-    print(f"on-policy check: largest |generator - trainer| logprob {worst:.3e} over "
-          f"{sum(h['compared'] for h in history)} rollouts ({sum(h['skipped'] for h in history)} spanning two versions "
-          f"not compared); batch-invariant mode {'on' if invariant else 'off'}")
+    print()
+    say(f"totals over {args.steps} steps ({elapsed:.1f} s): {gen_tokens / elapsed:,.0f} generated tokens/s end "
+        f"to end; mean per step: trainer {statistics.fmean(h['train_s'] for h in history) * 1e3:.0f} ms, "
+        f"hot-swap sync {statistics.fmean(h['sync_s'] for h in history) * 1e3:.1f} ms")
+    say(f"reward {first:.3f} (mean of the first 5 steps) -> {last:.3f} (last 5); staleness over all rollouts: "
+        f"lag mean {statistics.fmean(all_lag):.2f} max {max(all_lag)}, spanning two versions "
+        f"{100 * sum(x > 0 for x in all_span) / len(all_span):.0f}%")
+    say(f"offload, total: {s['offloaded_storages']} storages / {s['offloaded_bytes'] / 2**20:.1f} MiB to host, "
+        f"{s['replayed_views']} views replayed, {s['kept']} small tensors kept")
+    compared_all = sum(h["compared"] for h in history)
+    worst = max((h["mismatch"] for h in history if h["compared"]), default=None)
+    say(f"on-policy check, all steps: largest |generator - trainer| logprob "
+        f"{'n/a' if worst is None else f'{worst:.3e}'} over {compared_all} rollouts "
+        f"({sum(h['skipped'] for h in history)} spanning two versions not compared); batch-invariant mode "
+        f"{'on' if invariant else 'off'}")
     for name, st in router.stats().items():
-        print(f"generator {name}: {st['completed']} completions, {st['failures']} failures ({st['timeouts']} "
-              f"deadlines), state {st['state']}, serving version {st['policy_version']}")
-    return 1 if invariant and worst != 0 else 0
+        say(f"generator {name}, total: {st['completed']} completions, {st['failures']} failures "
+            f"({st['timeouts']} deadlines), state {st['state']}, serving version {st['policy_version']}")
+    return 1 if invariant and (worst is None or worst != 0) else 0
 
 
 if __name__ == "__main__":

@@ -36,13 +36,21 @@ The fleet on Ray (``ray_generators``)
     function only: this file imports with torch alone.
     requests     ``submit`` sends the request to the actor (an async actor awaits the engine's
                  future, so one actor serves many requests at once) and returns a Future that
-                 the reply settles.  The request is checked against the engine's vocabulary and
-                 context first, so bad input still raises ValueError in ``submit``.
+                 the reply settles.  The request is checked like the router checks it, and against
+                 the engine's vocabulary and context, so bad input still raises in ``submit``; a
+                 ValueError / TypeError the engine raises inside the actor fails the future with
+                 the same type and the engine's message (the router fails that request alone).
     supervision  actors restart on death (``max_restarts``; Ray does not retry their tasks: the
                  router retries the requests elsewhere).  A handle that sees its actor die (or a
-                 reply from a new incarnation) reports policy_version -1 until it learns what the
-                 new process holds, so the router refuses it, opens it, and re-syncs it before
-                 re-admitting it; a load waits while Ray reports the actor as restarting.
+                 reply from a new incarnation) reports policy_version -1 and asks the actor what
+                 it is until it answers: Ray's ActorUnavailableError means it is restarting (ask
+                 again), so the new process is heard from even when no sync ever comes (it holds
+                 its construction weights); ActorDiedError means dead for good (out of restarts,
+                 or killed): ``dead`` turns true and the router removes it.  Meanwhile the router
+                 refuses it, opens it, and re-syncs it before re-admitting it; a load waits while
+                 Ray reports the actor as restarting.
+    ray          the running instance (``ray.init(address=...)`` first, for a cluster), else the one
+                 RAY_ADDRESS names if it answers within ``connect_timeout_s``, else a new local one.
     weights      each version is put into Ray's object store once, as one flat byte buffer
                  (zero-copy for the actors on the trainer's node, one transfer per other node),
                  and every actor loads from there; actors load independently, so one failing
@@ -71,6 +79,7 @@ References
 """
 from __future__ import annotations
 
+import array
 import dataclasses
 import heapq
 import itertools
@@ -92,7 +101,7 @@ __all__ = ["SamplingParams", "Request", "Completion", "GeneratorProtocol", "Rout
 
 POLICIES = ("round_robin", "least_loaded", "sticky", "power_of_two")
 SYNC_MODES = ("hot_swap", "drain")
-CLOSED, OPEN, READMITTING, HALF_OPEN = "closed", "open", "readmitting", "half_open"
+CLOSED, OPEN, READMITTING, HALF_OPEN, DEAD = "closed", "open", "readmitting", "half_open", "dead"
 _UP = (CLOSED, HALF_OPEN)
 _UNCAPPED = sys.maxsize
 
@@ -101,7 +110,43 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_index(t) -> bool:
+    try:
+        operator.index(t)
+    except TypeError:
+        return False
+    return True
+
+
 # ----------------------------------------------------------------------------- data types
+
+# (field, rule, what it must be, error): SamplingParams applies them at construction, the router's
+# submit to every request it routes (whoever built it, and whatever was changed after).
+_SAMPLING_RULES = (
+    ("max_new_tokens", lambda v: _is_int(v) and v >= 1, "an int >= 1", ValueError),
+    ("temperature", lambda v: isinstance(v, (int, float)) and v >= 0, "a float >= 0 (0 = greedy)", ValueError),
+    ("top_k", lambda v: _is_int(v) and v >= 0, "an int >= 0 (0 = off)", ValueError),
+    ("top_p", lambda v: isinstance(v, (int, float)) and 0 < v <= 1, "in (0, 1] (1 = off)", ValueError),
+    ("stop_token_ids", lambda v: isinstance(v, (tuple, list)) and all(map(_is_index, v)), "a sequence of ints",
+     TypeError),
+    ("stop_token_ids", lambda v: all(operator.index(t) >= 0 for t in v), "token ids >= 0", ValueError),
+    ("seed", lambda v: v is None or _is_int(v), "an int or None", TypeError),
+    ("n", lambda v: _is_int(v) and v >= 1, "an int >= 1 (samples of the prompt)", ValueError),
+)
+
+
+def _check_sampling(sp, what: str = "") -> None:
+    for field, rule, expected, error in _SAMPLING_RULES:
+        if not hasattr(sp, field):
+            raise TypeError(f"{what.rstrip('.') or 'sampling'} must be a SamplingParams, got {type(sp).__name__} "
+                            f"(no {field})")
+        value = getattr(sp, field)
+        if not rule(value):
+            raise error(f"{what}{field} must be {expected}, got {value!r}")
+    if sp.seed is not None and not -2 ** 63 <= sp.seed <= 2 ** 64 - sp.n:   # sample i draws from seed + i
+        raise ValueError(f"{what}seed must be in [-2**63, 2**64 - n] (sample i is seeded with seed + i), "
+                         f"got {sp.seed}")
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -116,25 +161,11 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self):
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n (samples of the prompt) must be an int >= 1, got {self.n!r}")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a float >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        try:
-            stops = tuple(operator.index(t) for t in self.stop_token_ids)
-        except TypeError:
-            raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}") from None
-        if any(t < 0 for t in stops):
-            raise ValueError(f"stop_token_ids must be token ids >= 0, got {stops!r}")
-        object.__setattr__(self, "stop_token_ids", stops)
-        if self.seed is not None and not _is_int(self.seed):
-            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+        stops = self.stop_token_ids
+        if isinstance(stops, Iterable) and not isinstance(stops, (str, bytes)):
+            object.__setattr__(self, "stop_token_ids", tuple(stops))
+        _check_sampling(self)  # the rules the router's submit also applies to every request
+        object.__setattr__(self, "stop_token_ids", tuple(operator.index(t) for t in self.stop_token_ids))
 
 
 _request_ids = itertools.count()  # next() on a count is atomic under the GIL: ids stay unique across threads
@@ -199,8 +230,9 @@ class Completion:
 class GeneratorProtocol(Protocol):
     """What the router needs from a generator: ``name``, ``policy_version`` (never blocks; may drop
     only when the engine restarts), ``submit(request) -> Future[Completion]`` (never blocks;
-    ValueError / TypeError = bad input), ``load_weights(state_dict, version)`` (blocking).  The
-    reference's docstring has the full contract."""
+    ValueError / TypeError, raised or as the future's exception = bad input),
+    ``load_weights(state_dict, version)`` (blocking); optional ``dead: bool`` (true once it can
+    never serve again).  The reference's docstring has the full contract."""
 
     name: str
     policy_version: int
@@ -277,11 +309,13 @@ class _SyncRecord:
     version: int
     mode: str
     deadline: float
-    targets: list
+    targets: list                       # grows when a re-admitted generator joins
     loaded: list = dataclasses.field(default_factory=list)
     errors: dict = dataclasses.field(default_factory=dict)
+    skipped: list = dataclasses.field(default_factory=list)  # (name, why) of the others, as it ended
 
     def __post_init__(self):
+        self.targets = list(self.targets)
         self.pending = set(self.targets)
 
 
@@ -382,6 +416,7 @@ class GeneratorRouter:
         self._slots = [_Slot(i, g, i - n) for i, g in enumerate(generators)]
         self._by_name = {s.name: s for s in self._slots}
         self._n_up = n                                   # generators closed or half-open
+        self._n_dead = 0                                 # generators removed for good
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._sync_lock = threading.Lock()
@@ -465,8 +500,10 @@ class GeneratorRouter:
             raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
         timeout_s = self.sync_timeout_s if timeout_s is None else _seconds("timeout_s", timeout_s)
         drain = mode == "drain"
-        with self._sync_lock:
+        with self._sync_lock:  # (the call before ends by its deadline, or at close())
             with self._lock:
+                if self._closed:
+                    raise RuntimeError("the router is closed")
                 if version <= self._version:
                     raise ValueError(f"version must increase: got {version}, the router already serves "
                                      f"version {self._version}")
@@ -480,19 +517,18 @@ class GeneratorRouter:
             for s in targets:
                 threading.Thread(target=self._sync_one, args=(s, sync), name=f"load-{s.name}", daemon=True).start()
             with self._lock:
-                self._changed.wait_for(lambda: self._sync is not sync)
-        loaded, errors = sync.loaded, sync.errors
-        causes = [(s.name, errors[s.name]) for s in targets if s.name in errors]
-        if not loaded or causes:
-            causes += [(s.name, RuntimeError(f"not in rotation ({s.state}): re-synced when it returns"))
-                       for s in self._slots if s not in targets]
-            raise RouterError(f"weight sync to version {version} reached {len(loaded)} of "
-                              f"{len(self._slots)} generators", causes)
+                self._changed.wait_for(lambda: self._sync is not sync)  # its deadline, or close(), ends it
+        causes = [(s.name, sync.errors[s.name]) for s in sync.targets if s.name in sync.errors]
+        if not sync.loaded or causes:
+            raise RouterError(f"weight sync to version {version} reached {len(sync.loaded)} of "
+                              f"{len(self._slots)} generators", causes + sync.skipped)
 
     def mark_healthy(self, name: str) -> None:
         """Re-admit a generator now: re-synced first if stale, then closed."""
         slot = self._slot(name)
         with self._lock:
+            if slot.state == DEAD:
+                raise ValueError(f"{name} is dead (removed from the fleet): it cannot be re-admitted")
             if slot.state == OPEN:
                 slot.reopen_at, slot.close_on_return = -math.inf, True
                 work = self._readmit_due(self._clock.now())
@@ -524,8 +560,8 @@ class GeneratorRouter:
         return events
 
     def close(self, *, timeout_s: float = 0.0) -> None:
-        """No new requests; wait at most ``timeout_s`` for those queued or in flight, fail the rest;
-        stop the clock.  Generators stay open."""
+        """No new requests or syncs; wait at most ``timeout_s`` for those queued or in flight, fail the
+        rest, end a sync under way (its pending loads dropped); stop the clock.  Generators stay open."""
         deadline = time.monotonic() + _seconds("timeout_s", timeout_s, zero=True)
         with self._lock:
             self._closed = True
@@ -540,6 +576,13 @@ class GeneratorRouter:
                     a.slot.inflight -= 1
                     work.append((_set_exception, a.ticket.future, closed))
             self._fresh, self._retry, self._deadlines, self._n_live = deque(), [], [], 0
+            sync = self._sync  # the clock stops, so its deadline never comes: it ends here
+            if sync is not None:
+                for s in sorted(sync.pending, key=lambda s: s.index):
+                    s.draining = False
+                    sync.errors[s.name] = RouterError(f"{s.name}: the router was closed before it loaded")
+                sync.pending.clear()
+                self._sync_over(sync)  # (wakes sync_weights and its drain threads)
         if self._own_clock:
             self._clock.stop()
         self._run(work)
@@ -591,6 +634,7 @@ class GeneratorRouter:
 
     def _set_state(self, s: _Slot, state: str) -> None:
         self._n_up += (state in _UP) - (s.state in _UP)
+        self._n_dead += (state == DEAD) - (s.state == DEAD)
         s.state = state
         self._push(s)
 
@@ -638,6 +682,8 @@ class GeneratorRouter:
     def _pump(self) -> list:
         """Dispatch queued requests in arrival order while a generator is eligible."""
         now = self._fleet_status()
+        if self._n_dead == len(self._slots):
+            return self._fail_queue_all_dead()
         work = []
         fresh, retry = self._fresh, self._retry
         while fresh or retry:
@@ -652,6 +698,13 @@ class GeneratorRouter:
             heapq.heappop(retry) if from_retry else fresh.popleft()
             work.append(self._reserve(ticket, slot, now))
         return work
+
+    def _fail_queue_all_dead(self) -> list:
+        """Every generator is dead: nothing can ever serve what waits, so it fails now."""
+        queued = sorted([*self._fresh, *(t for _, t in self._retry)], key=lambda t: t.seq)
+        self._fresh, self._retry = deque(), []
+        return [(_set_exception, t.future, RouterError(f"request {t.request.request_id}: every generator is dead",
+                                                       t.causes or [])) for t in queued if self._start(t)]
 
     def _fleet_status(self) -> float:
         now = self._clock.now()
@@ -694,8 +747,9 @@ class GeneratorRouter:
 
     # ------------------------------------------------------------------ attempts and breakers (under the lock)
 
-    def _end(self, attempt: _Attempt, completion, exc, blame: bool = True) -> list:
-        """An attempt ended (the reference's ``_end_attempt``; blame=False: the request's own fault)."""
+    def _end(self, attempt: _Attempt, completion, exc, blame: bool = True, lost: bool = False) -> list:
+        """An attempt ended (the reference's ``_end_attempt``; blame=False: the request's own fault;
+        lost: the generator lost its weights, it opens at once)."""
         s, ticket = attempt.slot, attempt.ticket
         if not attempt.live:
             s.late += blame and (exc is None or not isinstance(exc, CancelledError))
@@ -714,6 +768,7 @@ class GeneratorRouter:
             served = getattr(completion, "min_policy_version", None)
             if not (_is_int(served) and served >= attempt.floor):
                 s.stale += 1
+                lost = _is_int(served)  # served below its floor: it lost its weights
                 exc = RuntimeError(f"{s.name} served version {served}, below the {attempt.floor} it was admitted "
                                    f"with: it lost its weights (restarted?)" if _is_int(served) else
                                    f"{s.name} returned a {type(completion).__name__}, not a Completion")
@@ -729,7 +784,9 @@ class GeneratorRouter:
             s.failures += 1
             s.consecutive += 1
             s.last_error = exc
-            if (attempt.probe and s.state == HALF_OPEN) or (
+            if lost and s.state in _UP:  # nothing to serve until it is re-synced
+                self._to_open(s, f"it lost its weights: {exc!r}")
+            elif (attempt.probe and s.state == HALF_OPEN) or (
                     s.state == CLOSED and s.consecutive >= self.failure_threshold):
                 self._to_open(s, f"{s.consecutive} consecutive failures; last: {exc!r}")
             if ticket.causes is None:
@@ -751,6 +808,9 @@ class GeneratorRouter:
         return work
 
     def _to_open(self, s: _Slot, why: str) -> None:
+        if _is_dead(s.gen):
+            self._remove(s, why)
+            return
         first, cap = self.backoff_s
         backoff = min(first * 2 ** s.opened, cap)
         s.opened += 1
@@ -762,6 +822,16 @@ class GeneratorRouter:
         sync = self._sync
         if sync is not None and s in sync.pending:
             self._sync_done(s, sync, RuntimeError(f"{s.name} was opened during the sync: {why}"))
+
+    def _remove(self, s: _Slot, why: str) -> None:
+        """A dead generator leaves the fleet for good (it stays in ``stats()`` as "dead")."""
+        s.probe_out = s.draining = False
+        s.reopen_at = math.inf
+        self._set_state(s, DEAD)
+        self._note(s, "removed", f"dead for good: {why}")
+        sync = self._sync
+        if sync is not None and s in sync.pending:
+            self._sync_done(s, sync, RuntimeError(f"{s.name} is dead for good: {why}"))
 
     def _to_closed(self, s: _Slot) -> None:
         s.probe_out, s.opened, s.consecutive, s.close_on_return = False, 0, 0, False
@@ -800,6 +870,8 @@ class GeneratorRouter:
             if self._down_since is not None:
                 self._expire_waiting(now, work)
             work += self._readmit_due(now)
+            if self._n_dead == len(self._slots):  # (removed just now: what waits can fail)
+                work += self._fail_queue_all_dead()
             self._fleet_status()
             while heap and not heap[0][3].live:
                 heapq.heappop(heap)
@@ -854,7 +926,7 @@ class GeneratorRouter:
         else:
             sync.errors[s.name] = error
             self._note(s, "sync_missed", f"version {sync.version}: {error!r}")
-            if s.state != OPEN:
+            if s.state in _UP:  # (not when it was opened or removed during the sync)
                 s.failures += 1
                 s.last_error = error
                 self._to_open(s, f"dropped from the sync to version {sync.version}")
@@ -866,14 +938,20 @@ class GeneratorRouter:
         self._sync = None
         if sync.loaded:
             self._version, self._weights = sync.version, sync.state_dict
+        sync.skipped = [(s.name, RuntimeError("dead for good: removed from the fleet" if s.state == DEAD else
+                                              f"not in rotation ({s.state}): re-synced before it returns"))
+                        for s in self._slots if s not in sync.targets]
+        dead = [s.name for s in self._slots if s.state == DEAD]
         self._note(None, "synced", f"version {sync.version} ({sync.mode}): loaded by {len(sync.loaded)} of "
-                                   f"{len(self._slots)}")
+                                   f"{len(self._slots)}" + (f"; dead: {', '.join(dead)}" if dead else ""))
         self._changed.notify_all()
 
     def _readmit_due(self, now: float, slots=None) -> list:
         work = []
         for s in self._slots if slots is None else slots:
-            if s.state == OPEN and s.reopen_at <= now and not s.loading and s.inflight == 0:
+            if s.state == OPEN and s.reopen_at <= now and _is_dead(s.gen):  # it died for good meanwhile
+                self._remove(s, "found dead at re-admission")
+            elif s.state == OPEN and s.reopen_at <= now and not s.loading and s.inflight == 0:
                 self._set_state(s, READMITTING)
                 s.loading = True
                 self._note(s, "readmitting", f"after {s.opened} opening(s)")
@@ -908,23 +986,39 @@ class GeneratorRouter:
                 s.loading = False
                 if s.state != READMITTING:  # the clock opened it: the load came too late
                     work = self._readmit_due(self._clock.now()) + self._pump()
-                else:
-                    if error is not None:
-                        s.failures += 1
-                        s.last_error = error
-                        self._to_open(s, f"re-admission failed: {error!r}")
-                    else:
-                        if version > s.floor or have < s.floor:
-                            s.floor = version
-                            self._note(s, "resynced", f"to version {version}")
-                        if s.close_on_return:
-                            self._to_closed(s)
-                        else:
-                            self._set_state(s, HALF_OPEN)
-                            self._note(s, "half_open", "one probe request decides")
+                elif error is not None:
+                    s.failures += 1
+                    s.last_error = error
+                    self._to_open(s, f"re-admission failed: {error!r}")
                     work = self._pump()
+                else:
+                    if version > s.floor or have < s.floor:
+                        s.floor = version
+                        self._note(s, "resynced", f"to version {version}")
+                    if s.close_on_return:
+                        self._to_closed(s)
+                    else:
+                        self._set_state(s, HALF_OPEN)
+                        self._note(s, "half_open", "one probe request decides")
+                    work = self._join_sync(s) + self._pump()
             self._run(work)
             return
+
+    def _join_sync(self, s: _Slot) -> list:
+        """Back in rotation while a sync is under way: one of its targets now (the reference's rule:
+        its loads never overlap, the last sync wins)."""
+        sync = self._sync
+        if sync is None:
+            return []
+        if s not in sync.targets:
+            sync.targets.append(s)
+        sync.errors.pop(s.name, None)
+        sync.pending.add(s)
+        s.draining, s.loading = sync.mode == "drain", sync.mode == "hot_swap"
+        return [(self._start_load, s, sync)]
+
+    def _start_load(self, s: _Slot, sync: _SyncRecord) -> None:
+        threading.Thread(target=self._sync_one, args=(s, sync), name=f"load-{s.name}", daemon=True).start()
 
     # ------------------------------------------------------------------ doing (outside the lock)
 
@@ -944,11 +1038,18 @@ class GeneratorRouter:
 
     def _dispatch(self, attempt: _Attempt, _) -> None:
         s = attempt.slot
+        gen = s.gen
+        have = gen.policy_version
+        if have < attempt.floor or _is_dead(gen):  # refused: it has nothing right to serve
+            exc = RuntimeError(f"{s.name} is dead for good" if _is_dead(gen) else
+                               f"{s.name} reports version {have}, below the {attempt.floor} it was "
+                               f"admitted with: it lost its weights (restarted?)")
+            with self._lock:
+                work = self._end(attempt, None, exc, True, True)
+            self._run(work)
+            return
         try:
-            if s.gen.policy_version < attempt.floor:
-                raise RuntimeError(f"{s.name} reports version {s.gen.policy_version}, below the {attempt.floor} "
-                                   f"it was admitted with: it lost its weights (restarted?)")
-            fut = s.gen.submit(attempt.ticket.request)
+            fut = gen.submit(attempt.ticket.request)
             if not isinstance(fut, Future):
                 raise RuntimeError(f"{s.name}.submit returned {type(fut).__name__}, not a Future")
         except Exception as exc:  # noqa: BLE001 - ValueError / TypeError: the request's fault; else the generator's
@@ -967,8 +1068,8 @@ class GeneratorRouter:
             completion, exc = None, CancelledError(f"{attempt.slot.name} cancelled the request") if mine else exc_
         except Exception as exc_:  # noqa: BLE001 - whatever the engine failed with
             completion, exc = None, exc_
-        with self._lock:
-            work = self._end(attempt, completion, exc)
+        with self._lock:  # a ValueError / TypeError is the engine refusing this request: not its fault
+            work = self._end(attempt, completion, exc, not isinstance(exc, (ValueError, TypeError)))
         # Inside a work list, so a user callback that submits again from there appends to it
         # instead of nesting one call deeper per request.
         self._run(work)
@@ -1012,14 +1113,42 @@ def _check_generators(generators: list) -> None:
         raise ValueError(f"generator names must be unique, got {names}")
 
 
+def _is_dead(gen) -> bool:
+    return getattr(gen, "dead", False) is True
+
+
 def _check_request(request, what: str = "request") -> None:
+    """Every field the router reads or hands to a generator, whoever built the request (the reference's rules)."""
     try:
         hash(request.session_id)  # the policy hashes it under the lock
-        request.prompt_token_ids, request.sampling, request.request_id  # noqa: B018 - the fields the router reads
+        prompt, sampling, request_id = request.prompt_token_ids, request.sampling, request.request_id
     except AttributeError as exc:
         raise TypeError(f"{what} must be a Request, got {type(request).__name__} (no {exc.name})") from None
     except TypeError:
         raise TypeError(f"{what}.session_id must be hashable, got {type(request.session_id).__name__}") from None
+    if not isinstance(prompt, list):
+        raise TypeError(f"{what}.prompt_token_ids must be a list of ints (token ids), got {type(prompt).__name__}")
+    try:
+        array.array("Q", prompt)  # ints >= 0 (0.7 us for 64 tokens: a third of min(map(operator.index, ...)))
+    except TypeError:
+        bad = next(t for t in prompt if not _is_index(t))
+        raise TypeError(f"{what}.prompt_token_ids must hold ints (token ids), got {type(bad).__name__}") from None
+    except OverflowError:
+        raise ValueError(f"{what}.prompt_token_ids must be token ids >= 0, got {min(prompt)}") from None
+    if not prompt:
+        raise ValueError(f"{what}.prompt_token_ids must hold at least one token, got an empty prompt")
+    try:  # the common case in one expression; the table names the field otherwise
+        n, t, k, top_p, stops, seed = (sampling.max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p,
+                                       sampling.stop_token_ids, sampling.seed)
+        ok = (type(n) is int and n >= 1 and type(k) is int and k >= 0 and type(t) in (float, int) and t >= 0
+              and type(top_p) in (float, int) and 0 < top_p <= 1 and (seed is None or type(seed) is int)
+              and (stops == () or (type(stops) is tuple and all(type(i) is int and i >= 0 for i in stops))))
+    except AttributeError:
+        ok = False
+    if not ok:
+        _check_sampling(sampling, f"{what}.sampling.")
+    if not isinstance(request_id, str):
+        raise TypeError(f"{what}.request_id must be a str, got {type(request_id).__name__}")
 
 
 def _seconds(name: str, value, zero: bool = False) -> float:
@@ -1034,7 +1163,8 @@ def _seconds(name: str, value, zero: bool = False) -> float:
 
 def ray_generators(make_generator, n: int, *, name_prefix: str = "ray-gen", max_restarts: int = 8,
                    num_cpus: float = 1.0, num_gpus: float = 0.0, actor_options: dict | None = None,
-                   call_timeout_s: float = 300.0, startup_timeout_s: float = 600.0) -> list:
+                   call_timeout_s: float = 300.0, startup_timeout_s: float = 600.0,
+                   connect_timeout_s: float = 30.0, ray_init_options: dict | None = None) -> list:
     """Start ``n`` Ray actors, each serving ``make_generator()``; return n protocol handles.
 
     ``make_generator`` is a picklable zero-argument callable that builds an engine (anything with
@@ -1043,10 +1173,16 @@ def ray_generators(make_generator, n: int, *, name_prefix: str = "ray-gen", max_
     Ray does not retry their calls (the router retries requests elsewhere).  ``actor_options`` are
     passed to ``ActorClass.options`` (e.g. ``scheduling_strategy``, ``runtime_env``,
     ``resources``).  ``call_timeout_s`` bounds a handle's ``load_weights``; ``startup_timeout_s`` the
-    wait for every engine to be built.  Uses the running Ray cluster (``ray.init()`` when none).
-    Each handle has ``name``, ``policy_version``, ``submit``, ``load_weights``, plus ``pid`` and
-    ``node_id`` of its actor's process (after a restart: refreshed on the first reply) and
-    ``close()`` (kills the actor).
+    wait for every engine to be built.
+    Ray: the instance this process already joined (``ray.init(address=...)`` first, to use a
+    cluster); else the one ``RAY_ADDRESS`` names, which must answer within ``connect_timeout_s``
+    (ConnectionError otherwise: ``ray.init`` alone retries a dead address for many minutes;
+    ``RAY_ADDRESS=auto`` goes to ``ray.init`` unchecked); else a
+    new local instance (``address="local"``: never one a stale session file of Ray's temp directory
+    names).  ``ray_init_options`` go to that ``ray.init`` call.
+    Each handle has ``name``, ``policy_version``, ``submit``, ``load_weights``, ``dead`` (true once
+    Ray reports the actor dead for good: out of restarts, or killed), ``pid`` and ``node_id`` of its
+    actor's process (after a restart: refreshed on the first reply) and ``close()`` (kills it).
     """
     ray = _ray()
     if not _is_int(n) or n < 1:
@@ -1057,8 +1193,9 @@ def ray_generators(make_generator, n: int, *, name_prefix: str = "ray-gen", max_
         raise ValueError(f"max_restarts must be an int >= -1 (-1: forever), got {max_restarts!r}")
     call_timeout_s = _seconds("call_timeout_s", call_timeout_s)
     startup_timeout_s = _seconds("startup_timeout_s", startup_timeout_s)
+    connect_timeout_s = _seconds("connect_timeout_s", connect_timeout_s)
     if not ray.is_initialized():
-        ray.init()
+        _start_ray(connect_timeout_s, ray_init_options or {})
     options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_restarts, max_task_retries=0,
                    scheduling_strategy="SPREAD", max_concurrency=1000)
     options.update(actor_options or {})
@@ -1083,6 +1220,29 @@ def _ray():
     except ImportError:
         raise ImportError("ray_generators needs ray (pip install 'ray>=2.40'); the router itself does not") from None
     return ray
+
+
+def _start_ray(timeout_s: float, options: dict) -> None:
+    """Join the Ray instance RAY_ADDRESS names, once it answers within ``timeout_s``; else start a
+    local one.  Never ``ray.init()`` bare: it follows Ray's session file to the last cluster this
+    machine joined, and retries one that is gone for many minutes."""
+    import os
+    import socket
+    ray = _ray()
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if address in ("", "local"):
+        ray.init(address="local", **{"include_dashboard": False, **options})
+        return
+    if address == "auto":  # whatever Ray finds on this machine: asked for, so not second-guessed (nor bounded)
+        ray.init(address="auto", **options)
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        raise ConnectionError(f"RAY_ADDRESS={address} did not answer within {timeout_s:g} s ({exc}); unset it to "
+                              f"start a local Ray instance, or call ray.init(address=...) first") from None
+    ray.init(address=address, **options)
 
 
 class _EngineActor:
@@ -1149,6 +1309,11 @@ def _pack_weights(state_dict: Mapping) -> tuple:
     return meta, flat.numpy()
 
 
+def _cause(exc):
+    """The exception an actor raised, without Ray's remote traceback around it."""
+    return getattr(exc, "cause", None) or exc
+
+
 def _unpack_weights(packed: tuple) -> dict:
     """Views of the flat buffer (read-only when it maps the object store: the engine copies them in)."""
     import warnings
@@ -1167,12 +1332,15 @@ def _unpack_weights(packed: tuple) -> dict:
 class _RayGenerator:
     """A Ray actor behind ``GeneratorProtocol`` (made by ``ray_generators``)."""
 
+    _ASK_AGAIN_S = 0.5  # while Ray restarts the actor, ask what it is this often
+
     def __init__(self, name: str, actor, info: dict, store: _WeightStore, call_timeout_s: float):
         self.name, self._actor, self._store, self._call_timeout_s = name, actor, store, call_timeout_s
         self._lock = threading.Lock()
         self._incarnation, self._version = info["incarnation"], info["version"]
         self.pid, self.node_id = info["pid"], info["node_id"]
         self._vocab, self._max_seq_len = info["vocab_size"], info["max_seq_len"]
+        self._dead = False
 
     @property
     def policy_version(self) -> int:
@@ -1180,10 +1348,17 @@ class _RayGenerator:
         is heard from."""
         return self._version
 
+    @property
+    def dead(self) -> bool:
+        """True once Ray reports the actor dead for good (out of restarts, or killed): the router
+        removes it from the fleet."""
+        return self._dead
+
     def submit(self, request) -> Future:
+        _check_request(request)  # (the router checked it too; a handle may be called alone)
         prompt = request.prompt_token_ids
-        if not prompt or min(prompt) < 0 or (self._vocab is not None and max(prompt) >= self._vocab):
-            raise ValueError(f"prompt_token_ids must be token ids in [0, {self._vocab}), got {prompt[:8]}...")
+        if self._vocab is not None and max(prompt) >= self._vocab:
+            raise ValueError(f"prompt_token_ids must be token ids in [0, {self._vocab}), got {max(prompt)}")
         if self._max_seq_len is not None and len(prompt) >= self._max_seq_len:
             raise ValueError(f"prompt_token_ids: a prompt of {len(prompt)} tokens leaves no room to generate in "
                              f"a context of max_seq_len={self._max_seq_len}")
@@ -1215,27 +1390,37 @@ class _RayGenerator:
                 time.sleep(0.2)
             except ray.exceptions.RayActorError as exc:
                 self._died()
-                raise RuntimeError(f"{self.name}: its actor died during load_weights: {exc}") from None
+                raise RuntimeError(f"{self.name}: its actor died during load_weights: {type(exc).__name__}") from None
             except ray.exceptions.RayTaskError as exc:
-                raise RuntimeError(f"{self.name}: load_weights failed in the actor: {exc}") from None
+                cause = _cause(exc)
+                raise RuntimeError(f"{self.name}: load_weights failed in the actor: {type(cause).__name__}: "
+                                   f"{cause}") from None
         self._heard(incarnation, loaded)
 
     def close(self) -> None:
         """Kill the actor (no restart); its requests fail, the router retries them elsewhere."""
         ray = _ray()
+        self._dead = True
         ray.kill(self._actor, no_restart=True)
 
     def _reply(self, future: Future, rf) -> None:
         ray = _ray()
         try:
             incarnation, *fields = rf.result()
-        except ray.exceptions.RayActorError as exc:
+        except ray.exceptions.RayActorError as exc:  # its process died (or Ray is restarting it)
             self._died()
             outcome = RuntimeError(f"{self.name}: its actor died: {type(exc).__name__}")
         except (ray.exceptions.TaskCancelledError, CancelledError):
             outcome = CancelledError(f"{self.name}: cancelled")
-        except Exception as exc:  # noqa: BLE001 - the engine's own failure, wrapped by Ray
-            outcome = RuntimeError(f"{self.name}: {exc}")
+        except ray.exceptions.RayTaskError as exc:  # the engine raised inside the actor
+            cause = _cause(exc)
+            if isinstance(cause, (ValueError, TypeError)):  # it refused this request: the same type, so
+                kind = TypeError if isinstance(cause, TypeError) else ValueError  # the router fails it alone
+                outcome = kind(f"{cause} (refused by {self.name}'s engine)")
+            else:
+                outcome = RuntimeError(f"{self.name}: the engine failed the request: {type(cause).__name__}: {cause}")
+        except Exception as exc:  # noqa: BLE001 - anything else Ray raises
+            outcome = RuntimeError(f"{self.name}: {type(exc).__name__}: {exc}")
         else:
             self._heard(incarnation, None)
             outcome = Completion(*fields[:5], self.name, *fields[5:])
@@ -1264,13 +1449,24 @@ class _RayGenerator:
                 self._refresh()
 
     def _refresh(self) -> None:
-        """Ask the (restarted) actor what it is; -1 meanwhile.  Under the lock."""
+        """Ask the (restarted) actor what it is; -1 meanwhile.  Ray answers ActorUnavailableError
+        while it restarts the actor (ask again shortly: a fleet that never syncs gets its actor back
+        with its construction weights) and ActorDiedError once it is dead for good (``dead``).  Under
+        the lock."""
+        ray = _ray()
         ref = self._actor.describe.remote()
 
         def on_info(rf):
             try:
                 info = rf.result()
-            except Exception:  # noqa: BLE001 - dead for good (out of restarts): stays -1
+            except ray.exceptions.ActorDiedError:  # out of restarts, or killed: it never comes back
+                self._dead = True
+                return
+            except Exception:  # noqa: BLE001 - restarting (ActorUnavailableError), or the reply was lost
+                if not self._dead:
+                    retry = threading.Timer(self._ASK_AGAIN_S, self._ask_again)
+                    retry.daemon = True
+                    retry.start()
                 return
             with self._lock:
                 if info["incarnation"] == self._incarnation:   # a reply or a load was heard first
@@ -1281,6 +1477,11 @@ class _RayGenerator:
                     self._incarnation, self._version = info["incarnation"], info["version"]
                     self.pid, self.node_id = info["pid"], info["node_id"]
         ref.future().add_done_callback(on_info)
+
+    def _ask_again(self) -> None:
+        with self._lock:
+            if self._version == -1 and not self._dead:
+                self._refresh()
 
     def _cancel(self, ref) -> None:
         ray = _ray()

@@ -811,6 +811,231 @@ def test_close_is_bounded(rg):
         assert r.generate([req(rg, 3)])[0].generator_id == "i"
 
 
+# ----------------------------------------------------------------------------- fleet faults, part 2 (issue 22)
+
+class MortalGen(ManualGen):
+    """A ManualGen with the protocol's optional ``dead`` attribute: a process out of restarts."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dead = False
+
+
+@pytest.mark.parametrize("order", ["sync_during_readmission", "readmission_during_sync"])
+@pytest.mark.parametrize("b_fails", [False, True])
+def test_the_last_sync_wins_over_a_readmission(rg, manual, order, b_fails):
+    """a restarted (version 0) and is re-admitted (re-synced to 1) while a sync to 2 runs, whichever
+    starts first: a joins the sync and serves 2, or the sync says it did not reach a; it never
+    reports success while a serves 1, nor calls a "not in rotation" when a is back.  (3 rounds)"""
+    for _ in range(3):
+        a, b = ManualGen(rg, "a"), ManualGen(rg, "b")
+        router = rg.GeneratorRouter([a, b], policy="round_robin", clock=manual, sync_timeout_s=60.0,
+                                    failure_threshold=1)
+        router.sync_weights({"w": torch.ones(2)}, 1)
+        a.restart()                                  # a new process: version 0, below its floor 1
+        f = router.submit(req(rg, "x"))              # refused by a (it lost its weights): b serves
+        b.settle()
+        assert f.result(TIMEOUT).generator_id == "b" and router.stats()["a"]["state"] == "open"
+        gate_a, gate_b = threading.Event(), threading.Event()
+        b.load_gate, b.gate_only = gate_b, 2         # b's load of 2 takes a while
+        if b_fails:
+            b.load_error = RuntimeError("b: bad shard")
+        if order == "sync_during_readmission":
+            a.load_gate, a.gate_only = gate_a, 1     # a's re-sync to 1 takes a while
+            manual.advance(0.5)                      # the back-off ends: a re-syncs to 1 ...
+            assert a.gated_started.wait(TIMEOUT)
+            t, box = _start_sync(router, 2, "hot_swap")  # ... while the sync to 2 starts
+            assert b.gated_started.wait(TIMEOUT)
+            gate_a.set()                             # a's re-admission ends during the sync
+        else:
+            t, box = _start_sync(router, 2, "hot_swap")
+            assert b.gated_started.wait(TIMEOUT)
+            manual.advance(0.5)                      # a's re-admission starts and ends during the sync
+        wait_until(lambda: a.policy_version == 2 or router.stats()["a"]["state"] == "half_open", what="a back")
+        gate_b.set()
+        t.join(TIMEOUT)
+        assert not t.is_alive()
+        wait_until(lambda: router.stats()["a"]["state"] in ("half_open", "open"), what="a settled")
+        if b_fails:  # the error names b, and only b: a loaded 2
+            assert isinstance(box.get("error"), rg.RouterError)
+            assert [name for name, _ in box["error"].causes] == ["b"], box["error"]
+        else:
+            assert not box, box
+        assert router.policy_version == 2
+        assert a.policy_version == 2, f"a serves version {a.policy_version} after the sync to 2 ended"
+        probe = router.submit(req(rg, "probe"))       # a is half-open: its probe
+        a.settle()
+        assert probe.result(TIMEOUT).min_policy_version == 2 and router.stats()["a"]["state"] == "closed"
+
+
+def test_an_engine_refusing_a_request_costs_the_generator_nothing(rg, manual):
+    """ValueError / TypeError as a generator future's exception (an engine inside an actor refused
+    the request): the request fails alone with that type, is not retried, and nobody is struck."""
+    log = []
+    a, b = ManualGen(rg, "a", log), ManualGen(rg, "b", log)
+    router = rg.GeneratorRouter([a, b], policy="round_robin", clock=manual, failure_threshold=1)
+    for i, exc in enumerate([ValueError("needs 62 KV slots; the pool has 8"), TypeError("prompt of floats")]):
+        f = router.submit(req(rg, i))
+        (a, b)[i].settle(error=exc)  # round robin: a, then b
+        with pytest.raises(type(exc), match=str(exc)):
+            f.result(TIMEOUT)
+    assert len(log) == 2  # one attempt each: nothing retried
+    for s in router.stats().values():
+        assert (s["failures"], s["state"], s["inflight"]) == (0, "closed", 0), s
+    assert [e for _, _, e, _ in router.health_events()] == []
+
+
+@pytest.mark.parametrize("mode", ["drain", "hot_swap"])
+def test_close_ends_a_sync_under_way(rg, mode):
+    """The router's own clock (real time).  drain: a's request never ends; hot_swap: a's load never
+    returns.  close() during the sync ends it at once (RouterError naming a); a sync after close()
+    raises.  (3 rounds)"""
+    for _ in range(3):
+        a, b = ManualGen(rg, "a"), ManualGen(rg, "b")
+        router = rg.GeneratorRouter([a, b], policy="round_robin", sync_timeout_s=30.0, request_timeout_s=30.0)
+        router.submit(req(rg, "stuck"))            # on a, never settled
+        gate = threading.Event()
+        if mode == "hot_swap":
+            a.load_gate = gate
+        t, box = _start_sync(router, 1, mode)
+        wait_until(lambda: b.policy_version == 1, what="b to load")
+        t0 = time.monotonic()
+        router.close()
+        t.join(5.0)
+        try:
+            assert not t.is_alive(), f"sync_weights still waits {time.monotonic() - t0:.1f} s after close()"
+            err = box.get("error")
+            assert isinstance(err, rg.RouterError) and [n for n, _ in err.causes] == ["a"], err
+            assert "closed" in str(err) and router.policy_version == 1
+            with pytest.raises(RuntimeError, match="closed"):
+                router.sync_weights({}, 2)
+        finally:
+            gate.set()
+
+
+def test_a_request_waits_when_its_last_generator_lost_its_weights(rg, manual):
+    """The only generator restarts (version 0, below its floor 1): the first dispatch finds it and
+    opens it, and the request waits for its re-admission (re-synced to 1) up to its deadline instead
+    of burning its retries on it at once.  (3 rounds)"""
+    for _ in range(3):
+        a = ManualGen(rg, "a")
+        router = rg.GeneratorRouter([a], clock=manual, request_timeout_s=30.0)  # failure_threshold 3
+        router.sync_weights({"w": torch.ones(2)}, 1)
+        a.restart()
+        f = router.submit(req(rg, "waits"))
+        assert not f.done(), f"the request failed at once: {f.exception(0)!r}"
+        st = router.stats()["a"]
+        assert (st["state"], st["dispatched"], st["failures"]) == ("open", 1, 1), st
+        manual.advance(0.5)                            # a's back-off: re-synced to 1, then the request
+        wait_until(lambda: router.stats()["a"]["dispatched"] == 2, what="the request to reach a again")
+        assert router.stats()["a"]["state"] == "half_open" and a.policy_version == 1
+        a.settle()
+        c = f.result(TIMEOUT)
+        assert (c.generator_id, c.min_policy_version) == ("a", 1) and router.stats()["a"]["state"] == "closed"
+
+
+def test_a_dead_generator_is_removed_once(rg, manual):
+    """A generator that reports ``dead`` leaves the fleet when the router would dispatch to it, open
+    it or re-admit it: state "dead", one health event, never re-admitted or synced again; a sync
+    afterwards does not wait for it and says so; with every generator dead, requests fail at once."""
+    log = []
+    a, b, c = MortalGen(rg, "a", log), ManualGen(rg, "b", log), MortalGen(rg, "c", log)
+    router = rg.GeneratorRouter([a, b, c], policy="round_robin", clock=manual, failure_threshold=1,
+                                sync_timeout_s=60.0)
+    f = router.submit(req(rg, 0))                  # on a
+    a.dead = True
+    a.restart(RuntimeError("a: actor died"))       # a's request fails: a would open, it is removed
+    b.settle()
+    assert f.result(TIMEOUT).generator_id == "b"
+    g = router.submit(req(rg, 1))                  # on c, which fails; c is opened (not dead yet)
+    c.settle(error=RuntimeError("c: actor died"))
+    b.settle()
+    assert g.result(TIMEOUT).generator_id == "b" and router.stats()["c"]["state"] == "open"
+    c.dead = True                                  # it dies for good while open
+    for _ in range(5):
+        manual.advance(30.0)                       # back-offs end again and again
+    st = router.stats()
+    assert (st["a"]["state"], st["c"]["state"], st["b"]["state"]) == ("dead", "dead", "closed"), st
+    events = [(g, e) for _, g, e, _ in router.health_events() if g in ("a", "c")]
+    assert events == [("a", "removed"), ("c", "opened"), ("c", "removed")], events
+    for gen in (a, c):
+        gen.load_gate = threading.Event()          # a load would hang: the sync must not try one
+    router.sync_weights({"w": torch.ones(2)}, 1)
+    assert a.loads == c.loads == [] and b.policy_version == 1
+    synced = [d for _, g, e, d in router.health_events() if e == "synced"]
+    assert synced == ["version 1 (hot_swap): loaded by 1 of 3; dead: a, c"], synced
+    with pytest.raises(ValueError, match="dead"):
+        router.mark_healthy("a")
+    h = router.submit(req(rg, 2))
+    assert names(log)[-1] == "b"
+    # Every generator dead: queued and new requests fail at once (found dead by a failure, or at
+    # re-admission while requests wait for it).
+    for when in ("failure", "readmission"):
+        only = MortalGen(rg, "only")
+        solo = rg.GeneratorRouter([only], clock=manual, failure_threshold=1, request_timeout_s=600.0)
+        queued = solo.submit(req(rg, 3))
+        if when == "failure":
+            only.dead = True
+        only.restart(RuntimeError("only: actor died"))
+        if when == "readmission":
+            assert solo.stats()["only"]["state"] == "open" and not queued.done()
+            only.dead = True
+            manual.advance(0.5)
+        for fut in (queued, solo.submit(req(rg, 4))):
+            exc = fut.exception(TIMEOUT)
+            assert isinstance(exc, rg.RouterError) and "every generator is dead" in str(exc), (when, exc)
+    b.settle()
+    assert h.result(TIMEOUT).generator_id == "b"
+
+
+def test_submit_checks_every_field_it_reads(rg):
+    """Whoever built the request (this file's Request, the other file's, any object with the fields),
+    and whatever was changed after construction: a bad field raises in submit, nothing is dispatched."""
+    g = ManualGen(rg, "g")
+    router = rg.GeneratorRouter([g])
+    other = fast_rg if rg is ref_rg else ref_rg
+
+    def bad_sampling(**change):
+        sp = rg.SamplingParams(max_new_tokens=4)
+        for k, v in change.items():
+            object.__setattr__(sp, k, v)  # a frozen dataclass changed anyway
+        return sp
+    cases = [(dict(sampling=bad_sampling(max_new_tokens=0)), ValueError, "max_new_tokens"),
+             (dict(sampling=bad_sampling(max_new_tokens=-3)), ValueError, "max_new_tokens"),
+             (dict(sampling=bad_sampling(max_new_tokens=2.0)), ValueError, "max_new_tokens"),
+             (dict(sampling=bad_sampling(temperature=-0.5)), ValueError, "temperature"),
+             (dict(sampling=bad_sampling(temperature=float("nan"))), ValueError, "temperature"),
+             (dict(sampling=bad_sampling(top_k=-1)), ValueError, "top_k"),
+             (dict(sampling=bad_sampling(top_p=1.5)), ValueError, "top_p"),
+             (dict(sampling=bad_sampling(stop_token_ids=(3, -1))), ValueError, "stop_token_ids"),
+             (dict(sampling=bad_sampling(stop_token_ids="ab")), TypeError, "stop_token_ids"),
+             (dict(sampling=bad_sampling(seed=1.5)), TypeError, "seed"),
+             (dict(sampling={"max_new_tokens": 3}), TypeError, "sampling"),
+             (dict(prompt_token_ids=(1, 2, 3)), TypeError, "prompt_token_ids"),
+             (dict(prompt_token_ids=[1.0, 2.0]), TypeError, "prompt_token_ids"),
+             (dict(prompt_token_ids=[]), ValueError, "prompt_token_ids"),
+             (dict(prompt_token_ids=[1, -2]), ValueError, "prompt_token_ids"),
+             (dict(request_id=7), TypeError, "request_id")]
+    for build in (rg.Request, other.Request):
+        for change, error, field in cases:
+            r = build([1, 2, 3], rg.SamplingParams(max_new_tokens=4) if build is rg.Request else
+                      other.SamplingParams(max_new_tokens=4))
+            for k, v in change.items():
+                setattr(r, k, v)
+            with pytest.raises(error, match=field):
+                router.submit(r)
+    class Duck:  # noqa: E306 - any object with the fields
+        prompt_token_ids, request_id, session_id = [1, 2], "duck", None
+        sampling = bad_sampling(max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        router.submit(Duck())
+    assert g.log == [] and router.queued == 0
+    Duck.sampling = rg.SamplingParams(max_new_tokens=2)
+    f = router.submit(Duck())
+    g.settle()
+    assert f.result(TIMEOUT).request_id == "duck"
+
+
 # ----------------------------------------------------------------------------- weight sync and versions
 
 def _start_sync(router, version, mode):
@@ -821,7 +1046,7 @@ def _start_sync(router, version, mode):
             router.sync_weights({"w": torch.ones(2)}, version, mode=mode)
         except Exception as exc:  # reported to the test through box
             box["error"] = exc
-    t = threading.Thread(target=target)
+    t = threading.Thread(target=target, name="sync_weights")
     t.start()
     return t, box
 
@@ -1037,8 +1262,59 @@ def test_many_threads_submit_at_once(rg, clock):
 
 # ----------------------------------------------------------------------------- ref == fast
 
+class _DeferredThreads:
+    """Stands in for the ``threading`` module inside a router under ``_script``: the threads the
+    router starts for re-admissions, and for the loads of generators that join a sync under way,
+    start only when the script runs them (``run``, between two events), one at a time, in the order
+    the router started them.  Started at once, two of them (or one and the thread that started it)
+    would race to dispatch what waits for them, and the dispatch log's order would be the
+    scheduler's, not the router's.  The loads ``sync_weights`` itself starts run at once."""
+
+    def __init__(self):
+        self.deferred = deque()
+
+    def __getattr__(self, name):  # Lock, Condition, local, ...: the real ones
+        return getattr(threading, name)
+
+    def Thread(self, **kwargs):  # noqa: N802 - threading.Thread's name
+        thread = threading.Thread(**kwargs)
+        name = kwargs.get("name", "")
+        if not (name.startswith("readmit-") or (name.startswith("load-")
+                                                and threading.current_thread().name != "sync_weights")):
+            return thread
+        deferred = self.deferred
+
+        class Deferred:
+            def start(self):
+                deferred.append(thread)
+        return Deferred()
+
+    def run(self, settled) -> bool:
+        """Run the deferred threads in order: a re-admission to its end, a load until ``settled(thread)``
+        (at its gate, or waiting for a drain); whether any ran.  They may defer more."""
+        ran = bool(self.deferred)
+        while self.deferred:
+            thread = self.deferred.popleft()
+            thread.start()
+            if thread.name.startswith("readmit-"):
+                thread.join(TIMEOUT)
+                assert not thread.is_alive(), f"{thread.name} hangs"
+            else:
+                wait_until(lambda: settled(thread), what=thread.name)
+        return ran
+
+
 def _script(rg, policy, cap, seed, steps=300):
     """Drive a router through a seeded sequence of events on a manual clock; return everything observable."""
+    real, threads = rg.threading, _DeferredThreads()
+    rg.threading = threads
+    try:
+        return _script_run(rg, policy, cap, seed, steps, threads)
+    finally:
+        rg.threading = real
+
+
+def _script_run(rg, policy, cap, seed, steps, threads):
     log = []
     gens = [ManualGen(rg, f"g{i}", log) for i in range(5)]
     clock = ManualClock()
@@ -1052,16 +1328,21 @@ def _script(rg, policy, cap, seed, steps=300):
     before = set(threading.enumerate())
 
     def quiet():
-        """Re-admissions that load run in threads of their own: let them finish before the next event."""
-        for t in threading.enumerate():
-            if t not in before and t.name.startswith("readmit-"):
-                while True:
-                    try:
-                        t.join(TIMEOUT)
-                        break
-                    except RuntimeError:  # start() was called but it is not running yet
-                        time.sleep(0.001)
-                assert not t.is_alive(), "a re-admission hangs"
+        """Let the router's threads finish what the last event started before the next one: the
+        threads it deferred (re-admissions, loads of generators that joined a sync), and the loads of
+        a drain's targets, until they reach the sync's gate (or wait for their requests)."""
+        def settled(t):  # ended, held at its gate, or draining its requests first
+            g = next(g for g in gens if t.name == f"load-{g.name}")
+            held = g.gated_started.is_set() and not g.load_gate.is_set()
+            return not t.is_alive() or held or (
+                router.stats()[g.name]["draining"] and router.stats()[g.name]["inflight"] > 0)
+        moved = True
+        while moved:  # finishing one may start another
+            moved = threads.run(settled)
+            for t in threading.enumerate():
+                if t not in before and t.name.startswith("load-") and not settled(t):
+                    wait_until(lambda: settled(t), what=t.name)
+                    moved = True
 
     def settle_some(error_rate):
         busy = [g for g in gens if g.pending]
@@ -1078,12 +1359,18 @@ def _script(rg, policy, cap, seed, steps=300):
                     while g.pending:
                         g.settle()
                 quiet()
-        for g in targets:  # one load at a time, each joined with the router's work after it
+        released = []
+
+        def next_load():  # the targets in order, then generators re-admitted meanwhile (they joined)
+            return next((g for g in targets if g not in released), None) or next(
+                (g for g in gens if g not in released and g.gated_started.is_set()), None)
+        while (g := next_load()) is not None:  # one load at a time, each joined with the router's work after it
             # (a target opened during the sync was dropped from it: it does not load)
             wait_until(lambda: g.gated_started.is_set() or not router.stats()[g.name]["draining"], what="load")
             if g.gated_started.is_set():
                 g.load_gate.set()
                 g.gated_thread.join(TIMEOUT)
+            released.append(g)
             quiet()
         thread.join(TIMEOUT)
         assert not thread.is_alive(), ("sync hangs", router.stats())
@@ -1129,7 +1416,9 @@ def _script(rg, policy, cap, seed, steps=300):
                     g.load_error = RuntimeError("load failed") if rnd.random() < 0.15 else None
                 thread, box = _start_sync(router, version, mode)
                 sync = (thread, box, mode, targets)
-                if mode == "drain":  # the sync has taken its targets before the next event
+                if not targets:  # nothing in rotation: it ends at once, before the next event
+                    thread.join(TIMEOUT)
+                elif mode == "drain":  # the sync has taken its targets before the next event
                     wait_until(lambda: all(router.stats()[g.name]["draining"] for g in targets), what="drain")
                 else:
                     wait_until(lambda: all(g.gated_started.is_set() for g in targets), what="hot-swap loads")

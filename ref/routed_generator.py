@@ -32,9 +32,11 @@ The rules (n generators; load(g) = attempts dispatched to g that have not ended)
 The fault policy (t = the router's clock; every rule is tested against fast's implementation)
     attempt       one dispatch of a request.  It ends when the generator's future settles, or
                   at its deadline t_dispatch + timeout_s (``submit``'s, else request_timeout_s).
-    failure       ``submit`` raising (except ValueError / TypeError: the request's fault, it
-                  fails alone and the generator stays), a future that fails or is cancelled, a
-                  deadline passed, or a stale completion (below).  The request goes back to its
+    bad request   ValueError / TypeError from the generator's ``submit`` or as its future's
+                  exception (the engine, or an actor's engine, refused this request): the request
+                  fails alone with that error; the generator is not blamed, nothing is retried.
+    failure       ``submit`` raising anything else, a future that fails otherwise or is cancelled,
+                  a deadline passed, or lost weights (floor, below).  The request goes back to its
                   place in the queue, at most ``max_retries`` times, then fails with
                   ``RouterError`` listing every cause.  A result that comes after its attempt
                   ended is dropped (counted as ``late``): nothing is served twice.
@@ -42,27 +44,40 @@ The fault policy (t = the router's clock; every rule is tested against fast's im
                   open for back-off b_k = min(first * 2^k, cap), ``backoff_s = (first, cap)``,
                   k = times opened since it last closed --b_k elapsed--> re-admission -->
                   half_open: one probe request --success--> closed (k = 0); --failure--> open
-                  (k + 1).  A failed or late weight load opens it at once.  Only the probe
-                  decides a half-open generator; outcomes of older attempts only count.
+                  (k + 1).  Lost weights, or a failed or late weight load, open it at once.  Only
+                  the probe decides a half-open generator; outcomes of older attempts only count.
+    floor         the version a generator holds at least: its version at construction, then the
+                  version of its last successful load.  Dispatching to a generator whose
+                  policy_version is below its floor, or a completion whose min_policy_version is
+                  below the floor in force at dispatch, is lost weights (a restarted process): a
+                  stale completion is never served, and no retry goes back to that generator
+                  before it is re-admitted.
     re-admission  (after a back-off, or ``mark_healthy``), once the generator's older attempts
                   have ended: one whose policy_version is below the router's is loaded with the
                   router's last synced weights first (the load has the sync deadline; failing or
                   missing it: open again); then half_open (``mark_healthy``: closed).  With no
-                  weights synced yet, it is re-admitted if it still reports its floor.
-    floor         the version a generator holds at least: its version at construction, then the
-                  version of its last successful load.  Dispatching to a generator whose
-                  policy_version is below its floor, or a completion whose min_policy_version is
-                  below the floor in force at dispatch, is a failure (a restarted process lost
-                  its weights): a stale completion is never served.
+                  weights synced yet, it is re-admitted once it reports its floor again (a process
+                  restarted before any sync holds its construction weights).  One that returns
+                  while a sync is under way joins that sync as a target: the loads of one
+                  generator never overlap, and the last sync wins.
+    dead          a generator whose optional ``dead`` attribute is true can never serve again (a
+                  process out of restarts).  When the router would open or re-admit it, it is
+                  removed instead: state "dead", one health event "removed"; it is never chosen,
+                  re-admitted or synced again, and its attempts still in flight end as usual.
+                  With every generator dead, queued and new requests fail at once.
     fleet down    no generator closed or half-open: queued requests wait for a re-admission;
                   one that waited timeout_s since it was queued or since the fleet went down
                   (the later) fails with ``RouterError``.
     weight sync   loads into every generator closed or half-open (an open one is re-synced when
-                  it is re-admitted) before ``timeout_s`` (drain included); one that fails or
-                  misses the deadline is dropped from the sync and opened.  The router's
-                  version becomes the new one if at least one generator loaded it.
-    close()       no new requests; waits at most ``timeout_s`` for what is in flight, fails the
-                  rest, stops the clock; never waits on a generator call.
+                  it is re-admitted; one re-admitted meanwhile joins) before ``timeout_s`` (drain
+                  included); one that fails or misses the deadline is dropped from the sync and
+                  opened.  The router's version becomes the new one if at least one generator
+                  loaded it.  Syncs run one after another: each waits for the one before, which
+                  ends by its own deadline or at ``close()``.
+    close()       no new requests or syncs; waits at most ``timeout_s`` for what is in flight,
+                  fails the rest, ends a sync under way (its pending loads are dropped and
+                  ``sync_weights`` raises ``RouterError``), stops the clock; never waits on a
+                  generator call.
 
 The clock
     ``clock`` is an object with ``now() -> seconds`` and ``call_at(t, fn)`` (run ``fn()`` in some
@@ -80,9 +95,10 @@ Data types (the same in ref and fast, and in generator_engine.py)
 Supported, and what raises
     Generators >= 1 with unique names; every method may be called from many threads at once.
     ValueError for an unknown policy or mode (naming the choices), an empty generator list,
-    duplicate names, an argument out of range, a version that does not increase; TypeError for
-    an object that lacks a protocol member, a request without the Request fields, a non-int
-    version; RuntimeError for ``submit`` after ``close()``.  Limits (README): a done-callback of
+    duplicate names, an argument out of range, a version that does not increase, a request field
+    out of range; TypeError for an object that lacks a protocol member, a request field of the
+    wrong type (``submit`` checks every field it reads, whoever built the request), a non-int
+    version; RuntimeError for ``submit`` or ``sync_weights`` after ``close()``.  Limits (README): a done-callback of
     a router future must not block on another router future or call ``sync_weights``.
 
 References
@@ -115,14 +131,50 @@ __all__ = ["SamplingParams", "Request", "Completion", "GeneratorProtocol", "Rout
 
 POLICIES = ("round_robin", "least_loaded", "sticky", "power_of_two")
 SYNC_MODES = ("hot_swap", "drain")
-CLOSED, OPEN, READMITTING, HALF_OPEN = "closed", "open", "readmitting", "half_open"
+CLOSED, OPEN, READMITTING, HALF_OPEN, DEAD = "closed", "open", "readmitting", "half_open", "dead"
 
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_index(t) -> bool:
+    try:
+        operator.index(t)
+    except TypeError:
+        return False
+    return True
+
+
 # ----------------------------------------------------------------------------- data types
+
+# (field, rule, what it must be, error): SamplingParams applies them at construction, the router's
+# submit to every request it routes (whoever built it, and whatever was changed after).
+_SAMPLING_RULES = (
+    ("max_new_tokens", lambda v: _is_int(v) and v >= 1, "an int >= 1", ValueError),
+    ("temperature", lambda v: isinstance(v, (int, float)) and v >= 0, "a float >= 0 (0 = greedy)", ValueError),
+    ("top_k", lambda v: _is_int(v) and v >= 0, "an int >= 0 (0 = off)", ValueError),
+    ("top_p", lambda v: isinstance(v, (int, float)) and 0 < v <= 1, "in (0, 1] (1 = off)", ValueError),
+    ("stop_token_ids", lambda v: isinstance(v, (tuple, list)) and all(map(_is_index, v)), "a sequence of ints",
+     TypeError),
+    ("stop_token_ids", lambda v: all(operator.index(t) >= 0 for t in v), "token ids >= 0", ValueError),
+    ("seed", lambda v: v is None or _is_int(v), "an int or None", TypeError),
+    ("n", lambda v: _is_int(v) and v >= 1, "an int >= 1 (samples of the prompt)", ValueError),
+)
+
+
+def _check_sampling(sp, what: str = "") -> None:
+    for field, rule, expected, error in _SAMPLING_RULES:
+        if not hasattr(sp, field):
+            raise TypeError(f"{what.rstrip('.') or 'sampling'} must be a SamplingParams, got {type(sp).__name__} "
+                            f"(no {field})")
+        value = getattr(sp, field)
+        if not rule(value):
+            raise error(f"{what}{field} must be {expected}, got {value!r}")
+    if sp.seed is not None and not -2 ** 63 <= sp.seed <= 2 ** 64 - sp.n:   # sample i draws from seed + i
+        raise ValueError(f"{what}seed must be in [-2**63, 2**64 - n] (sample i is seeded with seed + i), "
+                         f"got {sp.seed}")
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -137,25 +189,11 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self):
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n (samples of the prompt) must be an int >= 1, got {self.n!r}")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a float >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        try:
-            stops = tuple(operator.index(t) for t in self.stop_token_ids)
-        except TypeError:
-            raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}") from None
-        if any(t < 0 for t in stops):
-            raise ValueError(f"stop_token_ids must be token ids >= 0, got {stops!r}")
-        object.__setattr__(self, "stop_token_ids", stops)
-        if self.seed is not None and not _is_int(self.seed):
-            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+        stops = self.stop_token_ids
+        if isinstance(stops, Iterable) and not isinstance(stops, (str, bytes)):
+            object.__setattr__(self, "stop_token_ids", tuple(stops))
+        _check_sampling(self)  # the rules the router's submit also applies to every request
+        object.__setattr__(self, "stop_token_ids", tuple(operator.index(t) for t in self.stop_token_ids))
 
 
 _request_ids = itertools.count()  # next() on a count is atomic under the GIL: ids stay unique across threads
@@ -224,12 +262,15 @@ class GeneratorProtocol(Protocol):
     process reports what it holds, and is re-synced before re-admission); reading it never blocks.
     ``submit(request) -> concurrent.futures.Future[Completion]`` returns at once, from any thread
     (also inside a done-callback of its own futures: so an engine never settles a future while
-    holding a lock ``submit`` takes).  ValueError / TypeError from ``submit`` = bad input; any
-    other exception, a failed or cancelled future, or none by the deadline = a broken generator.
-    The completion carries ``generator_id = name`` and the versions at admission and at finish.
+    holding a lock ``submit`` takes).  ValueError / TypeError, raised by ``submit`` or as the
+    future's exception = bad input; any other exception, a failed or cancelled future, or none by
+    the deadline = a broken generator.  The completion carries ``generator_id = name`` and the
+    versions at admission and at finish.
     ``load_weights(state_dict, version)`` blocks; the engine may keep serving and switch between
     decoding steps (a request across the switch has min < max); afterwards ``policy_version ==
     version`` and later requests use the new weights; raises on failure.
+    Optional: ``dead: bool``, true once the generator can never serve again (e.g. a process out of
+    restarts); reading it never blocks.  Without it a generator is never dead.
     A vLLM ``LLMEngine`` wrapper is a few lines: ``submit`` adds the request and returns a Future
     its step loop settles; ``load_weights`` calls the weight-update hook, then sets the version.
     """
@@ -303,8 +344,10 @@ class _Sync:
 
     def __init__(self, state_dict, version: int, mode: str, deadline: float, slots: list):
         self.state_dict, self.version, self.mode, self.deadline = state_dict, version, mode, deadline
+        self.targets = list(slots)  # grows when a re-admitted generator joins
         self.pending = set(slots)
         self.loaded, self.errors = [], {}
+        self.skipped: list[tuple[str, BaseException]] = []  # the others, as the sync ended
 
 
 class _RealClock:
@@ -451,13 +494,14 @@ class GeneratorRouter:
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
         timeout_s = self.sync_timeout_s if timeout_s is None else _check_timeout("timeout_s", timeout_s)
-        with self._sync_lock:
+        with self._sync_lock:  # (the call before ends by its deadline, or at close())
             with self._lock:
+                if self._closed:
+                    raise RuntimeError("the router is closed")
                 if version <= self._version:
                     raise ValueError(f"version must increase: got {version}, the router already serves "
                                      f"version {self._version}")
                 targets = [s for s in self._slots if s.state in (CLOSED, HALF_OPEN) and not s.loading]
-                skipped = [s for s in self._slots if s not in targets]
                 sync = self._sync = _Sync(state_dict, version, mode, self._clock.now() + timeout_s, targets)
                 for s in targets:  # drain: all at once, so no request slips in between two of them
                     s.draining = mode == "drain"
@@ -468,18 +512,18 @@ class GeneratorRouter:
             for s in targets:
                 threading.Thread(target=self._sync_one, args=(s, sync), name=f"load-{s.name}", daemon=True).start()
             with self._lock:  # (each load's thread already dispatched what its generator can take)
-                self._changed.wait_for(lambda: self._sync is not sync)
-        causes = [(s.name, sync.errors[s.name]) for s in targets if s.name in sync.errors]
+                self._changed.wait_for(lambda: self._sync is not sync)  # its deadline, or close(), ends it
+        causes = [(s.name, sync.errors[s.name]) for s in sync.targets if s.name in sync.errors]
         if not sync.loaded or causes:
-            causes += [(s.name, RuntimeError(f"not in rotation ({s.state}): re-synced when it returns"))
-                       for s in skipped]
             raise RouterError(f"weight sync to version {version} reached {len(sync.loaded)} of "
-                              f"{len(self._slots)} generators", causes)
+                              f"{len(self._slots)} generators", causes + sync.skipped)
 
     def mark_healthy(self, name: str) -> None:
         """Re-admit a generator now (after an operator fixed it): re-synced first if stale, then closed."""
         slot = self._slot(name)
         with self._lock:
+            if slot.state == DEAD:
+                raise ValueError(f"{name} is dead (removed from the fleet): it cannot be re-admitted")
             if slot.state == OPEN:
                 slot.reopen_at, slot.close_on_return = -math.inf, True
                 work = self._readmit_due(self._clock.now())
@@ -493,8 +537,9 @@ class GeneratorRouter:
 
     def stats(self) -> dict[str, dict]:
         """Per generator: dispatched, inflight, completed, failures, timeouts, late (results after
-        their deadline, dropped), stale (completions below the floor, refused), state, healthy
-        (state == "closed"), draining, floor, policy_version, last_error (repr or None)."""
+        their deadline, dropped), stale (completions below the floor, refused), state (closed, open,
+        readmitting, half_open, dead), healthy (state == "closed"), draining, floor, policy_version,
+        last_error (repr or None)."""
         with self._lock:
             out = {s.name: dict(dispatched=s.dispatched, inflight=s.inflight, completed=s.completed,
                                 failures=s.failures, timeouts=s.timeouts, late=s.late, stale=s.stale, state=s.state,
@@ -507,15 +552,16 @@ class GeneratorRouter:
 
     def health_events(self) -> list[tuple]:
         """The fleet's health events since the last call, as ``(t, generator, event, detail)``;
-        events: opened, readmitting, resynced, half_open, closed, sync_missed, and with generator None
-        synced and fleet_down; the last 1000 are kept."""
+        events: opened, readmitting, resynced, half_open, closed, sync_missed, removed (dead), and with
+        generator None synced and fleet_down; the last 1000 are kept."""
         with self._lock:
             events, self._events = list(self._events), deque(maxlen=1000)
         return events
 
     def close(self, *, timeout_s: float = 0.0) -> None:
-        """Stop taking requests; wait at most ``timeout_s`` (real time) for those queued or in
-        flight, then fail the rest with ``RouterError``; stop the clock.  Generators stay open."""
+        """Stop taking requests and syncs; wait at most ``timeout_s`` (real time) for those queued or
+        in flight, then fail the rest with ``RouterError``, end a sync under way (its pending loads
+        dropped); stop the clock.  Generators stay open."""
         deadline = time.monotonic() + _check_timeout("timeout_s", timeout_s, zero=True)
         with self._lock:
             self._closed = True
@@ -529,6 +575,13 @@ class GeneratorRouter:
                 a.live = False
                 a.slot.inflight -= 1
             self._queue, self._attempts = [], set()
+            sync = self._sync  # the clock stops, so its deadline never comes: it ends here
+            if sync is not None:
+                for s in sorted(sync.pending, key=lambda s: s.index):
+                    s.draining = False
+                    sync.errors[s.name] = RouterError(f"{s.name}: the router was closed before it loaded")
+                sync.pending.clear()
+                self._sync_finished(sync)  # (wakes sync_weights and its drain threads)
         if self._own_clock:
             self._clock.stop()
         self._run(work)
@@ -600,6 +653,8 @@ class GeneratorRouter:
         """Dispatch queued requests in arrival order while a generator is eligible.  Returns the
         work to do outside the lock."""
         now = self._fleet_status()
+        if all(s.state == DEAD for s in self._slots):
+            return self._fail_queue_all_dead()
         work = []
         while self._queue:
             ticket = self._queue[0][1]
@@ -620,6 +675,13 @@ class GeneratorRouter:
             self._attempts.add(attempt)
             self._schedule(attempt.deadline)
             work.append(("dispatch", attempt))
+        return work
+
+    def _fail_queue_all_dead(self) -> list:
+        """Every generator is dead: nothing can ever serve what waits, so it fails now."""
+        work = [("fail", t.future, RouterError(f"request {t.request.request_id}: every generator is dead", t.causes))
+                for _, t in sorted(self._queue) if self._start(t)]
+        self._queue = []
         return work
 
     def _fleet_status(self) -> float:
@@ -646,9 +708,10 @@ class GeneratorRouter:
 
     # ------------------------------------------------------------------ attempts (under the lock)
 
-    def _end_attempt(self, attempt: _Attempt, completion, exc, *, blame: bool = True) -> list:
+    def _end_attempt(self, attempt: _Attempt, completion, exc, *, blame: bool = True, lost: bool = False) -> list:
         """An attempt ended: serve the completion, or strike the generator and retry or fail.
-        ``blame=False``: the request's own fault (bad input): it fails alone, nobody is struck."""
+        ``blame=False``: the request's own fault (bad input): it fails alone, nobody is struck.
+        ``lost``: the generator lost its weights (refused at dispatch): it opens at once."""
         slot, ticket = attempt.slot, attempt.ticket
         if not attempt.live:  # it already ended (deadline passed): a late result, dropped
             slot.late += blame and (exc is None or not isinstance(exc, CancelledError))
@@ -663,6 +726,7 @@ class GeneratorRouter:
         served = getattr(completion, "min_policy_version", None)
         if exc is None and not (_is_int(served) and served >= attempt.floor):
             slot.stale += 1
+            lost = _is_int(served)  # served below its floor: it lost its weights
             exc = RuntimeError(f"{slot.name} served version {served}, below the {attempt.floor} it was admitted "
                                f"with: it lost its weights (restarted?)" if _is_int(served) else
                                f"{slot.name} returned a {type(completion).__name__}, not a Completion")
@@ -675,7 +739,7 @@ class GeneratorRouter:
         elif not blame:
             work = [("fail", ticket.future, exc)]
         else:
-            self._strike(slot, exc, attempt.probe)
+            self._strike(slot, exc, attempt.probe, lost)
             ticket.causes.append((slot.name, exc))
             if len(ticket.causes) > self.max_retries:
                 work = [("fail", ticket.future, RouterError(
@@ -687,16 +751,23 @@ class GeneratorRouter:
                 work = []
         return work + self._readmit_due(self._clock.now(), [slot]) + self._pump()
 
-    def _strike(self, slot: _Slot, exc: BaseException, probe: bool) -> None:
+    def _strike(self, slot: _Slot, exc: BaseException, probe: bool, lost: bool = False) -> None:
         slot.failures += 1
         slot.consecutive += 1
         slot.last_error = exc
-        if (probe and slot.state == HALF_OPEN) or (slot.state == CLOSED and slot.consecutive >= self.failure_threshold):
+        if lost and slot.state in (CLOSED, HALF_OPEN):  # nothing to serve until it is re-synced
+            self._open(slot, f"it lost its weights: {exc!r}")
+        elif (probe and slot.state == HALF_OPEN) or (
+                slot.state == CLOSED and slot.consecutive >= self.failure_threshold):
             self._open(slot, f"{slot.consecutive} consecutive failures; last: {exc!r}")
 
     def _open(self, slot: _Slot, why: str) -> None:
         """Out of rotation for b_k = min(first * 2^k, cap); re-admission after that.  A generator
-        that a sync is waiting for is dropped from it (it is re-synced when it returns)."""
+        that a sync is waiting for is dropped from it (it is re-synced when it returns).  A dead
+        one is removed instead."""
+        if _is_dead(slot.gen):
+            self._remove(slot, why)
+            return
         first, cap = self.backoff_s
         backoff = min(first * 2 ** slot.opened, cap)
         slot.opened += 1
@@ -706,6 +777,14 @@ class GeneratorRouter:
         self._note(slot, "opened", f"for {backoff:g} s: {why}")
         if self._sync is not None and slot in self._sync.pending:
             self._sync_ended(slot, self._sync, RuntimeError(f"{slot.name} was opened during the sync: {why}"))
+
+    def _remove(self, slot: _Slot, why: str) -> None:
+        """A dead generator leaves the fleet for good: never chosen, re-admitted or synced again (it
+        stays in ``stats()`` as "dead"); its attempts in flight end as usual."""
+        slot.state, slot.probe_out, slot.draining, slot.reopen_at = DEAD, False, False, math.inf
+        self._note(slot, "removed", f"dead for good: {why}")
+        if self._sync is not None and slot in self._sync.pending:
+            self._sync_ended(slot, self._sync, RuntimeError(f"{slot.name} is dead for good: {why}"))
 
     def _close_breaker(self, slot: _Slot) -> None:
         slot.state, slot.probe_out, slot.opened, slot.consecutive = CLOSED, False, 0, 0
@@ -750,6 +829,8 @@ class GeneratorRouter:
                             t.causes + [(s.name, s.last_error) for s in self._slots if s.last_error is not None])))
                 heapq.heapify(self._queue)
             work += self._readmit_due(now)  # (nothing else can have become eligible: no _pump here)
+            if all(s.state == DEAD for s in self._slots):  # (removed just now: what waits can fail)
+                work += self._fail_queue_all_dead()
             self._fleet_status()
             later = [a.deadline for a in self._attempts] + [s.reopen_at for s in self._slots
                                                              if s.state == OPEN and s.reopen_at > now]
@@ -786,7 +867,7 @@ class GeneratorRouter:
         else:
             sync.errors[slot.name] = error
             self._note(slot, "sync_missed", f"version {sync.version}: {error!r}")
-            if slot.state != OPEN:  # (already open when it was opened during the sync)
+            if slot.state in (CLOSED, HALF_OPEN):  # (not when it was opened or removed during the sync)
                 slot.failures += 1
                 slot.last_error = error
                 self._open(slot, f"dropped from the sync to version {sync.version}")
@@ -799,8 +880,12 @@ class GeneratorRouter:
         self._sync = None
         if sync.loaded:
             self._version, self._weights = sync.version, sync.state_dict
+        sync.skipped = [(s.name, RuntimeError("dead for good: removed from the fleet" if s.state == DEAD else
+                                              f"not in rotation ({s.state}): re-synced before it returns"))
+                        for s in self._slots if s not in sync.targets]
+        dead = [s.name for s in self._slots if s.state == DEAD]
         self._note(None, "synced", f"version {sync.version} ({sync.mode}): loaded by {len(sync.loaded)} of "
-                                   f"{len(self._slots)}")
+                                   f"{len(self._slots)}" + (f"; dead: {', '.join(dead)}" if dead else ""))
         self._changed.notify_all()
 
     def _load(self, slot: _Slot, state_dict, version: int):
@@ -819,7 +904,9 @@ class GeneratorRouter:
         all ended and that no load of ours is running on, start re-admission."""
         work = []
         for s in self._slots if slots is None else slots:
-            if s.state == OPEN and s.reopen_at <= now and not s.loading and s.inflight == 0:
+            if s.state == OPEN and s.reopen_at <= now and _is_dead(s.gen):  # it died for good meanwhile
+                self._remove(s, "found dead at re-admission")
+            elif s.state == OPEN and s.reopen_at <= now and not s.loading and s.inflight == 0:
                 s.state, s.loading = READMITTING, True
                 self._note(s, "readmitting", f"after {s.opened} opening(s)")
                 work.append(("readmit", s))
@@ -850,24 +937,40 @@ class GeneratorRouter:
                     work = self._readmit_due(self._clock.now()) + self._pump()
                 elif error is None and self._version != version:
                     continue  # a sync landed meanwhile: load that one too
+                elif error is not None:
+                    slot.loading = False
+                    slot.failures += 1
+                    slot.last_error = error
+                    self._open(slot, f"re-admission failed: {error!r}")
+                    work = self._pump()
                 else:
                     slot.loading = False
-                    if error is not None:
-                        slot.failures += 1
-                        slot.last_error = error
-                        self._open(slot, f"re-admission failed: {error!r}")
+                    if version > slot.floor or have < slot.floor:
+                        slot.floor = version
+                        self._note(slot, "resynced", f"to version {version}")
+                    if slot.close_on_return:
+                        self._close_breaker(slot)
                     else:
-                        if version > slot.floor or have < slot.floor:
-                            slot.floor = version
-                            self._note(slot, "resynced", f"to version {version}")
-                        if slot.close_on_return:
-                            self._close_breaker(slot)
-                        else:
-                            slot.state = HALF_OPEN
-                            self._note(slot, "half_open", "one probe request decides")
-                    work = self._pump()
+                        slot.state = HALF_OPEN
+                        self._note(slot, "half_open", "one probe request decides")
+                    work = self._join_sync(slot) + self._pump()
             self._run(work)
             return
+
+    def _join_sync(self, slot: _Slot) -> list:
+        """A generator back in rotation while a sync is under way becomes one of its targets: it
+        loads that sync's version after its re-admission's load (one generator's loads never
+        overlap), so the last sync wins and no sync reports success while it serves older weights."""
+        sync = self._sync
+        if sync is None:
+            return []
+        if slot not in sync.targets:
+            sync.targets.append(slot)
+        sync.errors.pop(slot.name, None)  # dropped from this sync before: its new load decides
+        sync.pending.add(slot)
+        slot.draining = sync.mode == "drain"
+        slot.loading = sync.mode == "hot_swap"
+        return [("sync", slot, sync)]
 
     # ------------------------------------------------------------------ doing (outside the lock)
 
@@ -889,6 +992,9 @@ class GeneratorRouter:
                                          daemon=True).start()  # a load: in a thread of its own
                     else:
                         self._readmit(slot)  # nothing to load: at once, in this thread
+                elif kind == "sync":  # a generator joined the sync under way: its load, in a thread
+                    threading.Thread(target=self._sync_one, args=args, name=f"load-{args[0].name}",
+                                     daemon=True).start()
                 elif kind == "cancel":
                     if args[0] is not None:
                         args[0].cancel()
@@ -905,16 +1011,22 @@ class GeneratorRouter:
 
     def _dispatch(self, attempt: _Attempt) -> None:
         slot = attempt.slot
+        have = slot.gen.policy_version
+        if have < attempt.floor or _is_dead(slot.gen):  # refused: it has nothing right to serve
+            exc = RuntimeError(f"{slot.name} is dead for good" if _is_dead(slot.gen) else
+                               f"{slot.name} reports version {have}, below the {attempt.floor} it was "
+                               f"admitted with: it lost its weights (restarted?)")
+            with self._lock:
+                work = self._end_attempt(attempt, None, exc, lost=True)
+            self._run(work)
+            return
         try:
-            if slot.gen.policy_version < attempt.floor:
-                raise RuntimeError(f"{slot.name} reports version {slot.gen.policy_version}, below the "
-                                   f"{attempt.floor} it was admitted with: it lost its weights (restarted?)")
             fut = slot.gen.submit(attempt.ticket.request)
             if not isinstance(fut, Future):
                 raise RuntimeError(f"{slot.name}.submit returned {type(fut).__name__}, not a Future")
         except Exception as exc:  # noqa: BLE001 - ValueError / TypeError: the request's fault; else the generator's
             with self._lock:
-                work = self._end_attempt(attempt, None, exc, blame=not isinstance(exc, (ValueError, TypeError)))
+                work = self._end_attempt(attempt, None, exc, blame=not _is_bad_input(exc))
             self._run(work)
         else:
             attempt.future = fut
@@ -927,8 +1039,8 @@ class GeneratorRouter:
             completion, exc = None, fut.exception()
         else:
             completion, exc = fut.result(), None
-        with self._lock:
-            work = self._end_attempt(attempt, completion, exc)
+        with self._lock:  # a ValueError / TypeError is the engine refusing this request: not its fault
+            work = self._end_attempt(attempt, completion, exc, blame=not _is_bad_input(exc))
         self._run(work)
 
     def _note(self, slot, event: str, detail: str) -> None:
@@ -941,11 +1053,37 @@ class GeneratorRouter:
             raise ValueError(f"name must be one of {', '.join(self._by_name)}; got {name!r}") from None
 
 
+def _is_dead(gen) -> bool:
+    """A generator's optional ``dead`` attribute (GeneratorProtocol): true once it can never serve again."""
+    return getattr(gen, "dead", False) is True
+
+
+def _is_bad_input(exc) -> bool:
+    """ValueError / TypeError from a generator: it refused this request (the request's fault, not its)."""
+    return isinstance(exc, (ValueError, TypeError))
+
+
 def _check_request(request, what: str = "request") -> None:
-    """The router reads four fields; a request without them (or with an unhashable session) is refused."""
+    """Every field the router reads or hands to a generator, whoever built the request: a missing
+    field, a wrong type or a value out of range raises here, before any generator sees it."""
     missing = [f for f in ("prompt_token_ids", "sampling", "request_id", "session_id") if not hasattr(request, f)]
     if missing:
         raise TypeError(f"{what} must be a Request, got {type(request).__name__} (no {', '.join(missing)})")
+    prompt = request.prompt_token_ids
+    if not isinstance(prompt, list):
+        raise TypeError(f"{what}.prompt_token_ids must be a list of ints (token ids), got {type(prompt).__name__}")
+    try:
+        lowest = min(map(operator.index, prompt), default=None)  # one pass at C speed
+    except TypeError:
+        bad = next(t for t in prompt if not _is_index(t))
+        raise TypeError(f"{what}.prompt_token_ids must hold ints (token ids), got {type(bad).__name__}") from None
+    if lowest is None:
+        raise ValueError(f"{what}.prompt_token_ids must hold at least one token, got an empty prompt")
+    if lowest < 0:
+        raise ValueError(f"{what}.prompt_token_ids must be token ids >= 0, got {lowest}")
+    _check_sampling(request.sampling, f"{what}.sampling.")
+    if not isinstance(request.request_id, str):
+        raise TypeError(f"{what}.request_id must be a str, got {type(request.request_id).__name__}")
     try:
         hash(request.session_id)  # checked here: the policy hashes it under the lock
     except TypeError:
