@@ -99,7 +99,7 @@ import torch
 __all__ = ["SamplingParams", "Request", "Completion", "GeneratorProtocol", "RouterError", "GeneratorRouter",
            "POLICIES", "SYNC_MODES", "ray_generators"]
 
-POLICIES = ("round_robin", "least_loaded", "sticky", "power_of_two")
+POLICIES = ("round_robin", "least_loaded", "sticky", "power_of_two", "prefix_affinity")
 SYNC_MODES = ("hot_swap", "drain")
 CLOSED, OPEN, READMITTING, HALF_OPEN, DEAD = "closed", "open", "readmitting", "half_open", "dead"
 _UP = (CLOSED, HALF_OPEN)
@@ -384,7 +384,8 @@ class GeneratorRouter:
     def __init__(self, generators, *, policy: str = "least_loaded", max_inflight: int | None = None,
                  max_retries: int = 2, max_sessions: int = 65536, seed: int | None = None,
                  request_timeout_s: float = 300.0, sync_timeout_s: float = 300.0, failure_threshold: int = 3,
-                 backoff_s: tuple[float, float] = (0.5, 5.0), clock=None):
+                 backoff_s: tuple[float, float] = (0.5, 5.0), clock=None, affinity_block: int = 16,
+                 affinity_slack: int = 4):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         try:
@@ -395,7 +396,8 @@ class GeneratorRouter:
         if max_inflight is not None and (not _is_int(max_inflight) or max_inflight < 1):
             raise ValueError(f"max_inflight must be None or an int >= 1, got {max_inflight!r}")
         for name, value, low in (("max_retries", max_retries, 0), ("max_sessions", max_sessions, 1),
-                                 ("failure_threshold", failure_threshold, 1)):
+                                 ("failure_threshold", failure_threshold, 1), ("affinity_block", affinity_block, 1),
+                                 ("affinity_slack", affinity_slack, 0)):
             if not _is_int(value) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         self.request_timeout_s = _seconds("request_timeout_s", request_timeout_s)
@@ -408,7 +410,7 @@ class GeneratorRouter:
             raise TypeError(f"clock must have now() and call_at(t, fn), got {type(clock).__name__}")
         n = len(generators)
         self.policy, self.max_inflight, self.max_retries = policy, max_inflight, max_retries
-        self.max_sessions = max_sessions
+        self.max_sessions, self.affinity_block, self.affinity_slack = max_sessions, affinity_block, affinity_slack
         self.failure_threshold, self.backoff_s = failure_threshold, (float(backoff_s[0]), float(backoff_s[1]))
         self._own_clock, self._clock = clock is None, _Alarm() if clock is None else clock
         self._cap = _UNCAPPED if max_inflight is None else max_inflight
@@ -428,6 +430,7 @@ class GeneratorRouter:
         self._arrivals = itertools.count()
         self._tick = 0
         self._sessions: OrderedDict = OrderedDict()
+        self._prefixes: OrderedDict = OrderedDict()      # prefix_affinity: block key -> generator names
         self._rng = random.Random(seed)
         self._version = max(g.policy_version for g in generators)
         self._weights = None
@@ -663,6 +666,8 @@ class GeneratorRouter:
             if ok_a and ok_b:
                 return a if (a.inflight, a.last_chosen) < (b.inflight, b.last_chosen) else b
             return a if ok_a else b if ok_b else self._best(avoid)
+        if policy == "prefix_affinity":
+            return self._prefix_affinity(ticket.request, avoid)
         sid = ticket.request.session_id  # sticky
         if sid is None:
             return self._best(avoid)
@@ -677,6 +682,33 @@ class GeneratorRouter:
             sessions.move_to_end(sid)
             if len(sessions) > self.max_sessions:
                 sessions.popitem(last=False)
+        return chosen
+
+    def _prefix_affinity(self, request, avoid) -> _Slot | None:
+        """The reference's rule: the longest run of the prompt's blocks, unless that generator is more
+        than affinity_slack busier than the least loaded one; O(blocks + holders)."""
+        least = self._best(avoid)
+        if least is None:
+            return None
+        keys = _block_keys(request.prompt_token_ids, self.affinity_block)
+        prefixes, matched = self._prefixes, {}
+        for depth, key in enumerate(keys):
+            grown = [name for name in prefixes.get(key, ()) if matched.get(name, 0) == depth]
+            if not grown:
+                break
+            for name in grown:
+                matched[name] = depth + 1
+        chosen = least
+        holders = [s for s in (self._by_name[n] for n in matched) if self._eligible(s) and s.name not in avoid]
+        if holders:
+            best = min(holders, key=lambda s: (-matched[s.name], s.inflight, s.last_chosen))
+            if best.inflight - least.inflight <= self.affinity_slack:
+                chosen = best
+        for key in keys:
+            prefixes.setdefault(key, set()).add(chosen.name)
+            prefixes.move_to_end(key)
+        while len(prefixes) > self.max_sessions:
+            prefixes.popitem(last=False)
         return chosen
 
     def _pump(self) -> list:
@@ -765,13 +797,14 @@ class GeneratorRouter:
         if not s.draining and (probe_back or not self._rr or s.inflight == self._cap - 1):
             self._push(s)  # eligible again, its key changed, or it was full and has room again
         if exc is None:
-            served = getattr(completion, "min_policy_version", None)
+            served = _served_version(completion, ticket.request)
             if not (_is_int(served) and served >= attempt.floor):
                 s.stale += 1
                 lost = _is_int(served)  # served below its floor: it lost its weights
                 exc = RuntimeError(f"{s.name} served version {served}, below the {attempt.floor} it was admitted "
                                    f"with: it lost its weights (restarted?)" if _is_int(served) else
-                                   f"{s.name} returned a {type(completion).__name__}, not a Completion")
+                                   f"{s.name} returned a {type(completion).__name__}, not a Completion (a list "
+                                   f"of n for sampling.n > 1)")
         if exc is None:
             s.completed += 1
             s.consecutive = 0
@@ -1084,6 +1117,27 @@ class GeneratorRouter:
             raise ValueError(f"name must be one of {', '.join(self._by_name)}; got {name!r}") from None
 
 
+def _block_keys(prompt: list, block: int) -> list:
+    """prefix_affinity's keys of a prompt: one per block of ``block`` tokens (the last may be shorter),
+    each the hash of (its parent's key, its tokens)."""
+    keys, key = [], 0
+    for start in range(0, len(prompt), block):
+        key = hash((key, tuple(prompt[start:start + block])))
+        keys.append(key)
+    return keys
+
+
+def _served_version(completion, request):
+    """The oldest weights an answer was produced with: a Completion's min_policy_version, or for a
+    group (``sampling.n > 1``) the oldest of its n completions; None when it is neither."""
+    if request.sampling.n == 1:
+        return getattr(completion, "min_policy_version", None)
+    if not isinstance(completion, list) or len(completion) != request.sampling.n:
+        return None
+    versions = [getattr(c, "min_policy_version", None) for c in completion]
+    return min(versions) if all(_is_int(v) for v in versions) else None
+
+
 def _load(gen, state_dict, version: int):
     """``gen.load_weights`` (outside the lock): the error, or None."""
     try:
@@ -1262,10 +1316,13 @@ class _EngineActor:
                     vocab_size=getattr(config, "vocab_size", None), max_seq_len=getattr(config, "max_seq_len", None))
 
     async def generate(self, request) -> tuple:
+        """(incarnation, the completion's fields), or for a group (sampling.n > 1) a list of them."""
         import asyncio
-        c = await asyncio.wrap_future(self.engine.submit(request))  # a cancelled call cancels the engine's future
-        return (self.incarnation, c.request_id, c.prompt_token_ids, c.token_ids, c.logprobs, c.finish_reason,
-                c.min_policy_version, c.max_policy_version)
+        result = await asyncio.wrap_future(self.engine.submit(request))  # a cancelled call cancels the engine's
+        samples = [(c.request_id, c.prompt_token_ids, c.token_ids, c.logprobs, c.finish_reason,   # future
+                    c.min_policy_version, c.max_policy_version, getattr(c, "sample_index", 0))
+                   for c in (result if isinstance(result, list) else [result])]
+        return (self.incarnation, samples if isinstance(result, list) else samples[0])
 
     async def load(self, packed: tuple, version: int) -> tuple:
         import asyncio
@@ -1423,9 +1480,13 @@ class _RayGenerator:
             outcome = RuntimeError(f"{self.name}: {type(exc).__name__}: {exc}")
         else:
             self._heard(incarnation, None)
-            outcome = Completion(*fields[:5], self.name, *fields[5:])
+            (fields,) = fields
+            if isinstance(fields, list):                 # a group's n samples
+                outcome = [Completion(*f[:5], self.name, *f[5:]) for f in fields]
+            else:
+                outcome = Completion(*fields[:5], self.name, *fields[5:])
         try:
-            if isinstance(outcome, Completion):
+            if not isinstance(outcome, BaseException):
                 future.set_result(outcome)
             else:
                 future.set_exception(outcome)

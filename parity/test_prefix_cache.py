@@ -421,3 +421,38 @@ def test_groups_decode_through_cascade_decode():
     assert calls, "no decode step went through cascade_decode"
     for e, g in zip(expect, got):
         assert_same(e, g, model, rtol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["prefix_affinity", "least_loaded"])
+def test_router_prefix_affinity_over_engines(policy):
+    """Two fast engines behind a router, GRPO samples sent as n ordinary requests (and one group request):
+    with prefix_affinity the samples of a prompt meet their prompt's pages on one engine, so most of
+    the prompt tokens are hits; least_loaded spreads them.  Every sample is served once."""
+    import fast.routed_generator as fast_rg
+    gens = [fast_ge.Generator(small_config(fast_ge), seed=2, page_size=4, name=f"e{i}", max_batch_size=16)
+            for i in range(2)]
+    router = fast_rg.GeneratorRouter(gens, policy=policy, affinity_block=4, affinity_slack=100)
+    rng = random.Random(23)
+    system = tokens(rng, 12)
+    try:
+        futures = []
+        for p in range(6):
+            prompt = system + tokens(rng, rng.randint(8, 16))
+            futures += [router.submit(fast_rg.Request(prompt, fast_rg.SamplingParams(max_new_tokens=3, temperature=1.0,
+                                                                                     seed=10 * p + i)))
+                        for i in range(4)]
+        group = router.submit(fast_rg.Request(system + [5, 6], fast_rg.SamplingParams(max_new_tokens=2, n=3, seed=1)))
+        done = [f.result(TIMEOUT) for f in futures]
+        samples = group.result(TIMEOUT)
+        stats = [g.stats() for g in gens]
+    finally:
+        for g in gens:
+            g.close()
+    assert len(done) == 24 and len(samples) == 3 and len({c.generator_id for c in samples}) == 1
+    hits = sum(s["prefix_hit_tokens"] for s in stats) / sum(s["prompt_tokens"] for s in stats)
+    placements = [len({c.generator_id for c in done[4 * p:4 * p + 4]}) for p in range(6)]
+    print(f"{policy}: hit rate {hits:.2f}, engines per prompt {placements}")
+    if policy == "prefix_affinity":      # each prompt's samples on one engine
+        assert placements == [1] * 6, placements
+    else:                                # least_loaded alternates them
+        assert max(placements) == 2, placements

@@ -211,6 +211,14 @@ def drill(out_path: str) -> None:
     outs = router.generate(batch)
     facts["v0_tokens_equal"] = same_tokens(0, outs, batch)
     facts["v0_served_by"] = sorted({c.generator_id for c in outs})
+    # A group (n samples of one prompt) through an actor: the engine's n completions, as a local engine's.
+    group = rg.Request([3, 1, 4, 1, 5], rg.SamplingParams(max_new_tokens=5, temperature=1.0, seed=9, n=3),
+                       request_id="group")
+    samples = router.generate([group])[0]
+    with ge.Generator(cfg, seed=0) as g:
+        expect = g.generate([group])[0]
+    facts["group"] = [[c.sample_index for c in samples],
+                      [c.token_ids for c in samples] == [c.token_ids for c in expect]]
     router.sync_weights(weights[1], 1, mode="drain")
     stale.append((1, _in_rotation_but_stale(router)))
     batch = _requests(rg, "v1", 12, seed=1)
@@ -334,6 +342,7 @@ def test_ray_fleet_survives_a_killed_and_a_hung_actor(tmp_path):
     print({k: v for k, v in f.items() if k != "events"})
     assert f["nodes"] == 2, "the actors did not spread over both nodes"
     assert f["v0_tokens_equal"] and f["v1_tokens_equal"] and len(f["v0_served_by"]) >= 2
+    assert f["group"] == [[0, 1, 2], True], f["group"]
     # a killed actor: nothing lost or served twice, the fleet serves on, syncs work, it returns current
     assert f["kill_completed"] == f["kill_unique_ids"] == 24 and f["kill_ids_match"] and f["kill_tokens_equal"]
     assert f["kill_victim_failures"] >= 1

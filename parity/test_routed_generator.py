@@ -94,8 +94,9 @@ class ManualGen:
             return
         if error is None:
             v0, v1 = (v0, self.policy_version) if self.serve_version is None else (self.serve_version,) * 2
-            fut.set_result(self.rg.Completion(request.request_id, list(request.prompt_token_ids), [7, 8],
-                                              [-0.5, -0.25], "length", self.name, v0, v1))
+            samples = [self.rg.Completion(request.request_id, list(request.prompt_token_ids), [7, 8], [-0.5, -0.25],
+                                          "length", self.name, v0, v1, i) for i in range(request.sampling.n)]
+            fut.set_result(samples if request.sampling.n > 1 else samples[0])
         else:
             fut.set_exception(error)
 
@@ -437,6 +438,53 @@ def test_sticky_full_generator_serves_elsewhere_keeps_pin(rg):
     gens[1].settle()
     router.submit(req(rg, 2, session="s"))
     assert names(log)[-1] == "g0"  # the pin survived
+
+
+def test_prefix_affinity_keeps_a_prefix_on_one_generator_within_the_slack(rg):
+    """Requests behind one 32-token prefix follow the generator that got the first one, until it is more
+    than affinity_slack requests busier than the least loaded; another prefix goes least loaded; the
+    longest match wins; a generator out of rotation is never chosen for its prefix."""
+    log = []
+    gens = [ManualGen(rg, f"g{i}", log) for i in range(3)]
+    router = rg.GeneratorRouter(gens, policy="prefix_affinity", affinity_block=16, affinity_slack=2)
+    system = list(range(100, 132))
+    for i in range(4):                               # g0 gets the prefix; then 3 more while within the slack
+        router.submit(rg.Request(system + [i], request_id=f"a{i}"))
+    assert names(log) == ["g0"] * 3 + ["g1"], names(log)     # a3: g0 would be 3 busier than g1 (slack 2)
+    router.submit(rg.Request([7] * 40, request_id="other"))   # no match: least loaded (g2)
+    router.submit(rg.Request(system + [9], request_id="a4"))  # g0 (3 in flight) vs least loaded g2... (1)
+    assert names(log)[-2:] == ["g2", "g1"], names(log)        # the longest run: g0 and g1 both hold 2 blocks
+    while gens[0].pending:                                    # g0 idle again: it gets the prefix back
+        gens[0].settle()
+    router.submit(rg.Request(system + [10], request_id="a5"))
+    assert names(log)[-1] == "g0"
+    deep = system + list(range(200, 216))                     # a third block: only its holder matches it
+    router.submit(rg.Request(deep + [1], request_id="d0"))
+    router.submit(rg.Request(deep + [2], request_id="d1"))
+    assert names(log)[-2] == names(log)[-1]
+
+
+def test_groups_through_the_router(rg, manual):
+    """A request with sampling.n = 3 comes back as the generator's three completions; when its
+    generator fails it, the group is retried elsewhere as a whole, served once."""
+    log = []
+    gens = [ManualGen(rg, f"g{i}", log) for i in range(2)]
+    router = rg.GeneratorRouter(gens, clock=manual, request_timeout_s=5.0)
+    group = rg.Request([1, 2, 3], rg.SamplingParams(n=3, temperature=1.0, seed=4), request_id="grp")
+    f = router.submit(group)
+    gens[0].settle(error=RuntimeError("g0 died"))
+    gens[1].settle()
+    samples = f.result(TIMEOUT)
+    assert [c.sample_index for c in samples] == [0, 1, 2] and {c.generator_id for c in samples} == {"g1"}
+    assert names(log) == ["g0", "g1"]
+    # A generator that answers a group with one completion is a broken answer, not a result.
+    gens[0].policy_version = gens[1].policy_version = 0
+    bad = router.submit(rg.Request([4], rg.SamplingParams(n=2), request_id="bad"))
+    g = next(g for g in gens if g.pending)
+    request, fut, v0 = g.pending.pop(0)
+    fut.set_result(rg.Completion(request.request_id, [4], [1], [-1.0], "length", g.name, v0, v0))
+    assert not bad.done() or bad.exception() is not None
+    assert router.stats()[g.name]["stale"] == 1
 
 
 def test_max_inflight_queue_in_arrival_order(rg):
@@ -1386,7 +1434,8 @@ def _script_run(rg, policy, cap, seed, steps, threads):
         if op == "submit":
             session = rnd.choice([None, "a", "b", "c", "d", "e", "f"])
             timeout = rnd.choice([None, None, None, 1.0])
-            futures.append(router.submit(rg.Request([step, 1], request_id=f"s{step}", session_id=session),
+            prompt = rnd.choice(([1] * 20, [2] * 33, [1] * 16 + [3] * 4, [4])) + [step]   # shared prefixes
+            futures.append(router.submit(rg.Request(prompt, request_id=f"s{step}", session_id=session),
                                          timeout_s=timeout))
         elif op == "settle":
             settle_some(0.0)
@@ -1452,7 +1501,7 @@ def _script_run(rg, policy, cap, seed, steps, threads):
                 events=router.health_events())
 
 
-@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "sticky", "power_of_two"])
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "sticky", "power_of_two", "prefix_affinity"])
 @pytest.mark.parametrize("cap", [None, 2])
 def test_ref_and_fast_make_the_same_decisions(policy, cap):
     seen = Counter()

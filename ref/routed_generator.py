@@ -22,6 +22,16 @@ The rules (n generators; load(g) = attempts dispatched to g that have not ended)
                   closed but full; least_loaded and re-pin when it is not closed, draining, or
                   the session is new.  The pin map is an LRU of ``max_sessions`` sessions.  A
                   request without a session_id goes least_loaded.
+    prefix_affinity  (a cache-aware router, as SGLang's) the router indexes the prompts it routed:
+                  the chain of their blocks of ``affinity_block`` tokens (and the partial last
+                  one), each block's key hashed with its parent's, mapped to the generators sent
+                  it; an LRU of ``max_sessions`` keys.  A request goes to the eligible generator
+                  sent the longest run of its prompt's blocks from the start (ties: least loaded),
+                  where its prefix's KV most likely is still cached (a group's samples, the
+                  requests behind one system prompt), unless that one's load exceeds the least
+                  loaded eligible generator's by more than ``affinity_slack``: then least_loaded,
+                  so one hot generator is not driven into preemption.  No match: least_loaded.
+                  The chosen generator joins the request's blocks.
     queue         a request that finds no eligible generator waits in the router's queue;
                   queued requests leave in arrival order (a retried request keeps its place)
     retry         a retried request avoids the generators that failed it while another one is
@@ -85,12 +95,15 @@ The clock
     deadline; tests pass a manual clock and advance it, so every timing rule is deterministic.
 
 Data types (the same in ref and fast, and in generator_engine.py)
-    SamplingParams (max_new_tokens, temperature, top_k, top_p, stop_token_ids, seed), Request
+    SamplingParams (max_new_tokens, temperature, top_k, top_p, stop_token_ids, seed, n), Request
     (prompt_token_ids list[int], sampling, request_id str, session_id hashable or None; the router
     reads these fields, so either file's Request is routed), Completion (request_id,
     prompt_token_ids, token_ids, logprobs, finish_reason, generator_id, min_policy_version,
-    max_policy_version), state_dict (Mapping[str, torch.Tensor], passed on untouched; the router
-    keeps the last one synced, a reference, to re-sync returning generators).
+    max_policy_version, sample_index), state_dict (Mapping[str, torch.Tensor], passed on untouched;
+    the router keeps the last one synced, a reference, to re-sync returning generators).
+    A group: ``sampling.n > 1`` asks for n samples of the prompt (GRPO); the generator's answer is
+    the list of its n completions, routed, served and retried whole (against the floor: the oldest
+    min_policy_version among them; anything but a list of n is a broken answer).
 
 Supported, and what raises
     Generators >= 1 with unique names; every method may be called from many threads at once.
@@ -129,7 +142,7 @@ import torch
 __all__ = ["SamplingParams", "Request", "Completion", "GeneratorProtocol", "RouterError", "GeneratorRouter",
            "POLICIES", "SYNC_MODES"]
 
-POLICIES = ("round_robin", "least_loaded", "sticky", "power_of_two")
+POLICIES = ("round_robin", "least_loaded", "sticky", "power_of_two", "prefix_affinity")
 SYNC_MODES = ("hot_swap", "drain")
 CLOSED, OPEN, READMITTING, HALF_OPEN, DEAD = "closed", "open", "readmitting", "half_open", "dead"
 
@@ -403,9 +416,14 @@ class GeneratorRouter:
     def __init__(self, generators, *, policy: str = "least_loaded", max_inflight: int | None = None,
                  max_retries: int = 2, max_sessions: int = 65536, seed: int | None = None,
                  request_timeout_s: float = 300.0, sync_timeout_s: float = 300.0, failure_threshold: int = 3,
-                 backoff_s: tuple[float, float] = (0.5, 5.0), clock=None):
+                 backoff_s: tuple[float, float] = (0.5, 5.0), clock=None, affinity_block: int = 16,
+                 affinity_slack: int = 4):
         generators = _checked_arguments(generators, policy, max_inflight, max_retries, max_sessions,
                                         request_timeout_s, sync_timeout_s, failure_threshold, backoff_s, clock)
+        for name, value, low in (("affinity_block", affinity_block, 1), ("affinity_slack", affinity_slack, 0)):
+            if not _is_int(value) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        self.affinity_block, self.affinity_slack = affinity_block, affinity_slack
         n = len(generators)
         self.policy, self.max_inflight, self.max_retries = policy, max_inflight, max_retries
         self.max_sessions = max_sessions
@@ -424,6 +442,7 @@ class GeneratorRouter:
         self._arrivals = itertools.count()
         self._tick = 0
         self._sessions: OrderedDict[Hashable, _Slot] = OrderedDict()  # LRU: oldest first
+        self._prefixes: OrderedDict[int, set] = OrderedDict()         # block key -> generator names, LRU
         self._rng = random.Random(seed)
         self._version = max(g.policy_version for g in generators)
         self._weights = None                              # the last state dict synced (for re-syncs)
@@ -633,6 +652,8 @@ class GeneratorRouter:
             if not pair:
                 return self._least_loaded()
             return min(pair, key=lambda s: (s.inflight, s.last_chosen))
+        if self.policy == "prefix_affinity":
+            return self._prefix_affinity(request)
         # sticky
         sid = request.session_id
         if sid is None:
@@ -647,6 +668,31 @@ class GeneratorRouter:
             self._sessions.move_to_end(sid)
             if len(self._sessions) > self.max_sessions:
                 self._sessions.popitem(last=False)
+        return chosen
+
+    def _prefix_affinity(self, request: Request) -> _Slot | None:
+        least = self._least_loaded()
+        if least is None:
+            return None
+        keys = _block_keys(request.prompt_token_ids, self.affinity_block)
+        matched: dict[str, int] = {}                  # generator -> blocks matched from the start
+        for depth, key in enumerate(keys):
+            grown = [name for name in self._prefixes.get(key, ()) if matched.get(name, 0) == depth]
+            if not grown:
+                break
+            for name in grown:
+                matched[name] = depth + 1
+        chosen = least
+        holders = [s for s in self._slots if matched.get(s.name) and self._eligible(s)]
+        if holders:
+            best = min(holders, key=lambda s: (-matched[s.name], s.inflight, s.last_chosen))
+            if best.inflight - least.inflight <= self.affinity_slack:
+                chosen = best
+        for key in keys:                              # it joins the request's blocks
+            self._prefixes.setdefault(key, set()).add(chosen.name)
+            self._prefixes.move_to_end(key)
+        while len(self._prefixes) > self.max_sessions:
+            self._prefixes.popitem(last=False)
         return chosen
 
     def _pump(self) -> list:
@@ -723,13 +769,14 @@ class GeneratorRouter:
             self._changed.notify_all()
         if attempt.probe and slot.state == HALF_OPEN:
             slot.probe_out = False
-        served = getattr(completion, "min_policy_version", None)
+        served = _served_version(completion, ticket.request)
         if exc is None and not (_is_int(served) and served >= attempt.floor):
             slot.stale += 1
             lost = _is_int(served)  # served below its floor: it lost its weights
             exc = RuntimeError(f"{slot.name} served version {served}, below the {attempt.floor} it was admitted "
                                f"with: it lost its weights (restarted?)" if _is_int(served) else
-                               f"{slot.name} returned a {type(completion).__name__}, not a Completion")
+                               f"{slot.name} returned a {type(completion).__name__}, not a Completion (a list "
+                               f"of n for sampling.n > 1)")
         if exc is None:
             slot.completed += 1
             slot.consecutive = 0
@@ -1051,6 +1098,27 @@ class GeneratorRouter:
             return self._by_name[name]
         except (KeyError, TypeError):
             raise ValueError(f"name must be one of {', '.join(self._by_name)}; got {name!r}") from None
+
+
+def _block_keys(prompt: list, block: int) -> list:
+    """prefix_affinity's keys of a prompt: one per block of ``block`` tokens (the last may be shorter),
+    each the hash of (its parent's key, its tokens)."""
+    keys, key = [], 0
+    for start in range(0, len(prompt), block):
+        key = hash((key, tuple(prompt[start:start + block])))
+        keys.append(key)
+    return keys
+
+
+def _served_version(completion, request):
+    """The oldest weights a generator's answer was produced with: a Completion's min_policy_version,
+    or for a group (``sampling.n > 1``) the oldest of its n completions; None when it is neither."""
+    if request.sampling.n == 1:
+        return getattr(completion, "min_policy_version", None)
+    if not isinstance(completion, list) or len(completion) != request.sampling.n:
+        return None
+    versions = [getattr(c, "min_policy_version", None) for c in completion]
+    return min(versions) if all(_is_int(v) for v in versions) else None
 
 
 def _is_dead(gen) -> bool:
