@@ -544,9 +544,56 @@ class Decode(Case):
         return [out.view(self.B, 1, self.HQ, self.D)]
 
 
+class GrpoDecode(Case):
+    """A GRPO group's decode step: n samples of one prompt, each with its own suffix of generated keys,
+    through ``cascade_decode`` (the prompt's pages read once for the group) and as n plain paged decodes
+    (``flash_decode`` over each sample's whole sequence: the prompt read n times)."""
+    N, PROMPT, SUFFIX, HQ, HKV, D, PAGE = 8, 2048, 256, 8, 2, 128, 16
+
+    def __init__(self, mods):
+        self.mods, self.op = mods, "fwd"
+        self.impls = ("ours", "ours_plain")
+        self.name = (f"grpo decode n={self.N} prompt {self.PROMPT // 1024}k + suffix {self.SUFFIX} "
+                     f"GQA {self.HQ}/{self.HKV} D={self.D} page {self.PAGE}")
+        g = _gen(5)
+        n, p, s_len = self.N, self.PROMPT, self.SUFFIX
+        self.q = _randn(n, 1, self.HQ, self.D, gen=g)
+        prompt = [_randn(p, self.HKV, self.D, gen=g) for _ in range(2)]                       # K, V
+        suffixes = [[_randn(s_len, self.HKV, self.D, gen=g) for _ in range(2)] for _ in range(n)]
+        # The pool: the prompt's pages once (shared by every sample's block table), then each suffix's.
+        (k_pool, v_pool), table = _paged([torch.cat([prompt[0]] + [sk for sk, _ in suffixes]),
+                                          torch.cat([prompt[1]] + [sv for _, sv in suffixes])],
+                                         [p] + [s_len] * n, self.PAGE, g)
+        self.k_cache, self.v_cache = k_pool, v_pool
+        shared, own = table[0, :p // self.PAGE], table[1:, :s_len // self.PAGE]
+        self.table = torch.cat([shared.expand(n, -1), own], dim=1).contiguous()               # [n, pages]
+        self.used = torch.full((n,), p + s_len, dtype=torch.int32)
+        self.cu_groups = torch.tensor([0, n], dtype=torch.int32)
+        self.prefix = torch.tensor([p], dtype=torch.int32)
+        self.bound = nbytes(prompt[0], prompt[1], *[t for pair in suffixes for t in pair], self.q, self.q)
+        self.formula = ("read the prompt's K, V once, each sample's suffix K, V and q, write o: "
+                        "2 P H_kv D e + 2 n S H_kv D e + 2 n H_q D e")
+        self.short = f"GRPO decode\nn={n}, {p // 1024}k + {s_len}"
+        self.useful = 4 * n * self.HQ * (p + s_len) * self.D
+        self.useful_formula = "4 n H_q (P + S) D: q K^T and P V"
+        self.output_names = ["o"]
+        self.rtol = 1e-2
+
+    def ours(self, observed):
+        with observed():
+            o = self.mods["fd"].cascade_decode(self.q, self.k_cache, self.v_cache, self.used, block_table=self.table,
+                                               cu_groups=self.cu_groups, prefix_lens=self.prefix)
+        return [o]
+
+    def ours_plain(self, observed):
+        with observed():
+            o = self.mods["fd"].flash_decode(self.q, self.k_cache, self.v_cache, self.used, block_table=self.table)
+        return [o]
+
+
 def make_cases(mods, quick: bool) -> list[Case]:
     cases = [GdnChunk(mods, "fwd"), GdnChunk(mods, "bwd"), GdnDecode(mods),
-             Prefill(mods, "fwd"), Prefill(mods, "bwd"), Decode(mods, 1024), Decode(mods, 8192)]
+             Prefill(mods, "fwd"), Prefill(mods, "bwd"), Decode(mods, 1024), Decode(mods, 8192), GrpoDecode(mods)]
     if not quick:
         cases.append(Decode(mods, 8192, paged=False))
     return cases
@@ -554,10 +601,11 @@ def make_cases(mods, quick: bool) -> list[Case]:
 
 # ----------------------------------------------------------------------------- measuring
 
-IMPLS = {"ours": "twofold", "ours_invariant": "twofold, batch_invariant=True", "fla": f"fla-core {FLA_VERSION}",
+IMPLS = {"ours": "twofold", "ours_invariant": "twofold, batch_invariant=True", "ours_plain": "twofold, plain",
+         "fla": f"fla-core {FLA_VERSION}",
          "vllm_3d": "vLLM 0.33.0", "vllm_2d": "vLLM 0.33.0", "vllm_2stage": "vLLM 0.33.0",
          "sglang_2stage": "SGLang 0.5.23", "sglang_extend": "SGLang 0.5.23"}
-SHORT = {"ours": "twofold", "ours_invariant": "twofold, batch_invariant=True",
+SHORT = {"ours": "twofold", "ours_invariant": "twofold, batch_invariant=True", "ours_plain": "twofold, plain",
          "vllm_3d": "vLLM unified_attention 3D", "vllm_2d": "vLLM unified_attention 2D",
          "vllm_2stage": "vLLM decode_attention_fwd 2-stage", "sglang_2stage": "SGLang decode_attention_fwd 2-stage",
          "sglang_extend": "SGLang extend_attention_fwd"}
@@ -857,6 +905,7 @@ def record_rows(results, wall_s: float):
 LEGEND = {
     "ours": "twofold",
     "ours_invariant": "twofold, batch_invariant=True",
+    "ours_plain": "twofold, plain: n flash_decode rows where the cascade shares the prompt (GRPO decode)",
     "fla": f"fla-core {FLA_VERSION}: chunk / fused_recurrent (GDN), parallel_attn (prefill), "
            "its naive decoding kernel (decode)",
     "vllm_3d": "vLLM 0.33.0 unified_attention, 3D path (16 segments)",

@@ -199,3 +199,19 @@ def test_bad_cascade_inputs(module):
                             cache_leftpad=torch.tensor([0, 11], dtype=torch.int32, device=DEVICE))
     o = call()
     assert o.shape == case["q"].shape
+
+
+def test_a_long_prefix_is_split_across_programs():
+    """One group with a long prefix and few rows: the shape gate shares the prefix's key blocks out among
+    several programs (their partials merged with the suffix's), and the result is flash_decode's."""
+    from observatory import observe
+    case64 = group_case(groups=[(32, None, [5, 9])], s_q=1, h_q=4, h_kv=2, d=32, page=16, seed=8)   # 512 keys
+    o64, lse64 = decode(ref, case64)
+    case = cast(case64, torch.float16)
+    o_low, lse_low = cascade(ref, case, upcast=False)
+    with observe(unique=False) as obs:
+        o, lse = cascade(fast, case)
+    (prefix,) = [launch for launch in obs.launches if launch.kernel == "_cascade_prefix_kernel"]
+    assert prefix.grid[1] >= 2, prefix.grid                       # (groups x KV heads, splits, row tiles)
+    check_close("split prefix out", o, o64, o_low)
+    check_close("split prefix lse", lse, lse64, lse_low)

@@ -27,6 +27,11 @@ The math, for sequence b with L = seqused_k[b] keys, S_q query rows, query head 
     lse = sink_h), merged once at the end.  ``merge_attention_states`` also reads lse = +inf as
     empty: PyTorch's CUDA varlen_attn (FlashAttention-2) marks a row with no key that way.
 
+    Cascade.  Rows that share their first P keys (the n samples of a GRPO group behind their
+    prompt) split their keys there: the prefix state (o_p, lse_p) of all the group's rows at once
+    (one read of the prefix), each row's own state over its keys from P on, then the merge and the
+    sink: ``cascade_decode``, equal to ``flash_decode`` on every row.
+
 Tensors (B sequences, S_q query rows each, H_q / H_kv heads, D head dim, G = H_q / H_kv)
     q             [B, S_q, H_q, D]                  fp16 / bf16 / fp32 / fp64
     k_cache,      [B, S_max, H_kv, D]               contiguous: key j of sequence b at [b, j]
@@ -35,6 +40,9 @@ Tensors (B sequences, S_q query rows each, H_q / H_kv heads, D head dim, G = H_q
     seqused_k     [B] int32                         valid keys per sequence, new ones included
     block_table   [B, max_pages] int32              page ids of each sequence
     k_new, v_new  [B, S_q, H_kv, D]                 written in place at positions L - S_q .. L - 1
+    cache_leftpad [B] int32                         keys before it are not the sequence's (default 0)
+    cu_groups     [G + 1] int32                     cascade_decode: group g is rows cu_groups[g] .. [g+1]-1
+    prefix_lens   [G] int32                         its first keys, in the same pages for all its rows
     sinks         [H_q] float                       one sink logit per query head
     out           [B, S_q, H_q, D]                  q's dtype
     lse           [B, H_q, S_q] fp32                natural log (fp64 for fp64 inputs)

@@ -79,12 +79,13 @@ def _cascade_prefix_case(m, dtype, d, h_q, h_kv, s_q, n, page=16, batch=32):
     row = -(-d // kv_align) * kv_align
     k_strides = (page * h_kv * row, h_kv * row, row)
     q_strides = (s_q * h_q * d, h_q * d, d)
-    o_strides = (s_q * h_q * 2 * d, h_q * 2 * d, 2 * d)                # the partials [B, S_q, H_q, 1 + s, D]
-    l_strides = (s_q * h_q * 2, h_q * 2, 2)
+    o_strides = (s_q * h_q * 6 * d, h_q * 6 * d, 6 * d, d)            # the partials [B, S_q, H_q, 3 + 3, D]
+    l_strides = (s_q * h_q * 6, h_q * 6, 6, 1)
     names = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt",
-             "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_lb", "stride_ls", "stride_lh", "stride_btb",
-             "H_kv", "GROUP", "S_q", "PAGE_SIZE")
-    values = (*q_strides, *k_strides, *k_strides, *o_strides, *l_strides, 8192 // page + 1, h_kv, group, s_q, page)
+             "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_osplit", "stride_lb", "stride_ls",
+             "stride_lh", "stride_lsplit", "stride_btb", "H_kv", "GROUP", "S_q", "PAGE_SIZE", "NUM_SPLITS")
+    values = (*q_strides, *k_strides, *k_strides, *o_strides, *l_strides, 8192 // page + 1, h_kv, group, s_q, page,
+              3)
     signature, constants = _int_types(dict(zip(names, values)))
     t = _TYPES[dtype]
     signature.update(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}", o_ptr=f"*{t}", lse_ptr="*fp32", bt_ptr="*i32",
