@@ -776,6 +776,65 @@ def bench_grpo(rec, quick):
               f"decode {gen.seconds['decode']:.1f} s")
 
 
+def bench_grpo_router(rec, quick):
+    """The same GRPO samples as n ordinary requests (what many RL stacks send) through a router over two
+    engines: prefix_affinity (a prompt's samples meet its pages on one engine) vs least_loaded.  Hit
+    rate = prompt tokens skipped / prompt tokens requested, over both engines.  Completions of 8-16
+    tokens (the hit rate depends on the prompts only)."""
+    cfg = fast_ge.ModelConfig(**GRPO_CPU_MODEL)
+    shape = dict(prompts=8, n=4, system=128, lengths=(256, 512), outs=(4, 8)) if quick else \
+        dict(prompts=32, n=8, system=128, lengths=(256, 1024), outs=(8, 16))
+    case = f"grpo router cpu 2 engines {shape['prompts']}x{shape['n']} sys={shape['system']}"
+    pages = shape["prompts"] * shape["n"] * -(-(shape["lengths"][1] + shape["outs"][1]) // 16) + 64
+    for policy in ("prefix_affinity", "least_loaded"):
+        gens = [fast_ge.Generator(cfg, name=f"e{i}", num_pages=pages, max_batch_size=shape["prompts"] * shape["n"])
+                for i in range(2)]
+        router = fast_rg.GeneratorRouter(gens, policy=policy, affinity_slack=64)
+        try:
+            t0 = time.perf_counter()
+            done = router.generate(grpo_workload(fast_rg, vocab=cfg.vocab_size, groups=False, **shape))
+            seconds = time.perf_counter() - t0
+            stats = [g.stats() for g in gens]
+        finally:
+            router.close()
+            for g in gens:
+                g.close()
+        hits = sum(s["prefix_hit_tokens"] for s in stats) / sum(s["prompt_tokens"] for s in stats)
+        rec.add(case, policy, "hit_rate", hits, "")
+        rec.add(case, policy, "computed_prompt_tokens", sum(s["computed_prompt_tokens"] for s in stats), "tok")
+        rec.add(case, policy, "tokens_per_s", _served(done) / seconds, "tok/s")
+        print(f"  {policy}: hit rate {hits:.3f}, {_served(done) / seconds:.0f} generated tok/s")
+
+
+def bench_grpo_trainer(rec, quick):
+    """The trainer's recompute of the GRPO samples (token_logprobs, forward + backward, the 4-layer model
+    on the CPU, its in-file attention): each prompt once (share_prompts=True) or every sequence whole.
+    One call per group of n sequences (their packed attention mask stays small)."""
+    cfg = fast_ge.ModelConfig(**GRPO_CPU_MODEL)
+    shape = dict(prompts=4, n=4, system=128, lengths=(256, 512), outs=(16, 32)) if quick else \
+        dict(prompts=32, n=8, system=128, lengths=(256, 1024), outs=(32, 128))
+    case = f"grpo trainer cpu {shape['prompts']}x{shape['n']} sys={shape['system']}"
+    model = fast_ge.DecoderLM(cfg, seed=0)
+    rng = random.Random(1)
+    groups = []
+    for r in grpo_workload(fast_rg, vocab=cfg.vocab_size, groups=True, **shape):
+        completions = [[rng.randrange(cfg.vocab_size) for _ in range(r.sampling.max_new_tokens)]
+                       for _ in range(r.sampling.n)]
+        groups.append(([r.prompt_token_ids + c for c in completions], [len(r.prompt_token_ids)] * r.sampling.n))
+    for impl, share in (("shared prompts", True), ("whole sequences", False)):
+        tokens = sum((len(seqs[0]) - 1 - p[0]) * len(seqs) + (p[0] if share else p[0] * len(seqs))
+                     for seqs, p in groups)
+        t0 = time.process_time()
+        for seqs, prompts in groups:
+            model.zero_grad(set_to_none=True)
+            lps = model.token_logprobs(seqs, prompts, temperature=1.0, share_prompts=share)
+            torch.stack([lp.sum() for lp in lps]).sum().backward()
+        cpu_s = time.process_time() - t0
+        rec.add(case, impl, "tokens_processed", tokens, "tok")
+        rec.add(case, impl, "cpu_s", cpu_s, "s")
+        print(f"  {impl}: {tokens} tokens through the model, {cpu_s:.1f} CPU-s forward + backward")
+
+
 class _PhaseClock(fast_ge.Generator):
     """The fast engine, adding up the seconds its prefill passes and decode steps take."""
 
@@ -874,6 +933,10 @@ def main(argv=None) -> int:
         bench_grpo(rec, args.quick)
         print("chunked prefill: decode gaps while a long prompt arrives")
         bench_chunked_prefill(rec, args.quick)
+        print("GRPO samples as plain requests through a router over two engines: prefix_affinity vs least_loaded")
+        bench_grpo_router(rec, args.quick)
+        print("the trainer's recompute: shared prompts vs whole sequences")
+        bench_grpo_trainer(rec, args.quick)
     if args.part in ("all", "invariant"):
         torch.set_num_threads(1)
         print("the batch-invariant mode's cost: engine tokens/s, trainer forward + backward, the matmul alone")
