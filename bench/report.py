@@ -111,6 +111,19 @@ FAMILIES: dict[str, list[Family]] = {
                "sequences, mode off and on (same attention kernels), ms, and the slowdown."),
         Family("invariant linear", "Batch-invariant mode: the matmul", "x [M, K] @ W^T: F.linear vs the "
                "invariant product (one row at a time on a CPU), us per call, and the slowdown."),
+        Family("grpo engine", "GRPO groups and the prefix cache: engine", "32 prompts x n = 8 samples behind a "
+               "shared 128-token system prompt (prompts 256-1,024 tokens, completions 32-128), the 4-layer model on "
+               "a CPU with torch attention: prompt tokens requested and actually computed (lower computed_frac is "
+               "better; target <= 0.15), generated tokens/s and the prefill / decode seconds."),
+        Family("grpo router", "GRPO samples through the router", "The same samples as 256 plain requests over two "
+               "engines: the prefix-cache hit rate (hit tokens / prompt tokens; higher is better, at most 7/8 "
+               "plus the system prompt's share; target >= 0.85 with prefix_affinity) and prompt tokens computed."),
+        Family("grpo trainer", "GRPO recompute in the trainer", "token_logprobs forward + backward over the same "
+               "samples: prompts shared once per group (share_prompts=True) vs whole sequences: tokens through the "
+               "model and CPU seconds (lower is better)."),
+        Family("chunked prefill", "Chunked prefill", "The largest and the median gap (ms) between two decode "
+               "steps of running requests while a prompt of 8x the token budget arrives, chunked vs whole; "
+               "lower is better."),
     ],
 }
 
