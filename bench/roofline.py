@@ -544,15 +544,24 @@ class Decode(Case):
         return [out.view(self.B, 1, self.HQ, self.D)]
 
 
-class GrpoDecode(Case):
+class GrpoDecode(Decode):
     """A GRPO group's decode step: n samples of one prompt, each with its own suffix of generated keys,
     through ``cascade_decode`` (the prompt's pages read once for the group) and as n plain paged decodes
-    (``flash_decode`` over each sample's whole sequence: the prompt read n times)."""
+    (``flash_decode`` over each sample's whole sequence: the prompt read n times).  The production peers
+    run as a prefix-caching server runs them: n paged sequences whose block tables share the prompt's
+    pages (Decode's peer methods, unchanged: B = n sequences of L = P + S keys)."""
     N, PROMPT, SUFFIX, HQ, HKV, D, PAGE = 8, 2048, 256, 8, 2, 128, 16
 
     def __init__(self, mods):
-        self.mods, self.op = mods, "fwd"
-        self.impls = ("ours", "ours_plain")
+        self.mods, self.op, self.paged = mods, "fwd", True
+        self.B, self.L = self.N, self.PROMPT + self.SUFFIX
+        self.impls = ("ours", "ours_plain", "vllm_2d", "vllm_2stage", "sglang_2stage")
+        self.vllm_splits = min(1 << max(0, (self.L // 512 - 1).bit_length()), 2 * 132)   # vLLM's rule
+        shared = "n sequences over the shared prompt pages"
+        self.kernels = {
+            "vllm_2d": f"unified_attention, 2D (kernel_unified_attention; {shared})",
+            "vllm_2stage": f"decode_attention_fwd, 2-stage ({self.vllm_splits} splits; {shared})",
+            "sglang_2stage": f"decode_attention_fwd, 2-stage (get_num_kv_splits_triton's splits, at most 8; {shared})"}
         self.name = (f"grpo decode n={self.N} prompt {self.PROMPT // 1024}k + suffix {self.SUFFIX} "
                      f"GQA {self.HQ}/{self.HKV} D={self.D} page {self.PAGE}")
         g = _gen(5)
