@@ -842,19 +842,18 @@ class _PhaseClock(fast_ge.Generator):
         self.seconds = dict(prefill=0.0, decode=0.0)
         super().__init__(*args, **kw)
 
-    def _prefill(self, model, work, settle):
+    def _timed(self, phase, step, *args):
         t0 = time.perf_counter()
         try:
-            return super()._prefill(model, work, settle)
+            return step(*args)
         finally:
-            self.seconds["prefill"] += time.perf_counter() - t0
+            self.seconds[phase] += time.perf_counter() - t0
+
+    def _prefill(self, model, work, settle):
+        return self._timed("prefill", super()._prefill, model, work, settle)
 
     def _decode(self, model, seqs, settle):
-        t0 = time.perf_counter()
-        try:
-            return super()._decode(model, seqs, settle)
-        finally:
-            self.seconds["decode"] += time.perf_counter() - t0
+        return self._timed("decode", super()._decode, model, seqs, settle)
 
 
 class _DecodeClock(fast_ge.Generator):

@@ -1643,15 +1643,19 @@ class Generator:
                 else:
                     pool[seq.slot] = self._checkpoints[layer][name][checkpoint]
 
+    def _checkpoint_store(self, layer: int, name: str, like: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s checkpoints of state ``name`` [num_checkpoints, *like.shape[1:]], allocated
+        (zeros, like's dtype and device) on first use."""
+        store = self._checkpoints.setdefault(layer, {})
+        if name not in store:
+            store[name] = torch.zeros(self.num_checkpoints, *like.shape[1:], dtype=like.dtype, device=like.device)
+        return store[name]
+
     def _take_checkpoint(self, slot: int, seq_slot: int) -> None:
         """The linear layers' state of the sample in ``seq_slot`` into checkpoint ``slot``."""
         for layer, pools in self._states.items():
-            store = self._checkpoints.setdefault(layer, {})
             for name, pool in pools.items():
-                if name not in store:
-                    store[name] = torch.zeros(self.num_checkpoints, *pool.shape[1:], dtype=pool.dtype,
-                                              device=pool.device)
-                store[name][slot] = pool[seq_slot]
+                self._checkpoint_store(layer, name, pool)[slot] = pool[seq_slot]
 
     def _checkpoint_at(self, seq: _Seq, boundary: int) -> int | None:
         """A checkpoint slot for the page of ``seq`` that ends at token ``boundary`` (None: no checkpoint
@@ -1781,12 +1785,8 @@ class Generator:
                         states[name][index] = t
             for n, (_, _, checkpoint) in zip(members, pieces):
                 if checkpoint is not None:              # this layer's state at an interior page boundary
-                    store = self._checkpoints.setdefault(i, {})
                     for name, t in states.items():
-                        if name not in store:
-                            store[name] = torch.zeros(self.num_checkpoints, *t.shape[1:], dtype=t.dtype,
-                                                      device=t.device)
-                        store[name][checkpoint] = t[n]
+                        self._checkpoint_store(i, name, t)[checkpoint] = t[n]
         self._store_states(i, SimpleNamespace(**states), slots)
         return out
 

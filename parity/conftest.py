@@ -320,6 +320,17 @@ def pytest_runtest_logreport(report):
 
 # ----------------------------------------------------------------------------- the sanitizer
 
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """For the engine tests (``pytestmark = pytest.mark.usefixtures("one_intra_op_thread")``): an engine
+    runs in its own thread, and two OpenMP teams on a 2-core shared machine oversubscribe it (parallel
+    regions then stall); these models are too small to gain from intra-op threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def interpreter_sanitizer():
     """In the interpreter tier, every Triton kernel a test launches runs under the observatory's bounds

@@ -32,13 +32,7 @@ TIMEOUT = 120.0
 N_REQUESTS = 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """The engine runs in its own thread; one intra-op thread keeps the 2-core machine from stalling."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def gdn_layer(config, index, recurrent_fn=ref_gdn.fused_recurrent_gated_delta_rule):

@@ -41,14 +41,7 @@ TIE = 1e-4
 IMPLS = [pytest.param(ref_ge, id="ref"), pytest.param(fast_ge, id="fast")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    """The engines run in their own threads; two OpenMP teams on a 2-core shared machine
-    oversubscribe it (parallel regions then stall), and these models are too small to gain."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def small_config(rg, **kw):

@@ -36,12 +36,7 @@ STATS = ("prompt_tokens", "computed_prompt_tokens", "prefix_hit_tokens", "evicti
          "state_checkpoints")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_intra_op_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def hybrid_config(rg, **kw):

@@ -327,7 +327,9 @@ def drill(out_path: str) -> None:
     Path(out_path).write_text(json.dumps(facts))
 
 
-def test_ray_fleet_survives_a_killed_and_a_hung_actor(tmp_path):
+def _run_isolated(mode: str, tmp_path, timeout: float) -> dict:
+    """This file's ``mode`` entry point in a private network namespace (loopback only), bounded by
+    ``timeout``; returns the facts it wrote.  Skips where Ray or the namespace is unavailable."""
     pytest.importorskip("ray")
     from netns import run_isolated, unavailable
     why = unavailable()
@@ -336,9 +338,13 @@ def test_ray_fleet_survives_a_killed_and_a_hung_actor(tmp_path):
     out = tmp_path / "facts.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TRITON_INTERPRET")}
     env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT))
-    proc = run_isolated([sys.executable, __file__, "drill", str(out)], timeout=DRILL_TIMEOUT_S, cwd=ROOT, env=env)
-    assert proc.returncode == 0 and out.exists(), f"the drill failed:\n{proc.stdout[-8000:]}"
-    f = json.loads(out.read_text())
+    proc = run_isolated([sys.executable, __file__, mode, str(out)], timeout=timeout, cwd=ROOT, env=env)
+    assert proc.returncode == 0 and out.exists(), f"the {mode} run failed:\n{proc.stdout[-8000:]}"
+    return json.loads(out.read_text())
+
+
+def test_ray_fleet_survives_a_killed_and_a_hung_actor(tmp_path):
+    f = _run_isolated("drill", tmp_path, DRILL_TIMEOUT_S)
     print({k: v for k, v in f.items() if k != "events"})
     assert f["nodes"] == 2, "the actors did not spread over both nodes"
     assert f["v0_tokens_equal"] and f["v1_tokens_equal"] and len(f["v0_served_by"]) >= 2
@@ -419,17 +425,7 @@ def _help_text(usage: str, flag: str) -> str:
 
 
 def test_ray_startup_is_bounded_and_the_demo_reads_well(tmp_path):
-    pytest.importorskip("ray")
-    from netns import run_isolated, unavailable
-    why = unavailable()
-    if why:
-        pytest.skip(why)
-    out = tmp_path / "facts.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TRITON_INTERPRET")}
-    env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT))
-    proc = run_isolated([sys.executable, __file__, "startup", str(out)], timeout=360, cwd=ROOT, env=env)
-    assert proc.returncode == 0 and out.exists(), f"the drill failed:\n{proc.stdout[-8000:]}"
-    f = json.loads(out.read_text())
+    f = _run_isolated("startup", tmp_path, 360)
     code, took, err = f["explicit"]  # RAY_ADDRESS names a cluster nobody reaches: a clear error, in time
     assert code != 0 and took < 60 and f"RAY_ADDRESS={UNREACHABLE} did not answer" in err, f["explicit"]
     code, took, stdout, err = f["local"]  # no address: a local instance, whatever the session file says
