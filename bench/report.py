@@ -1,6 +1,6 @@
-"""Turn the recorded benchmark rows into the README's tables and plots.
+"""Turn the recorded benchmark rows into bench/README.md's tables and plots.
 
-    python bench/report.py                    # rewrite the README block + bench/results/*.png (make report)
+    python bench/report.py                    # rewrite bench/README.md's block + bench/results/*.png (make report)
     python bench/report.py --print            # print the tables of the committed CSVs instead
     python bench/report.py --print --latest   # print the tables of the last run (bench/results/latest/)
 
@@ -11,7 +11,7 @@ measured, its unit, what good looks like).  A family with a ``compare`` metric i
 row per case, one column per implementation, and the ratio ``ref / fast`` (or ``fast / ref``
 for higher-is-better metrics) as a speedup column, in bold where fast loses; other families list every metric of every
 (case, impl).  Counts print as integers.  Plots (matplotlib, a bench-only dependency) are drawn
-where a person would rather look than read, and are embedded in the README block.
+where a person would rather look than read, and are embedded in the block ("Latest measured numbers").
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-README = ROOT / "README.md"
+README = ROOT / "bench" / "README.md"   # the tables' page; the top-level README links to it
 BEGIN, END = "<!-- bench-tables:begin -->", "<!-- bench-tables:end -->"
 
 
@@ -111,13 +111,27 @@ FAMILIES: dict[str, list[Family]] = {
                "sequences, mode off and on (same attention kernels), ms, and the slowdown."),
         Family("invariant linear", "Batch-invariant mode: the matmul", "x [M, K] @ W^T: F.linear vs the "
                "invariant product (one row at a time on a CPU), us per call, and the slowdown."),
+        Family("grpo engine", "GRPO groups and the prefix cache", "GRPO samples behind a shared system prompt "
+               "(prompts x samples, system prompt tokens) on the fast engine (CPU, a 4-layer model): "
+               "cache+groups (prefix cache on, one request with SamplingParams.n per prompt) vs no cache (the "
+               "same samples as plain requests, cache off): prompt tokens requested and computed, the computed "
+               "fraction (lower is better), generated tokens/s, seconds in prefill and decode."),
+        Family("chunked prefill", "Chunked prefill", "A prompt of 8x the per-step budget (max_prefill_tokens) "
+               "arrives while a request decodes: the largest and the median gap between two of its decode "
+               "steps, ms (lower is better), the prompt in page-aligned chunks of the budget or whole."),
+        Family("grpo router", "Router: prefix_affinity vs least_loaded", "The same GRPO samples as plain "
+               "requests through a router over two engines: the hit rate (prompt tokens served from the "
+               "engines' prefix caches / requested; higher is better), prompt tokens computed, tokens/s."),
+        Family("grpo trainer", "Trainer recompute: shared prompts", "token_logprobs forward + backward over "
+               "the GRPO samples: tokens through the model and CPU seconds, each prompt once "
+               "(share_prompts=True) or every sequence whole; lower is better."),
     ],
 }
 
 
 # ----------------------------------------------------------------------------- loading
 
-# bench/roofline.py (the kernel observatory) writes its own README block from its CSV.
+# bench/roofline.py (the kernel observatory) writes its own block of bench/README.md from its CSV.
 OWN_REPORT = {"roofline"}
 
 
@@ -252,8 +266,8 @@ def render(directory: Path = RESULTS, *, gpu_only: bool = False, features=None, 
         body = "\n\n".join(tables(feature, run) for run in runs)
         for png, caption in plots:
             if png.name.startswith(feature):
-                body += f"\n\n![{caption}](bench/results/{png.name})"
-        parts.append(f"#### {feature}\n\n{body}")
+                body += f"\n\n![{caption}](results/{png.name})"
+        parts.append(f"### {feature}\n\n{body}")
     if not parts:
         return "_No GPU run has been recorded yet._" if gpu_only else "_No benchmark has been recorded yet._"
     return "\n\n".join(parts)
@@ -378,7 +392,7 @@ def draw_plots(all_rows: dict[str, list[dict]]) -> list[tuple[Path, str]]:
 def update_readme(block: str) -> bool:
     text = README.read_text()
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"README.md lacks the markers {BEGIN} ... {END}")
+        raise SystemExit(f"bench/README.md lacks the markers {BEGIN} ... {END}")
     before, rest = text.split(BEGIN, 1)
     _, after = rest.split(END, 1)
     new = before + BEGIN + "\n" + block + "\n" + END + after
@@ -390,7 +404,7 @@ def update_readme(block: str) -> bool:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--print", action="store_true", help="print the tables instead of writing the README")
+    ap.add_argument("--print", action="store_true", help="print the tables instead of writing bench/README.md")
     ap.add_argument("--latest", action="store_true", help="with --print: the last run (bench/results/latest/)")
     ap.add_argument("--gpu-only", action="store_true", help="only runs recorded on a GPU")
     ap.add_argument("--feature", action="append", help="only this feature (repeatable)")
@@ -401,7 +415,7 @@ def main(argv=None):
         return 0
     plots = draw_plots(load_rows())
     changed = update_readme(render(plots=plots))
-    print("README.md " + ("updated" if changed else "unchanged") + f"; {len(plots)} plots in bench/results/")
+    print("bench/README.md " + ("updated" if changed else "unchanged") + f"; {len(plots)} plots in bench/results/")
     return 0
 
 
