@@ -22,7 +22,7 @@ Rows
     ``save()`` always writes the run to ``bench/results/latest/<feature>.csv`` (untracked);
     it appends to the committed ``bench/results/<feature>.csv`` only when recording was asked
     for (``--record`` or ``RECORD=1``), so a plain ``make bench`` leaves the tree unchanged.
-    ``bench/report.py`` turns the committed CSVs into the README tables and plots.
+    ``bench/report.py`` turns the committed CSVs into bench/README.md's tables and plots.
 
 Command line
     ``run_bench(feature, doc, gpu=..., cpu=...)`` is every script's ``main``: the same flags

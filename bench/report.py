@@ -1,6 +1,6 @@
-"""Turn the recorded benchmark rows into the README's tables and plots.
+"""Turn the recorded benchmark rows into bench/README.md's tables and plots.
 
-    python bench/report.py                    # rewrite the README block + bench/results/*.png (make report)
+    python bench/report.py                    # rewrite bench/README.md's block + bench/results/*.png (make report)
     python bench/report.py --print            # print the tables of the committed CSVs instead
     python bench/report.py --print --latest   # print the tables of the last run (bench/results/latest/)
 
@@ -11,7 +11,7 @@ measured, its unit, what good looks like).  A family with a ``compare`` metric i
 row per case, one column per implementation, and the ratio ``ref / fast`` (or ``fast / ref``
 for higher-is-better metrics) as a speedup column, in bold where fast loses; other families list every metric of every
 (case, impl).  Counts print as integers.  Plots (matplotlib, a bench-only dependency) are drawn
-where a person would rather look than read, and are embedded in the README block.
+where a person would rather look than read, and are embedded in the block ("Latest measured numbers").
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-README = ROOT / "README.md"
+README = ROOT / "bench" / "README.md"   # the tables' page; the top-level README links to it
 BEGIN, END = "<!-- bench-tables:begin -->", "<!-- bench-tables:end -->"
 
 
@@ -130,7 +130,7 @@ FAMILIES: dict[str, list[Family]] = {
 
 # ----------------------------------------------------------------------------- loading
 
-# bench/roofline.py (the kernel observatory) writes its own README block from its CSV.
+# bench/roofline.py (the kernel observatory) writes its own block of bench/README.md from its CSV.
 OWN_REPORT = {"roofline"}
 
 
@@ -265,8 +265,8 @@ def render(directory: Path = RESULTS, *, gpu_only: bool = False, features=None, 
         body = "\n\n".join(tables(feature, run) for run in runs)
         for png, caption in plots:
             if png.name.startswith(feature):
-                body += f"\n\n![{caption}](bench/results/{png.name})"
-        parts.append(f"#### {feature}\n\n{body}")
+                body += f"\n\n![{caption}](results/{png.name})"
+        parts.append(f"### {feature}\n\n{body}")
     if not parts:
         return "_No GPU run has been recorded yet._" if gpu_only else "_No benchmark has been recorded yet._"
     return "\n\n".join(parts)
@@ -391,7 +391,7 @@ def draw_plots(all_rows: dict[str, list[dict]]) -> list[tuple[Path, str]]:
 def update_readme(block: str) -> bool:
     text = README.read_text()
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"README.md lacks the markers {BEGIN} ... {END}")
+        raise SystemExit(f"bench/README.md lacks the markers {BEGIN} ... {END}")
     before, rest = text.split(BEGIN, 1)
     _, after = rest.split(END, 1)
     new = before + BEGIN + "\n" + block + "\n" + END + after
@@ -403,7 +403,7 @@ def update_readme(block: str) -> bool:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--print", action="store_true", help="print the tables instead of writing the README")
+    ap.add_argument("--print", action="store_true", help="print the tables instead of writing bench/README.md")
     ap.add_argument("--latest", action="store_true", help="with --print: the last run (bench/results/latest/)")
     ap.add_argument("--gpu-only", action="store_true", help="only runs recorded on a GPU")
     ap.add_argument("--feature", action="append", help="only this feature (repeatable)")
@@ -414,7 +414,7 @@ def main(argv=None):
         return 0
     plots = draw_plots(load_rows())
     changed = update_readme(render(plots=plots))
-    print("README.md " + ("updated" if changed else "unchanged") + f"; {len(plots)} plots in bench/results/")
+    print("bench/README.md " + ("updated" if changed else "unchanged") + f"; {len(plots)} plots in bench/results/")
     return 0
 
 

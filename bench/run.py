@@ -4,7 +4,7 @@ Each feature's script runs in its own interpreter (a crash or an out-of-memory i
 take the others down) and writes its rows to the untracked ``bench/results/latest/``; then this
 prints the tables of the run.  Nothing tracked changes unless recording is asked for
 (``make bench RECORD=1``): then the rows are appended to the committed
-``bench/results/<feature>.csv`` and the README tables and plots are regenerated.  Without CUDA
+``bench/results/<feature>.csv`` and bench/README.md's tables and plots are regenerated.  Without CUDA
 the scripts run what is meaningful on a CPU (reference speed, router and offload overheads) and
 this also prints the latest GPU tables on record, because kernel speedups need CUDA.
 """
@@ -26,7 +26,7 @@ FEATURES = ["paged_varlen_attention", "flash_decoding", "gated_deltanet", "view_
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--feature", choices=FEATURES, help="run only this feature's benchmark")
-    ap.add_argument("--record", action="store_true", help="append to the committed CSVs and regenerate the README")
+    ap.add_argument("--record", action="store_true", help="append to the committed CSVs, regenerate bench/README.md")
     ap.add_argument("--quick", action="store_true", help="a few representative cases per feature")
     args, passed_on = ap.parse_known_args(argv)   # anything else goes to the feature scripts
     passed_on += ["--quick"] if args.quick else []

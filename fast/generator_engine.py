@@ -112,7 +112,7 @@ Batch-invariant mode: bitwise on-policy (``Generator(..., batch_invariant=True)`
                   recurrent kernel are; parity/test_batch_invariant_engine.py runs both).
     Sampling is unchanged: each request draws from its own generator, so equal logits give equal
     tokens.  Gradients through ``token_logprobs`` are plain matmuls (they need not be invariant).
-    What it costs is measured by bench/routed_generator.py (README, routed generator).  Tested
+    What it costs is measured by bench/routed_generator.py (bench/README.md, its tables).  Tested
     bitwise under four CPU kernel families (OpenBLAS generic, Sandybridge, Haswell/Zen, SkylakeX;
     ATen and MKL at AVX2 and scalar: parity/test_bitwise_blas.py) and on the sm_80/sm_90 builds; a
     GPU run is owed (the GPU tier of parity/test_batch_invariant_engine.py).
