@@ -316,7 +316,7 @@ class _SyncRecord:
 
     def __post_init__(self):
         self.targets = list(self.targets)
-        self.pending = set(self.targets)
+        self.pending = {s: object() for s in self.targets}  # each load thread's turn (the reference's rule)
 
 
 class _Alarm:
@@ -515,10 +515,11 @@ class GeneratorRouter:
                 for s in targets:
                     s.draining, s.loading = drain, not drain
                 self._schedule(sync.deadline)
+                turns = list(sync.pending.items())  # (the first load may end the sync before the last starts)
                 if not targets:
                     self._sync_over(sync)
-            for s in targets:
-                threading.Thread(target=self._sync_one, args=(s, sync), name=f"load-{s.name}", daemon=True).start()
+            for s, turn in turns:
+                threading.Thread(target=self._sync_one, args=(s, sync, turn), name=f"load-{s.name}", daemon=True).start()
             with self._lock:
                 self._changed.wait_for(lambda: self._sync is not sync)  # its deadline, or close(), ends it
         causes = [(s.name, sync.errors[s.name]) for s in sync.targets if s.name in sync.errors]
@@ -934,23 +935,23 @@ class GeneratorRouter:
 
     # ------------------------------------------------------------------ weights and re-admission
 
-    def _sync_one(self, s: _Slot, sync: _SyncRecord) -> None:
+    def _sync_one(self, s: _Slot, sync: _SyncRecord, turn: object) -> None:
         if sync.mode == "drain":
             with self._lock:
-                self._changed.wait_for(lambda: s.inflight == 0 or s not in sync.pending)
-                if s not in sync.pending:
+                self._changed.wait_for(lambda: s.inflight == 0 or sync.pending.get(s) is not turn)
+                if sync.pending.get(s) is not turn:
                     return
                 s.loading = True
         error = _load(s.gen, sync.state_dict, sync.version)
         with self._lock:
             s.loading = False
-            if s in sync.pending:
+            if sync.pending.get(s) is turn:
                 self._sync_done(s, sync, error)
             work = self._readmit_due(self._clock.now()) + self._pump()
         self._run(work)
 
     def _sync_done(self, s: _Slot, sync: _SyncRecord, error) -> None:
-        sync.pending.discard(s)
+        sync.pending.pop(s, None)
         s.draining = False
         if error is None:
             s.floor = sync.version
@@ -1046,12 +1047,12 @@ class GeneratorRouter:
         if s not in sync.targets:
             sync.targets.append(s)
         sync.errors.pop(s.name, None)
-        sync.pending.add(s)
+        sync.pending[s] = turn = object()
         s.draining, s.loading = sync.mode == "drain", sync.mode == "hot_swap"
-        return [(self._start_load, s, sync)]
+        return [(self._start_load, s, (sync, turn))]
 
-    def _start_load(self, s: _Slot, sync: _SyncRecord) -> None:
-        threading.Thread(target=self._sync_one, args=(s, sync), name=f"load-{s.name}", daemon=True).start()
+    def _start_load(self, s: _Slot, sync_turn: tuple) -> None:
+        threading.Thread(target=self._sync_one, args=(s, *sync_turn), name=f"load-{s.name}", daemon=True).start()
 
     # ------------------------------------------------------------------ doing (outside the lock)
 

@@ -64,7 +64,8 @@ class ManualGen:
         self.gate_only = None            # ...only for loads of this version, when set
         self.load_started = threading.Event()
         self.gated_started = threading.Event()
-        self.gated_thread = None
+        self.gated_thread = None         # the latest load that waited at the gate
+        self.at_gate = set()             # the loads waiting at the gate now
         self.load_error = None
         self.load_thread = None
         self.running = False             # mark futures running at submit (the router cannot cancel them)
@@ -115,10 +116,14 @@ class ManualGen:
         gated = self.load_gate is not None and self.gate_only in (None, version)
         if gated:
             self.gated_thread = threading.current_thread()
+            self.at_gate.add(self.gated_thread)
             self.gated_started.set()
         self.load_started.set()
         if gated:
-            assert self.load_gate.wait(TIMEOUT), "load gate never opened"
+            try:
+                assert self.load_gate.wait(TIMEOUT), "load gate never opened"
+            finally:
+                self.at_gate.discard(threading.current_thread())
         if self.load_error is not None:
             raise self.load_error
         self.policy_version = version
@@ -916,6 +921,33 @@ def test_the_last_sync_wins_over_a_readmission(rg, manual, order, b_fails):
         assert probe.result(TIMEOUT).min_policy_version == 2 and router.stats()["a"]["state"] == "closed"
 
 
+def test_a_generator_dropped_from_a_drain_and_rejoining_loads_once(rg, manual):
+    """Drain to 1: a's load waits for a's request; the request fails, a is opened and dropped from
+    the sync, then re-admitted at once (mark_healthy) and joins the sync again.  The thread of a's
+    first turn must end without loading: one load of a, never two at once.  (The race is lost in
+    most rounds without turns: the dropped thread wakes after a has joined again.)  (20 rounds)"""
+    for _ in range(20):
+        a, b = ManualGen(rg, "a"), ManualGen(rg, "b")
+        router = rg.GeneratorRouter([a, b], policy="round_robin", clock=manual, failure_threshold=1)
+        f = router.submit(req(rg, "x"))              # round robin: a holds it
+        gate = threading.Event()
+        a.load_gate = b.load_gate = gate             # loads wait here until every check is made
+        t, box = _start_sync(router, 1, "drain")
+        assert b.gated_started.wait(TIMEOUT)         # b idle: its load began; a's waits for x
+        a.settle(error=RuntimeError("a failed"))     # a opened: dropped from the sync ...
+        router.mark_healthy("a")                     # ... and back in it (nothing to re-sync)
+        assert a.gated_started.wait(TIMEOUT)
+        time.sleep(0.05)                             # room for a second load to show itself
+        assert len(a.loads) == 1, f"a was loaded {len(a.loads)} times: {a.loads}"
+        gate.set()
+        t.join(TIMEOUT)
+        assert not t.is_alive() and not box, box
+        b.settle()                                   # x, retried on b once the drain ended
+        assert f.result(TIMEOUT).generator_id == "b"
+        assert a.loads == [(1, 0)] and b.loads == [(1, 0)] and router.policy_version == 1
+        router.close()
+
+
 def test_an_engine_refusing_a_request_costs_the_generator_nothing(rg, manual):
     """ValueError / TypeError as a generator future's exception (an engine inside an actor refused
     the request): the request fails alone with that type, is not retried, and nobody is struck."""
@@ -1379,11 +1411,15 @@ def _script_run(rg, policy, cap, seed, steps, threads):
         """Let the router's threads finish what the last event started before the next one: the
         threads it deferred (re-admissions, loads of generators that joined a sync), and the loads of
         a drain's targets, until they reach the sync's gate (or wait for their requests)."""
-        def settled(t):  # ended, held at its gate, or draining its requests first
+        def settled(t):  # ended, held at its gate, or a drain's load waiting for g's requests first
             g = next(g for g in gens if t.name == f"load-{g.name}")
-            held = g.gated_started.is_set() and not g.load_gate.is_set()
-            return not t.is_alive() or held or (
-                router.stats()[g.name]["draining"] and router.stats()[g.name]["inflight"] > 0)
+            if not t.is_alive():
+                return True
+            if t in g.at_gate:
+                return True   # this very thread waits at the gate (not only an earlier load of g)
+            # Before its load, a drain's load waits until g holds no request: only the script can settle them.
+            return (sync is not None and sync[2] == "drain" and g.load_thread is not t
+                    and router.stats()[g.name]["inflight"] > 0)
         moved = True
         while moved:  # finishing one may start another
             moved = threads.run(settled)

@@ -358,7 +358,9 @@ class _Sync:
     def __init__(self, state_dict, version: int, mode: str, deadline: float, slots: list):
         self.state_dict, self.version, self.mode, self.deadline = state_dict, version, mode, deadline
         self.targets = list(slots)  # grows when a re-admitted generator joins
-        self.pending = set(slots)
+        # Each pending load's thread holds a turn of its own: a generator dropped from the sync and
+        # joining it again gets a new turn, so the thread of its old turn ends without loading.
+        self.pending = {s: object() for s in slots}
         self.loaded, self.errors = [], {}
         self.skipped: list[tuple[str, BaseException]] = []  # the others, as the sync ended
 
@@ -526,10 +528,11 @@ class GeneratorRouter:
                     s.draining = mode == "drain"
                     s.loading = mode == "hot_swap"  # a drain loads once the generator is idle
                 self._schedule(sync.deadline)
+                turns = list(sync.pending.items())  # (the first load may end the sync before the last starts)
                 if not targets:
                     self._sync_finished(sync)
-            for s in targets:
-                threading.Thread(target=self._sync_one, args=(s, sync), name=f"load-{s.name}", daemon=True).start()
+            for s, turn in turns:
+                threading.Thread(target=self._sync_one, args=(s, sync, turn), name=f"load-{s.name}", daemon=True).start()
             with self._lock:  # (each load's thread already dispatched what its generator can take)
                 self._changed.wait_for(lambda: self._sync is not sync)  # its deadline, or close(), ends it
         causes = [(s.name, sync.errors[s.name]) for s in sync.targets if s.name in sync.errors]
@@ -889,24 +892,24 @@ class GeneratorRouter:
 
     # ------------------------------------------------------------------ weights and re-admission
 
-    def _sync_one(self, slot: _Slot, sync: _Sync) -> None:
-        """One generator's part of a weight sync (its own thread)."""
+    def _sync_one(self, slot: _Slot, sync: _Sync, turn: object) -> None:
+        """One generator's part of a weight sync (its own thread), while ``turn`` is its pending turn."""
         if sync.mode == "drain":
             with self._lock:
-                self._changed.wait_for(lambda: slot.inflight == 0 or slot not in sync.pending)
-                if slot not in sync.pending:  # dropped (opened, or the deadline passed): nothing to do
+                self._changed.wait_for(lambda: slot.inflight == 0 or sync.pending.get(slot) is not turn)
+                if sync.pending.get(slot) is not turn:  # dropped (opened, the deadline), maybe joined again
                     return
                 slot.loading = True
         error = self._load(slot, sync.state_dict, sync.version)
         with self._lock:
             slot.loading = False
-            if slot in sync.pending:
+            if sync.pending.get(slot) is turn:
                 self._sync_ended(slot, sync, error)
             work = self._readmit_due(self._clock.now()) + self._pump()
         self._run(work)
 
     def _sync_ended(self, slot: _Slot, sync: _Sync, error) -> None:
-        sync.pending.discard(slot)
+        sync.pending.pop(slot, None)
         slot.draining = False
         if error is None:
             slot.floor = sync.version
@@ -1014,10 +1017,10 @@ class GeneratorRouter:
         if slot not in sync.targets:
             sync.targets.append(slot)
         sync.errors.pop(slot.name, None)  # dropped from this sync before: its new load decides
-        sync.pending.add(slot)
+        sync.pending[slot] = turn = object()  # a new turn: a thread of an earlier one ends unloaded
         slot.draining = sync.mode == "drain"
         slot.loading = sync.mode == "hot_swap"
-        return [("sync", slot, sync)]
+        return [("sync", slot, sync, turn)]
 
     # ------------------------------------------------------------------ doing (outside the lock)
 
