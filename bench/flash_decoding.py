@@ -132,10 +132,13 @@ def gpu_case(rec, fast, b, ctx, h_q, h_kv, *, peers, flex_all, ceilings):
     splits = fast.choose_num_splits(b, h_kv, ctx, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
                                     num_q_tiles=rows["num_q_tiles"], block_n=rows["BLOCK_N"],
                                     programs_per_sm=fast._PROGRAMS_PER_SM)
-    splits = min(splits, fast._traffic_splits(ctx, h_q // h_kv, HEAD_DIM, 2))     # the launcher's traffic cap
+    splits = min(splits, fast._traffic_splits(ctx, h_q // h_kv, HEAD_DIM, 2, fused=fast._FUSED_MERGE))  # the cap
     rec.add(name, "fast", "num_splits", splits)
-    # bf16 partial outputs and fp32 partial lse, each written once and read once by the merge
-    rec.add(name, "fast", "partials_MB", 2 * b * h_q * splits * (HEAD_DIM * 2 + 4) / 2**20 if splits > 1 else 0, "MB")
+    # bf16 partial outputs and fp32 partial lse, written once and read once by the merging program: all but
+    # its own (the fused merge), or all of them by the merge kernel
+    partials = splits - 1 if fast._FUSED_MERGE else splits
+    rec.add(name, "fast", "partials_MB", 2 * b * h_q * partials * (HEAD_DIM * 2 + 4) / 2**20 if splits > 1 else 0,
+            "MB")
 
     if b * ctx <= REF_MAX_KEYS:
         s = sets[0]

@@ -15,17 +15,22 @@ The math (the reference states it in full)
     is no sink, one of +inf takes all the mass (o = 0, lse = +inf); a NaN stays NaN.
     Split s over key range C_s gives (o_s, lse_s) without the sink (o_s stored in the input dtype,
     lse_s in fp32); the merge, in fp32, is
-    lse = log(sum_s exp(lse_s) + exp(sink)), o = sum_s exp(lse_s - lse) o_s, the largest lse
-    subtracted first.  ``merge_attention_states`` reads lse = +inf (PyTorch's CUDA varlen_attn
-    marks a row with no key that way) as an empty side, like -inf.
-    A call runs ``_append_kv_kernel`` (with k_new / v_new), ``_decode_fwd_kernel`` and, with
-    several splits, ``_merge_splits_kernel``; each kernel's docstring gives its FLOPs and bytes.
+    lse = log(sum_s exp(lse_s) + exp(sink)), o = sum_s exp(lse_s - lse) o_s, taken in split order
+    with the largest lse so far subtracted (rescaled like the online softmax), the sink last.
+    ``merge_attention_states`` reads lse = +inf (PyTorch's CUDA varlen_attn marks a row with no key
+    that way) as an empty side, like -inf.
+    A call runs ``_append_kv_kernel`` (with k_new / v_new) and ``_decode_fwd_kernel``, whose program
+    that finishes a tile's keys last merges the splits' partials when there are several (the fused
+    merge; its own partial never leaves its registers); each kernel's docstring gives its FLOPs and
+    bytes.  ``cascade_decode`` merges its prefix and suffix partials with ``_merge_splits_kernel``,
+    the same arithmetic.  Either way the result does not depend on which program finishes last.
     ``num_splits=None`` asks ``choose_num_splits`` with the device's SM count (the interpreter
     assumes an H100's 132), one program per SM, and the cache's capacity, a shape: no host copy,
     the same choice under CUDA-graph capture; the count is then capped so that the splits' extra
     bytes (q read again, partials written and read) stay within 5% of the K and V bytes
     (``_traffic_splits``).  ``num_splits=1`` is deterministic, and a sequence's
-    result does not depend on the rest of the batch.
+    result does not depend on the rest of the batch; so is a split launch (the same bits on every
+    run), whose result does depend on the split count.
     ``cache_leftpad [B]`` (flash-attn's name) starts sequence b's keys at that position: key k of the
     kernel is position cache_leftpad[b] + k.
     Cascade (``cascade_decode``): the n rows of a group share their first P keys' pages (a GRPO
@@ -108,6 +113,12 @@ _MAX_SPLITS = 1024
 # input dtype) and lse (fp32) are written, then read by the merge.  The gate's split count is capped so
 # that these bytes stay within this fraction of the K and V bytes the launch must read (_traffic_splits).
 _SPLIT_TRAFFIC = 0.05
+# flash_decode merges the splits inside the decode kernel (the last program of a tile to finish merges;
+# see _decode_fwd_kernel).  False runs the separate _merge_splits_kernel instead (the same arithmetic,
+# bit for bit: the tests compare the two).  _SPLIT_ROTATE (tests only) shifts the split each program
+# computes, so that another split's program arrives last and merges.
+_FUSED_MERGE = True
+_SPLIT_ROTATE = 0
 _LOG2E = tl.constexpr(1.4426950408889634)   # log2(e): kernels use it as is, the host as .value
 
 
@@ -321,13 +332,16 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     else:
         cfg = _fwd_config(d, q.dtype, s_q * group, paged, _kv_align(k_cache, v_cache), q.device)
     max_blocks = max(1, -(-capacity // cfg["BLOCK_N"]))
+    fused = _FUSED_MERGE and not batch_invariant
     if num_splits == 0:
         num_splits = choose_num_splits(batch, h_kv, capacity, num_sms=_sm_count(q.device),
                                        num_q_tiles=cfg["num_q_tiles"], block_n=cfg["BLOCK_N"],
                                        programs_per_sm=_PROGRAMS_PER_SM)
-        num_splits = min(num_splits, _traffic_splits(capacity, s_q * group, d, q.element_size()))
+        num_splits = min(num_splits, _traffic_splits(capacity, s_q * group, d, q.element_size(), fused=fused))
     num_splits = max(1, min(num_splits, max_blocks, _MAX_SPLITS))
     split = num_splits > 1
+    fused = fused and split
+    grid = (batch * h_kv, num_splits, cfg["num_q_tiles"])
     if split:
         o_part, lse_part = _new_partials((batch, s_q, h_q, num_splits, d), (batch, s_q, h_q, num_splits), q.dtype,
                                          q.device)
@@ -338,10 +352,11 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         o_strides = (out.stride(0), out.stride(1), out.stride(2), 0)
         l_strides = (lse.stride(0), lse.stride(2), lse.stride(1), 0)   # lse is [B, H_q, S_q]
         o_dst, l_dst = out, lse
+    # The fused merge's arrival counters, one per (sequence, KV head, query tile), zeroed by each call.
+    counters = _new_counters(batch * h_kv * cfg["num_q_tiles"], q.device) if fused else seqused_k
     qk_scale = scale / softcap if softcap > 0 else scale * _LOG2E.value   # what the varlen kernel passes, rounded alike
     bt = block_table if paged else seqused_k     # valid pointers the kernel never reads
     sk = sinks if sinks is not None else seqused_k
-    grid = (batch * h_kv, num_splits, cfg["num_q_tiles"])
     _decode_fwd_kernel[grid](
         q, k_cache, v_cache, seqused_k, bt, sk, o_dst, l_dst,
         q.stride(0), q.stride(1), q.stride(2),
@@ -351,19 +366,20 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         block_table.stride(0) if paged else 0,
         h_kv, group, s_q, k_cache.shape[1], num_splits, qk_scale, softcap,
         cache_leftpad if cache_leftpad is not None else seqused_k,
+        out, lse, counters, out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         IS_PAGED=paged, IS_SPLIT=split, HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_ALIGN=cfg["KV_ALIGN"],
         BATCH_INVARIANT=batch_invariant, HAS_LEFTPAD=cache_leftpad is not None,
         BLOCK_IN_PAGE=paged and k_cache.shape[1] % cfg["BLOCK_N"] == 0 and cache_leftpad is None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if split:
+        FUSED_MERGE=fused, SPLIT_ROTATE=_SPLIT_ROTATE % num_splits if fused else 0,
+        num_warps=cfg["fused_warps"] if fused else cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split and not fused:
         _merge_splits_kernel[(batch * s_q * h_q,)](
             o_part, lse_part, sk, out, lse,
             out.stride(0), out.stride(1), out.stride(2),
             s_q, h_q, num_splits,
-            HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_S=min(16, triton.next_power_of_2(num_splits)),
-            HAS_SINKS=sinks is not None, num_warps=4)
+            HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], HAS_SINKS=sinks is not None, num_warps=4)
     return lse
 
 
@@ -427,14 +443,14 @@ def _cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, seqused_k, block_table, seqused_k, o_suffix, lse_suffix,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *o_suffix.stride()[:4],
         *lse_suffix.stride()[:4], block_table.stride(0), h_kv, group, s_q, page_size, splits, qk_scale, softcap,
-        row_prefix, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], IS_PAGED=True, IS_SPLIT=True, HAS_SINKS=False,
-        HAS_LEFTPAD=True, BLOCK_IN_PAGE=aligned and page_size % cfg["BLOCK_N"] == 0, num_warps=cfg["num_warps"],
+        row_prefix, out, lse, seqused_k, 0, 0, 0,         # (the fused merge's arguments, unused here)
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], IS_PAGED=True, IS_SPLIT=True, HAS_SINKS=False, HAS_LEFTPAD=True,
+        BLOCK_IN_PAGE=aligned and page_size % cfg["BLOCK_N"] == 0, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **flags)
     sk = sinks if sinks is not None else seqused_k
     _merge_splits_kernel[(batch * s_q * h_q,)](
         o_part, lse_part, sk, out, lse, out.stride(0), out.stride(1), out.stride(2), s_q, h_q, p_splits + splits,
-        HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_S=min(16, triton.next_power_of_2(p_splits + splits)),
-        HAS_SINKS=sinks is not None, num_warps=4)
+        HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], HAS_SINKS=sinks is not None, num_warps=4)
     return lse
 
 
@@ -585,10 +601,12 @@ def _decode_fwd_kernel(
     stride_lb, stride_ls, stride_lh, stride_lsplit,
     stride_btb,
     H_kv, GROUP, S_q, PAGE_SIZE, NUM_SPLITS, qk_scale, softcap, leftpad_ptr,
+    out_ptr, out_lse_ptr, count_ptr, stride_fb, stride_fs, stride_fh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_PAGED: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr, BATCH_INVARIANT: tl.constexpr = False,
-    BLOCK_IN_PAGE: tl.constexpr = False, HAS_LEFTPAD: tl.constexpr = False,
+    BLOCK_IN_PAGE: tl.constexpr = False, HAS_LEFTPAD: tl.constexpr = False, FUSED_MERGE: tl.constexpr = False,
+    SPLIT_ROTATE: tl.constexpr = 0,
 ):
     """One program per (sequence x KV head, split, query tile).  The tile packs the S_q rows of
     all G query heads of one KV head (row r = i * G + g), so K and V are read once per KV head,
@@ -596,27 +614,49 @@ def _decode_fwd_kernel(
     block when BLOCK_N divides the page size, else per key, so any page size works) through an
     online softmax in fp32 (exp2, scale folded with log2 e).  With one split it adds the sink and
     writes out / lse: no partials, and a sequence's result does not depend on the rest of the
-    batch.  With several it writes each split's normalized output in the input dtype (rounded like
-    the final output) and its LSE in fp32 for ``_merge_splits_kernel``.
+    batch.  With several, split i takes key blocks floor(i n / s) .. floor((i + 1) n / s) - 1 of the
+    sequence's n, and each program writes its normalized output in the input dtype (rounded like the
+    final output) and its LSE in fp32: for ``_merge_splits_kernel`` (``cascade_decode``), or, with
+    FUSED_MERGE (flash_decode), for the tile's last program, which merges them.
 
-    FLOPs ~= 4 * B * H_q * S_q * L * D (QK^T and PV; L the mean seqused_k).
+    The fused merge.  A program takes a ticket from its tile's counter (an int32 per (sequence, KV
+    head, query tile), zeroed by the launcher) once its keys are done.  All but the last write their
+    partial and count themselves done; the last waits for them (they hold tickets, so they are
+    running and wait on nothing: no deadlock whatever the occupancy), reads the s - 1 partials and
+    merges them with its own state, kept in registers, then adds the sink and writes out and lse.  It
+    takes the splits in index order and its own state as the others read theirs (the partials' dtype,
+    the fp32 lse: tl.load casts ``other``), through the same ``_merge_step`` / ``_merge_finish`` as
+    ``_merge_splits_kernel``: the result is the same bits whichever program finishes last, and the
+    same as the merge kernel's (parity/test_flash_decoding.py compares them with torch.equal, with
+    each split's program made the merger in turn).  It saves the merge kernel's launch, the merging
+    program's partial (written and read) and one more read of every LSE.
+
+    FLOPs ~= 4 * B * H_q * S_q * L * D (QK^T and PV; L the mean seqused_k), plus ~3 * S_q * H_q * D
+    per split and sequence for the merge.
     Minimum bytes (the IO bound) = B * (2 * L * H_kv * D * elt (K, V once) + 2 * S_q * H_q * D * elt
     (q, out) + 4 * S_q * H_q (lse) + 4 * ceil(L / page_size) (page ids)).
-    Issued bytes (active lanes) with s splits add, per sequence: (s - 1) * S_q * H_q * D * elt (each
-    split reads q); the page ids each program reads, 4 * H_kv * ceil(L / BLOCK_N) when BLOCK_N
+    Issued bytes (active lanes) with s splits (fused) add, per sequence: (s - 1) * S_q * H_q * D * elt
+    (each split reads q); the page ids each program reads, 4 * H_kv * ceil(L / BLOCK_N) when BLOCK_N
     divides the page size (one per key block), else 4 * H_kv * L (one per key), less the bound's
-    4 * ceil(L / page_size); s * S_q * H_q * (2 * D * elt + 12) - 4 * S_q * H_q (the partial outputs
-    written here and read by the merge; the fp32 partial LSEs written here and read by both passes
-    of the merge, against the one final lse); and 4 * H_kv * s (seqused_k).  At B = 4, GQA 8/2,
-    D = 128, fp16, page 16: s = 14 at L = 8k gives issued / bound = 1.0104, and s = 8 at L = 1k
-    (the traffic cap, _traffic_splits: the SM count alone would split 16 ways) 1.0458, with 64
-    programs; the Triton interpreter's count of active lanes gives the same bytes exactly.
-    (Past 1.05 at 1k there is no room for a ninth split: it would re-read q and write and read a
-    partial, >= 3 * S_q * H_q * D * elt more bytes per sequence, i.e. >= 1.0506.)
+    4 * ceil(L / page_size); 2 * (s - 1) * S_q * H_q * (D * elt + 4) (the partials but the merging
+    program's, written once and read once); 4 * H_kv * s (seqused_k); and per tile 4 bytes of zeros
+    and 2 s atomics of 4 bytes read and written (a ticket per program, a done per partial, the
+    merger's poll: once in the interpreter, where the others are done by then; a GPU may poll more,
+    in L2).  At B = 4, GQA 8/2, D = 128, fp16, page 16 that is 1.0099 (s = 14, 112 programs) at
+    L = 8k, 1.0097 contiguous, and 1.0478 (s = 9, 72 programs: 0.55 of an H100's 132 SMs) at L = 1k;
+    the Triton interpreter's count of active lanes gives the same bytes exactly.  The kernel
+    observatory (``make roofline``: its bound is q, K, V and out only, and it counts the host checks'
+    PyTorch ops, 6 KB here) reads 1.0115 and 1.0495.  The merge kernel would write and read every
+    partial: 1.0514 with the same 9 splits (hence 8 there: 1.0455, 64 programs, 0.48 of the SMs).  A
+    tenth split costs 3 * S_q * H_q * D * elt + 8 * S_q * H_q + 20 * H_kv bytes more per sequence (q;
+    a partial written and read; seqused_k and two atomics per program), 0.59%: 1.0537 > 1.05, so the
+    traffic cap (_traffic_splits) stops at 9.
     """
     # o_ptr / lse_ptr are out [B, S_q, H_q, D] / lse [B, H_q, S_q] with one split, else the partials
     # [B, S_q, H_q, NUM_SPLITS, D] (q's dtype) / [B, S_q, H_q, NUM_SPLITS] (fp32): the strides say which.
     i_bh, i_split, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if SPLIT_ROTATE != 0:    # tests only: another split's program arrives last and merges
+        i_split = (i_split + SPLIT_ROTATE) % NUM_SPLITS
     i_b, i_hkv = i_bh // H_kv, i_bh % H_kv
     i_b64 = i_b.to(tl.int64)
     # HAS_LEFTPAD: the sequence's keys start at position kv_first (cache_leftpad; a cascade's suffix starts
@@ -650,11 +690,18 @@ def _decode_fwd_kernel(
     p_q = q_ptr + i_b64 * stride_qb + i_q[:, None] * stride_qs + i_hq[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)           # [BLOCK_M, BLOCK_D]
 
-    # This split's share of the sequence's key blocks (the split size follows the real length).
+    # This split's share of the sequence's key blocks, from the real length: split i takes blocks
+    # floor(i n / s) .. floor((i + 1) n / s) - 1, so the shares differ by at most one block and no split
+    # is left empty while there are at least as many blocks as splits.  One split takes them all (written
+    # as before this rule: the one-split builds, the batch-invariant mode's included, stay as they were).
     n_blocks = tl.cdiv(seqlen, BLOCK_N)
-    per_split = tl.cdiv(n_blocks, NUM_SPLITS)
-    start = i_split * per_split * BLOCK_N
-    end = tl.minimum(start + per_split * BLOCK_N, seqlen)
+    if IS_SPLIT:
+        start = (i_split * n_blocks // NUM_SPLITS) * BLOCK_N
+        end = tl.minimum(((i_split + 1) * n_blocks // NUM_SPLITS) * BLOCK_N, seqlen)
+    else:
+        per_split = tl.cdiv(n_blocks, NUM_SPLITS)
+        start = i_split * per_split * BLOCK_N
+        end = tl.minimum(start + per_split * BLOCK_N, seqlen)
     last_seen = seqlen - S_q + i_q                                             # row i sees keys j <= last_seen
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)                 # running max, log2 units
@@ -705,11 +752,63 @@ def _decode_fwd_kernel(
         if HAS_SINKS:
             b_sink = tl.load(sinks_ptr + i_hq, mask=m_r, other=0.0).to(tl.float32)
         b_o, b_lse = _finish_rows(b_acc, b_l, b_m, b_sink, HAS_SINKS)
-    p_o = (o_ptr + i_b64 * stride_ob + i_q[:, None] * stride_os + i_hq[:, None] * stride_oh
-           + i_split * stride_osplit + o_d[None, :])
-    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
-    p_lse = lse_ptr + i_b64 * stride_lb + i_q * stride_ls + i_hq * stride_lh + i_split * stride_lsplit
-    tl.store(p_lse, b_lse, mask=m_r)
+    b_o = b_o.to(o_ptr.dtype.element_ty)           # as stored: the partials (and out) are in the input dtype
+    m_o = m_r[:, None] & m_d[None, :]
+    if not FUSED_MERGE:
+        # out / lse with one split, else this split's partial (the merge kernel merges them).
+        p_o = (o_ptr + i_b64 * stride_ob + i_q[:, None] * stride_os + i_hq[:, None] * stride_oh
+               + i_split * stride_osplit + o_d[None, :])
+        tl.store(p_o, b_o, mask=m_o)
+        p_lse = lse_ptr + i_b64 * stride_lb + i_q * stride_ls + i_hq * stride_lh + i_split * stride_lsplit
+        tl.store(p_lse, b_lse, mask=m_r)
+    else:
+        # The split merge, by the program of the tile that finishes its keys last.  Its ticket (the low 16
+        # bits of the tile's counter; NUM_SPLITS <= _MAX_SPLITS < 2^16) says so; the others store their
+        # partial and count themselves done (the high bits), a barrier putting every thread's stores
+        # before one thread's release atomic (GPU scope).  The last one waits for the s - 1 others, which
+        # all hold tickets, so are running and wait on nothing: no deadlock, whatever the number of
+        # resident programs.  Its acquire (and the barrier behind a scalar atomic's result) orders its
+        # loads of the partials (.cg: from L2) after their stores.  Its own partial is neither stored nor
+        # read: its state stays in registers.
+        p_o = o_ptr + i_b64 * stride_ob + i_split * stride_osplit      # this split's partial, by default
+        r_o = i_q * stride_os + i_hq * stride_oh
+        p_lse = lse_ptr + i_b64 * stride_lb + i_split * stride_lsplit
+        r_lse = i_q * stride_ls + i_hq * stride_lh
+        p_count = count_ptr + i_bh * tl.num_programs(2) + i_m
+        ticket = tl.atomic_add(p_count, 1, sem="relaxed", scope="gpu") & 0xFFFF
+        if ticket == NUM_SPLITS - 1:
+            done = 0                                                 # (s >= 2: the loop runs)
+            while done < NUM_SPLITS - 1:
+                done = tl.atomic_add(p_count, 0, sem="acquire", scope="gpu") >> 16
+            # The splits in index order, this program's own state as the others' are read (tl.load casts
+            # ``other`` to the partials' dtype; the lse is fp32 as stored): the result does not depend on
+            # which program merges.  ``step`` is 1, but not to ptxas, which would unroll the loop.
+            step = done + 2 - NUM_SPLITS
+            p_po = o_ptr + i_b64 * stride_ob + r_o[:, None] + o_d[None, :]
+            p_pl = lse_ptr + i_b64 * stride_lb + r_lse
+            m_mrg = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            den = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+            for j in range(0, NUM_SPLITS, step):
+                m_j = tl.where(j != i_split, m_r, False)     # (m_r & a scalar: the interpreter casts it to int)
+                lse_j = tl.load(p_pl + j * stride_lsplit, mask=m_j, other=b_lse, cache_modifier=".cg")
+                o_j = tl.load(p_po + j * stride_osplit, mask=m_j[:, None] & m_d[None, :], other=b_o,
+                              cache_modifier=".cg")
+                acc, den, m_mrg = _merge_step(acc, den, m_mrg, lse_j, o_j)
+            sink = tl.zeros([BLOCK_M], dtype=tl.float32)
+            if HAS_SINKS:
+                sink = tl.load(sinks_ptr + i_hq, mask=m_r, other=0.0).to(tl.float32)
+            f_o, b_lse = _merge_finish(acc, den, m_mrg, sink, HAS_SINKS)
+            b_o = f_o.to(o_ptr.dtype.element_ty)
+            p_o = out_ptr + i_b64 * stride_fb                      # out [B, S_q, H_q, D]
+            r_o = i_q * stride_fs + i_hq * stride_fh
+            p_lse = out_lse_ptr + i_b64 * (S_q * H_kv * GROUP)     # lse [B, H_q, S_q]
+            r_lse = i_hq * S_q + i_q
+        tl.store(p_o + r_o[:, None] + o_d[None, :], b_o, mask=m_o)
+        tl.store(p_lse + r_lse, b_lse, mask=m_r)
+        if ticket != NUM_SPLITS - 1:
+            tl.debug_barrier()
+            tl.atomic_add(p_count, 1 << 16, sem="release", scope="gpu")
 
 
 # A row's result is made of the score transform in the decode loop and the next three functions.
@@ -753,6 +852,38 @@ def _finish_rows(acc, l_i, m_i, b_sink, HAS_SINKS: tl.constexpr):
 
 
 @triton.jit
+def _merge_step(acc, den, m, lse_j, o_j):
+    """One partial state more in the split merge, the splits taken in index order: lse_j [R] fp32 natural
+    log (-inf: the split saw no key), o_j [R, BLOCK_D] its normalized output (the partials' dtype).  The
+    running state is (acc, den, m): the weighted sum, its weight and the largest lse so far, rescaled like
+    the online softmax so that every weight is at most 1 (exact at any |lse|).  _merge_splits_kernel and
+    the decode kernel's fused merge run this same code, so both round alike."""
+    m_new = tl.maximum(m, lse_j)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)    # nothing seen yet: weights 0, not NaN
+    alpha = tl.exp(m - m_safe)
+    w = tl.exp(lse_j - m_safe)
+    return acc * alpha[:, None] + w[:, None] * o_j.to(tl.float32), den * alpha + w, m_new
+
+
+@triton.jit
+def _merge_finish(acc, den, m, sink, HAS_SINKS: tl.constexpr):
+    """The merged rows' (out, lse) from _merge_step's state, after the sink (natural log) joins the
+    denominator once."""
+    m = tl.where(m == float("-inf"), 0.0, m)
+    if HAS_SINKS:
+        m_fin = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_fin)                                 # 0 against a sink of +inf
+        den = den * alpha + tl.exp(tl.where(sink == m_fin, 0.0, sink - m_fin))   # 1 for a sink of +inf
+        acc = acc * alpha[:, None]
+        m = m_fin
+    empty = den == 0                                              # no key and no sink (or one of -inf)
+    den_safe = tl.where(empty, 1.0, den)
+    b_o = acc * (1.0 / den_safe)[:, None]
+    b_lse = tl.where(empty, float("-inf"), m + tl.log(den_safe))
+    return b_o, b_lse
+
+
+@triton.jit
 def _tanh(x):
     # tanh through exp2 (portable: the interpreter has no libdevice).  For large |x|, 2^(2x log2e)
     # overflows to inf or underflows to 0 and the expression saturates to +-1 as it should.
@@ -764,49 +895,36 @@ def _merge_splits_kernel(
     po_ptr, plse_ptr, sinks_ptr, o_ptr, lse_ptr,
     stride_ob, stride_os, stride_oh,
     S_q, H_q, NUM_SPLITS,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """One program per (sequence, row, query head) merges the splits' partials (outputs in the input
-    dtype, LSEs in fp32) in a fixed order, in fp32, and adds the sink once.  FLOPs ~= 3 * B * S_q *
-    H_q * num_splits * D; bytes = B * S_q * H_q * (num_splits * (D * elt + 4) + D * elt + 4), plus
-    4 * num_splits per row for the second read of the LSEs (a pass for the max, one for the sum)."""
-    # One program per row (b, i, h), numbered like the partials [B, S_q, H_q, NUM_SPLITS, ...].
+    dtype, LSEs in fp32) in split order, in fp32 (_merge_step), and adds the sink once.  cascade_decode
+    runs it; flash_decode merges inside the decode kernel (FUSED_MERGE) with the same code, and
+    ``_FUSED_MERGE = False`` runs it there too.  FLOPs ~= 3 * B * S_q * H_q * num_splits * D;
+    bytes = B * S_q * H_q * (num_splits * (D * elt + 4) + D * elt + 4): each partial and LSE read once."""
+    # One program per row (b, i, h), numbered like the partials [B, S_q, H_q, NUM_SPLITS, ...]; the
+    # row is a tile of one ([1] and [1, BLOCK_D]) so that _merge_step serves both kernels.
     i_row = tl.program_id(0)
     i_h, i_s, i_b = i_row % H_q, (i_row // H_q) % S_q, i_row // (H_q * S_q)
     base = i_row.to(tl.int64) * NUM_SPLITS
-    o_sp = tl.arange(0, BLOCK_S)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
+    o_one = tl.zeros([1], dtype=tl.int64)
 
-    b_max = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        b_lse = tl.load(plse_ptr + base + s0 + o_sp, mask=s0 + o_sp < NUM_SPLITS, other=float("-inf"))
-        b_max = tl.maximum(b_max, b_lse)
-    m = tl.max(b_max, 0)
+    m = tl.full([1], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([1], dtype=tl.float32)
+    acc = tl.zeros([1, BLOCK_D], dtype=tl.float32)
+    for j in range(0, NUM_SPLITS):
+        lse_j = tl.load(plse_ptr + base + j + o_one)
+        o_j = tl.load(po_ptr + (base + j + o_one)[:, None] * HEAD_DIM + o_d[None, :], mask=m_d[None, :], other=0.0)
+        acc, den, m = _merge_step(acc, den, m, lse_j, o_j)
+    sink = tl.zeros([1], dtype=tl.float32)
     if HAS_SINKS:
-        sink = tl.load(sinks_ptr + i_h).to(tl.float32)
-        m = tl.maximum(m, sink)
-    m = tl.where(m == float("-inf"), 0.0, m)                   # every split empty, no sink (or one of -inf)
-
-    b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    b_den = tl.zeros([BLOCK_S], dtype=tl.float32)
-    for s0 in range(0, NUM_SPLITS, BLOCK_S):
-        m_sp = s0 + o_sp < NUM_SPLITS
-        b_w = tl.exp(tl.load(plse_ptr + base + s0 + o_sp, mask=m_sp, other=float("-inf")) - m)   # [BLOCK_S]
-        p_po = po_ptr + (base + s0 + o_sp)[:, None] * HEAD_DIM + o_d[None, :]
-        b_po = tl.load(p_po, mask=m_sp[:, None] & m_d[None, :], other=0.0).to(tl.float32)       # [BLOCK_S, BLOCK_D]
-        b_acc += tl.sum(tl.where(b_w[:, None] == 0, 0.0, b_w[:, None] * b_po), 0)   # a NaN stays NaN
-        b_den += b_w
-    den = tl.sum(b_den, 0)
-    if HAS_SINKS:
-        den += tl.exp(tl.where(sink == m, 0.0, sink - m))     # 1 for a sink of +inf (then m = +inf)
-    empty = den == 0
-    den_safe = tl.where(empty, 1.0, den)
-    b_o = b_acc / den_safe
-    lse = tl.where(empty, float("-inf"), m + tl.log(den_safe))
-    p_o = o_ptr + i_b.to(tl.int64) * stride_ob + i_s * stride_os + i_h * stride_oh + o_d
-    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_d)
-    tl.store(lse_ptr + (i_b.to(tl.int64) * H_q + i_h) * S_q + i_s, lse)
+        sink = tl.load(sinks_ptr + i_h + o_one).to(tl.float32)
+    b_o, lse = _merge_finish(acc, den, m, sink, HAS_SINKS)
+    p_o = o_ptr + i_b.to(tl.int64) * stride_ob + i_s * stride_os + i_h * stride_oh + o_d[None, :]
+    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_d[None, :])
+    tl.store(lse_ptr + (i_b.to(tl.int64) * H_q + i_h) * S_q + i_s + o_one, lse)
 
 
 @triton.jit
@@ -865,11 +983,20 @@ def _fwd_config(head_dim: int, dtype: torch.dtype, rows: int, paged: bool, kv_al
     - BLOCK_M rows of (query row, group head): up to 64 (32 at D = 256, 16 in fp32); decoding
       (S_q = 1, G <= 16) takes one 16-row tile.
     - 4 warps, 8 for tiles of 32 rows or more, fp32 (IEEE dots on FMA units) and rows not aligned to
-      16 bytes (narrower vectors, more addresses in registers).
-    sm_90, D = 128, 16-bit, 16-row tile, split launch (parity/aot_compile.py, as a launch specializes
-    it): 63 registers, 20.5 KB of shared memory (two 8 KB K/V stages and q), 856 SASS instructions
-    paged (page 16), 64 / 20.5 KB / 709 contiguous, so 8 programs fit an SM; every config builds
-    without spills for sm_80 and sm_90 (parity/test_compile.py).
+      16 bytes (narrower vectors, more addresses in registers).  A split launch that merges its
+      partials itself (flash_decode's fused merge) runs enough warps for 8 elements of the BLOCK_M x
+      BLOCK_D tile a thread, up to 16 (``fused_warps``): 8 for the 16 x 128 tile, where 4 warps (16
+      elements a thread) took the paged kernel to 1,213 SASS instructions against 974; 16 for 32 x 256
+      (8 warps spill on sm_90) and 64 x 128.  The shape gate
+      splits only a launch that leaves SMs idle and plans one program per SM, so the 8 warps cost no
+      occupancy there (their worth at run time is a GPU measurement, owed).  The split count depends
+      on the batch, so a split launch's config does too; one split never changes it.
+    sm_90, D = 128, 16-bit, 16-row tile (parity/aot_compile.py, as a launch specializes it): one
+    split, 63 registers, 20.5 KB of shared memory (two 8 KB K/V stages and q), 828 SASS instructions
+    paged (page 16), 64 / 20.5 KB / 678 contiguous, so 8 programs fit an SM; split with the fused merge
+    (8 warps), 78 / 20.5 KB / 974 paged, 78 / 20.5 KB / 858 contiguous, 3 programs an SM (registers);
+    split for the merge kernel (4 warps, as cascade_decode's suffix), 63 / 20.5 KB / 871 paged.  Every
+    config builds without spills for sm_80 and sm_90 (parity/test_compile.py).
     """
     elt = torch.finfo(dtype).bits // 8
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -881,7 +1008,9 @@ def _fwd_config(head_dim: int, dtype: torch.dtype, rows: int, paged: bool, kv_al
         block_n = 16  # the interpreter: small blocks so small test shapes still loop over several
     num_warps = 8 if block_m >= 32 or elt == 4 or kv_align * elt < 16 else 4
     return dict(BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, KV_ALIGN=kv_align, num_warps=num_warps,
-                num_stages=2 * buffers + 1 if paged else buffers + 1, num_q_tiles=-(-rows // block_m))
+                fused_warps=max(num_warps, min(16, block_m * block_d // 256)),     # 8 merge elements a thread
+                num_stages=2 * buffers + 1 if paged else buffers + 1,
+                num_q_tiles=-(-rows // block_m))
 
 
 # The batch-invariant mode's config: fast/paged_varlen_attention.py's table, copied (its comment gives
@@ -945,11 +1074,19 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _traffic_splits(capacity: int, rows: int, head_dim: int, elt: int) -> int:
-    """The most splits whose extra bytes per (sequence, KV head), 3 * rows * (D * elt + 4) each (q read
-    again; the partial out and lse written, then read), stay within _SPLIT_TRAFFIC of the K and V bytes
-    of a full cache, 2 * capacity * D * elt.  B = 4, GQA 8/2, D = 128, fp16: 8 splits at 1k keys, 67 at 8k."""
-    return max(1, int(_SPLIT_TRAFFIC * 2 * capacity * head_dim * elt) // (3 * rows * (head_dim * elt + 4)))
+def _traffic_splits(capacity: int, rows: int, head_dim: int, elt: int, fused: bool = False) -> int:
+    """The most splits whose extra bytes per (sequence, KV head) stay within _SPLIT_TRAFFIC of the K and V
+    bytes of a full cache, 2 * capacity * D * elt.  A split costs about 3 * rows * (D * elt + 4): q read
+    again, a partial out and lse written, then read.  The fused merge (``fused``) spares the merging
+    program's partial, so s splits cost s - 1 of these; the merge kernel reads all s.  B = 4, GQA 8/2,
+    D = 128, fp16: 9 splits at 1k keys fused (8 with the merge kernel), 68 (67) at 8k."""
+    splits = int(_SPLIT_TRAFFIC * 2 * capacity * head_dim * elt) // (3 * rows * (head_dim * elt + 4))
+    return max(1, splits + 1 if fused else splits)
+
+
+def _new_counters(n, device):
+    """The fused merge's arrival counters: n int32 zeros (a function so tests can inspect them)."""
+    return torch.zeros(n, dtype=torch.int32, device=device)
 
 
 def _new_partials(o_shape, lse_shape, dtype, device):

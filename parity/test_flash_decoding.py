@@ -7,7 +7,9 @@
    fp64; paged caches from ``build_page_pools`` (shuffled, over-allocated pools, NaN in every
    unused slot, spare block-table columns pointing at random pages) and contiguous caches with
    NaN past seqused_k, so a read past the valid keys turns the output into NaN; num_splits in
-   {1, 2, 7, auto} agree; outputs and the partial buffers are NaN-poisoned.
+   {1, 2, 7, auto} agree; outputs and the partial buffers are NaN-poisoned.  The split merge inside
+   the decode kernel equals the merge kernel's bit for bit, whichever split's program merges, and the
+   merging program's partial is never written.
 3. k_new / v_new land in their slots and nothing else in the cache changes; num_splits=1 is
    batch-invariant (bitwise); batched == each sequence alone.
 4. merge_attention_states: exact with an empty side, never NaN, associative, and merging the
@@ -210,6 +212,101 @@ def test_poisoned_partials(monkeypatch):
         assert calls and calls[0][0][3] == 5 and calls[0][2] == dtype, "the split path did not run"
         check_close(f"poisoned partials out {dtype}", o_fast, o64, o_low)
         check_close(f"poisoned partials lse {dtype}", lse_fast, lse64, lse_low)
+
+
+# The fused split merge (flash_decode's default): (id, page_size or None, H_q, H_kv, S_q, D, softcap, sinks,
+# num_splits, lengths).  Lengths 0 and shorter than a split (the interpreter's 16-key blocks: fewer blocks
+# than splits leaves splits empty), GQA, MHA, speculative rows over two query tiles, sinks, softcap.
+FUSED_CASES = [
+    ("page16-gqa4-auto", 16, 8, 2, 1, 64, 0.0, False, None, [150, 0, 77, 9]),
+    ("page5-gqa2-sinks-3", 5, 4, 2, 2, 32, 0.0, True, 3, [40, 31, 0, 2]),
+    ("page3-gqa3-softcap-7", 3, 6, 2, 4, 40, 20.0, True, 7, [90, 17, 4, 0]),
+    ("dense-mha-d100-5", None, 2, 2, 3, 100, 0.0, True, 5, [80, 3, 0, 64]),
+    ("dense-gqa8-2tiles-2", None, 8, 1, 4, 16, 0.0, True, 2, [33, 0, 6, 48]),
+    ("page1-gqa4-9", 1, 4, 1, 1, 32, 0.0, True, 9, [200, 1, 0, 130]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name,page,h_q,h_kv,s_q,d,softcap,use_sinks,splits,lengths", FUSED_CASES,
+                         ids=[c[0] for c in FUSED_CASES])
+def test_fused_merge_is_the_merge_kernel(monkeypatch, name, page, h_q, h_kv, s_q, d, softcap, use_sinks, splits,
+                                         lengths, dtype):
+    """The split merge inside the decode kernel (the last program of each tile merges, its own state kept
+    in registers) gives out and lse bit for bit equal to the separate _merge_splits_kernel launch, whichever
+    program arrives last (``_SPLIT_ROTATE`` shifts the split each program computes, so that the interpreter,
+    which runs programs in order, makes each split's program the merger in turn); and agrees with the
+    reference."""
+    case = as_dtype(build_case(batch=len(lengths), s_q=s_q, h_q=h_q, h_kv=h_kv, d=d, page_size=page,
+                               max_len=max(lengths), seed=sum(map(ord, name)), lengths=lengths), dtype)
+    kw = dict(softcap=softcap, sinks=case["sinks"] if use_sinks else None, num_splits=splits)
+    fused = assert_fused_is_merge_kernel(monkeypatch, case, kw)
+    case64 = as_dtype(case, torch.float64)
+    o64, lse64 = run(ref, case64, softcap=softcap, sinks=case64["sinks"] if use_sinks else None)
+    o_low, lse_low = run(ref, case, softcap=softcap, sinks=kw["sinks"], upcast=False)
+    check_close(f"{name} out", fused[0], o64, o_low)
+    check_close(f"{name} lse", fused[1], lse64, lse_low)
+
+
+def test_fused_merge_with_cache_leftpad(monkeypatch):
+    """The same with cache_leftpad (keys before it skipped): split shares follow the remaining keys."""
+    case = as_dtype(build_case(batch=3, s_q=2, h_q=4, h_kv=2, d=32, page_size=8, max_len=90, seed=33,
+                               lengths=[90, 41, 0]), torch.float16)
+    leftpad = torch.tensor([7, 30, 0], dtype=torch.int32, device=DEVICE)
+    assert_fused_is_merge_kernel(monkeypatch, case, dict(sinks=case["sinks"], num_splits=4, cache_leftpad=leftpad))
+
+
+def assert_fused_is_merge_kernel(monkeypatch, case, kw):
+    """flash_decode(**kw) on ``case``: the fused merge's result, checked against the merge kernel's and
+    against itself with each split's program merging; returns (out, lse)."""
+    seen = []
+    monkeypatch.setattr(fast, "_new_counters", lambda n, device: seen.append(torch.zeros(n, dtype=torch.int32,
+                                                                                         device=device)) or seen[-1])
+    fused = run_fast(case, **kw)
+    assert seen, "the fused merge did not run"
+    s = run_splits(case, **kw)                  # the launch's split count (at most the cache's key blocks)
+    # Every program took a ticket (low 16 bits); all but the last counted themselves done (high bits).
+    assert torch.equal(seen[0], torch.full_like(seen[0], ((s - 1) << 16) + s))
+    monkeypatch.setattr(fast, "_FUSED_MERGE", False)                # (the shape gate's cap differs: pass s)
+    two_kernels = run_fast(case, **dict(kw, num_splits=s))
+    monkeypatch.setattr(fast, "_FUSED_MERGE", True)
+    for name_, a, b in (("out", fused[0], two_kernels[0]), ("lse", fused[1], two_kernels[1])):
+        assert nan_equal(a, b), f"{name_}: the fused merge differs from the merge kernel"
+    for rotate in range(1, s):
+        monkeypatch.setattr(fast, "_SPLIT_ROTATE", rotate)
+        other = run_fast(case, **kw)
+        assert nan_equal(other[0], fused[0]) and nan_equal(other[1], fused[1]), \
+            f"the result depends on which program merges (split {(s - 1 + rotate) % s} merged)"
+    monkeypatch.setattr(fast, "_SPLIT_ROTATE", 0)
+    return fused
+
+
+def run_splits(case, **kw) -> int:
+    """The split count a launch on ``case`` runs (its grid's second axis)."""
+    from observatory import observe
+    with observe(unique=False) as obs:
+        run_fast(case, **kw)
+    [launch] = [r for r in obs.launches if r.kernel == "_decode_fwd_kernel"]
+    return launch.grid[1]
+
+
+def test_fused_merge_stores_no_partial_of_its_own(monkeypatch):
+    """With NaN-poisoned partial buffers, exactly one split per query row is never written: the merging
+    program's, whose state stays in registers; the rows come out right all the same."""
+    held = []
+
+    def poisoned(o_shape, lse_shape, dtype, device):
+        held.append((torch.full(o_shape, float("nan"), dtype=dtype, device=device),
+                     torch.full(lse_shape, float("nan"), device=device)))
+        return held[-1]
+
+    monkeypatch.setattr(fast, "_new_partials", poisoned)
+    case = as_dtype(build_case(batch=3, s_q=2, h_q=4, h_kv=2, d=32, page_size=8, max_len=90, seed=31,
+                               lengths=[90, 40, 0]), torch.float32)
+    out, lse = run_fast(case, sinks=case["sinks"], num_splits=4)
+    _, lse_part = held[0]                                       # [B, S_q, H_q, splits]
+    assert torch.equal(torch.isnan(lse_part).sum(-1), torch.ones(lse_part.shape[:-1], dtype=torch.int64))
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
 
 
 def test_auto_splits_use_the_gate(monkeypatch):

@@ -157,7 +157,8 @@ def test_flash_decode_contiguous_batch_past_2_31():
 
 
 def test_flash_decode_paged_pool_past_2_31():
-    """Two sequences on the first and the last pages of a 524,290-page pool, split four ways and merged."""
+    """Two sequences on the first and the last pages of a 524,290-page pool, split four ways and merged (by
+    the decode kernel's last program of each tile)."""
     from fast.flash_decoding import flash_decode
     page, h_kv, group, d = 16, 2, 4, 128
     pages = BIG // (page * h_kv * d) + 2
@@ -172,16 +173,19 @@ def test_flash_decode_paged_pool_past_2_31():
     used = torch.tensor([50, 64], dtype=torch.int32)
     with observe(unique=False) as obs:
         out = flash_decode(q, *pools, used, block_table=table, num_splits=4)
-    assert launched(obs, "_merge_splits_kernel")
+    assert launched(obs, "_decode_fwd_kernel")[0].grid[1] == 4
+    assert not [r for r in obs.launches if r.kernel == "_merge_splits_kernel"]    # merged in the decode kernel
     want = flash_decode(q, *small, used, block_table=torch.arange(8, dtype=torch.int32).view(2, 4), num_splits=4)
     assert_same("out", out, want)
 
 
-def test_merges_past_2_31():
+def test_merges_past_2_31(monkeypatch):
     """merge_attention_states on 524,289 rows of head dim 4096 (2^31 + 4,096 elements; a wide head
     keeps the grid small: the interpreter visits every grid point, even skipped ones), and
     flash_decode's split merge over fp16 partials of 2^31 + 65,536 elements (32,769 sequences x 4
-    query rows x 4 heads x 32 splits x 128), the first and the last sequence computed."""
+    query rows x 4 heads x 32 splits x 128), the first and the last sequence computed: merged in the
+    decode kernel (the default) and by _merge_splits_kernel (cascade_decode's merge)."""
+    import fast.flash_decoding as fd
     from fast.flash_decoding import flash_decode, merge_attention_states
     gen = make_generator(44)
     d = 4096
@@ -216,13 +220,18 @@ def test_merges_past_2_31():
     used[0] = s_max - 100
     decode_ends = both_ends(1, axes=(0,), kernels=("_decode_fwd_kernel",))     # sequences 0 and B-1
     merge_ends = both_ends(s_q * group, kernels=("_merge_splits_kernel",))       # their rows
-    with observe(unique=False, programs=lambda *at: decode_ends(*at) and merge_ends(*at)) as obs:
-        out = flash_decode(q, *caches, used, num_splits=splits)
-    assert launched(obs, "_decode_fwd_kernel")[0].grid[1] == splits
-    [merge] = launched(obs, "_merge_splits_kernel")
-    assert merge.args["po_ptr"][1] > 2 * BIG                         # fp16 partials: bytes > 2 x 2^31
-    want = flash_decode(q[[0, -1]], *small, used[[0, -1]], num_splits=splits)
-    assert_same("split-merged out", out[[0, -1]], want)
+    for fused in (True, False):
+        monkeypatch.setattr(fd, "_FUSED_MERGE", fused)
+        with observe(unique=False, programs=lambda *at: decode_ends(*at) and merge_ends(*at)) as obs:
+            out = flash_decode(q, *caches, used, num_splits=splits)
+        [decode] = launched(obs, "_decode_fwd_kernel")
+        assert decode.grid[1] == splits
+        # fp16 partials: bytes > 2 x 2^31, read by the decode kernel's last programs or the merge kernel
+        merges = [r for r in obs.launches if r.kernel == "_merge_splits_kernel"]
+        assert len(merges) == (0 if fused else 1)
+        assert (decode.args["o_ptr"] if fused else merges[0].args["po_ptr"])[1] > 2 * BIG
+        want = flash_decode(q[[0, -1]], *small, used[[0, -1]], num_splits=splits)
+        assert_same(f"split-merged out ({'fused' if fused else 'merge kernel'})", out[[0, -1]], want)
 
 
 # ----------------------------------------------------------------------------- Gated DeltaNet

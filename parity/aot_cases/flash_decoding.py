@@ -18,16 +18,21 @@ from aot_compile import int_signature as _int_types
 
 
 def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16, batch=4, seq=8192, page=16,
-                 num_splits=7, invariant_family=None, leftpad=False):
+                 num_splits=7, invariant_family=None, leftpad=False, fused=None):
     """The decode kernel's build for one example launch: q [B, S_q, H_q, D], a paged pool of ``page``-key
     pages (or a contiguous cache of ``seq`` slots), ``num_splits`` partials or the output directly.
     ``kv_align`` < 16 pads the cache rows to a multiple of it (head dims like 100 or 63).
     ``invariant_family`` (80 or 90): the batch-invariant launch on that family (its tile, one split).
-    ``leftpad``: keys from cache_leftpad on (a cascade's suffix, the mode's second segment)."""
+    ``leftpad``: keys from cache_leftpad on (a cascade's suffix, the mode's second segment).
+    ``fused``: the split launch merges its partials itself (flash_decode's); default: split and not
+    leftpad (with leftpad, a split launch is cascade_decode's suffix, merged by the merge kernel)."""
+    if fused is None:
+        fused = split and not leftpad
     if invariant_family is None:
         cfg = m._fwd_config(d, dtype, s_q * (h_q // h_kv), paged, kv_align, torch.device("cuda"))
     else:
         cfg = m._invariant_config(d, dtype, s_q * (h_q // h_kv), h_q // h_kv, kv_align, invariant_family)
+    warps = cfg["fused_warps"] if fused else cfg["num_warps"]      # a fused split launch runs more warps
     row = -(-d // kv_align) * kv_align                       # the cache's row stride in elements
     if paged:
         pages_per_seq = seq // page + 1
@@ -45,28 +50,30 @@ def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16,
     names = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
              "stride_vt", "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_osplit", "stride_lb",
              "stride_ls", "stride_lh", "stride_lsplit", "stride_btb", "H_kv", "GROUP", "S_q", "PAGE_SIZE",
-             "NUM_SPLITS")
+             "NUM_SPLITS", "stride_fb", "stride_fs", "stride_fh")
     values = (*q_strides, *k_strides, *k_strides, *o_strides, *l_strides, pages_per_seq, h_kv, h_q // h_kv, s_q,
-              page if paged else 1, num_splits if split else 1)
+              page if paged else 1, num_splits if split else 1, *(q_strides if fused else (0, 0, 0)))
     signature, constants = _int_types(dict(zip(names, values)))
     t = _TYPES[dtype]
     signature.update(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}", o_ptr=f"*{t}",
                      seqused_ptr="*i32", bt_ptr="*i32", sinks_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32",
-                     softcap="fp32", leftpad_ptr="*i32")
+                     softcap="fp32", leftpad_ptr="*i32", out_ptr=f"*{t}", out_lse_ptr="*fp32", count_ptr="*i32")
     layout = ("paged" if paged else "dense") + (",leftpad" if leftpad else "")
     mode = "" if invariant_family is None else f"invariant sm{invariant_family},"
     return dict(
         kernel=m._decode_fwd_kernel, archs=[80, 90] if invariant_family is None else [invariant_family],
         name=f"decode_fwd[{mode}{t},D={d},S_q={s_q},G={h_q // h_kv},{layout},{'split' if split else 'one'}"
-             f"{',sinks+softcap' if extras else ''}{f',align{kv_align}' if kv_align < 16 else ''}:"
-             f"M={cfg['BLOCK_M']},N={cfg['BLOCK_N']},w{cfg['num_warps']},s{cfg['num_stages']}]",
+             f"{',fused' if fused else ''}{',sinks+softcap' if extras else ''}"
+             f"{f',align{kv_align}' if kv_align < 16 else ''}:"
+             f"M={cfg['BLOCK_M']},N={cfg['BLOCK_N']},w{warps},s{cfg['num_stages']}]",
         signature=signature,
         constexprs=dict(constants, HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"],
                         BLOCK_N=cfg["BLOCK_N"], IS_PAGED=paged, IS_SPLIT=split, HAS_SINKS=extras,
                         HAS_SOFTCAP=extras, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
                         KV_ALIGN=cfg["KV_ALIGN"], BATCH_INVARIANT=invariant_family is not None,
-                        BLOCK_IN_PAGE=paged and page % cfg["BLOCK_N"] == 0 and not leftpad, HAS_LEFTPAD=leftpad),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                        BLOCK_IN_PAGE=paged and page % cfg["BLOCK_N"] == 0 and not leftpad, HAS_LEFTPAD=leftpad,
+                        FUSED_MERGE=fused),
+        num_warps=warps, num_stages=cfg["num_stages"],
         # fp32 dots are IEEE (FMA units); wgmma needs a 64-row tile, smaller tiles use mma.sync.
         tensor_cores=dtype != torch.float32, wgmma=cfg["BLOCK_M"] >= 64)
 
@@ -160,6 +167,8 @@ def cases(m) -> list[dict]:
     cases += [_decode_case(m, fp16, 128, 8, 2, 1, True, True, False, leftpad=True),
               _decode_case(m, bf16, 128, 32, 8, 4, True, True, True, leftpad=True),
               _decode_case(m, fp32, 64, 8, 2, 1, False, True, False, leftpad=True)]
+    # flash_decode with cache_leftpad, split: its fused merge.
+    cases.append(_decode_case(m, bf16, 128, 8, 2, 1, True, True, True, leftpad=True, fused=True))
     # Rows aligned to 4 or 1 elements only (8 warps, narrower vectors).
     cases += [_decode_case(m, bf16, 100, 8, 2, 3, True, True, True, kv_align=4),
               _decode_case(m, fp32, 100, 8, 2, 1, True, False, False, kv_align=4),
@@ -174,7 +183,7 @@ def cases(m) -> list[dict]:
                 signature=dict(po_ptr=f"*{t}", plse_ptr="*fp32", sinks_ptr="*fp32", o_ptr=f"*{t}",
                                lse_ptr="*fp32", stride_ob=i32, stride_os=i32, stride_oh=i32, S_q=i32, H_q=i32,
                                NUM_SPLITS=i32),
-                constexprs=dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_S=16, HAS_SINKS=d == 64), num_warps=4, num_stages=1))
+                constexprs=dict(HEAD_DIM=d, BLOCK_D=d, HAS_SINKS=d == 64), num_warps=4, num_stages=1))
             cases.append(dict(
                 kernel=m._merge_states_kernel, name=f"merge_states[{t},D={d}]",
                 signature=dict(oa_ptr=f"*{t}", la_ptr="*fp32", ob_ptr=f"*{t}", lb_ptr="*fp32",
