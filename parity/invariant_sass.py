@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import json
+import multiprocessing
 import re
 import subprocess
 import sys
@@ -51,9 +52,8 @@ def main() -> None:
     varlen_cases = A._import(PARITY / "aot_cases" / "paged_varlen_attention.py", "sass_varlen_cases")
     decoding_cases = A._import(PARITY / "aot_cases" / "flash_decoding.py", "sass_decoding_cases")
     engine_cases = A._import(PARITY / "aot_cases" / "generator_engine.py", "sass_engine_cases")
-    cubins = []
-    A._resource_usage = lambda cubin, usage=A._resource_usage: cubins.append(cubin) or usage(cubin)
-    groups = {}
+    A._resource_usage = lambda cubin, usage=A._resource_usage: _CUBINS.append(cubin) or usage(cubin)
+    jobs = []
     for arch in (80, 90):
         for dtype, d in ((torch.bfloat16, 64), (torch.float16, 128)):
             t = A.POINTER_TYPES[dtype]
@@ -71,13 +71,29 @@ def main() -> None:
                     decoding, dtype, d, 8, 2, 1, False, False, False, invariant_family=arch),
             }
             group = f"attention sm_{arch} {A.POINTER_TYPES[dtype]} D={d}"
-            groups[group] = {label: sass_counts(case, arch, cubins) for label, case in launches.items()}
+            jobs += [(group, label, case, arch) for label, case in launches.items()]
         for dtype in (torch.bfloat16, torch.float32):
             launches = {f"M={rows}": engine_cases._matmul_case(engine, dtype, arch, rows, 512, 1536)
                         for rows in (1, 37, 64)}
             group = f"invariant matmul sm_{arch} {A.POINTER_TYPES[dtype]}"
-            groups[group] = {label: sass_counts(case, arch, cubins) for label, case in launches.items()}
+            jobs += [(group, label, case, arch) for label, case in launches.items()]
+    # Two build processes (forked: the jobs are inherited, not pickled); a build is one core's work.
+    _JOBS[:] = jobs
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        counts = pool.map(_count, range(len(jobs)))
+    groups = {}
+    for (group, label, _, _), ops in zip(jobs, counts):
+        groups.setdefault(group, {})[label] = ops
     print(json.dumps(groups))
+
+
+_JOBS: list = []   # (group, launch label, case, arch), set before the pool forks
+_CUBINS: list = []  # the cubins this process built (aot_compile's resource check hands each over)
+
+
+def _count(i: int) -> dict:
+    _, _, case, arch = _JOBS[i]
+    return sass_counts(case, arch, _CUBINS)
 
 
 if __name__ == "__main__":
