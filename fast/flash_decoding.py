@@ -570,6 +570,9 @@ def _cascade_prefix_kernel(
         page = tl.load(bt_row + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
         o_k = page * stride_kb + (o_n % PAGE_SIZE) * stride_kt + i_hkv * stride_kh
         o_v = page * stride_vb + (o_n % PAGE_SIZE) * stride_vt + i_hkv * stride_vh
+        # The K/V loads and scores below are _decode_fwd_kernel's, written out again on purpose: in a
+        # shared @triton.jit function the alignment hint no longer reaches the loads' pipeliner (the
+        # KV_ALIGN < 16 builds, D = 100 or 60, lost their async copies and one invariant build spilled).
         if KV_ALIGN > 1:
             o_k = tl.multiple_of(o_k, KV_ALIGN)
             o_v = tl.multiple_of(o_v, KV_ALIGN)
