@@ -173,6 +173,9 @@ def chaos_run(rg, seed, *, error_rate, hang_rate=0.0, kills=False, sync_modes=("
         t.start()
     total = threads * per_thread
     dead: dict[ChaosGen, float] = {}
+
+    def in_step(stats):  # every attempt in flight for the router is at its generator
+        return all(stats[g.name]["inflight"] <= len(g.pending) for g in gens)
     t_real = time.monotonic()
     while True:
         with lock:
@@ -183,6 +186,13 @@ def chaos_run(rg, seed, *, error_rate, hang_rate=0.0, kills=False, sync_modes=("
         pace = time.monotonic() + 0.005  # simulated time moves once the submitters have filled their windows
         while not all(f or n >= window for f, n in zip(submitted_all, outstanding)) and time.monotonic() < pace:
             time.sleep(0)
+        # ... and once every attempt the router counts in flight has reached its generator (or its end has
+        # reached the router): a dispatching thread that a loaded machine left waiting must not find its
+        # request's deadline passed in simulated time before the request even exists.  (Bounded: a
+        # router that loses an attempt is caught by the checks, not hidden here.)
+        settle_by = time.monotonic() + 2.0
+        while time.monotonic() < settle_by and not in_step(router.stats()):
+            time.sleep(0.0002)
         clock.advance(0.01)
         if kills:
             now = clock.now()
