@@ -67,7 +67,7 @@ def check_matmul() -> tuple[int, int]:
 def check_attention(seed: int) -> tuple[int, int]:
     import test_batch_invariant_attention as t
     good = total = 0
-    for case, dtype in ((t.CASES[1], torch.float32), (t.CASES[3], torch.float16), (t.CASES[0], torch.float16)):
+    for case, dtype in ((t.CASES[1], torch.float32), (t.CASES[0], torch.float16)):   # every route, both dtypes
         name, h_q, h_kv, d, page, softcap, use_sinks, left = case
         s = t.make_sequences(seed=seed + sum(map(ord, name)), n=4, max_len=33, h_q=h_q, h_kv=h_kv, d=d, dtype=dtype)
         attn = t.attention_kwargs(s, softcap, use_sinks, left)

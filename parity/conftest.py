@@ -259,10 +259,19 @@ def ceil_div(a: int, b: int) -> int:
 
 # ----------------------------------------------------------------------------- test order
 
+# Tests that run several processes at once (each mostly one core): they go after the others, when the
+# background builds are done and a core would otherwise idle beside the single-threaded interpreter.
+LATE = ("test_bitwise_blas.py", "test_gpu_builds_run_the_same_arithmetic")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """The ahead-of-time GPU build check (test_compile.py) runs last ..."""
-    builds = [item for item in items if item.path.name == "test_compile.py"]
-    items[:] = [item for item in items if item.path.name != "test_compile.py"] + builds
+    """The multi-process tests (LATE) run after the others, and the ahead-of-time GPU build check
+    (test_compile.py) last ..."""
+    def rank(item):
+        if item.path.name == "test_compile.py":
+            return 2
+        return int(item.path.name in LATE or item.originalname in LATE)
+    items.sort(key=rank)   # (stable: the order within each rank is kept)
 
 
 def pytest_collection_finish(session):
