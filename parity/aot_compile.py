@@ -192,7 +192,11 @@ def main(argv=None) -> int:
                     help="build each case with its first autotune config only (CI's quick tier)")
     ap.add_argument("--shard", default="0/1", help="I/N: build only every N-th build, starting at the I-th "
                                                     "(parallel processes split one file's builds)")
+    ap.add_argument("--nice", type=int, default=0,
+                    help="lower this process's priority by N (os.nice): builds that run beside the tests")
     args = ap.parse_args(argv)
+    if args.nice and hasattr(os, "nice"):
+        os.nice(args.nice)
     shard, num_shards = (int(x) for x in args.shard.split("/"))
     jobs = [(b, arch) for case in load_cases(Path(args.file)) for b in expand(case, args.first_config)
             for arch in [a for a in args.arch if a in case.get("archs", args.arch)]]
