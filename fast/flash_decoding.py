@@ -631,8 +631,9 @@ def _decode_fwd_kernel(
     the fp32 lse: tl.load casts ``other``), through the same ``_merge_step`` / ``_merge_finish`` as
     ``_merge_splits_kernel``: the result is the same bits whichever program finishes last, and the
     same as the merge kernel's (parity/test_flash_decoding.py compares them with torch.equal, with
-    the first, a middle, the next-to-last and the last split's program made the merger).  It saves the merge kernel's launch, the merging
-    program's partial (written and read) and one more read of every LSE.
+    the first, a middle, the next-to-last and the last split's program made the merger).  It saves the
+    merge kernel's launch, the merging program's partial (written and read) and one more read of every
+    LSE.
 
     FLOPs ~= 4 * B * H_q * S_q * L * D (QK^T and PV; L the mean seqused_k), plus ~3 * S_q * H_q * D
     per split and sequence for the merge.
