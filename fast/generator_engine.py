@@ -1321,7 +1321,13 @@ class Generator:
         evictable), num_pages, page_size, steps, preemptions, generated_tokens, weights_staged;
         prompt_tokens (requested, per sample), computed_prompt_tokens (run through the model,
         recomputation after preemption included), prefix_hit_tokens (skipped: cached or a group's
-        shared prompt), evictions, cached_pages (keyed pages, held or not), state_checkpoints."""
+        shared prompt), evictions, cached_pages (keyed pages, held or not), state_checkpoints; the
+        memory the cache holds: kv_pool_bytes (the K and V pools of every attention layer) and
+        checkpoint_bytes (the checkpoint slots of every linear layer, allocated at the first prefill
+        that writes one: num_checkpoints x, per linear layer, the fp32 recurrent state and the conv
+        state)."""
+        # (list(...) copies a dict's values in one step: the engine thread may add a store meanwhile.)
+        stores = [t for store in list(self._checkpoints.values()) for t in list(store.values())]
         with self._cv:
             pages = self._pages
             waiting = sum(1 + len(s.followers) for s in self._waiting)
@@ -1329,7 +1335,8 @@ class Generator:
                        policy_version=self._version, free_pages=pages.available(), num_pages=self.num_pages,
                        page_size=self.page_size, weights_staged=self._staged is not None, **self._counts,
                        evictions=pages.evictions, cached_pages=len(pages.key_of),
-                       state_checkpoints=len(pages.checkpoint_of))
+                       state_checkpoints=len(pages.checkpoint_of),
+                       kv_pool_bytes=self._k.nbytes + self._v.nbytes, checkpoint_bytes=sum(t.nbytes for t in stores))
         return out
 
     def close(self) -> None:

@@ -202,6 +202,26 @@ def test_hybrid_page_without_checkpoint_is_not_a_hit():
     assert stats["prefix_hit_tokens"] == 0 and stats["cached_pages"] > 0 and stats["state_checkpoints"] == 0
 
 
+def test_stats_count_the_kv_pool_and_the_checkpoints():
+    """stats() reports the memory the cache holds: the K and V pools (2 x attention layers x pages x
+    page_size x H_kv x D x elt) and, once a prefill wrote a checkpoint, num_checkpoints slots of every
+    linear layer's fp32 recurrent state (HV x K x V x 4) and conv state (conv_dim x (W - 1) x elt)."""
+    cfg = small_config(fast_ge, num_layers=3, layer_types=("linear", "attention", "linear"))
+    with fast_ge.Generator(cfg, seed=1, page_size=4, num_pages=10, num_checkpoints=6, linear_layer=gdn_layer) as gen:
+        before = gen.stats()
+        gen.generate([fast_ge.Request(tokens(random.Random(14), 13), fast_ge.SamplingParams(max_new_tokens=2))])
+        after = gen.stats()
+        elt = gen.dtype.itemsize
+        linear = [gen.model.layers[i] for i, kind in enumerate(cfg.kinds) if kind == "linear"]
+    gdn = ref_gdn.GatedDeltaNet(cfg.hidden_size, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
+    per_slot = len(linear) * (gdn.num_v_heads * gdn.head_k_dim * gdn.head_v_dim * 4
+                              + gdn.conv_dim * (gdn.conv_kernel_size - 1) * elt)
+    kv = 2 * 1 * 10 * 4 * cfg.num_kv_heads * cfg.head_dim * elt
+    assert before["kv_pool_bytes"] == after["kv_pool_bytes"] == kv, (before, kv)
+    assert before["checkpoint_bytes"] == 0 and after["state_checkpoints"] > 0, (before, after)
+    assert after["checkpoint_bytes"] == 6 * per_slot, (after, per_slot)
+
+
 # ----------------------------------------------------------------------------- chunked prefill
 
 class Recording(fast_ge.Generator):
