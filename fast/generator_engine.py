@@ -1,20 +1,14 @@
 """Generator engine: the fast version.  A serving engine built like vLLM's: continuous batching over
-a paged KV cache, fused projections, weights hot-swapped from a shadow copy, kernel plug-ins.
+a paged KV cache, weights hot-swapped from a shadow copy, kernel plug-ins.
 
 What it computes
-    The same model, sampling rule and engine contract as ``ref/generator_engine.py``, the
-    specification (read its docstring for the model, the sampling math and the data types): on
-    the same weights both engines give the same tokens and logprobs (fp32: tokens equal, logprobs
-    to fp32 rounding; parity/ compares them).  What this file changes is how the work is done.
-
-The model: fused projections, one state dict
-    q, k, v are one matmul (``qkv_proj`` [(H_q + 2 H_kv) D, hidden]) and gate, up another
-    (``gate_up_proj`` [2 I, hidden]), as vLLM's QKVParallelLinear / MergedColumnParallelLinear:
-    fewer, larger matmuls per layer.  The state dict still names q_proj / k_proj / v_proj /
-    gate_proj / up_proj (views of the fused weights; loading fuses them), so a trainer's and a
-    generator's state dicts are interchangeable with the reference's.  Rotary cos/sin come from
-    a table computed once per device (the reference's values, bitwise).  The training forward
-    runs ``scaled_dot_product_attention`` (causal, GQA; a block-diagonal mask for documents).
+    The same sampling rule and engine contract as ``ref/generator_engine.py``, the specification (read
+    its docstring for the sampling math, the data types and the model protocol): ``Generator(model,
+    ...)`` serves the caller's model (decoder_lm.py's ``DecoderLM``, fast/decoder_lm.py's for fused
+    projections and the bitwise mode; ``Generator.from_pretrained(path, model_class=DecoderLM)`` a
+    Hugging Face checkpoint).  On the same weights both engines give the same tokens and logprobs
+    (fp32: tokens equal, logprobs to fp32 rounding; parity/ compares them).  What this file changes is
+    how the work is done.
 
 The engine (Generator): continuous batching over a paged KV cache
     thread       one engine thread runs the loop; ``submit`` validates and enqueues (never blocks);
@@ -79,43 +73,21 @@ Groups and the prefix cache (ref/generator_engine.py states the semantics: outpu
     chunks       a prompt longer than the iteration's budget is prefilled over several iterations from
                  its written pages and its slot's state; decoding requests step in each of them.
 
-Batch-invariant mode: bitwise on-policy (``Generator(..., batch_invariant=True)``)
-    A request's tokens and per-token logprobs then do not depend on which requests share its
-    batch, when it joined, how its prompt was packed, or whether it was preempted and recomputed;
-    and ``DecoderLM(batch_invariant=True, varlen_attn=...).token_logprobs(sequences, prompt_lengths)``,
-    the trainer's one packed forward over prompt + completion, gives the engine's logprobs bit for
-    bit (``torch.equal``).  The invariance contract: every phase (the trainer's packed forward, the
-    engine's prefill, each decode step) computes a row's dots with the same tile shape, the same
-    instruction and the row in the same slot of the tile, and reduces in the same order; whatever
-    runs the dot (a CPU BLAS, mma.sync or wgmma on a GPU) then sees identical work for that row.
-    What each piece computes with in the mode:
-      matmuls     on a GPU a fixed-tile Triton matmul (no split-K, one config per GPU family and
-                  element size, never autotuned: the same MMA at any row count, checked on the
-                  sm_80/sm_90 builds by parity/invariant_sass.py; the MMA rounds every row of a tile
-                  alike); on a CPU one [1, K] x [K, N] product per row (a batched matmul: the same
-                  BLAS call, the row at slot 0, whatever the row count).
-      per row     RMSNorm (its mean of squares a product with a ones vector), rotary, SwiGLU (SiLU
-                  composed from exp: torch's CPU silu rounds a vector loop's tail otherwise) and the
-                  final log-softmax (max exact in any order; the sum of exps a product) are the same
-                  expressions in the trainer's packed forward and in the engine's prefill and decode.
-      attention   ``varlen_attn(..., batch_invariant=True)`` for the prefill and the trainer, and the
-                  decode through ``flash_decode(..., batch_invariant=True)`` (one split) or, without
-                  one, ``varlen_attn`` with one query row per request: one tile shape for every phase,
-                  tiles aligned to absolute positions (position p, head g at slot (p * G + g) mod
-                  BLOCK_M), keys in BLOCK_N blocks from key 0 with the same online-softmax
-                  arithmetic, whatever the page size and block table.
-      GDN layers  a "linear" plug-in must have ``set_batch_invariant(linear)`` (ref/gated_deltanet.py's
-                  layer has): its projections go through the invariant matmul and its recurrence runs
-                  in the recurrent form in prefill, decode and the trainer alike (that form has a
-                  backward), so hybrid models are on-policy too; its ``recurrent_fn`` must itself be
-                  batch- and split-invariant (the reference recurrence and fast/gated_deltanet.py's
-                  recurrent kernel are; parity/test_batch_invariant_engine.py runs both).
-    Sampling is unchanged: each request draws from its own generator, so equal logits give equal
-    tokens.  Gradients through ``token_logprobs`` are plain matmuls (they need not be invariant).
-    What it costs is measured by bench/routed_generator.py (bench/README.md, its tables).  Tested
-    bitwise under four CPU kernel families (OpenBLAS generic, Sandybridge, Haswell/Zen, SkylakeX;
-    ATen and MKL at AVX2 and scalar: parity/test_bitwise_blas.py) and on the sm_80/sm_90 builds; a
-    GPU run is owed (the GPU tier of parity/test_batch_invariant_engine.py).
+Batch-invariant mode: bitwise on-policy (a model with ``batch_invariant=True``)
+    Given a model in fast/decoder_lm.py's batch-invariant mode (its docstring states the contract: every
+    phase computes a row's dots with the same tile shape, instruction and slot, and reduces in the same
+    order), a request's tokens and per-token logprobs do not depend on which requests share its batch,
+    when it joined, how its prompt was packed or chunked, whether it hit the prefix cache or was
+    preempted and recomputed; and the model's ``token_logprobs`` gives them bit for bit
+    (``torch.equal``).  The engine's side of the contract: the prefill attends through ``varlen_attn(...,
+    batch_invariant=True)`` (the model's own ``varlen_attn`` by default), a completion row (a decode
+    step, or a recomputed one after preemption) reduces its keys in two segments, its prompt's and its
+    own from the prompt's end on (``flash_decode(..., batch_invariant=True)`` twice, with
+    ``cache_leftpad``), merged as the trainer merges them; sampling takes the model's ``log_softmax``
+    (its invariant sum of exps) and each request draws from its own generator, so equal logits give
+    equal tokens.  What it costs is measured by bench/routed_generator.py (bench/README.md, its
+    tables).  Tested bitwise under four CPU kernel families (parity/test_bitwise_blas.py) and on the
+    sm_80/sm_90 builds; a GPU run is owed (the GPU tier of parity/test_batch_invariant_engine.py).
 
 Cost (what bench/routed_generator.py measures against)
     Per generated token, FLOPs ~ 2 * (non-embedding parameters + hidden * vocab) + 4 * L_ctx *
@@ -125,8 +97,9 @@ Cost (what bench/routed_generator.py measures against)
 
 Tensors and types
     As the reference: SamplingParams, Request, Completion (repeated in routed_generator.py so each
-    file works alone; ``submit`` reads a request by its fields, so either file's is served),
-    ModelConfig, the linear_layer plug-in.  KV pool [attention layers, num_pages, page_size, H_kv,
+    file works alone; ``submit`` reads a request by its fields, so either file's is served), the model
+    protocol (plus ``model.batch_invariant``, ``model.varlen_attn`` and ``model.log_softmax`` when the
+    model has them).  KV pool [attention layers, num_pages, page_size, H_kv,
     D] in the model's dtype; block table [max_batch_size, pages per sequence] int32.
 
 Supported, and what raises
@@ -134,16 +107,15 @@ Supported, and what raises
     tokens or more, a state dict with missing, unexpected or mis-shaped tensors, rejected whole
     with the weights and version unchanged; TypeError for non-tensors; RuntimeError after
     ``close()``), plus ValueError for a request (or a group of n samples) that can never fit the
-    KV pool, a group larger than ``max_batch_size``, engine knobs < 1, ``batch_invariant=True``
-    without ``varlen_attn`` or with a plug-in layer that has no ``set_batch_invariant``, and
-    ``token_logprobs`` inputs out of range.  Inference only in the engine.  Limits: preemption
+    KV pool, a group larger than ``max_batch_size``, engine knobs < 1, a batch-invariant model without
+    ``varlen_attn`` or ``flash_decode``.  Inference only.  Limits: preemption
     recomputes (no swapping to host; cached pages make most of it a hit); the plug-in layers'
     state is gathered per step (a kernel that reads the slot pools in place would not copy); a
     group's samples are admitted together (n free slots).
 
 References
     vLLM (Kwon et al., PagedAttention, 2023) and its scheduler (continuous batching, recompute
-    preemption, fused QKV / gate-up linears); Orca (Yu et al., 2022, iteration-level scheduling);
+    preemption); Orca (Yu et al., 2022, iteration-level scheduling);
     PipelineRL (Piche et al., 2025) in-flight weight updates; gpt-fast.
 """
 from __future__ import annotations
@@ -151,28 +123,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-import math
 import operator
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Mapping
 from concurrent.futures import Future
 from types import SimpleNamespace
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:  # Triton runs the batch-invariant matmul on GPUs; the engine itself needs only torch
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = tl = None
-
-__all__ = ["SamplingParams", "Request", "Completion", "ModelConfig", "DecoderLM", "Generator", "LAYER_TYPES"]
-
-LAYER_TYPES = ("attention", "linear")
+__all__ = ["SamplingParams", "Request", "Completion", "Generator"]
 
 
 def _is_int(x) -> bool:
@@ -281,521 +243,7 @@ class Completion:
 
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """The decoder-only LM a ``Generator`` serves and a trainer trains (see the module docstring)."""
-
-    vocab_size: int = 256
-    hidden_size: int = 64
-    intermediate_size: int = 192
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    max_seq_len: int = 512
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-6
-    tie_embeddings: bool = True
-    layer_types: tuple[str, ...] | None = None
-
-    def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_seq_len"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even (rotary embedding rotates pairs), got {self.head_dim}")
-        if not self.rope_theta > 0 or not self.rms_eps > 0:
-            raise ValueError(f"rope_theta and rms_eps must be > 0, got {self.rope_theta!r} and {self.rms_eps!r}")
-        if self.layer_types is not None:
-            types = tuple(self.layer_types)
-            if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
-                raise ValueError(f"layer_types must be None or {self.num_layers} entries from {LAYER_TYPES}, "
-                                 f"got {self.layer_types!r}")
-            object.__setattr__(self, "layer_types", types)
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        return self.layer_types or ("attention",) * self.num_layers
-
-# ----------------------------------------------------------------------------- batch-invariant numerics
-# What the mode computes with (the module docstring's contract): every reduction over a row's features is
-# a product through ``_invariant_linear``, whose per-row bits do not depend on the other rows; maxima
-# are exact in any order; the rest is elementwise, in forms whose bits do not depend on where an element
-# sits in its tensor.
-
-def _invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T -> [..., N] in x's dtype, each row rounded independently of every
-    other row: on a GPU a fixed-tile Triton matmul (no split-K, one config per GPU family and element
-    size), on a CPU one [1, K] x [K, N] product per row (the same BLAS call whatever the row count).
-    Differentiable (the backward is a plain matmul: gradients need not be invariant)."""
-    y = torch.ops.twofold.invariant_linear(x.reshape(-1, x.shape[-1]), weight)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-@torch.library.custom_op("twofold::invariant_linear", mutates_args=())
-def _invariant_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda:
-        return _triton_invariant_matmul(x, weight)
-    return torch.bmm(x[:, None, :], weight.t().expand(x.shape[0], -1, -1))[:, 0]     # [M, 1, K] x [M, K, N]
-
-
-@_invariant_linear_op.register_fake
-def _(x, weight):
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-def _invariant_linear_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _invariant_linear_backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-    grad_weight = grad.t() @ x if ctx.needs_input_grad[1] else None
-    return grad_x, grad_weight
-
-
-_invariant_linear_op.register_autograd(_invariant_linear_backward, setup_context=_invariant_linear_setup)
-
-
-def _invariant_row_sum(x: torch.Tensor) -> torch.Tensor:
-    """sum over the last dim [..., D] -> [..., 1]: a product with a ones vector through _invariant_linear."""
-    return _invariant_linear(x, torch.ones(1, x.shape[-1], dtype=x.dtype, device=x.device))
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, invariant: bool) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight, fp32 inside."""
-    xf = x.float()
-    if invariant:
-        mean_sq = _invariant_row_sum(xf * xf) / xf.shape[-1]
-    else:
-        mean_sq = xf.pow(2).mean(-1, keepdim=True)
-    return (xf * torch.rsqrt(mean_sq + eps)).to(x.dtype) * weight
-
-
-def _log_softmax(x: torch.Tensor, invariant: bool) -> torch.Tensor:
-    """log_softmax over the last dim; invariant: x - max - log(sum exp(x - max)), the max exact in any
-    order (and a constant for autograd: the softmax gradient exactly), the sum through _invariant_linear."""
-    if not invariant:
-        return torch.log_softmax(x, dim=-1)
-    shifted = x - x.amax(-1, keepdim=True).detach()
-    return shifted - _invariant_row_sum(shifted.exp()).log()
-
-
-def _silu(x: torch.Tensor, invariant: bool) -> torch.Tensor:
-    """x * sigmoid(x).  invariant: composed from exp and IEEE arithmetic in fp32, because torch's CPU
-    kernels for silu / sigmoid round the elements of a vector loop's tail (a position that depends on the
-    tensor's size) through another formula; exp, log, log1p and rsqrt go through one vector formula for
-    every element.  exp's argument is clamped at 80 so that neither the value nor its gradient overflows
-    (sigmoid(-80) = 1.8e-35: below it the result stays there)."""
-    if not invariant:
-        return F.silu(x)
-    xf = x.float()
-    return (xf * (1 / (1 + torch.exp(-xf.clamp(min=-80))))).to(x.dtype)
-
-
-# ----------------------------------------------------------------------------- the model, fused
-
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x, invariant: bool = False):
-        return _rms_norm(x, self.weight, self.eps, invariant)
-
-
-def _split_fused(module, state_dict, prefix, local_metadata) -> None:
-    """state_dict post-hook: a fused weight appears as its canonical parts, in the reference's order.
-    The parts are views, so copying into them loads the fused weight."""
-    own = [(n, state_dict.pop(prefix + n)) for n, _ in module.named_parameters()]   # the last entries in
-    for name, t in own:
-        parts = module.FUSED.get(name)
-        pieces = zip(parts, t.split(module.sizes)) if parts else [(name, t)]
-        for part, view in pieces:
-            state_dict[prefix + part] = view
-
-
-def _fuse_parts(module, state_dict, prefix, *args) -> None:
-    """load_state_dict pre-hook: canonical parts -> the fused weight."""
-    for fused, parts in module.FUSED.items():
-        keys = [prefix + p for p in parts]
-        if all(k in state_dict for k in keys):
-            state_dict[prefix + fused] = torch.cat([state_dict.pop(k) for k in keys])
-
-
-class _Attention(nn.Module):
-    FUSED = {"qkv_proj.weight": ("q_proj.weight", "k_proj.weight", "v_proj.weight")}
-
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.sizes = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
-        self.qkv_proj = nn.Linear(c.hidden_size, sum(self.sizes), bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-        self.register_state_dict_post_hook(_split_fused)
-        self.register_load_state_dict_pre_hook(_fuse_parts)
-
-
-class _MLP(nn.Module):
-    FUSED = {"gate_up_proj.weight": ("gate_proj.weight", "up_proj.weight")}
-
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.sizes = (c.intermediate_size, c.intermediate_size)
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-        self.register_state_dict_post_hook(_split_fused)
-        self.register_load_state_dict_pre_hook(_fuse_parts)
-
-    def forward(self, x, invariant: bool = False):
-        linear = _invariant_linear if invariant else F.linear
-        gate, up = linear(x, self.gate_up_proj.weight).split(self.sizes, dim=-1)
-        return linear(_silu(gate, invariant) * up, self.down_proj.weight)
-
-
-class _Block(nn.Module):
-    def __init__(self, c: ModelConfig, kind: str, linear_layer, index: int):
-        super().__init__()
-        self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_eps)
-        self.self_attn = _Attention(c) if kind == "attention" else None
-        self.linear_attn = linear_layer(c, index) if kind == "linear" else None
-        self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_eps)
-        self.mlp = _MLP(c)
-
-
-class DecoderLM(nn.Module):
-    """The reference's decoder-only LM with fused projections (module docstring); the same
-    state dict, init, ``forward``, ``layers_forward``, ``logits`` and ``token_logprobs``.
-
-    ``batch_invariant=True``: the module docstring's batch-invariant numerics (every "linear" plug-in
-    must then have ``set_batch_invariant(linear)``); ``varlen_attn``: the attention of ``forward`` and
-    ``token_logprobs`` (fast/paged_varlen_attention.varlen_attn's signature, called with
-    ``batch_invariant``), required with ``batch_invariant=True`` (ValueError otherwise); None =
-    ``scaled_dot_product_attention``.
-    """
-
-    def __init__(self, config: ModelConfig | None = None, *, seed: int = 0, linear_layer=None, device=None,
-                 dtype=None, batch_invariant: bool = False, varlen_attn=None):
-        super().__init__()
-        config = ModelConfig() if config is None else config
-        if not isinstance(config, ModelConfig):
-            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
-        if not _is_int(seed):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        _check_mode(batch_invariant, varlen_attn)
-        if "linear" in config.kinds and linear_layer is None:
-            raise ValueError("config.layer_types has 'linear' layers: pass linear_layer, a (config, layer_index) "
-                             "-> nn.Module factory (e.g. a Gated DeltaNet layer)")
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        blocks = []
-        for i, kind in enumerate(config.kinds):
-            with torch.random.fork_rng(devices=[]):  # the plug-in's own init: the reference's seeds
-                torch.manual_seed(seed * 1000003 + i)
-                blocks.append(_Block(config, kind, linear_layer, i))
-        self.layers = nn.ModuleList(blocks)
-        self.norm = _RMSNorm(config.hidden_size, config.rms_eps)
-        self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._rope_tables: dict = {}  # device -> (cos, sin) [max_seq_len, 1, D/2] fp32
-        with torch.no_grad():  # the reference's draws, in its order, into the fused weights' parts
-            gen = torch.Generator().manual_seed(seed)
-            for name, p in self.state_dict().items():
-                std = _init_std(name, p, config)
-                if std is not None:
-                    p.copy_(torch.randn(p.shape, generator=gen) * std)
-        self.to(device=device, dtype=dtype)
-        self.batch_invariant, self.varlen_attn = batch_invariant, varlen_attn
-        if batch_invariant:
-            for i, block in enumerate(self.layers):
-                if block.linear_attn is not None:
-                    if not callable(getattr(block.linear_attn, "set_batch_invariant", None)):
-                        raise ValueError(f"batch_invariant=True: the linear_layer plug-in of layer {i} "
-                                         f"({type(block.linear_attn).__name__}) has no set_batch_invariant(linear) "
-                                         f"method, so its numerics cannot be made batch-invariant")
-                    block.linear_attn.set_batch_invariant(_invariant_linear)
-
-    def layers_forward(self, ids: torch.Tensor, positions: torch.Tensor, attend, mix) -> torch.Tensor:
-        """The blocks on packed tokens, ids / positions [T] -> final-normed hidden [T, hidden];
-        ``attend(layer, q, k, v)`` and ``mix(layer, module, h)`` as in the reference."""
-        c, inv = self.config, self.batch_invariant
-        linear = _invariant_linear if inv else F.linear
-        t = ids.shape[0]
-        cos, sin = self._rotary_at(positions)                              # [T, 1, D/2]
-        x = self.embed_tokens(ids)                                          # [T, hidden]
-        for i, block in enumerate(self.layers):
-            h = block.input_layernorm(x, inv)
-            if block.self_attn is not None:
-                a = block.self_attn
-                q, k, v = linear(h, a.qkv_proj.weight).split(a.sizes, dim=-1)
-                q = _rotate(q.view(t, c.num_heads, c.head_dim), cos, sin)
-                k = _rotate(k.view(t, c.num_kv_heads, c.head_dim), cos, sin)
-                o = attend(i, q, k, v.view(t, c.num_kv_heads, c.head_dim)).reshape(t, -1)
-                x = x + linear(o, a.o_proj.weight)
-            else:
-                x = x + mix(i, block.linear_attn, h)
-            x = x + block.mlp(block.post_attention_layernorm(x, inv), inv)
-        return self.norm(x, inv)
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden [..., hidden] -> logits [..., V] fp32."""
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (_invariant_linear(h, w) if self.batch_invariant else h @ w.t()).float()
-
-    def token_logprobs(self, sequences, prompt_lengths, *, temperature=1.0, share_prompts=True) -> list[torch.Tensor]:
-        """What a trainer recomputes for sampled tokens: for each sequence (prompt + completion token
-        ids) the logprobs of its completion tokens, log_softmax(logits * fp32(1 / T))[token] (T = 0:
-        unscaled, as greedy sampling reports).  ``prompt_lengths``: one int per sequence, 1 <= p < len;
-        ``temperature``: one float >= 0 or one per sequence.  Returns one fp32 tensor [len - p] per
-        sequence; differentiable.
-
-        ``share_prompts``: sequences with the same prompt (a GRPO group) run their prompt once: its
-        tokens go through the model once, each completion attends to its K/V (the prompt's keys, then
-        its own causal keys, the two states merged exactly) and the linear layers continue each
-        completion from the prompt's final state; gradients reach the prompt once, summed over the
-        group.  False: one packed forward over every sequence whole.  In batch-invariant mode (with
-        ``varlen_attn``) every completion row reduces its keys in those two segments either way, each
-        row alone over its prompt's keys as the engine's decode does, and the logprobs are bitwise the
-        engine's (the gradients are the default kernels')."""
-        seqs, prompts, temps = _check_logprob_inputs(sequences, prompt_lengths, temperature, self.config)
-        if not isinstance(share_prompts, bool):
-            raise TypeError(f"share_prompts must be a bool, got {type(share_prompts).__name__}")
-        if not seqs:
-            return []
-        if share_prompts or self.batch_invariant:
-            rows, h = self._prompt_shared_forward(seqs, prompts, share_prompts)
-        else:
-            rows, h = self._packed_forward(seqs, prompts)
-        dev = h.device
-        inv_t = torch.tensor([1.0 / t if t else 1.0 for t, s, p in zip(temps, seqs, prompts)
-                              for _ in range(len(s) - p)], dtype=torch.float32, device=dev)
-        logp = _log_softmax(self.logits(h[rows]) * inv_t[:, None], self.batch_invariant)   # [rows, V]
-        targets = torch.tensor([t for s, p in zip(seqs, prompts) for t in s[p:]], device=dev)
-        picked = logp.gather(1, targets[:, None])[:, 0]
-        return list(picked.split([len(s) - p for s, p in zip(seqs, prompts)]))
-
-    def _packed_forward(self, seqs: list, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every sequence but its last token, packed as documents: (the rows that predict each completion
-        token, in order; the final hidden states)."""
-        dev = self.embed_tokens.weight.device
-        lengths = [len(s) - 1 for s in seqs]
-        ids = torch.tensor([t for s in seqs for t in s[:-1]], device=dev)
-        bounds = [0, *itertools.accumulate(lengths)]
-        cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
-        positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
-        h = self.layers_forward(ids, positions, self._packed_attention(cu, max(lengths)),
-                                lambda i, module, x: module(x[None], cu_seqlens=cu)[0])
-        # Row p - 1 + j of a sequence predicts its completion token j.
-        rows = torch.cat([torch.arange(start + p - 1, start + n, device=dev)
-                          for start, p, n in zip(bounds, prompts, lengths)])
-        return rows, h
-
-    def _prompt_shared_forward(self, seqs: list, prompts: list, share: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward over each distinct prompt once, then every completion's fed tokens (positions
-        p .. len - 2), the completions of a group side by side.  Returns (the rows predicting each
-        completion token, in the sequences' order; the final hidden states)."""
-        dev = self.embed_tokens.weight.device
-        lay = _SharedPrompts(seqs, prompts, share, dev)
-        h = self.layers_forward(lay.ids, lay.positions, self._shared_attention(lay), self._shared_mix(lay))
-        return lay.rows, h
-
-    def _shared_attention(self, lay: _SharedPrompts):
-        """attend for ``_prompt_shared_forward``: prompt rows causal over their prompt; completion rows
-        over their prompt's keys (every one visible) and over their own causal keys, merged."""
-        scale, mode = self.config.head_dim ** -0.5, self.batch_invariant
-
-        def attend(i, q, k, v):
-            t_p = lay.prompt_rows
-            qp, kp, vp, qc, kc, vc = q[:t_p], k[:t_p], v[:t_p], q[t_p:], k[t_p:], v[t_p:]
-            out_p, _ = self._attention(qp, kp, vp, lay.cu_p, lay.cu_p, lay.max_p, lay.max_p, scale, causal=True)
-            if qc.shape[0] == 0:
-                return out_p
-            # The prompt's keys: a group's completion rows packed as one query sequence read them once.
-            o_a, lse_a = self._attention(qc, kp, vp, lay.cu_c_by_group, lay.cu_p, lay.max_c_group, lay.max_p,
-                                         scale, causal=False)
-            if mode:   # the engine's bits: each completion row alone over its prompt's keys (one-row tiles)
-                o_a, lse_a = _value_with_gradient_of(self._rows_over_prompts(qc, kp, vp, lay, scale), (o_a, lse_a))
-            o_b, lse_b = self._attention(qc, kc, vc, lay.cu_c, lay.cu_c, lay.max_c, lay.max_c, scale, causal=True)
-            out_c, _ = _merge_states(o_a, lse_a, o_b, lse_b)
-            return torch.cat([out_p, out_c.to(out_p.dtype)])
-        return attend
-
-    def _rows_over_prompts(self, qc, kp, vp, lay, scale):
-        """Batch-invariant mode: each completion row as its own one-query sequence over its prompt's keys,
-        as the engine's decode computes it (the prompt's K/V viewed as pages of one token, each row's
-        block table its prompt's rows).  Inference kernels: no gradient here."""
-        with torch.no_grad():
-            table = lay.prompt_table                                           # [completion rows, max_p]
-            out, lse = self.varlen_attn(qc, kp[:, None], vp[:, None], lay.cu_rows, None, 1, lay.max_p, scale=scale,
-                                        window_size=(-1, -1), enable_gqa=True, seqused_k=lay.row_prompt_len,
-                                        block_table=table, return_aux=_LSE, batch_invariant=True)
-        return out, lse
-
-    def _attention(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, *, causal):
-        """(out [T_q, H, D], lse [H, T_q] fp32) of varlen attention, through ``varlen_attn`` or in plain
-        PyTorch (per sequence) without one."""
-        window = (-1, 0) if causal else (-1, -1)
-        if self.varlen_attn is not None:
-            mode = dict(batch_invariant=True) if self.batch_invariant else {}
-            return self.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window,
-                                    enable_gqa=True, return_aux=_LSE, **mode)
-        return _torch_attention_lse(q, k, v, cu_q.tolist(), cu_k.tolist(), scale, causal)
-
-    def _shared_mix(self, lay: _SharedPrompts):
-        """mix for ``_prompt_shared_forward``: the prompts as documents (their final state kept), then
-        each completion continuing from its prompt's state."""
-        def mix(i, module, h):
-            t_p = lay.prompt_rows
-            cache = module.new_cache()
-            out_p = module(h[:t_p][None], cu_seqlens=lay.cu_p, cache=cache)[0]
-            if h.shape[0] == t_p:
-                return out_p
-            forked = module.new_cache()
-            for name, t in vars(cache).items():
-                if isinstance(t, torch.Tensor):
-                    setattr(forked, name, t[lay.group_of])          # each completion gets its prompt's state
-            out_c = module(h[t_p:][None], cu_seqlens=lay.cu_c, cache=forked)[0]
-            return torch.cat([out_p, out_c])
-        return mix
-
-    def _packed_attention(self, cu: torch.Tensor, longest: int):
-        """``layers_forward``'s attend over documents packed along T (cu [N + 1] int32): through
-        ``varlen_attn`` when the model has one, else SDPA with a block-diagonal causal mask."""
-        scale = self.config.head_dim ** -0.5
-        if self.varlen_attn is not None:
-            # The keyword only in the mode: PyTorch's own varlen_attn, which has none, plugs in too.
-            mode = dict(batch_invariant=True) if self.batch_invariant else {}
-
-            def attend(i, q, k, v):
-                return self.varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0),
-                                        enable_gqa=True, **mode)
-            return attend
-        t = int(cu[-1])
-        doc = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu.diff().long())
-        index = torch.arange(t, device=cu.device)
-        same_doc_causal = (doc[:, None] == doc[None, :]) & (index[None, :] <= index[:, None])   # [T, T]
-
-        def attend(i, q, k, v):                                             # [T, H, D] -> SDPA's [1, H, T, D]
-            q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=same_doc_causal, scale=scale, enable_gqa=True)
-            return o[0].transpose(0, 1)
-        return attend
-
-    def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """Training: logits [B, T, V] fp32, causal per row (or per document of ``cu_seqlens``, B == 1)."""
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-            raise TypeError(f"input_ids must be an integer tensor [B, T], got "
-                            f"{getattr(input_ids, 'shape', input_ids)!r}")
-        b, t = input_ids.shape
-        dev = input_ids.device
-        if cu_seqlens is None:
-            positions = torch.arange(t, device=dev).repeat(b)                # [B*T]
-            cu = torch.arange(b + 1, dtype=torch.int32, device=dev) * t
-            longest = t
-        else:
-            if b != 1:
-                raise ValueError(f"cu_seqlens requires input_ids of shape [1, T], got {tuple(input_ids.shape)}")
-            cu = cu_seqlens.to(device=dev, dtype=torch.int32)
-            lengths = cu.diff()
-            if int(cu[-1]) != t or int(cu[0]) != 0 or bool((lengths < 0).any()):
-                raise ValueError(f"cu_seqlens must partition the {t} tokens, got {cu_seqlens.tolist()}")
-            doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths.long())   # [T] its document
-            positions = torch.arange(t, device=dev) - cu[doc]
-            longest = int(lengths.max()) if len(lengths) else 0
-        if longest > self.config.max_seq_len:
-            raise ValueError(f"a sequence of {longest} tokens exceeds max_seq_len={self.config.max_seq_len}")
-
-        if cu_seqlens is None and self.varlen_attn is None:
-            def attend(i, q, k, v):                                         # [B*T, H, D] -> SDPA's [B, H, T, D]
-                q, k, v = (x.view(b, t, x.shape[1], -1).transpose(1, 2) for x in (q, k, v))
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-                return o.transpose(1, 2).reshape(b * t, o.shape[1], -1)
-        else:
-            attend = self._packed_attention(cu, longest)
-
-        def mix(i, module, h):
-            if cu_seqlens is None:                                          # b equal rows: [B, T, hidden]
-                return module(h.view(b, t, -1)).reshape(h.shape)
-            return module(h[None], cu_seqlens=cu)[0]
-
-        h = self.layers_forward(input_ids.reshape(-1), positions, attend, mix)
-        return self.logits(h).view(b, t, -1)
-
-    def _rotary_at(self, positions: torch.Tensor):
-        """cos, sin [T, 1, D/2] fp32 at the positions, from a table built once per device (the same
-        fp32 products as the reference computes per call, so the same values)."""
-        dev = positions.device
-        if dev not in self._rope_tables:
-            c = self.config
-            half = c.head_dim // 2
-            inv_freq = c.rope_theta ** (-torch.arange(half, device=dev, dtype=torch.float32) / half)
-            angles = torch.arange(c.max_seq_len, device=dev, dtype=torch.float32)[:, None] * inv_freq[None]
-            self._rope_tables[dev] = (angles.cos()[:, None], angles.sin()[:, None])
-        cos, sin = self._rope_tables[dev]
-        return cos[positions], sin[positions]
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding, fp32 inside: x [T, H, D], cos / sin [T, 1, D/2]."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
-class _SharedPrompts:
-    """The packed layout of ``token_logprobs`` with shared prompts: every distinct prompt once (rows
-    0 .. T_p - 1, the prompts one after another), then every sequence's fed completion tokens, ordered
-    by prompt so that a group's completion rows are contiguous.  Index tensors for the calls below."""
-
-    def __init__(self, seqs: list, prompts: list, share: bool, dev):
-        heads, group_of = {}, []
-        for s, p in zip(seqs, prompts):
-            group_of.append(heads.setdefault(tuple(s[:p]) if share else len(heads), len(heads)))
-        prompt_tokens = list(heads) if share else [s[:p] for s, p in zip(seqs, prompts)]
-        order = sorted(range(len(seqs)), key=group_of.__getitem__)          # completions, grouped
-        plen = [len(t) for t in prompt_tokens]
-        clen = [len(seqs[n]) - 1 - prompts[n] for n in order]               # fed completion tokens
-        p_bounds = [0, *itertools.accumulate(plen)]
-        c_bounds = [0, *itertools.accumulate(clen)]
-        self.prompt_rows = p_bounds[-1]
-        self.ids = torch.tensor([t for ts in prompt_tokens for t in ts] +
-                                [t for n in order for t in seqs[n][prompts[n]:-1]], device=dev)
-        self.positions = torch.tensor([i for n in plen for i in range(n)] +
-                                      [prompts[n] + i for n, c in zip(order, clen) for i in range(c)], device=dev)
-        groups = [group_of[n] for n in order]
-        per_group = [sum(c for g2, c in zip(groups, clen) if g2 == g) for g in range(len(plen))]
-
-        def cu(lengths):
-            return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=dev)
-
-        self.cu_p, self.cu_c, self.cu_c_by_group = cu(plen), cu(clen), cu(per_group)
-        self.max_p, self.max_c, self.max_c_group = max(plen), max(clen, default=0), max(per_group, default=0)
-        self.group_of = torch.tensor(groups, device=dev)                   # completion -> its prompt
-        # Each completion row alone over its prompt's keys (the batch-invariant mode): prompt rows as pages.
-        row_group = [g for g, c in zip(groups, clen) for _ in range(c)]
-        self.cu_rows = cu([1] * len(row_group))
-        self.row_prompt_len = torch.tensor([plen[g] for g in row_group], dtype=torch.int32, device=dev)
-        table = torch.zeros(len(row_group), self.max_p, dtype=torch.int32)
-        for r, g in enumerate(row_group):
-            table[r, :plen[g]] = torch.arange(p_bounds[g], p_bounds[g + 1])
-        self.prompt_table = table.to(dev)
-        # Completion token 0 comes from its prompt's last row, token j > 0 from the completion's row j - 1.
-        first = self.prompt_rows
-        span = {n: range(first + c_bounds[k], first + c_bounds[k + 1]) for k, n in enumerate(order)}
-        self.rows = torch.tensor([r for n in range(len(seqs)) for r in [p_bounds[group_of[n] + 1] - 1, *span[n]]],
-                                 device=dev)
-
-
-class _LseRequest(NamedTuple):
-    """``return_aux`` for a varlen_attn plug-in (PyTorch's AuxRequest, duck-typed): ask for the lse."""
-    lse: bool = True
-
-
-_LSE = _LseRequest()
-
+# ----------------------------------------------------------------------------- attention state merge
 
 def _merge_states(out_a, lse_a, out_b, lse_b):
     """Two attention states over disjoint key sets -> the state over their union: with m = max(lse_a, lse_b),
@@ -810,57 +258,6 @@ def _merge_states(out_a, lse_a, out_b, lse_b):
     w_a, w_b, den = (x.t()[..., None] for x in (w_a, w_b, torch.where(den == 0, torch.ones_like(den), den)))
     out = (w_a * out_a.float() + w_b * out_b.float()) / den                  # [T, H, D]
     return out, lse
-
-
-class _ValueOf(torch.autograd.Function):
-    """Forward: ``exact``'s values; backward: the incoming gradient goes to ``plain`` (the same math in
-    another tiling).  The batch-invariant mode's values with the default kernels' gradients."""
-
-    @staticmethod
-    def forward(ctx, plain, exact):
-        return exact.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _value_with_gradient_of(exact: tuple, plain: tuple) -> tuple:
-    if not torch.is_grad_enabled():
-        return exact
-    return tuple(_ValueOf.apply(p, e) for p, e in zip(plain, exact))
-
-
-def _torch_attention_lse(q, k, v, cu_q: list, cu_k: list, scale: float, causal: bool):
-    """Varlen attention with its lse in plain PyTorch, one sequence at a time: (out [T_q, H_q, D],
-    lse [H_q, T_q] fp32).  Causal is bottom-right aligned; a row that sees no key gets 0 and -inf."""
-    outs, lses = [], []
-    h_q, d, h_kv = q.shape[1], q.shape[2], k.shape[1]
-    for b in range(len(cu_q) - 1):
-        qs, ks, vs = q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
-        l_q, l_k = qs.shape[0], ks.shape[0]
-        s = torch.einsum("qhgd,khd->hgqk", qs.float().view(l_q, h_kv, h_q // h_kv, d), ks.float()) * scale
-        if causal:
-            hidden = torch.arange(l_k, device=q.device)[None] > torch.arange(l_q, device=q.device)[:, None] + l_k - l_q
-            s = s.masked_fill(hidden, float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)                                      # [H_kv, G, L_q]
-        p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-        outs.append(torch.einsum("hgqk,khd->qhgd", p, vs.float()).reshape(l_q, h_q, d).to(q.dtype))
-        lses.append(lse.reshape(h_q, l_q))
-    return torch.cat(outs), torch.cat(lses, dim=1)
-
-
-def _init_std(name: str, p: torch.Tensor, c: ModelConfig) -> float | None:
-    """The reference's init: std per canonical weight (None: norms and plug-in weights keep theirs)."""
-    if name == "embed_tokens.weight":
-        return 2.0 / math.sqrt(c.hidden_size)
-    if name == "lm_head.weight":
-        return 1.0 / math.sqrt(c.hidden_size)
-    leaf = name.rsplit(".", 2)[-2]
-    if ".linear_attn." in name or leaf.endswith("layernorm") or name == "norm.weight":
-        return None
-    out_scale = 1.0 / math.sqrt(2 * c.num_layers) if leaf in ("o_proj", "down_proj") else 1.0
-    return out_scale / math.sqrt(p.shape[1])
 
 
 # ----------------------------------------------------------------------------- default attention plug-ins
@@ -953,13 +350,14 @@ def _request_rng(seed: int | None) -> torch.Generator:
     return rng
 
 
-def _sample_batch(logits: torch.Tensor, params: list, rngs: list, invariant: bool = False) -> tuple[list, list]:
+def _sample_batch(logits: torch.Tensor, params: list, rngs: list, log_softmax=None) -> tuple[list, list]:
     """The reference's per-row rule on a batch: fp32 logits [B, V] -> (tokens, logprobs) lists.
 
     Rows are grouped (greedy, plain temperature, top-k/top-p) and each group is one set of tensor
     ops; each sampled row draws its uniform from its own request's generator, so a request gets the
-    same token alone or in any batch.  One device-to-host copy per group.  ``invariant``: the
-    batch-invariant log-softmax (``DecoderLM.token_logprobs`` computes the same)."""
+    same token alone or in any batch.  One device-to-host copy per group.  ``log_softmax``: the model's
+    (its batch-invariant one in that mode: what its ``token_logprobs`` computes); None = torch's."""
+    log_softmax = log_softmax or (lambda x: torch.log_softmax(x, dim=-1))
     b, vocab = logits.shape
     tokens, logprobs = [0] * b, [0.0] * b
     groups = ([], [], [])
@@ -972,10 +370,10 @@ def _sample_batch(logits: torch.Tensor, params: list, rngs: list, invariant: boo
         lg = logits if len(rows) == b else logits[torch.tensor(rows, device=dev)]
         if kind == 0:
             tok = torch.argmax(lg, dim=-1)
-            lp = _log_softmax(lg, invariant).gather(1, tok[:, None])[:, 0]
+            lp = log_softmax(lg).gather(1, tok[:, None])[:, 0]
         else:
             inv_t = torch.tensor([1.0 / params[i].temperature for i in rows], dtype=torch.float32, device=dev)
-            logp = _log_softmax(lg * inv_t[:, None], invariant)
+            logp = log_softmax(lg * inv_t[:, None])
             p = logp.exp()
             if kind == 2:
                 p, order = torch.sort(p, dim=-1, descending=True, stable=True)
@@ -1185,20 +583,16 @@ class Generator:
     ``num_checkpoints``                 checkpoint slots (default: one per page with "linear" layers)
     ``kv_on_swap``                      "keep" (running requests keep the KV of the old weights) or
                                         "recompute" (they re-prefill under the new ones)
-    ``batch_invariant``                 the module docstring's batch-invariant mode: a request's tokens
-                                        and logprobs do not depend on the rest of the batch, and equal
-                                        ``DecoderLM(batch_invariant=True, varlen_attn=...).token_logprobs``
-                                        bit for bit.  Needs ``varlen_attn`` (and its ``batch_invariant``
-                                        keyword); decodes through ``flash_decode`` when given, else
-                                        through ``varlen_attn`` with one row per request
+    A model in the batch-invariant mode (``model.batch_invariant``) makes the engine batch-invariant (the
+    module docstring): it then needs ``varlen_attn`` (default: the model's) and ``flash_decode``.
+    ``Generator.from_pretrained(path, model_class=DecoderLM, ...)`` serves a checkpoint.
     """
 
-    def __init__(self, config: ModelConfig | None = None, *, state_dict=None, seed: int = 0, name: str = "generator",
-                 policy_version: int = 0, linear_layer=None, device=None, dtype=None, varlen_attn=None,
+    def __init__(self, model: nn.Module, *, name: str = "generator", policy_version: int = 0, varlen_attn=None,
                  flash_decode=None, cascade_decode=None, page_size: int = 16, num_pages: int | None = None,
-                 max_batch_size: int = 256,
-                 max_prefill_tokens: int = 8192, prefix_caching: bool = True, checkpoint_interval: int = 1,
-                 num_checkpoints: int | None = None, kv_on_swap: str = "keep", batch_invariant: bool = False):
+                 max_batch_size: int = 256, max_prefill_tokens: int = 8192, prefix_caching: bool = True,
+                 checkpoint_interval: int = 1, num_checkpoints: int | None = None, kv_on_swap: str = "keep"):
+        _check_model(model)
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         if not _is_int(policy_version):
@@ -1214,24 +608,24 @@ class Generator:
             raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
         if kv_on_swap not in ("keep", "recompute"):
             raise ValueError(f"kv_on_swap must be 'keep' or 'recompute', got {kv_on_swap!r}")
-        _check_mode(batch_invariant, varlen_attn)
-        if batch_invariant and flash_decode is None:
-            raise ValueError("batch_invariant=True needs flash_decode (fast/flash_decoding.flash_decode): a decode "
-                             "step reduces its keys in two segments, the prompt's and its own from cache_leftpad on, "
-                             "as DecoderLM.token_logprobs does")
-        for name_, fn in (("flash_decode", flash_decode), ("cascade_decode", cascade_decode)):
+        batch_invariant = bool(getattr(model, "batch_invariant", False))
+        varlen_attn = varlen_attn if varlen_attn is not None else getattr(model, "varlen_attn", None)
+        for name_, fn in (("varlen_attn", varlen_attn), ("flash_decode", flash_decode),
+                          ("cascade_decode", cascade_decode)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name_} must be None or a function with that signature, got {type(fn).__name__}")
+        if batch_invariant and (varlen_attn is None or flash_decode is None):
+            raise ValueError("a batch-invariant model needs varlen_attn (fast/paged_varlen_attention.varlen_attn) and "
+                             "flash_decode (fast/flash_decoding.flash_decode): a prefill and a decode step then round "
+                             "a row as the trainer's token_logprobs does; the in-file default attention does not")
         self.name = name
-        self.device = torch.device("cpu" if device is None else device)
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
         self.batch_invariant = batch_invariant
-        self.model = DecoderLM(config, seed=seed, linear_layer=linear_layer, device=self.device, dtype=dtype,
-                               batch_invariant=batch_invariant, varlen_attn=varlen_attn).eval()
-        self.config = c = self.model.config
-        self.dtype = self.model.embed_tokens.weight.dtype
-        self._shapes = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
-        if state_dict is not None:
-            self._copy_into(self.model, self._checked(state_dict))
+        self.config = c = model.config
+        self.dtype = next(model.parameters()).dtype
+        self._shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+        self._optional = _tied_aliases(model)
         self._shadow = None                 # the second weight set, allocated by the first load
         self._version = policy_version
         self._varlen_attn = varlen_attn or _torch_varlen_attn
@@ -1271,6 +665,20 @@ class Generator:
                             computed_prompt_tokens=0, prefix_hit_tokens=0)
         self._thread = threading.Thread(target=self._loop, name=f"{name}-engine", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, path, *, model_class, linear_layer=None, **kwargs) -> Generator:
+        """A generator serving the Hugging Face checkpoint at ``path``: ``model_class.from_pretrained(path,
+        linear_layer=..., dtype=..., device=..., max_seq_len=..., batch_invariant=..., varlen_attn=...)``
+        (fast/decoder_lm.py's ``DecoderLM``; those keywords go to it when given, ``varlen_attn`` to both),
+        the other keywords to ``Generator``."""
+        if not callable(getattr(model_class, "from_pretrained", None)):
+            raise TypeError(f"model_class must have a from_pretrained(path, ...) classmethod (decoder_lm.py's "
+                            f"DecoderLM), got {model_class!r}")
+        model_kw = {k: kwargs.pop(k) for k in _MODEL_KEYWORDS if k in kwargs}
+        if "varlen_attn" in kwargs:
+            model_kw["varlen_attn"] = kwargs["varlen_attn"]
+        return cls(model_class.from_pretrained(path, linear_layer=linear_layer, **model_kw), **kwargs)
 
     @property
     def policy_version(self) -> int:
@@ -1396,7 +804,7 @@ class Generator:
             n, t = bad_type
             raise TypeError(f"state_dict[{n!r}] must be a floating torch.Tensor, got "
                             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
-        problems = {"missing": sorted(self._shapes.keys() - state_dict.keys()),
+        problems = {"missing": sorted(self._shapes.keys() - state_dict.keys() - self._optional),
                     "unexpected": sorted(state_dict.keys() - self._shapes.keys()),
                     "mis-shaped": [f"{n}: got {tuple(t.shape)}, expected {self._shapes[n]}"
                                    for n, t in state_dict.items() if n in self._shapes
@@ -1409,7 +817,7 @@ class Generator:
     # ------------------------------------------------------------------ weights
 
     @torch.no_grad()
-    def _copy_into(self, model: DecoderLM, tensors: dict) -> None:
+    def _copy_into(self, model: nn.Module, tensors: dict) -> None:
         params = model.state_dict()
         if self.device.type != "cuda":
             for n, t in tensors.items():
@@ -1428,7 +836,7 @@ class Generator:
                 params[n].copy_(t, non_blocking=True)
         self._copy_stream.synchronize()  # the loader waits, not the engine
 
-    def _swap(self, model: DecoderLM, version: int, swapped: Future) -> None:
+    def _swap(self, model: nn.Module, version: int, swapped: Future) -> None:
         """Between two steps: the staged weights become the live ones, the old ones the shadow.  No
         page of an older version is hit again; with kv_on_swap="recompute" every admitted request
         goes back to the queue to be prefilled anew under the new weights."""
@@ -1677,7 +1085,7 @@ class Generator:
 
     # ------------------------------------------------------------------ prefill and decode
 
-    def _prefill(self, model: DecoderLM, work: list, settle: list) -> list:
+    def _prefill(self, model: nn.Module, work: list, settle: list) -> list:
         """One pass over the packed prefill work [(seq, start, end)]: tokens start .. end - 1 of each,
         attending to their cached or earlier-computed pages.  A sample whose tokens are all computed
         samples its next token (a group's first sample for the whole group, which forks); the others
@@ -1823,7 +1231,7 @@ class Generator:
         seq.spare = []
         return forks
 
-    def _decode(self, model: DecoderLM, seqs: list, settle: list) -> list:
+    def _decode(self, model: nn.Module, seqs: list, settle: list) -> list:
         """One token for every decoding request: a batched forward over their last tokens.  A group's
         samples decode side by side through ``cascade_decode`` (their prompt's shared pages read once);
         the batch-invariant mode reduces every row's keys in two segments (``_two_segments``)."""
@@ -1927,7 +1335,7 @@ class Generator:
     def _advance(self, seqs: list, logits: torch.Tensor, settle: list) -> list:
         """Sample one token per sample; finished ones free their pages.  Returns the rest."""
         tokens, logprobs = _sample_batch(logits, [s.group.request.sampling for s in seqs], [s.rng for s in seqs],
-                                         self.batch_invariant)
+                                         getattr(self.model, "log_softmax", None))
         still = []
         for s, token, logprob in zip(seqs, tokens, logprobs):
             s.tokens.append(token)
@@ -1949,129 +1357,27 @@ class Generator:
         return still
 
 
-
-# ----------------------------------------------------------------------------- the batch-invariant matmul (GPU)
-# y = x W^T with one program per [BLOCK_M, BLOCK_N] tile of y, K walked in BLOCK_K steps from 0, fp32
-# accumulation, no split-K.  An element of y is the same chain of MMA k-steps whatever M is and wherever
-# its row sits in the tile (the MMA treats every row alike; rows past M load as zeros and only feed rows
-# that are never stored).  Its bits then depend on the tile shape, num_warps and the instruction they
-# select: so one config per (GPU family, element size), never autotuned, never chosen by M.
-# (GPU family, element size): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).  16-bit: 64-row tiles
-# (sm_90's wgmma needs 64), 48 KB of operands per stage; fp32: IEEE dots on the FMA units (no tf32).
-_INVARIANT_MATMUL_CONFIGS = {
-    (90, 2): (64, 128, 64, 4, 3),
-    (80, 2): (64, 128, 32, 4, 3),
-    (90, 4): (32, 64, 32, 4, 2),
-    (80, 4): (32, 64, 32, 4, 2),
-}
-
-
-def _invariant_matmul_config(dtype: torch.dtype, family: int) -> tuple[int, int, int, int, int]:
-    """The launch config for family 80 (A100 and older: mma.sync) or 90 (H100 and newer: wgmma)."""
-    return _INVARIANT_MATMUL_CONFIGS[(family, 4 if dtype == torch.float32 else 2)]
-
-
-def _gpu_family(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 80                                                       # the interpreter (CPU tensors)
-    return 90 if torch.cuda.get_device_capability(device)[0] >= 9 else 80
-
-
-def _triton_invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype through the fixed-tile kernel (CUDA tensors, or
-    CPU tensors under TRITON_INTERPRET=1)."""
-    if triton is None:
-        raise RuntimeError("the batch-invariant matmul on a GPU needs Triton (pip install triton)")
-    if x.dtype != weight.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"x and weight must share a dtype in fp16 / bf16 / fp32, got {x.dtype} and {weight.dtype}")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    m, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return y
-    block_m, block_n, block_k, warps, stages = _invariant_matmul_config(x.dtype, _gpu_family(x.device))
-    # A GPU's MMA rounds every row of a tile alike: the rows fill the tile.  The interpreter's dot is a
-    # BLAS call, whose micro-kernels round a tile's slots differently (OpenBLAS's Haswell sgemm: rows
-    # 6-11 of 16 apart from the rest), so there each row gets its own tile, at slot 0.
-    rows_per_tile = block_m if x.is_cuda else 1
-    grid = (triton.cdiv(m, rows_per_tile), triton.cdiv(n, block_n))
-    _invariant_matmul_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ROWS_PER_TILE=rows_per_tile,
-                                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                                   num_warps=warps, num_stages=stages)
-    return y
-
-
-if triton is not None:
-    @triton.jit
-    def _invariant_matmul_kernel(x, w, y, M, N, K, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_PER_TILE: tl.constexpr,
-                                 PRECISION: tl.constexpr):
-        i_m, i_n = tl.program_id(0), tl.program_id(1)
-        o_slot = tl.arange(0, BLOCK_M)
-        o_m = i_m * ROWS_PER_TILE + o_slot                                  # rows x in slots 0 .. ROWS_PER_TILE - 1
-        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_m, m_n = (o_slot < ROWS_PER_TILE) & (o_m < M), o_n < N
-        p_x = x + o_m.to(tl.int64)[:, None] * stride_xm                     # [BLOCK_M, 1] row starts
-        p_w = w + o_n.to(tl.int64)[None, :] * stride_wn                     # [1, BLOCK_N] W rows = y columns
-        b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):                                     # from k = 0, in order, whatever M
-            o_k = k0 + tl.arange(0, BLOCK_K)
-            m_k = o_k < K
-            b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0)      # [BLOCK_M, BLOCK_K]
-            b_w = tl.load(p_w + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0)      # [BLOCK_K, BLOCK_N]
-            b_acc = tl.dot(b_x, b_w, b_acc, input_precision=PRECISION)
-        p_y = y + o_m.to(tl.int64)[:, None] * stride_ym + o_n[None, :]
-        tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
-
-
 # ----------------------------------------------------------------------------- input checks
 
-def _check_mode(batch_invariant, varlen_attn) -> None:
-    if not isinstance(batch_invariant, bool):
-        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
-    if varlen_attn is not None and not callable(varlen_attn):
-        raise TypeError(f"varlen_attn must be None or a function with varlen_attn's signature, got "
-                        f"{type(varlen_attn).__name__}")
-    if batch_invariant and varlen_attn is None:
-        raise ValueError("batch_invariant=True needs varlen_attn (fast/paged_varlen_attention.varlen_attn, whose "
-                         "batch_invariant=True rounds a row alike in a prefill, a decode step and a trainer's "
-                         "packed forward); the in-file default attention is not batch-invariant")
+_MODEL_KEYWORDS = ("dtype", "device", "max_seq_len", "batch_invariant")
 
 
-def _check_logprob_inputs(sequences, prompt_lengths, temperature, config: ModelConfig):
-    """token_logprobs' arguments as (lists of token ids, prompt lengths, temperatures), or a clear error."""
-    if isinstance(sequences, (str, bytes, torch.Tensor)) or not isinstance(sequences, Iterable):
-        raise TypeError(f"sequences must be a list of token-id sequences, got {type(sequences).__name__}")
-    seqs = []
-    for n, s in enumerate(sequences):
-        if isinstance(s, torch.Tensor):
-            if s.dim() != 1 or s.is_floating_point() or s.is_complex():
-                raise TypeError(f"sequences[{n}] must be a 1-D integer tensor, got {s.dtype} of shape {tuple(s.shape)}")
-            s = s.tolist()
-        try:
-            seqs.append([operator.index(t) for t in s])
-        except TypeError:
-            raise TypeError(f"sequences[{n}] must hold ints (token ids), got {type(s).__name__}") from None
-    if isinstance(prompt_lengths, (str, bytes)) or not isinstance(prompt_lengths, Iterable):
-        raise TypeError(f"prompt_lengths must be a list of ints, got {type(prompt_lengths).__name__}")
-    prompts = list(prompt_lengths)
-    if len(prompts) != len(seqs) or not all(_is_int(p) for p in prompts):
-        raise ValueError(f"prompt_lengths must hold one int per sequence ({len(seqs)}), got {prompts!r}")
-    temps = list(temperature) if isinstance(temperature, Iterable) else [temperature] * len(seqs)
-    if len(temps) != len(seqs) or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0
-                                          for t in temps):
-        raise ValueError(f"temperature must be a float >= 0 or one per sequence ({len(seqs)}), got {temperature!r}")
-    for n, (s, p) in enumerate(zip(seqs, prompts)):
-        if not 1 <= p < len(s):
-            raise ValueError(f"prompt_lengths[{n}] must be in [1, {len(s)}) (a prompt and at least one completion "
-                             f"token), got {p}")
-        if len(s) - 1 > config.max_seq_len:
-            raise ValueError(f"sequences[{n}] has {len(s)} tokens: more than max_seq_len + 1 = "
-                             f"{config.max_seq_len + 1}")
-        if min(s) < 0 or max(s) >= config.vocab_size:
-            raise ValueError(f"sequences[{n}] must hold token ids in [0, {config.vocab_size}), got "
-                             f"{min(s) if min(s) < 0 else max(s)}")
-    return seqs, prompts, [float(t) for t in temps]
+def _check_model(model) -> None:
+    """The model protocol (ref/generator_engine.py's docstring), or a TypeError naming what is missing."""
+    missing = [name for name in ("config", "layers_forward", "logits", "state_dict", "layers")
+               if not hasattr(model, name)]
+    missing += [f"config.{name}" for name in ("vocab_size", "max_seq_len", "num_kv_heads", "head_dim", "kinds")
+                if hasattr(model, "config") and not hasattr(model.config, name)]
+    if not isinstance(model, nn.Module) or missing:
+        raise TypeError(f"model must be an nn.Module with the engine's protocol (decoder_lm.py's DecoderLM); "
+                        f"{type(model).__name__} lacks {missing or ['nn.Module']}")
+
+
+def _tied_aliases(model: nn.Module) -> set:
+    """State-dict names whose tensor is an earlier name's (a tied lm_head): optional in a loaded state dict."""
+    seen, aliases = set(), set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            aliases.add(name)
+        seen.add(id(t))
+    return aliases

@@ -1,23 +1,27 @@
 """Generator engine: the reference (readable PyTorch, the specification for tokens and logprobs).
 
 What it computes
-    ``DecoderLM`` is a small decoder-only language model (Llama / Qwen blocks, optionally hybrid
-    with "linear" layers such as Gated DeltaNet); ``Generator`` samples from it, one request at a
-    time, the way gpt-fast's ``generate`` does: a prefill pass over the prompt fills a contiguous
-    KV cache, then one forward pass per new token.  A ``Generator`` has the four members a router
-    needs (``routed_generator.py``'s ``GeneratorProtocol``: name, policy_version, submit ->
-    Future[Completion], load_weights), so it sits behind a ``GeneratorRouter`` as it is; neither
-    file imports the other.
+    ``Generator(model, ...)`` samples from a decoder LM, one request at a time, the way gpt-fast's
+    ``generate`` does: a prefill pass over the prompt fills a contiguous KV cache, then one forward
+    pass per new token.  The model is the caller's (decoder_lm.py's ``DecoderLM``, what the trainer
+    trains; ``Generator.from_pretrained(path, model_class=DecoderLM)`` loads a Hugging Face
+    checkpoint), so trainer and generator share one model definition.  A ``Generator`` has the four
+    members a router needs (``routed_generator.py``'s ``GeneratorProtocol``: name, policy_version,
+    submit -> Future[Completion], load_weights), so it sits behind a ``GeneratorRouter`` as it is;
+    no file imports another.
 
-The model (pre-norm, no biases; x_0 = embed[token])
-    per layer l   h = RMSNorm(x);  attention: q, k, v = h W_q, h W_k, h W_v (GQA: H_q heads read
-                  KV head h // (H_q / H_kv)), rotary embedding (rotate-half, base rope_theta) on
-                  q and k at each token's position, causal softmax(q k^T / sqrt(D)) v, then W_o;
-                  or a "linear" layer from the ``linear_layer`` plug-in (e.g. Gated DeltaNet);
-                  x += that;  x += W_down(silu(W_gate RMSNorm(x)) * W_up RMSNorm(x))
-    output        logits = RMSNorm(x) E^T (tied) or RMSNorm(x) W_head^T, in fp32
-    RMSNorm(x) = x / sqrt(mean(x^2) + eps) * w, computed in fp32.  Random init from ``seed``
-    (drawn on the CPU, so every device gets the same weights), or ``load_state_dict``.
+The model protocol (what the engine reads of the model it is given)
+    model.config            .vocab_size, .max_seq_len, .num_kv_heads, .head_dim and .kinds (one of
+                            "attention" / "linear" per layer)
+    model.layers_forward    (ids [T], positions [T], attend, mix) -> final-normed hidden [T, hidden]:
+                            the blocks on packed tokens; ``attend(layer, q [T, H_q, D], k [T, H_kv, D],
+                            v) -> [T, H_q, D]`` and ``mix(layer, module, h [T, hidden]) -> [T, hidden]``
+                            are the engine's (they own the caches)
+    model.logits            hidden [..., hidden] -> logits [..., V] fp32
+    model.layers[i]         .linear_attn.new_cache() for a "linear" layer (its state between calls)
+    model.state_dict()      the weights ``load_weights`` validates and copies into (a tied lm_head may
+                            be left out of a loaded state dict: it is the embedding)
+    The engine owns the model it is given (``load_weights`` writes into it): give it its own instance.
 
 Sampling (per request; ``logits`` fp32 [V] at the last position)
     greedy (T = 0)  token = argmax (first index on ties); logprob = log_softmax(logits)[token]
@@ -55,8 +59,6 @@ Groups and the prefix cache (the semantics the fast engine implements with its b
                   rounding: a page-by-page prefill sums in another order than one pass).
 
 Tensors and types
-    input_ids       [B, T] int64 (training forward; or [1, T] with cu_seqlens [N + 1] int32)
-    logits          [B, T, vocab_size] fp32
     KV cache        [capacity, H_kv, head_dim] per attention layer, the model's dtype
     SamplingParams  max_new_tokens int >= 1 (16), temperature float >= 0 (0 = greedy), top_k
                     int >= 0 (0 = off), top_p in (0, 1] (1 = off), stop_token_ids, seed int or None,
@@ -67,41 +69,23 @@ Tensors and types
                     sample_index (i of a group's n)
     (Repeated in routed_generator.py so that each file works alone; ``submit`` reads a request
     by its fields, so either file's ``Request`` is served.)
-    ModelConfig     vocab_size, hidden_size, intermediate_size, num_layers, num_heads,
-                    num_kv_heads, head_dim (even), max_seq_len, rope_theta, rms_eps,
-                    tie_embeddings, layer_types (None = all "attention", else "attention" /
-                    "linear" per layer)
-    linear_layer    plug-in ``(config, layer_index) -> nn.Module`` for "linear" layers, called as
-                    ``m(x [1, T, hidden], cu_seqlens=cu [N+1] int32, cache=c)`` (prefill of N packed
-                    sequences; training on documents with c None), ``m(x [B, T, hidden])`` (training
-                    on B equal rows) and ``m(x [N, T, hidden], cache=c)`` (continue N sequences from the
-                    state in ``c``: a decode step with T = 1, a prefill resumed after a cached prefix);
-                    with ``cu_seqlens`` and a filled ``c``, each document continues from its state (a
-                    zero state is a fresh start; a document may be empty);
-                    ``m.new_cache()`` gives an empty cache whose tensor attributes hold the N
-                    sequences on dim 0 once filled (ref/gated_deltanet.py's layer, with new_cache)
 
 Supported, and what raises
-    Any ModelConfig; fp32 / fp16 / bf16 weights on any device (sampling math in fp32/fp64).
-    Inference only in the engine; ``DecoderLM.forward`` trains and ``DecoderLM.token_logprobs``
-    recomputes a completion's logprobs the way a trainer does (the engine's numbers, to rounding).
-    Many threads may call ``submit`` and ``load_weights``.  ValueError for bad config values, an empty prompt, a token
-    id >= vocab_size, a prompt of max_seq_len tokens or more (no room to generate), a state dict
-    with missing, unexpected or mis-shaped tensors, a version below the current one; TypeError
-    for a request without the Request fields, non-tensor or non-floating state-dict values, a
-    non-int version; RuntimeError after ``close()``.  ``token_logprobs``: ValueError for a prompt
-    length outside [1, len), token ids out of range, a negative temperature.
+    Any model with the protocol; fp32 / fp16 / bf16 weights on any device (sampling math in fp32/fp64).
+    Inference only.  Many threads may call ``submit`` and ``load_weights``.  ValueError for an empty
+    prompt, a token id >= vocab_size, a prompt of max_seq_len tokens or more (no room to generate), a
+    state dict with missing, unexpected or mis-shaped tensors, a version below the current one;
+    TypeError for a model without the protocol, a request without the Request fields, non-tensor or
+    non-floating state-dict values, a non-int version; RuntimeError after ``close()``.
 
 References
-    gpt-fast (PyTorch Labs, 2023): prefill + decode loop over a static KV cache; Llama / Qwen
-    decoder blocks (RMSNorm, RoPE, GQA, SwiGLU); Holtzman et al., The Curious Case of Neural Text
-    Degeneration (nucleus sampling, 2020).
+    gpt-fast (PyTorch Labs, 2023): prefill + decode loop over a static KV cache; Holtzman et al., The
+    Curious Case of Neural Text Degeneration (nucleus sampling, 2020).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import operator
 import threading
 from collections import OrderedDict, deque
@@ -109,12 +93,9 @@ from collections.abc import Hashable, Iterable, Mapping
 from concurrent.futures import Future
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["SamplingParams", "Request", "Completion", "ModelConfig", "DecoderLM", "Generator", "LAYER_TYPES"]
-
-LAYER_TYPES = ("attention", "linear")
+__all__ = ["SamplingParams", "Request", "Completion", "Generator"]
 
 
 def _is_int(x) -> bool:
@@ -222,335 +203,20 @@ class Completion:
     sample_index: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """The decoder-only LM a ``Generator`` serves and a trainer trains (see the module docstring)."""
-
-    vocab_size: int = 256
-    hidden_size: int = 64
-    intermediate_size: int = 192
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    max_seq_len: int = 512
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-6
-    tie_embeddings: bool = True
-    layer_types: tuple[str, ...] | None = None
-
-    def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_seq_len"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even (rotary embedding rotates pairs), got {self.head_dim}")
-        if not self.rope_theta > 0 or not self.rms_eps > 0:
-            raise ValueError(f"rope_theta and rms_eps must be > 0, got {self.rope_theta!r} and {self.rms_eps!r}")
-        if self.layer_types is not None:
-            types = tuple(self.layer_types)
-            if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
-                raise ValueError(f"layer_types must be None or {self.num_layers} entries from {LAYER_TYPES}, "
-                                 f"got {self.layer_types!r}")
-            object.__setattr__(self, "layer_types", types)
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        return self.layer_types or ("attention",) * self.num_layers
-
-
-# ----------------------------------------------------------------------------- the model
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-
-
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding, rotate-half layout.  x [T, H, D]; positions [T] int -> [T, H, D]."""
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None]          # [T, D/2]
-    cos, sin = angles.cos()[:, None], angles.sin()[:, None]                # [T, 1, D/2]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
+# ----------------------------------------------------------------------------- attention over the cache
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale) v with GQA, causal and bottom-right aligned, fp32 inside.
-
-    q [L_q, H_q, D]; k, v [L_k, H_kv, D] -> [L_q, H_q, D] in q's dtype.  Query row i sees keys
-    j <= i + L_k - L_q: the whole prompt in a prefill, every cached key in a decode step."""
-    return attention_with_lse(q, k, v, scale, causal=True)[0]
-
-
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool):
-    """``causal_attention`` (or every key visible, ``causal=False``) and its log-sum-exp: (out [L_q, H_q,
-    D] in q's dtype, lse [H_q, L_q] fp32).  A row that sees no key gets out 0 and lse -inf."""
+    """softmax(q k^T * scale) v with GQA, causal and bottom-right aligned, fp32 inside.  q [L_q, H_q, D];
+    k, v [L_k, H_kv, D] -> [L_q, H_q, D] in q's dtype.  Query row i sees keys j <= i + L_k - L_q: the
+    whole prompt in a prefill, every cached key in a decode step (decoder_lm.py computes the same)."""
     l_q, h_q, d = q.shape
     l_k, h_kv = k.shape[0], k.shape[1]
     qf = q.float().view(l_q, h_kv, h_q // h_kv, d)                            # [L_q, H_kv, G, D]
     s = torch.einsum("qhgd,khd->hgqk", qf, k.float()) * scale                 # [H_kv, G, L_q, L_k]
-    if causal:
-        future = torch.arange(l_k, device=q.device)[None] > torch.arange(l_q, device=q.device)[:, None] + (l_k - l_q)
-        s = s.masked_fill(future, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)                                         # [H_kv, G, L_q]
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    future = torch.arange(l_k, device=q.device)[None] > torch.arange(l_q, device=q.device)[:, None] + (l_k - l_q)
+    p = torch.softmax(s.masked_fill(future, float("-inf")), dim=-1).nan_to_num(0.0)
     o = torch.einsum("hgqk,khd->qhgd", p, v.float())                         # [L_q, H_kv, G, D]
-    return o.reshape(l_q, h_q, d).to(q.dtype), lse.reshape(h_q, l_q)
-
-
-def merge_states(out_a, lse_a, out_b, lse_b):
-    """The attention state over two disjoint key sets from each one's (out [L, H, D], lse [H, L]):
-    lse = log(e^lse_a + e^lse_b) and out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b (the larger lse
-    subtracted first; a side with no key, lse = -inf, drops out).  Cascade attention is this merge of
-    a query's attention over a shared prefix and over its own suffix."""
-    m = torch.maximum(lse_a, lse_b)
-    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)                    # [H, L]
-    den = w_a + w_b
-    lse = torch.where(den == 0, torch.full_like(m, float("-inf")), m + torch.log(den))
-    w_a, w_b, den = (x.t()[..., None] for x in (w_a, w_b, torch.where(den == 0, torch.ones_like(den), den)))
-    return (w_a * out_a.float() + w_b * out_b.float()) / den, lse
-
-
-class Attention(nn.Module):
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-
-
-class FeedForward(nn.Module):
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
-
-
-class Block(nn.Module):
-    def __init__(self, c: ModelConfig, kind: str, linear_layer, index: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_eps)
-        self.self_attn = Attention(c) if kind == "attention" else None
-        self.linear_attn = linear_layer(c, index) if kind == "linear" else None
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_eps)
-        self.mlp = FeedForward(c)
-
-
-class DecoderLM(nn.Module):
-    """The decoder-only LM of the module docstring.
-
-    ``forward(input_ids [B, T], *, cu_seqlens=None) -> logits [B, T, V]`` fp32 trains it (causal
-    per row, or per document of ``cu_seqlens`` with B == 1).  ``layers_forward`` runs the blocks
-    on packed tokens with the caller's attention: that is how the engine plugs its KV cache in.
-    """
-
-    def __init__(self, config: ModelConfig | None = None, *, seed: int = 0, linear_layer=None, device=None,
-                 dtype=None):
-        super().__init__()
-        config = ModelConfig() if config is None else config
-        if not isinstance(config, ModelConfig):
-            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
-        if not _is_int(seed):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-        if "linear" in config.kinds and linear_layer is None:
-            raise ValueError("config.layer_types has 'linear' layers: pass linear_layer, a (config, layer_index) "
-                             "-> nn.Module factory (e.g. a Gated DeltaNet layer)")
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        blocks = []
-        for i, kind in enumerate(config.kinds):
-            with torch.random.fork_rng(devices=[]):  # the plug-in's own init, reproducible from the seed
-                torch.manual_seed(seed * 1000003 + i)
-                blocks.append(Block(config, kind, linear_layer, i))
-        self.layers = nn.ModuleList(blocks)
-        self.norm = RMSNorm(config.hidden_size, config.rms_eps)
-        self.lm_head = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._init_weights(seed)
-        self.to(device=device, dtype=dtype)
-
-    @torch.no_grad()
-    def _init_weights(self, seed: int) -> None:
-        """Unit-variance-preserving init drawn on the CPU in a fixed order (embedding; per block q, k,
-        v, o, gate, up, down; lm_head): the same weights everywhere.  Embeddings have std
-        2 / sqrt(hidden) so that logits spread over a few nats instead of a flat softmax."""
-        gen = torch.Generator().manual_seed(seed)
-        c = self.config
-
-        def normal_(p, std):
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
-
-        normal_(self.embed_tokens.weight, 2.0 / math.sqrt(c.hidden_size))
-        out_scale = 1.0 / math.sqrt(2 * c.num_layers)  # the residual branches' outputs: o_proj, down_proj
-        for block in self.layers:
-            if block.self_attn is not None:
-                a = block.self_attn
-                for lin, scale in ((a.q_proj, 1.0), (a.k_proj, 1.0), (a.v_proj, 1.0), (a.o_proj, out_scale)):
-                    normal_(lin.weight, scale / math.sqrt(lin.in_features))
-            m = block.mlp
-            for lin, scale in ((m.gate_proj, 1.0), (m.up_proj, 1.0), (m.down_proj, out_scale)):
-                normal_(lin.weight, scale / math.sqrt(lin.in_features))
-        if self.lm_head is not None:
-            normal_(self.lm_head.weight, 1.0 / math.sqrt(c.hidden_size))
-
-    def layers_forward(self, ids: torch.Tensor, positions: torch.Tensor, attend, mix) -> torch.Tensor:
-        """The blocks on packed tokens.  ids, positions [T] -> final-normed hidden [T, hidden].
-
-        ``attend(layer, q [T, H_q, D], k [T, H_kv, D], v) -> [T, H_q, D]`` (rotary applied) and
-        ``mix(layer, module, h [T, hidden]) -> [T, hidden]`` (a "linear" layer) belong to the
-        caller: they own the caches and the batch layout."""
-        c = self.config
-        x = self.embed_tokens(ids)                                          # [T, hidden]
-        t = ids.shape[0]
-        for i, block in enumerate(self.layers):
-            h = block.input_layernorm(x)
-            if block.self_attn is not None:
-                a = block.self_attn
-                q = rotary(a.q_proj(h).view(t, c.num_heads, c.head_dim), positions, c.rope_theta)
-                k = rotary(a.k_proj(h).view(t, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
-                v = a.v_proj(h).view(t, c.num_kv_heads, c.head_dim)
-                x = x + a.o_proj(attend(i, q, k, v).reshape(t, c.num_heads * c.head_dim))
-            else:
-                x = x + mix(i, block.linear_attn, h)
-            x = x + block.mlp(block.post_attention_layernorm(x))
-        return self.norm(x)
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden [..., hidden] -> logits [..., V] fp32."""
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (h @ w.t()).float()
-
-    def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-            raise TypeError(f"input_ids must be an integer tensor [B, T], got "
-                            f"{getattr(input_ids, 'shape', input_ids)!r}")
-        b, t = input_ids.shape
-        if cu_seqlens is None:
-            lengths = [t] * b
-        else:
-            if b != 1:
-                raise ValueError(f"cu_seqlens requires input_ids of shape [1, T], got {tuple(input_ids.shape)}")
-            lengths = cu_seqlens.diff().tolist()
-            if sum(lengths) != t or min(lengths, default=0) < 0:
-                raise ValueError(f"cu_seqlens must partition the {t} tokens, got {cu_seqlens.tolist()}")
-        if max(lengths, default=0) > self.config.max_seq_len:
-            raise ValueError(f"a sequence of {max(lengths)} tokens exceeds max_seq_len={self.config.max_seq_len}")
-        dev = input_ids.device
-        positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
-        bounds = [0, *itertools.accumulate(lengths)]
-        cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
-        scale = self.config.head_dim ** -0.5
-
-        def attend(i, q, k, v):                                             # each document alone
-            return torch.cat([causal_attention(q[s:e], k[s:e], v[s:e], scale) for s, e in zip(bounds, bounds[1:])])
-
-        def mix(i, module, h):
-            if cu_seqlens is None:                                          # b equal rows: [B, T, hidden]
-                return module(h.view(b, t, -1)).reshape(h.shape)
-            return module(h[None], cu_seqlens=cu)[0]
-
-        h = self.layers_forward(input_ids.reshape(-1), positions, attend, mix)
-        return self.logits(h).view(b, t, -1)
-
-    def token_logprobs(self, sequences, prompt_lengths, *, temperature=1.0, share_prompts=True) -> list[torch.Tensor]:
-        """What a trainer recomputes for the tokens a generator sampled.
-
-        ``sequences``: token ids, prompt + completion; ``prompt_lengths``: one int p per sequence,
-        1 <= p < len; ``temperature``: one float >= 0 or one per sequence.  For completion token j
-        (at position p + j) the logprob is log_softmax(logits * fp32(1 / T))[token] at position
-        p + j - 1 (T = 0: unscaled, what greedy sampling reports).  Returns one fp32 tensor
-        [len - p] per sequence; differentiable.
-
-        ``share_prompts`` (a GRPO group: n completions of one prompt): each distinct prompt runs once.
-        Its tokens go through the model once; a completion token attends to the prompt's keys and to
-        its own earlier keys, two attention states merged exactly (``merge_states``: cascade
-        attention), and "linear" layers continue each completion from the prompt's final state.  The
-        prompt's gradients are then the sum over its completions.  False: one forward over the
-        sequences packed whole as documents (the same numbers, to rounding)."""
-        seqs, prompts, temps = _check_logprob_inputs(sequences, prompt_lengths, temperature, self.config)
-        if not isinstance(share_prompts, bool):
-            raise TypeError(f"share_prompts must be a bool, got {type(share_prompts).__name__}")
-        if not seqs:
-            return []
-        dev = self.embed_tokens.weight.device
-        if share_prompts:
-            rows, logits = self._shared_prompt_logits(seqs, prompts)
-        else:
-            inputs = [s[:-1] for s in seqs]                                 # the last token is never fed
-            bounds = [0, *itertools.accumulate(len(s) for s in inputs)]
-            packed = torch.tensor([t for s in inputs for t in s], device=dev)[None]            # [1, T]
-            logits = self.forward(packed, cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=dev))[0]
-            rows = [list(range(start + p - 1, start + len(seq) - 1)) for start, seq, p in zip(bounds, seqs, prompts)]
-        out = []
-        for r, seq, p, temp in zip(rows, seqs, prompts, temps):
-            inv_t = torch.tensor(1.0 / temp if temp else 1.0, dtype=torch.float32, device=dev)
-            logp = torch.log_softmax(logits[r] * inv_t, dim=-1)               # [len - p, V]: predict seq[p:]
-            out.append(logp.gather(1, torch.tensor(seq[p:], device=dev)[:, None])[:, 0])
-        return out
-
-    def _shared_prompt_logits(self, seqs: list, prompts: list):
-        """Logits of every distinct prompt's tokens, then of every completion's fed tokens (positions p
-        .. len - 2), in one pass; per sequence, the rows that predict its completion tokens."""
-        dev, c = self.embed_tokens.weight.device, self.config
-        group_of, heads = [], {}
-        for s, p in zip(seqs, prompts):
-            group_of.append(heads.setdefault(tuple(s[:p]), len(heads)))
-        prompt_ids = [list(t) for t in heads]
-        p_bounds = [0, *itertools.accumulate(len(t) for t in prompt_ids)]
-        fed = [s[p:-1] for s, p in zip(seqs, prompts)]                       # each completion's fed tokens
-        c_bounds = [p_bounds[-1] + b for b in [0, *itertools.accumulate(len(f) for f in fed)]]
-        ids = torch.tensor([t for ids_ in prompt_ids + fed for t in ids_], device=dev)
-        positions = torch.tensor([i for t in prompt_ids for i in range(len(t))] +
-                                 [p + i for p, f in zip(prompts, fed) for i in range(len(f))], device=dev)
-        scale = c.head_dim ** -0.5
-
-        def attend(i, q, k, v):
-            outs = [causal_attention(q[a:b], k[a:b], v[a:b], scale) for a, b in zip(p_bounds, p_bounds[1:])]
-            for g, a, b in zip(group_of, c_bounds, c_bounds[1:]):
-                pa, pb = p_bounds[g], p_bounds[g + 1]
-                # Cascade: over the prompt's keys (all visible), over its own keys (causal), merged.
-                o_prefix, lse_prefix = attention_with_lse(q[a:b], k[pa:pb], v[pa:pb], scale, causal=False)
-                o_own, lse_own = attention_with_lse(q[a:b], k[a:b], v[a:b], scale, causal=True)
-                outs.append(merge_states(o_prefix, lse_prefix, o_own, lse_own)[0].to(q.dtype))
-            return torch.cat(outs)
-
-        def mix(i, module, h):
-            cache = module.new_cache()
-            cu = torch.tensor(p_bounds, dtype=torch.int32, device=dev)
-            out_prompts = module(h[:p_bounds[-1]][None], cu_seqlens=cu, cache=cache)[0]
-            if h.shape[0] == p_bounds[-1]:
-                return out_prompts
-            forked = module.new_cache()                                      # each completion: its prompt's state
-            for name, t in vars(cache).items():
-                if isinstance(t, torch.Tensor):
-                    setattr(forked, name, t[torch.tensor(group_of, device=dev)])
-            cu = torch.tensor([b - p_bounds[-1] for b in c_bounds], dtype=torch.int32, device=dev)
-            return torch.cat([out_prompts, module(h[p_bounds[-1]:][None], cu_seqlens=cu, cache=forked)[0]])
-
-        logits = self.logits(self.layers_forward(ids, positions, attend, mix))
-        rows = [[p_bounds[g + 1] - 1, *range(a, b)] for g, a, b in zip(group_of, c_bounds, c_bounds[1:])]
-        return rows, logits
+    return o.reshape(l_q, h_q, d).to(q.dtype)
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -597,19 +263,18 @@ def request_rng(seed: int | None) -> torch.Generator:
 class KVCache:
     """One request's caches: K and V [capacity, H_kv, D] per attention layer, the linear layers' own.
 
-    ``attend`` / ``mix`` are ``DecoderLM.layers_forward``'s callbacks for the tokens at positions
+    ``attend`` / ``mix`` are ``model.layers_forward``'s callbacks for the tokens at positions
     ``start .. length - 1`` (set by ``advance``)."""
 
-    def __init__(self, model: DecoderLM, capacity: int):
-        c = model.config
-        w = model.embed_tokens.weight
+    def __init__(self, model: nn.Module, capacity: int):
+        c, w = model.config, next(model.parameters())
         self.k, self.v, self.linear = {}, {}, {}
-        for i, block in enumerate(model.layers):
-            if block.self_attn is not None:
+        for i, kind in enumerate(c.kinds):
+            if kind == "attention":
                 self.k[i] = torch.zeros(capacity, c.num_kv_heads, c.head_dim, device=w.device, dtype=w.dtype)
                 self.v[i] = torch.zeros_like(self.k[i])
             else:
-                self.linear[i] = block.linear_attn.new_cache()
+                self.linear[i] = model.layers[i].linear_attn.new_cache()
         self.scale, self.device = c.head_dim ** -0.5, w.device
         self.start = self.length = 0
 
@@ -690,7 +355,7 @@ class PrefixCache:
 
 
 @torch.no_grad()
-def generate(model: DecoderLM, prompt: list[int], sp: SamplingParams, rng: torch.Generator,
+def generate(model: nn.Module, prompt: list[int], sp: SamplingParams, rng: torch.Generator,
              cache: PrefixCache | None = None, version: int = 0, counts: dict | None = None):
     """gpt-fast's loop: prefill the prompt, then one forward pass per token.  -> (tokens, logprobs, reason).
 
@@ -699,7 +364,7 @@ def generate(model: DecoderLM, prompt: list[int], sp: SamplingParams, rng: torch
     page that fills (prompt or generated tokens) is added to the cache with the linear layers' state
     after it.  At least the prompt's last token is always computed: its logits give the first token.
     ``counts`` (prompt_tokens, computed_prompt_tokens, prefix_hit_tokens) is updated."""
-    dev = model.embed_tokens.weight.device
+    dev = next(model.parameters()).device
     limit = min(sp.max_new_tokens, model.config.max_seq_len - len(prompt))
     kv = KVCache(model, len(prompt) + limit - 1)   # the last token's K/V is never needed
     tokens, generated, logprobs = list(prompt), [], []
@@ -754,32 +419,32 @@ def sample_seed(seed: int | None, index: int) -> int | None:
 class Generator:
     """The reference engine: requests one at a time, weights loaded between them.
 
-    ``Generator(config=None, *, state_dict=None, seed=0, name="generator", policy_version=0,
-    linear_layer=None, device=None, dtype=None, page_size=16, prefix_caching=True,
-    cache_pages=1024, kv_on_swap="keep")``; ``close()`` (or ``with``) stops its thread and fails
-    what is still queued.  ``prefix_caching``: reuse the KV pages (and linear-layer checkpoints) of
-    earlier requests, at most ``cache_pages`` pages of ``page_size`` tokens (off: every prompt is
-    prefilled whole).  ``kv_on_swap`` ("keep" or "recompute"): what the fast engine does with a
-    running request's KV at a weight swap; here a request never spans a load, so it never applies.
-    A request with ``sampling.n > 1`` is a group: its future resolves to n completions, sample i
-    drawn from ``seed + i``, each equal to the request alone with that seed and n = 1.
+    ``Generator(model, *, name="generator", policy_version=0, page_size=16, prefix_caching=True,
+    cache_pages=1024, kv_on_swap="keep")`` serves ``model`` (the module docstring's protocol: decoder_lm.py's
+    ``DecoderLM``), or ``Generator.from_pretrained(path, model_class=DecoderLM, ...)`` a checkpoint;
+    ``close()`` (or ``with``) stops its thread and fails what is still queued.  ``prefix_caching``:
+    reuse the KV pages (and linear-layer checkpoints) of earlier requests, at most ``cache_pages``
+    pages of ``page_size`` tokens (off: every prompt is prefilled whole).  ``kv_on_swap`` ("keep" or
+    "recompute"): what the fast engine does with a running request's KV at a weight swap; here a
+    request never spans a load, so it never applies.  A request with ``sampling.n > 1`` is a group:
+    its future resolves to n completions, sample i drawn from ``seed + i``, each equal to the request
+    alone with that seed and n = 1.
     """
 
-    def __init__(self, config: ModelConfig | None = None, *, state_dict=None, seed: int = 0, name: str = "generator",
-                 policy_version: int = 0, linear_layer=None, device=None, dtype=None, page_size: int = 16,
+    def __init__(self, model: nn.Module, *, name: str = "generator", policy_version: int = 0, page_size: int = 16,
                  prefix_caching: bool = True, cache_pages: int = 1024, kv_on_swap: str = "keep"):
+        _check_model(model)
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         if not _is_int(policy_version):
             raise TypeError(f"policy_version must be an int, got {type(policy_version).__name__}")
         _check_cache_options(prefix_caching, page_size, cache_pages, kv_on_swap)
         self.name = name
-        self.device = torch.device("cpu" if device is None else device)
-        self.model = DecoderLM(config, seed=seed, linear_layer=linear_layer, device=self.device, dtype=dtype).eval()
-        self.config = self.model.config
-        self._shapes = {n: tuple(t.shape) for n, t in self.model.state_dict().items()}
-        if state_dict is not None:
-            self._copy_in(_checked_state_dict(state_dict, self._shapes))
+        self.model = model.eval()
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self._shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+        self._optional = _tied_aliases(model)
         self._version = policy_version
         self.page_size, self.kv_on_swap = page_size, kv_on_swap
         self._cache = PrefixCache(page_size, cache_pages) if prefix_caching else None
@@ -791,6 +456,17 @@ class Generator:
         self._running = self._completed = 0
         self._thread = threading.Thread(target=self._loop, name=f"{name}-worker", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, path, *, model_class, linear_layer=None, **kwargs) -> Generator:
+        """A generator serving the Hugging Face checkpoint at ``path``: ``model_class.from_pretrained(path,
+        linear_layer=..., dtype=..., device=..., max_seq_len=..., batch_invariant=...)`` (decoder_lm.py's
+        ``DecoderLM``; those keywords go to it when given), the other keywords to ``Generator``."""
+        if not callable(getattr(model_class, "from_pretrained", None)):
+            raise TypeError(f"model_class must have a from_pretrained(path, ...) classmethod (decoder_lm.py's "
+                            f"DecoderLM), got {model_class!r}")
+        model_kw = {k: kwargs.pop(k) for k in _MODEL_KEYWORDS if k in kwargs}
+        return cls(model_class.from_pretrained(path, linear_layer=linear_layer, **model_kw), **kwargs)
 
     @property
     def policy_version(self) -> int:
@@ -820,7 +496,7 @@ class Generator:
         with self._load_lock:
             if version < self._version:
                 raise ValueError(f"version must not decrease: got {version}, serving {self._version}")
-            tensors = _checked_state_dict(state_dict, self._shapes)
+            tensors = _checked_state_dict(state_dict, self._shapes, self._optional)
             done = Future()
             with self._cv:
                 if self._closed:
@@ -920,7 +596,7 @@ class Generator:
 
 # ----------------------------------------------------------------------------- input checks
 
-def _check_request(request, config: ModelConfig) -> None:
+def _check_request(request, config) -> None:
     """What makes a request unservable: ValueError / TypeError (a router keeps the generator)."""
     prompt = getattr(request, "prompt_token_ids", None)
     if not isinstance(prompt, list) or not hasattr(getattr(request, "sampling", None), "max_new_tokens"):
@@ -948,43 +624,31 @@ def _check_cache_options(prefix_caching, page_size, cache_pages, kv_on_swap) -> 
         raise ValueError(f"kv_on_swap must be 'keep' or 'recompute', got {kv_on_swap!r}")
 
 
-def _check_logprob_inputs(sequences, prompt_lengths, temperature, config: ModelConfig):
-    """token_logprobs' arguments as (lists of token ids, prompt lengths, temperatures), or a clear error."""
-    if isinstance(sequences, (str, bytes, torch.Tensor)) or not isinstance(sequences, Iterable):
-        raise TypeError(f"sequences must be a list of token-id sequences, got {type(sequences).__name__}")
-    seqs = []
-    for n, s in enumerate(sequences):
-        if isinstance(s, torch.Tensor):
-            if s.dim() != 1 or s.is_floating_point() or s.is_complex():
-                raise TypeError(f"sequences[{n}] must be a 1-D integer tensor, got {s.dtype} of shape {tuple(s.shape)}")
-            s = s.tolist()
-        try:
-            seqs.append([operator.index(t) for t in s])
-        except TypeError:
-            raise TypeError(f"sequences[{n}] must hold ints (token ids), got {type(s).__name__}") from None
-    if isinstance(prompt_lengths, (str, bytes)) or not isinstance(prompt_lengths, Iterable):
-        raise TypeError(f"prompt_lengths must be a list of ints, got {type(prompt_lengths).__name__}")
-    prompts = list(prompt_lengths)
-    if len(prompts) != len(seqs) or not all(_is_int(p) for p in prompts):
-        raise ValueError(f"prompt_lengths must hold one int per sequence ({len(seqs)}), got {prompts!r}")
-    temps = list(temperature) if isinstance(temperature, Iterable) else [temperature] * len(seqs)
-    if len(temps) != len(seqs) or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0
-                                          for t in temps):
-        raise ValueError(f"temperature must be a float >= 0 or one per sequence ({len(seqs)}), got {temperature!r}")
-    for n, (s, p) in enumerate(zip(seqs, prompts)):
-        if not 1 <= p < len(s):
-            raise ValueError(f"prompt_lengths[{n}] must be in [1, {len(s)}) (a prompt and at least one completion "
-                             f"token), got {p}")
-        if len(s) - 1 > config.max_seq_len:
-            raise ValueError(f"sequences[{n}] has {len(s)} tokens: more than max_seq_len + 1 = "
-                             f"{config.max_seq_len + 1}")
-        if min(s) < 0 or max(s) >= config.vocab_size:
-            raise ValueError(f"sequences[{n}] must hold token ids in [0, {config.vocab_size}), got "
-                             f"{min(s) if min(s) < 0 else max(s)}")
-    return seqs, prompts, [float(t) for t in temps]
+_MODEL_KEYWORDS = ("dtype", "device", "max_seq_len", "batch_invariant")
 
 
-def _checked_state_dict(state_dict, shapes: dict) -> dict:
+def _check_model(model) -> None:
+    """The module docstring's model protocol, or a TypeError naming what is missing."""
+    missing = [name for name in ("config", "layers_forward", "logits", "state_dict", "layers")
+               if not hasattr(model, name)]
+    missing += [f"config.{name}" for name in ("vocab_size", "max_seq_len", "num_kv_heads", "head_dim", "kinds")
+                if hasattr(model, "config") and not hasattr(model.config, name)]
+    if not isinstance(model, nn.Module) or missing:
+        raise TypeError(f"model must be an nn.Module with the engine's protocol (decoder_lm.py's DecoderLM); "
+                        f"{type(model).__name__} lacks {missing or ['nn.Module']}")
+
+
+def _tied_aliases(model: nn.Module) -> set:
+    """State-dict names whose tensor is an earlier name's (a tied lm_head): optional in a loaded state dict."""
+    seen, aliases = set(), set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            aliases.add(name)
+        seen.add(id(t))
+    return aliases
+
+
+def _checked_state_dict(state_dict, shapes: dict, optional: set = frozenset()) -> dict:
     """Validate a whole state dict against the model's names and shapes before touching anything."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
@@ -993,7 +657,7 @@ def _checked_state_dict(state_dict, shapes: dict) -> dict:
             raise TypeError(f"state_dict[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"state_dict[{name!r}] must be a floating tensor, got {t.dtype}")
-    missing = [n for n in shapes if n not in state_dict]
+    missing = [n for n in shapes if n not in state_dict and n not in optional]
     unexpected = [n for n in state_dict if n not in shapes]
     misshaped = [f"{n}: got {tuple(state_dict[n].shape)}, expected {shapes[n]}"
                  for n in shapes if n in state_dict and tuple(state_dict[n].shape) != shapes[n]]
@@ -1002,13 +666,30 @@ def _checked_state_dict(state_dict, shapes: dict) -> dict:
                  for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped))
                  if items]
         raise ValueError("state_dict rejected whole (weights and version unchanged): " + "; ".join(parts))
-    return {n: state_dict[n] for n in shapes}
+    return {n: state_dict[n] for n in shapes if n in state_dict}
 
 
-if __name__ == "__main__":  # a short self-check: greedy decoding is deterministic and loads between requests
-    with Generator(ModelConfig(vocab_size=64, max_seq_len=32), seed=0) as g:
+if __name__ == "__main__":  # a short self-check with a two-layer model in this file: greedy decoding is deterministic
+    class _TinyLM(nn.Module):
+        """An embedding, one causal attention layer and a tied head: the protocol at its smallest."""
+        def __init__(self):
+            super().__init__()
+            self.config = type("Config", (), dict(vocab_size=64, max_seq_len=32, num_kv_heads=1, head_dim=8,
+                                                  kinds=("attention",)))()
+            self.layers = [None]
+            self.embed = nn.Embedding(64, 8)
+
+        def layers_forward(self, ids, positions, attend, mix):
+            x = self.embed(ids)
+            return x + attend(0, x[:, None], x[:, None], x[:, None])[:, 0]
+
+        def logits(self, h):
+            return (h @ self.embed.weight.t()).float()
+
+    torch.manual_seed(0)
+    with Generator(_TinyLM()) as g:
         a = g.generate([Request([1, 2, 3], SamplingParams(max_new_tokens=5))])[0]
-        g.load_weights(DecoderLM(ModelConfig(vocab_size=64, max_seq_len=32), seed=0).state_dict(), 1)
+        g.load_weights(g.model.state_dict(), 1)
         b = g.generate([Request([1, 2, 3], SamplingParams(max_new_tokens=5))])[0]
     assert a.token_ids == b.token_ids and (b.min_policy_version, b.max_policy_version) == (1, 1)
     print("ok:", a.token_ids)

@@ -1,0 +1,1233 @@
+"""Decoder LM: the fast version.  The reference's model (ref/decoder_lm.py, the specification: read its
+docstring for the math, the families and the checkpoint format) with fused projections, a rotary
+table, SDPA / varlen attention for training, and the batch-invariant numerics that make generator and
+trainer logprobs equal bit for bit.
+
+What it changes
+    fused         q, k, v (with Qwen3.5's gate and Qwen2's biases) are one matmul (``qkv_proj``
+                  [(H_q (2 if gated) + 2 H_kv) D, hidden]) and gate, up another (``gate_up_proj``
+                  [2 I, hidden]), as vLLM's QKVParallelLinear / MergedColumnParallelLinear.  The state
+                  dict still names the checkpoint's q_proj / k_proj / v_proj / gate_proj / up_proj
+                  (views of the fused weights; loading fuses them): a checkpoint, a trainer's state dict
+                  and the reference's all load as they are.
+    rotary        cos / sin from a table built once per device (the reference's fp32 products: the
+                  same values, bitwise).
+    attention     training and ``token_logprobs`` run ``scaled_dot_product_attention`` (causal, GQA; a
+                  block-diagonal mask for documents), or the ``varlen_attn`` plug-in when given
+                  (fast/paged_varlen_attention.varlen_attn: packed documents without a mask).
+
+Batch-invariant mode: bitwise on-policy (``DecoderLM(..., batch_invariant=True, varlen_attn=...)``)
+    ``token_logprobs`` then equals the logprobs the fast engine (generator_engine.py's
+    ``Generator(model, ...)`` on a model in this mode) samples with, bit for bit (``torch.equal``),
+    whatever shared the engine's batch, when a request joined, how its prompt was packed, chunked or
+    cached, or whether it was preempted.  The invariance contract: every phase (the trainer's packed
+    forward, the engine's prefill, each decode step) computes a row's dots with the same tile shape, the
+    same instruction and the row in the same slot of the tile, and reduces in the same order; whatever
+    runs the dot (a CPU BLAS, mma.sync or wgmma on a GPU) then sees identical work for that row.
+    What each piece computes with in the mode:
+      matmuls     on a GPU a fixed-tile Triton matmul (no split-K, one config per GPU family and
+                  element size, never autotuned: the same MMA at any row count, checked on the
+                  sm_80/sm_90 builds by parity/invariant_sass.py; the MMA rounds every row of a tile
+                  alike); on a CPU one [1, K] x [K, N] product per row (a batched matmul: the same
+                  BLAS call, the row at slot 0, whatever the row count).  Biases are added after.
+      per row     RMSNorm (decoder, q/k and zero-centred alike: the mean of squares a product with a ones
+                  vector), rotary (full or partial, any rope scaling: a table lookup and IEEE
+                  arithmetic), SwiGLU and the attention gate (SiLU and sigmoid composed from exp:
+                  torch's CPU silu / sigmoid round a vector loop's tail otherwise) and the final
+                  log-softmax (max exact in any order; the sum of exps a product) are the same
+                  expressions in the trainer's packed forward and in the engine's prefill and decode.
+      attention   ``varlen_attn(..., batch_invariant=True)`` for the prefill and the trainer, and the
+                  decode through ``flash_decode(..., batch_invariant=True)``: one tile shape for every
+                  phase, tiles aligned to absolute positions, keys in blocks from key 0 with the same
+                  online-softmax arithmetic, whatever the page size and block table.  A completion row
+                  reduces its keys in two segments, its prompt's and its own, merged: the engine's
+                  decode (prompt pages shared by a group) and this file's ``token_logprobs`` alike.
+      GDN layers  a "linear" plug-in must have ``set_batch_invariant(linear)`` (gated_deltanet.py's
+                  layer has): its projections go through the invariant matmul and its recurrence runs
+                  in the recurrent form in prefill, decode and the trainer alike (that form has a
+                  backward), so hybrid models are on-policy too; its ``recurrent_fn`` must itself be
+                  batch- and split-invariant (the reference recurrence and fast/gated_deltanet.py's
+                  recurrent kernel are).
+    Gradients through ``token_logprobs`` are the default kernels' (they need not be invariant).  Tested
+    bitwise under four CPU kernel families (OpenBLAS generic, Sandybridge, Haswell/Zen, SkylakeX; ATen
+    and MKL at AVX2 and scalar: parity/test_bitwise_blas.py), on Llama-style, Qwen3 and Qwen3.5
+    checkpoints, and on the sm_80/sm_90 builds; a GPU run is owed.
+
+Cost
+    Per token, FLOPs ~ 2 * (non-embedding parameters + hidden * vocab) + 4 * L_ctx * H_q * D per
+    attention layer (L_ctx = keys it attends to).
+
+Tensors and types
+    As the reference (ModelConfig, the linear_layer plug-in, input_ids / cu_seqlens, logits fp32).
+
+Supported, and what raises
+    As the reference, plus ValueError for ``batch_invariant=True`` without ``varlen_attn`` or with a
+    plug-in layer that has no ``set_batch_invariant``.
+
+References
+    vLLM (fused QKV / gate-up linears); Thinking Machines, "Defeating Nondeterminism in LLM Inference"
+    (2025: batch-invariant kernels); the reference's references.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import operator
+import os
+import zlib
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # Triton runs the batch-invariant matmul on GPUs; the model itself needs only torch
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+__all__ = ["ModelConfig", "DecoderLM", "LAYER_TYPES", "SUPPORTED_MODEL_TYPES", "read_safetensors"]
+
+LAYER_TYPES = ("attention", "linear")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5")
+ROPE_TYPES = ("default", "llama3")
+WEIGHT_PREFIXES = ("model.", "model.language_model.")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# ----------------------------------------------------------------------------- the config
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The model's sizes and architecture flags (module docstring).  ``ModelConfig.from_hf`` reads
+    them from a checkpoint's config.json."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    tie_embeddings: bool = True
+    layer_types: tuple[str, ...] | None = None
+    qkv_bias: bool = False                  # Qwen2 / Qwen2.5
+    qk_norm: bool = False                   # Qwen3, Qwen3.5
+    attn_output_gate: bool = False          # Qwen3.5
+    zero_centered_norm: bool = False        # Qwen3.5 (not the Gated DeltaNet output norm)
+    partial_rotary_factor: float = 1.0      # Qwen3.5: 0.25
+    rope_type: str = "default"              # or "llama3" (Llama 3.1+), with the four parameters below
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    linear_num_k_heads: int = 2             # the "linear" (Gated DeltaNet) layers' sizes
+    linear_num_v_heads: int = 4
+    linear_head_k_dim: int = 16
+    linear_head_v_dim: int = 16
+    linear_conv_kernel_size: int = 4
+    weight_prefix: str = "model."           # where the text model's weights live in the checkpoint
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_seq_len", "linear_num_k_heads", "linear_num_v_heads", "linear_head_k_dim",
+                     "linear_head_v_dim", "linear_conv_kernel_size", "rope_original_max_position"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.linear_num_v_heads % self.linear_num_k_heads:
+            raise ValueError(f"linear_num_v_heads ({self.linear_num_v_heads}) must be a multiple of "
+                             f"linear_num_k_heads ({self.linear_num_k_heads})")
+        if not self.rope_theta > 0 or not self.rms_eps > 0:
+            raise ValueError(f"rope_theta and rms_eps must be > 0, got {self.rope_theta!r} and {self.rms_eps!r}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1] and give an even rotary width >= 2 of "
+                             f"head_dim={self.head_dim}, got {self.partial_rotary_factor!r}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        if self.rope_type == "llama3" and not (self.rope_factor > 0 and
+                                               0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            raise ValueError("llama3 rope scaling needs rope_factor > 0 and 0 < rope_low_freq_factor < "
+                             f"rope_high_freq_factor, got {self.rope_factor}, {self.rope_low_freq_factor}, "
+                             f"{self.rope_high_freq_factor}")
+        if self.weight_prefix not in WEIGHT_PREFIXES:
+            raise ValueError(f"weight_prefix must be one of {WEIGHT_PREFIXES}, got {self.weight_prefix!r}")
+        if self.layer_types is not None:
+            types = tuple(self.layer_types)
+            if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
+                raise ValueError(f"layer_types must be None or {self.num_layers} entries from {LAYER_TYPES}, "
+                                 f"got {self.layer_types!r}")
+            object.__setattr__(self, "layer_types", types)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.layer_types or ("attention",) * self.num_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """R: the rotated dims at the start of each head (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def linear_layer_sizes(self) -> dict:
+        """The keywords a ``linear_layer`` is called with (gated_deltanet.py's GatedDeltaNet's names)."""
+        return dict(hidden_size=self.hidden_size, num_k_heads=self.linear_num_k_heads,
+                    num_v_heads=self.linear_num_v_heads, head_k_dim=self.linear_head_k_dim,
+                    head_v_dim=self.linear_head_v_dim, conv_kernel_size=self.linear_conv_kernel_size,
+                    norm_eps=self.rms_eps)
+
+    @classmethod
+    def from_hf(cls, config, *, max_seq_len: int | None = None) -> ModelConfig:
+        """The config of a Hugging Face checkpoint: ``config`` is a config.json path, a checkpoint
+        directory or the parsed dict.  ``max_seq_len`` caps the context (default: the checkpoint's
+        max_position_embeddings).  ValueError for a model type or feature this model does not have."""
+        raw = _read_json_config(config)
+        return cls(**_hf_fields(raw, max_seq_len))
+
+
+def _hf_fields(raw: dict, max_seq_len) -> dict:
+    """ModelConfig's fields from a transformers config dict (the research: each family's modeling file)."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported: this model reads {SUPPORTED_MODEL_TYPES} "
+                         f"(dense Llama 3 / Qwen2 / Qwen2.5 / Qwen3 and Qwen3.5 text; no MoE, no vision inputs)")
+    if isinstance(max_seq_len, bool) or not (max_seq_len is None or _is_int(max_seq_len) and max_seq_len >= 1):
+        raise ValueError(f"max_seq_len must be None or an int >= 1, got {max_seq_len!r}")
+    prefix, tie = "model.", raw.get("tie_word_embeddings", False)
+    if model_type == "qwen3_5":                       # the multimodal checkpoint: its text model (tied at the top)
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("a qwen3_5 config needs its text_config")
+        prefix, raw, model_type = "model.language_model.", text, "qwen3_5_text"
+
+    def get(key, default=None, required=False):
+        if key not in raw or raw[key] is None:
+            if required:
+                raise ValueError(f"the {model_type} config has no {key!r}")
+            return default
+        return raw[key]
+
+    if get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {get('hidden_act')!r} is not supported (silu only)")
+    hidden, heads = get("hidden_size", required=True), get("num_attention_heads", required=True)
+    qwen3_family = model_type in ("qwen3", "qwen3_5_text")
+    default_head_dim = {"qwen3": 128, "qwen3_5_text": 256}.get(model_type, hidden // heads)
+    layers = get("num_hidden_layers", required=True)
+    hf_types = get("layer_types") or (["full_attention"] * layers if model_type != "qwen3_5_text" else
+                                      ["full_attention" if (i + 1) % get("full_attention_interval", 4) == 0
+                                       else "linear_attention" for i in range(layers)])
+    unknown = sorted({t for t in hf_types} - {"full_attention", "linear_attention"})
+    if unknown or (model_type != "qwen3_5_text" and "linear_attention" in hf_types):
+        raise ValueError(f"layer types {unknown or ['linear_attention']} are not supported for {model_type} "
+                         f"(sliding-window layers are not)")
+    if get("use_sliding_window", False):
+        raise ValueError(f"use_sliding_window=True is not supported ({model_type}): full attention only")
+    if get("attention_bias", False):
+        raise ValueError(f"attention_bias=True is not supported ({model_type}): q/k/v biases exist only as Qwen2's")
+    if get("mlp_bias", False):
+        raise ValueError(f"mlp_bias=True is not supported ({model_type})")
+    # rope: transformers >= 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling.
+    rope = dict(get("rope_parameters") or get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported: {ROPE_TYPES}")
+    partial = rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25 if model_type == "qwen3_5_text"
+                                                    else 1.0))
+    fields = dict(
+        vocab_size=get("vocab_size", required=True), hidden_size=hidden,
+        intermediate_size=get("intermediate_size", required=True), num_layers=layers, num_heads=heads,
+        num_kv_heads=get("num_key_value_heads", heads), head_dim=get("head_dim", default_head_dim),
+        max_seq_len=min(get("max_position_embeddings", 2048), max_seq_len or math.inf),
+        rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))), rms_eps=float(get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(tie), qkv_bias=model_type == "qwen2", qk_norm=qwen3_family,
+        attn_output_gate=model_type == "qwen3_5_text", zero_centered_norm=model_type == "qwen3_5_text",
+        partial_rotary_factor=float(partial), rope_type=rope_type, weight_prefix=prefix,
+        layer_types=None if "linear_attention" not in hf_types else
+        tuple("linear" if t == "linear_attention" else "attention" for t in hf_types))
+    if rope_type == "llama3":
+        fields.update(rope_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
+                      rope_high_freq_factor=float(rope["high_freq_factor"]),
+                      rope_original_max_position=int(rope["original_max_position_embeddings"]))
+    if model_type == "qwen3_5_text":
+        fields.update(linear_num_k_heads=get("linear_num_key_heads", 16),
+                      linear_num_v_heads=get("linear_num_value_heads", 32),
+                      linear_head_k_dim=get("linear_key_head_dim", 128),
+                      linear_head_v_dim=get("linear_value_head_dim", 128),
+                      linear_conv_kernel_size=get("linear_conv_kernel_dim", 4))
+    return fields
+
+
+# ----------------------------------------------------------------------------- batch-invariant numerics
+# What the mode computes with (the module docstring's contract): every reduction over a row's features is
+# a product through ``_invariant_linear``, whose per-row bits do not depend on the other rows; maxima
+# are exact in any order; the rest is elementwise, in forms whose bits do not depend on where an element
+# sits in its tensor.
+
+def _invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T -> [..., N] in x's dtype, each row rounded independently of every
+    other row: on a GPU a fixed-tile Triton matmul (no split-K, one config per GPU family and element
+    size), on a CPU one [1, K] x [K, N] product per row (the same BLAS call whatever the row count).
+    Differentiable (the backward is a plain matmul: gradients need not be invariant)."""
+    y = torch.ops.twofold.invariant_linear(x.reshape(-1, x.shape[-1]), weight)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("twofold::invariant_linear", mutates_args=())
+def _invariant_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        return _triton_invariant_matmul(x, weight)
+    return torch.bmm(x[:, None, :], weight.t().expand(x.shape[0], -1, -1))[:, 0]     # [M, 1, K] x [M, K, N]
+
+
+@_invariant_linear_op.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _invariant_linear_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _invariant_linear_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+    grad_weight = grad.t() @ x if ctx.needs_input_grad[1] else None
+    return grad_x, grad_weight
+
+
+_invariant_linear_op.register_autograd(_invariant_linear_backward, setup_context=_invariant_linear_setup)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias, invariant: bool) -> torch.Tensor:
+    """x W^T (+ b): F.linear, or the invariant product with the bias added after it."""
+    if not invariant:
+        return F.linear(x, weight, bias)
+    y = _invariant_linear(x, weight)
+    return y if bias is None else y + bias
+
+
+def _invariant_row_sum(x: torch.Tensor) -> torch.Tensor:
+    """sum over the last dim [..., D] -> [..., 1]: a product with a ones vector through _invariant_linear."""
+    return _invariant_linear(x, torch.ones(1, x.shape[-1], dtype=x.dtype, device=x.device))
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, invariant: bool,
+              zero_centered: bool = False) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight (zero-centred: * (1 + weight) in fp32), fp32 inside."""
+    xf = x.float()
+    if invariant:
+        mean_sq = _invariant_row_sum(xf * xf) / xf.shape[-1]
+    else:
+        mean_sq = xf.pow(2).mean(-1, keepdim=True)
+    normed = xf * torch.rsqrt(mean_sq + eps)
+    if zero_centered:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return normed.to(x.dtype) * weight
+
+
+def _log_softmax(x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """log_softmax over the last dim; invariant: x - max - log(sum exp(x - max)), the max exact in any
+    order (and a constant for autograd: the softmax gradient exactly), the sum through _invariant_linear."""
+    if not invariant:
+        return torch.log_softmax(x, dim=-1)
+    shifted = x - x.amax(-1, keepdim=True).detach()
+    return shifted - _invariant_row_sum(shifted.exp()).log()
+
+
+def _sigmoid(x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """sigmoid.  invariant: 1 / (1 + exp(-x)) in fp32, because torch's CPU kernels for silu / sigmoid round
+    the elements of a vector loop's tail (a position that depends on the tensor's size) through another
+    formula; exp, log, log1p and rsqrt go through one vector formula for every element.  exp's argument
+    is clamped at 80 so that neither the value nor its gradient overflows (sigmoid(-80) = 1.8e-35)."""
+    if not invariant:
+        return torch.sigmoid(x)
+    return (1 / (1 + torch.exp(-x.float().clamp(min=-80)))).to(x.dtype)
+
+
+def _silu(x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """x * sigmoid(x); invariant: composed from exp in fp32 (see _sigmoid)."""
+    if not invariant:
+        return F.silu(x)
+    xf = x.float()
+    return (xf * _sigmoid(xf, True)).to(x.dtype)
+
+
+def rope_inv_freq(c: ModelConfig) -> torch.Tensor:
+    """inv_freq [R/2] fp32 on the CPU, as transformers computes it (the reference's rope_inv_freq)."""
+    r = c.rotary_dim
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, r, 2, dtype=torch.int64).float() / r))
+    if c.rope_type == "llama3":
+        low_wavelen = c.rope_original_max_position / c.rope_low_freq_factor
+        high_wavelen = c.rope_original_max_position / c.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / c.rope_factor, inv_freq)
+        smooth = (c.rope_original_max_position / wavelen - c.rope_low_freq_factor) / (
+            c.rope_high_freq_factor - c.rope_low_freq_factor)
+        blended = (1 - smooth) * scaled / c.rope_factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding on each head's first R = 2 * cos.shape[-1] dims, fp32 inside:
+    x [T, H, D], cos / sin [T, 1, R/2]."""
+    half = cos.shape[-1]
+    xf = x.float()
+    x1, x2, rest = xf[..., :half], xf[..., half:2 * half], xf[..., 2 * half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- the model, fused
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+        self.eps, self.zero_centered = eps, zero_centered
+
+    def forward(self, x, invariant: bool = False):
+        return _rms_norm(x, self.weight, self.eps, invariant, self.zero_centered)
+
+
+def _split_fused(module, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook: a fused tensor appears as its canonical parts (the checkpoint's names).
+    The parts are views, so copying into them loads the fused tensor."""
+    own = [(n, state_dict.pop(prefix + n)) for n, _ in module.named_parameters()]   # the last entries in
+    for name, t in own:
+        parts = module.fused.get(name)
+        pieces = zip(parts, t.split(module.sizes)) if parts else [(name, t)]
+        for part, view in pieces:
+            state_dict[prefix + part] = view
+
+
+def _fuse_parts(module, state_dict, prefix, *args) -> None:
+    """load_state_dict pre-hook: canonical parts -> the fused tensor."""
+    for fused, parts in module.fused.items():
+        keys = [prefix + p for p in parts]
+        if all(k in state_dict for k in keys):
+            state_dict[prefix + fused] = torch.cat([state_dict.pop(k) for k in keys])
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        q_out = c.num_heads * c.head_dim * (2 if c.attn_output_gate else 1)   # Qwen3.5: (query, gate) per head
+        self.sizes = (q_out, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
+        self.fused = {"qkv_proj.weight": ("q_proj.weight", "k_proj.weight", "v_proj.weight")}
+        if c.qkv_bias:
+            self.fused["qkv_proj.bias"] = ("q_proj.bias", "k_proj.bias", "v_proj.bias")
+        self.qkv_proj = nn.Linear(c.hidden_size, sum(self.sizes), bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = _RMSNorm(c.head_dim, c.rms_eps, c.zero_centered_norm)
+            self.k_norm = _RMSNorm(c.head_dim, c.rms_eps, c.zero_centered_norm)
+        self.register_state_dict_post_hook(_split_fused)
+        self.register_load_state_dict_pre_hook(_fuse_parts)
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.sizes = (c.intermediate_size, c.intermediate_size)
+        self.fused = {"gate_up_proj.weight": ("gate_proj.weight", "up_proj.weight")}
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.register_state_dict_post_hook(_split_fused)
+        self.register_load_state_dict_pre_hook(_fuse_parts)
+
+    def forward(self, x, invariant: bool = False):
+        gate, up = _linear(x, self.gate_up_proj.weight, None, invariant).split(self.sizes, dim=-1)
+        return _linear(_silu(gate, invariant) * up, self.down_proj.weight, None, invariant)
+
+
+class _Block(nn.Module):
+    def __init__(self, c: ModelConfig, kind: str, linear_layer):
+        super().__init__()
+        self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_eps, c.zero_centered_norm)
+        if kind == "attention":
+            self.self_attn = _Attention(c)
+        else:
+            self.linear_attn = linear_layer(**c.linear_layer_sizes())
+        self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_eps, c.zero_centered_norm)
+        self.mlp = _MLP(c)
+
+
+class _TextModel(nn.Module):
+    """The body under the checkpoint's prefix: embed_tokens, layers, norm."""
+
+    def __init__(self, c: ModelConfig, linear_layer, seed: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        blocks = []
+        for i, kind in enumerate(c.kinds):
+            with torch.random.fork_rng(devices=[]):  # a plug-in's own init: the reference's seeds
+                torch.manual_seed(seed * 1000003 + i)
+                blocks.append(_Block(c, kind, linear_layer))
+        self.layers = nn.ModuleList(blocks)
+        self.norm = _RMSNorm(c.hidden_size, c.rms_eps, c.zero_centered_norm)
+
+
+class DecoderLM(nn.Module):
+    """The reference's decoder-only LM with fused projections (module docstring); the same
+    constructor, state dict names, init, ``from_pretrained``, ``forward``, ``layers_forward``,
+    ``logits`` and ``token_logprobs``.
+
+    ``batch_invariant=True``: the module docstring's batch-invariant numerics (every "linear" plug-in
+    must then have ``set_batch_invariant(linear)``); ``varlen_attn``: the attention of ``forward`` and
+    ``token_logprobs`` (fast/paged_varlen_attention.varlen_attn's signature, called with
+    ``batch_invariant``), required with ``batch_invariant=True`` (ValueError otherwise); None =
+    ``scaled_dot_product_attention``.
+    """
+
+    def __init__(self, config: ModelConfig | None = None, *, seed: int = 0, linear_layer=None, device=None,
+                 dtype=None, batch_invariant: bool = False, varlen_attn=None):
+        super().__init__()
+        config = ModelConfig() if config is None else config
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        if not _is_int(seed):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        _check_mode(batch_invariant, varlen_attn)
+        if "linear" in config.kinds and linear_layer is None:
+            raise ValueError("this model has 'linear' layers: pass linear_layer=GatedDeltaNet (gated_deltanet.py's "
+                             "class, or a functools.partial of it with the fast kernels)")
+        self.config = config
+        meta = device is not None and torch.device(device).type == "meta"
+        with torch.device("meta") if meta else _no_context():
+            body = _TextModel(config, linear_layer, seed)
+            if config.weight_prefix == "model.language_model.":   # the multimodal checkpoint's layout
+                self.model = nn.Module()
+                self.model.language_model = body
+            else:
+                self.model = body
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_embeddings:                                # one tensor under both names, as transformers
+            self.lm_head.weight = body.embed_tokens.weight
+        self._rope_tables: dict = {}  # device -> (cos, sin) [max_seq_len, 1, R/2] fp32
+        if not meta:
+            with torch.no_grad():     # the reference's draws: per canonical name, into the fused weights' parts
+                for name, p in self.state_dict().items():
+                    std = _init_std(name, config)
+                    if std is not None:
+                        gen = torch.Generator().manual_seed(seed * 1000003 + zlib.crc32(name.encode()))
+                        base = 1.0 if name.endswith("norm.weight") and not config.zero_centered_norm else 0.0
+                        p.copy_(base + torch.randn(p.shape, generator=gen) * std)
+        self.to(device=device, dtype=dtype)
+        self.batch_invariant, self.varlen_attn = batch_invariant, varlen_attn
+        if batch_invariant:
+            for i, block in enumerate(self.layers):
+                if hasattr(block, "linear_attn"):
+                    if not callable(getattr(block.linear_attn, "set_batch_invariant", None)):
+                        raise ValueError(f"batch_invariant=True: the linear_layer plug-in of layer {i} "
+                                         f"({type(block.linear_attn).__name__}) has no set_batch_invariant(linear) "
+                                         f"method, so its numerics cannot be made batch-invariant")
+                    block.linear_attn.set_batch_invariant(_invariant_linear)
+
+    @property
+    def body(self) -> _TextModel:
+        return self.model.language_model if self.config.weight_prefix == "model.language_model." else self.model
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.body.layers
+
+    def layers_forward(self, ids: torch.Tensor, positions: torch.Tensor, attend, mix) -> torch.Tensor:
+        """The blocks on packed tokens, ids / positions [T] -> final-normed hidden [T, hidden];
+        ``attend(layer, q, k, v)`` and ``mix(layer, module, h)`` as in the reference."""
+        c, inv = self.config, self.batch_invariant
+        t = ids.shape[0]
+        cos, sin = self._rotary_at(positions)                              # [T, 1, R/2]
+        x = self.body.embed_tokens(ids)                                     # [T, hidden]
+        for i, block in enumerate(self.layers):
+            h = block.input_layernorm(x, inv)
+            if hasattr(block, "self_attn"):
+                a = block.self_attn
+                q, k, v = _linear(h, a.qkv_proj.weight, a.qkv_proj.bias, inv).split(a.sizes, dim=-1)
+                q = q.view(t, c.num_heads, -1)                              # [T, H_q, D] or [T, H_q, 2 D]
+                q, gate = q.chunk(2, dim=-1) if c.attn_output_gate else (q, None)
+                k = k.view(t, c.num_kv_heads, c.head_dim)
+                if c.qk_norm:
+                    q, k = a.q_norm(q, inv), a.k_norm(k, inv)
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+                o = attend(i, q, k, v.view(t, c.num_kv_heads, c.head_dim)).reshape(t, -1)
+                if gate is not None:
+                    o = o * _sigmoid(gate.reshape(t, -1), inv)
+                x = x + _linear(o, a.o_proj.weight, None, inv)
+            else:
+                x = x + mix(i, block.linear_attn, h)
+            x = x + block.mlp(block.post_attention_layernorm(x, inv), inv)
+        return self.body.norm(x, inv)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [..., hidden] -> logits [..., V] fp32."""
+        w = self.lm_head.weight
+        return (_invariant_linear(h, w) if self.batch_invariant else h @ w.t()).float()
+
+
+    def token_logprobs(self, sequences, prompt_lengths, *, temperature=1.0, share_prompts=True) -> list[torch.Tensor]:
+        """What a trainer recomputes for sampled tokens: for each sequence (prompt + completion token
+        ids) the logprobs of its completion tokens, log_softmax(logits * fp32(1 / T))[token] (T = 0:
+        unscaled, as greedy sampling reports).  ``prompt_lengths``: one int per sequence, 1 <= p < len;
+        ``temperature``: one float >= 0 or one per sequence.  Returns one fp32 tensor [len - p] per
+        sequence; differentiable.
+
+        ``share_prompts``: sequences with the same prompt (a GRPO group) run their prompt once: its
+        tokens go through the model once, each completion attends to its K/V (the prompt's keys, then
+        its own causal keys, the two states merged exactly) and the linear layers continue each
+        completion from the prompt's final state; gradients reach the prompt once, summed over the
+        group.  False: one packed forward over every sequence whole.  In batch-invariant mode (with
+        ``varlen_attn``) every completion row reduces its keys in those two segments either way, each
+        row alone over its prompt's keys as the engine's decode does, and the logprobs are bitwise the
+        engine's (the gradients are the default kernels')."""
+        seqs, prompts, temps = _check_logprob_inputs(sequences, prompt_lengths, temperature, self.config)
+        if not isinstance(share_prompts, bool):
+            raise TypeError(f"share_prompts must be a bool, got {type(share_prompts).__name__}")
+        if not seqs:
+            return []
+        if share_prompts or self.batch_invariant:
+            rows, h = self._prompt_shared_forward(seqs, prompts, share_prompts)
+        else:
+            rows, h = self._packed_forward(seqs, prompts)
+        dev = h.device
+        inv_t = torch.tensor([1.0 / t if t else 1.0 for t, s, p in zip(temps, seqs, prompts)
+                              for _ in range(len(s) - p)], dtype=torch.float32, device=dev)
+        logp = _log_softmax(self.logits(h[rows]) * inv_t[:, None], self.batch_invariant)   # [rows, V]
+        targets = torch.tensor([t for s, p in zip(seqs, prompts) for t in s[p:]], device=dev)
+        picked = logp.gather(1, targets[:, None])[:, 0]
+        return list(picked.split([len(s) - p for s, p in zip(seqs, prompts)]))
+
+    def _packed_forward(self, seqs: list, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every sequence but its last token, packed as documents: (the rows that predict each completion
+        token, in order; the final hidden states)."""
+        dev = self.lm_head.weight.device
+        lengths = [len(s) - 1 for s in seqs]
+        ids = torch.tensor([t for s in seqs for t in s[:-1]], device=dev)
+        bounds = [0, *itertools.accumulate(lengths)]
+        cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
+        h = self.layers_forward(ids, positions, self._packed_attention(cu, max(lengths)),
+                                lambda i, module, x: module(x[None], cu_seqlens=cu)[0])
+        # Row p - 1 + j of a sequence predicts its completion token j.
+        rows = torch.cat([torch.arange(start + p - 1, start + n, device=dev)
+                          for start, p, n in zip(bounds, prompts, lengths)])
+        return rows, h
+
+    def _prompt_shared_forward(self, seqs: list, prompts: list, share: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over each distinct prompt once, then every completion's fed tokens (positions
+        p .. len - 2), the completions of a group side by side.  Returns (the rows predicting each
+        completion token, in the sequences' order; the final hidden states)."""
+        dev = self.lm_head.weight.device
+        lay = _SharedPrompts(seqs, prompts, share, dev)
+        h = self.layers_forward(lay.ids, lay.positions, self._shared_attention(lay), self._shared_mix(lay))
+        return lay.rows, h
+
+    def _shared_attention(self, lay: _SharedPrompts):
+        """attend for ``_prompt_shared_forward``: prompt rows causal over their prompt; completion rows
+        over their prompt's keys (every one visible) and over their own causal keys, merged."""
+        scale, mode = self.config.head_dim ** -0.5, self.batch_invariant
+
+        def attend(i, q, k, v):
+            t_p = lay.prompt_rows
+            qp, kp, vp, qc, kc, vc = q[:t_p], k[:t_p], v[:t_p], q[t_p:], k[t_p:], v[t_p:]
+            out_p, _ = self._attention(qp, kp, vp, lay.cu_p, lay.cu_p, lay.max_p, lay.max_p, scale, causal=True)
+            if qc.shape[0] == 0:
+                return out_p
+            # The prompt's keys: a group's completion rows packed as one query sequence read them once.
+            o_a, lse_a = self._attention(qc, kp, vp, lay.cu_c_by_group, lay.cu_p, lay.max_c_group, lay.max_p,
+                                         scale, causal=False)
+            if mode:   # the engine's bits: each completion row alone over its prompt's keys (one-row tiles)
+                o_a, lse_a = _value_with_gradient_of(self._rows_over_prompts(qc, kp, vp, lay, scale), (o_a, lse_a))
+            o_b, lse_b = self._attention(qc, kc, vc, lay.cu_c, lay.cu_c, lay.max_c, lay.max_c, scale, causal=True)
+            out_c, _ = _merge_states(o_a, lse_a, o_b, lse_b)
+            return torch.cat([out_p, out_c.to(out_p.dtype)])
+        return attend
+
+    def _rows_over_prompts(self, qc, kp, vp, lay, scale):
+        """Batch-invariant mode: each completion row as its own one-query sequence over its prompt's keys,
+        as the engine's decode computes it (the prompt's K/V viewed as pages of one token, each row's
+        block table its prompt's rows).  Inference kernels: no gradient here."""
+        with torch.no_grad():
+            table = lay.prompt_table                                           # [completion rows, max_p]
+            out, lse = self.varlen_attn(qc, kp[:, None], vp[:, None], lay.cu_rows, None, 1, lay.max_p, scale=scale,
+                                        window_size=(-1, -1), enable_gqa=True, seqused_k=lay.row_prompt_len,
+                                        block_table=table, return_aux=_LSE, batch_invariant=True)
+        return out, lse
+
+    def _attention(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, *, causal):
+        """(out [T_q, H, D], lse [H, T_q] fp32) of varlen attention, through ``varlen_attn`` or in plain
+        PyTorch (per sequence) without one."""
+        window = (-1, 0) if causal else (-1, -1)
+        if self.varlen_attn is not None:
+            mode = dict(batch_invariant=True) if self.batch_invariant else {}
+            return self.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window,
+                                    enable_gqa=True, return_aux=_LSE, **mode)
+        return _torch_attention_lse(q, k, v, cu_q.tolist(), cu_k.tolist(), scale, causal)
+
+    def _shared_mix(self, lay: _SharedPrompts):
+        """mix for ``_prompt_shared_forward``: the prompts as documents (their final state kept), then
+        each completion continuing from its prompt's state."""
+        def mix(i, module, h):
+            t_p = lay.prompt_rows
+            cache = module.new_cache()
+            out_p = module(h[:t_p][None], cu_seqlens=lay.cu_p, cache=cache)[0]
+            if h.shape[0] == t_p:
+                return out_p
+            forked = module.new_cache()
+            for name, t in vars(cache).items():
+                if isinstance(t, torch.Tensor):
+                    setattr(forked, name, t[lay.group_of])          # each completion gets its prompt's state
+            out_c = module(h[t_p:][None], cu_seqlens=lay.cu_c, cache=forked)[0]
+            return torch.cat([out_p, out_c])
+        return mix
+
+    def _packed_attention(self, cu: torch.Tensor, longest: int):
+        """``layers_forward``'s attend over documents packed along T (cu [N + 1] int32): through
+        ``varlen_attn`` when the model has one, else SDPA with a block-diagonal causal mask."""
+        scale = self.config.head_dim ** -0.5
+        if self.varlen_attn is not None:
+            # The keyword only in the mode: PyTorch's own varlen_attn, which has none, plugs in too.
+            mode = dict(batch_invariant=True) if self.batch_invariant else {}
+
+            def attend(i, q, k, v):
+                return self.varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0),
+                                        enable_gqa=True, **mode)
+            return attend
+        t = int(cu[-1])
+        doc = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu.diff().long())
+        index = torch.arange(t, device=cu.device)
+        same_doc_causal = (doc[:, None] == doc[None, :]) & (index[None, :] <= index[:, None])   # [T, T]
+
+        def attend(i, q, k, v):                                             # [T, H, D] -> SDPA's [1, H, T, D]
+            q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=same_doc_causal, scale=scale, enable_gqa=True)
+            return o[0].transpose(0, 1)
+        return attend
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """log_softmax over the last dim with the model's numerics (batch-invariant in that mode): what
+        ``token_logprobs`` applies to the logits, and what a generator samples with."""
+        return _log_softmax(logits, self.batch_invariant)
+
+    def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Training: logits [B, T, V] fp32, causal per row (or per document of ``cu_seqlens``, B == 1)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise TypeError(f"input_ids must be an integer tensor [B, T], got "
+                            f"{getattr(input_ids, 'shape', input_ids)!r}")
+        b, t = input_ids.shape
+        dev = input_ids.device
+        if cu_seqlens is None:
+            positions = torch.arange(t, device=dev).repeat(b)                # [B*T]
+            cu = torch.arange(b + 1, dtype=torch.int32, device=dev) * t
+            longest = t
+        else:
+            if b != 1:
+                raise ValueError(f"cu_seqlens requires input_ids of shape [1, T], got {tuple(input_ids.shape)}")
+            cu = cu_seqlens.to(device=dev, dtype=torch.int32)
+            lengths = cu.diff()
+            if int(cu[-1]) != t or int(cu[0]) != 0 or bool((lengths < 0).any()):
+                raise ValueError(f"cu_seqlens must partition the {t} tokens, got {cu_seqlens.tolist()}")
+            doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths.long())   # [T] its document
+            positions = torch.arange(t, device=dev) - cu[doc]
+            longest = int(lengths.max()) if len(lengths) else 0
+        if longest > self.config.max_seq_len:
+            raise ValueError(f"a sequence of {longest} tokens exceeds max_seq_len={self.config.max_seq_len}")
+
+        if cu_seqlens is None and self.varlen_attn is None:
+            def attend(i, q, k, v):                                         # [B*T, H, D] -> SDPA's [B, H, T, D]
+                q, k, v = (x.view(b, t, x.shape[1], -1).transpose(1, 2) for x in (q, k, v))
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                return o.transpose(1, 2).reshape(b * t, o.shape[1], -1)
+        else:
+            attend = self._packed_attention(cu, longest)
+
+        def mix(i, module, h):
+            if cu_seqlens is None:                                          # b equal rows: [B, T, hidden]
+                return module(h.view(b, t, -1)).reshape(h.shape)
+            return module(h[None], cu_seqlens=cu)[0]
+
+        h = self.layers_forward(input_ids.reshape(-1), positions, attend, mix)
+        return self.logits(h).view(b, t, -1)
+
+    def _rotary_at(self, positions: torch.Tensor):
+        """cos, sin [T, 1, R/2] fp32 at the positions, from a table built once per device (the same
+        fp32 products as the reference computes per call, so the same values)."""
+        dev = positions.device
+        if dev not in self._rope_tables:
+            inv_freq = rope_inv_freq(self.config).to(dev)
+            angles = torch.arange(self.config.max_seq_len, device=dev, dtype=torch.float32)[:, None] * inv_freq[None]
+            self._rope_tables[dev] = (angles.cos()[:, None], angles.sin()[:, None])
+        cos, sin = self._rope_tables[dev]
+        return cos[positions], sin[positions]
+
+    @classmethod
+    def from_pretrained(cls, path, *, linear_layer=None, dtype=None, device=None, batch_invariant: bool = False,
+                        varlen_attn=None, max_seq_len: int | None = None) -> DecoderLM:
+        """The model of a Hugging Face checkpoint directory (config.json + safetensors, one file or
+        sharded): weights memory-mapped and copied straight into the parameters, in ``dtype`` (default:
+        the checkpoint's) on ``device``.  ``linear_layer``: required for hybrid (Qwen3.5) checkpoints,
+        called with the checkpoint's sizes as keywords.  ``max_seq_len`` caps the context."""
+        raw = _read_json_config(path)
+        config = ModelConfig(**_hf_fields(raw, max_seq_len))
+        dtype = _checkpoint_dtype(raw) if dtype is None else dtype
+        model = cls(config, linear_layer=linear_layer, device="meta", dtype=dtype, batch_invariant=batch_invariant,
+                    varlen_attn=varlen_attn)                       # no memory, no init: the checkpoint fills it
+        model.to_empty(device=torch.device("cpu") if device is None else device)
+        if config.tie_embeddings:                                  # to_empty gave each name its own tensor
+            model.lm_head.weight = model.body.embed_tokens.weight
+        load_checkpoint(model, path)
+        return model
+
+
+class _SharedPrompts:
+    """The packed layout of ``token_logprobs`` with shared prompts: every distinct prompt once (rows
+    0 .. T_p - 1, the prompts one after another), then every sequence's fed completion tokens, ordered
+    by prompt so that a group's completion rows are contiguous.  Index tensors for the calls below."""
+
+    def __init__(self, seqs: list, prompts: list, share: bool, dev):
+        heads, group_of = {}, []
+        for s, p in zip(seqs, prompts):
+            group_of.append(heads.setdefault(tuple(s[:p]) if share else len(heads), len(heads)))
+        prompt_tokens = list(heads) if share else [s[:p] for s, p in zip(seqs, prompts)]
+        order = sorted(range(len(seqs)), key=group_of.__getitem__)          # completions, grouped
+        plen = [len(t) for t in prompt_tokens]
+        clen = [len(seqs[n]) - 1 - prompts[n] for n in order]               # fed completion tokens
+        p_bounds = [0, *itertools.accumulate(plen)]
+        c_bounds = [0, *itertools.accumulate(clen)]
+        self.prompt_rows = p_bounds[-1]
+        self.ids = torch.tensor([t for ts in prompt_tokens for t in ts] +
+                                [t for n in order for t in seqs[n][prompts[n]:-1]], device=dev)
+        self.positions = torch.tensor([i for n in plen for i in range(n)] +
+                                      [prompts[n] + i for n, c in zip(order, clen) for i in range(c)], device=dev)
+        groups = [group_of[n] for n in order]
+        per_group = [sum(c for g2, c in zip(groups, clen) if g2 == g) for g in range(len(plen))]
+
+        def cu(lengths):
+            return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=dev)
+
+        self.cu_p, self.cu_c, self.cu_c_by_group = cu(plen), cu(clen), cu(per_group)
+        self.max_p, self.max_c, self.max_c_group = max(plen), max(clen, default=0), max(per_group, default=0)
+        self.group_of = torch.tensor(groups, device=dev)                   # completion -> its prompt
+        # Each completion row alone over its prompt's keys (the batch-invariant mode): prompt rows as pages.
+        row_group = [g for g, c in zip(groups, clen) for _ in range(c)]
+        self.cu_rows = cu([1] * len(row_group))
+        self.row_prompt_len = torch.tensor([plen[g] for g in row_group], dtype=torch.int32, device=dev)
+        table = torch.zeros(len(row_group), self.max_p, dtype=torch.int32)
+        for r, g in enumerate(row_group):
+            table[r, :plen[g]] = torch.arange(p_bounds[g], p_bounds[g + 1])
+        self.prompt_table = table.to(dev)
+        # Completion token 0 comes from its prompt's last row, token j > 0 from the completion's row j - 1.
+        first = self.prompt_rows
+        span = {n: range(first + c_bounds[k], first + c_bounds[k + 1]) for k, n in enumerate(order)}
+        self.rows = torch.tensor([r for n in range(len(seqs)) for r in [p_bounds[group_of[n] + 1] - 1, *span[n]]],
+                                 device=dev)
+
+
+class _LseRequest(NamedTuple):
+    """``return_aux`` for a varlen_attn plug-in (PyTorch's AuxRequest, duck-typed): ask for the lse."""
+    lse: bool = True
+
+
+_LSE = _LseRequest()
+
+
+def _merge_states(out_a, lse_a, out_b, lse_b):
+    """Two attention states over disjoint key sets -> the state over their union: with m = max(lse_a, lse_b),
+    w = exp(lse - m), lse = m + log(w_a + w_b), out = (w_a out_a + w_b out_b) / (w_a + w_b).  out [T, H, D],
+    lse [H, T] fp32; a side with lse = -inf (no keys) drops out.  Elementwise (exp, log and IEEE
+    arithmetic): a row's bits do not depend on its neighbours.  Differentiable."""
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)                    # [H, T]
+    den = w_a + w_b
+    lse = torch.where(den == 0, torch.full_like(m, float("-inf")), m + torch.log(den))
+    w_a, w_b, den = (x.t()[..., None] for x in (w_a, w_b, torch.where(den == 0, torch.ones_like(den), den)))
+    out = (w_a * out_a.float() + w_b * out_b.float()) / den                  # [T, H, D]
+    return out, lse
+
+
+class _ValueOf(torch.autograd.Function):
+    """Forward: ``exact``'s values; backward: the incoming gradient goes to ``plain`` (the same math in
+    another tiling).  The batch-invariant mode's values with the default kernels' gradients."""
+
+    @staticmethod
+    def forward(ctx, plain, exact):
+        return exact.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _value_with_gradient_of(exact: tuple, plain: tuple) -> tuple:
+    if not torch.is_grad_enabled():
+        return exact
+    return tuple(_ValueOf.apply(p, e) for p, e in zip(plain, exact))
+
+
+def _torch_attention_lse(q, k, v, cu_q: list, cu_k: list, scale: float, causal: bool):
+    """Varlen attention with its lse in plain PyTorch, one sequence at a time: (out [T_q, H_q, D],
+    lse [H_q, T_q] fp32).  Causal is bottom-right aligned; a row that sees no key gets 0 and -inf."""
+    outs, lses = [], []
+    h_q, d, h_kv = q.shape[1], q.shape[2], k.shape[1]
+    for b in range(len(cu_q) - 1):
+        qs, ks, vs = q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
+        l_q, l_k = qs.shape[0], ks.shape[0]
+        s = torch.einsum("qhgd,khd->hgqk", qs.float().view(l_q, h_kv, h_q // h_kv, d), ks.float()) * scale
+        if causal:
+            hidden = torch.arange(l_k, device=q.device)[None] > torch.arange(l_q, device=q.device)[:, None] + l_k - l_q
+            s = s.masked_fill(hidden, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)                                      # [H_kv, G, L_q]
+        p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+        outs.append(torch.einsum("hgqk,khd->qhgd", p, vs.float()).reshape(l_q, h_q, d).to(q.dtype))
+        lses.append(lse.reshape(h_q, l_q))
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+# ----------------------------------------------------------------------------- safetensors, read as untrusted input
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+_MAX_HEADER_BYTES = 100 << 20          # safetensors' own limit
+
+
+def read_safetensors(path) -> dict[str, torch.Tensor]:
+    """name -> tensor viewing a memory-mapped safetensors file (read-only use; no copy, except of a tensor
+    whose offset is not a multiple of its element size).  The format: an 8-byte little-endian header
+    length N, N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]}} (offsets into the data
+    after the header), then the data.  Every field is checked against the file before anything is
+    viewed: ValueError naming the file and tensor for a header past the end, bad JSON, an unknown dtype,
+    a bad shape, offsets out of range or overlapping, a shape that disagrees with its byte count."""
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    if size < 8:
+        raise ValueError(f"{path}: {size} bytes, shorter than the 8-byte safetensors header length")
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n > size - 8 or n > _MAX_HEADER_BYTES:
+            raise ValueError(f"{path}: header length {n} runs past the file ({size} bytes) or over "
+                             f"{_MAX_HEADER_BYTES} bytes: truncated or not a safetensors file")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: the safetensors header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header must be a JSON object")
+    data_start, data_len = 8 + n, size - 8 - n
+    spans = []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        spans.append((*_checked_entry(path, name, meta, data_len), name))
+    spans.sort(key=lambda span: span[:2])
+    for (_, e0, *_, n0), (b1, _, *_, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise ValueError(f"{path}: tensors {n0!r} and {n1!r} overlap (bytes {b1} < {e0})")
+    tensors = {}
+    if spans:
+        data = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)    # mmap, copy-on-write
+        for begin, end, dtype, shape, name in spans:
+            raw = data[data_start + begin:data_start + end]
+            if (data_start + begin) % dtype.itemsize:
+                raw = raw.clone()                                       # unaligned: view(dtype) needs alignment
+            tensors[name] = raw.view(dtype).view(shape)
+    return tensors
+
+
+def _checked_entry(path, name, meta, data_len: int):
+    """(begin, end, dtype, shape) of one header entry, each checked (ValueError otherwise)."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(meta, dict) or not {"dtype", "shape", "data_offsets"} <= meta.keys():
+        raise ValueError(f"{where}: a header entry needs dtype, shape and data_offsets, got {meta!r}")
+    dtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
+    if dtype is None:
+        raise ValueError(f"{where}: unknown dtype {meta['dtype']!r} (known: {sorted(_SAFETENSORS_DTYPES)})")
+    shape, offsets = meta["shape"], meta["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_int(s) and 0 <= s < 2 ** 48 for s in shape):
+        raise ValueError(f"{where}: shape must be a list of ints >= 0, got {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_len):
+        raise ValueError(f"{where}: data_offsets {offsets!r} out of the data's range [0, {data_len}]")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise ValueError(f"{where}: shape {shape} of {meta['dtype']} is {nbytes} bytes, data_offsets give "
+                         f"{offsets[1] - offsets[0]}")
+    return offsets[0], offsets[1], dtype, tuple(shape)
+
+
+def checkpoint_tensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory, memory-mapped: model.safetensors, or the shards that
+    model.safetensors.index.json names (each a file inside the directory)."""
+    path = os.fspath(path)
+    index, single = os.path.join(path, "model.safetensors.index.json"), os.path.join(path, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index) as f:
+            try:
+                weight_map = json.load(f).get("weight_map")
+            except (json.JSONDecodeError, AttributeError):
+                weight_map = None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: needs a weight_map of tensor names to shard file names")
+        tensors = {}
+        for shard in sorted(set(weight_map.values())):
+            if os.path.basename(shard) != shard or shard in (".", ".."):
+                raise ValueError(f"{index}: shard {shard!r} is not a file name inside the checkpoint directory")
+            found = read_safetensors(os.path.join(path, shard))
+            listed = [n for n, s in weight_map.items() if s == shard]
+            absent = [n for n in listed if n not in found]
+            if absent:
+                raise ValueError(f"{os.path.join(path, shard)}: the index lists {absent[:5]} there, the file "
+                                 f"does not hold them")
+            tensors.update({n: found[n] for n in listed})
+        return tensors
+    if os.path.isfile(single):
+        return read_safetensors(single)
+    found = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    raise ValueError(f"{path} is not a checkpoint directory this model reads: it looked for config.json with "
+                     f"model.safetensors or model.safetensors.index.json (found {found[:8]}); .bin / .pt "
+                     f"weights are not read (nothing is unpickled): convert them to safetensors")
+
+
+@torch.no_grad()
+def load_checkpoint(model: nn.Module, path) -> None:
+    """Copy a checkpoint's tensors into ``model``'s parameters by name (cast to each parameter's dtype).
+    Skipped: the vision tower and the multi-token-prediction head of Qwen3.5 checkpoints.  Missing,
+    unexpected and mis-shaped tensors are named in one ValueError before anything is copied.  A tied
+    ``lm_head.weight`` may be absent (it is the embedding)."""
+    tensors = {n: t for n, t in checkpoint_tensors(path).items()
+               if not n.startswith(("model.visual.", "mtp.", "visual."))}
+    params = model.state_dict()
+    tied = _tied_aliases(model)
+    problems = {"missing": sorted(n for n in params.keys() - tensors.keys() if n not in tied),
+                "unexpected": sorted(tensors.keys() - params.keys()),
+                "mis-shaped": [f"{n}: checkpoint {tuple(t.shape)}, model {tuple(params[n].shape)}"
+                               for n, t in tensors.items() if n in params and t.shape != params[n].shape],
+                "not floating": [n for n, t in tensors.items() if n in params and not t.is_floating_point()]}
+    if any(problems.values()):
+        raise ValueError(f"checkpoint {os.fspath(path)} does not fit the model: " + "; ".join(
+            f"{kind} {items[:8]}{' ...' if len(items) > 8 else ''}" for kind, items in problems.items() if items))
+    for name, t in tensors.items():
+        params[name].copy_(t)
+
+
+def _tied_aliases(model: nn.Module) -> set:
+    """State-dict names whose tensor is an earlier name's (a tied lm_head): optional when loading."""
+    seen, aliases = set(), set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            aliases.add(name)
+        seen.add(id(t))
+    return aliases
+
+
+def _read_json_config(config) -> dict:
+    if isinstance(config, Mapping):
+        return dict(config)
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{os.fspath(config)} is not a checkpoint: no config.json there")
+    with open(path) as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a config must be a JSON object")
+    return raw
+
+
+def _checkpoint_dtype(raw: dict) -> torch.dtype:
+    """The config's ``dtype`` (``torch_dtype`` before transformers 5); fp32 when it names none."""
+    text = raw.get("text_config") if raw.get("model_type") == "qwen3_5" else None
+    name = raw.get("dtype") or raw.get("torch_dtype") or (text or {}).get("dtype") or (text or {}).get("torch_dtype")
+    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if name is not None and name not in table:
+        raise ValueError(f"checkpoint dtype {name!r} is not supported: {sorted(table)}")
+    return table.get(name, torch.float32)
+
+
+def _init_std(name: str, c: ModelConfig) -> float | None:
+    """The random init's std per canonical weight name (None: plug-in layers keep their own init, and a
+    tied lm_head is the embedding)."""
+    leaf = name.rsplit(".", 2)
+    if ".linear_attn." in name or (name == "lm_head.weight" and c.tie_embeddings):
+        return None
+    if name.endswith("embed_tokens.weight"):
+        return 2.0 / math.sqrt(c.hidden_size)
+    if name == "lm_head.weight":
+        return 1.0 / math.sqrt(c.hidden_size)
+    if name.endswith("norm.weight"):
+        return 0.1
+    if name.endswith(".bias"):
+        return 0.1
+    fan_in = {"o_proj": c.num_heads * c.head_dim, "down_proj": c.intermediate_size}.get(leaf[-2], c.hidden_size)
+    out_scale = 1.0 / math.sqrt(2 * c.num_layers) if leaf[-2] in ("o_proj", "down_proj") else 1.0
+    return out_scale / math.sqrt(fan_in)
+
+
+def _init_std(name: str, c: ModelConfig) -> float | None:
+    """The random init's std per canonical weight name (None: plug-in layers keep their own init, and a
+    tied lm_head is the embedding)."""
+    leaf = name.rsplit(".", 2)
+    if ".linear_attn." in name or (name == "lm_head.weight" and c.tie_embeddings):
+        return None
+    if name.endswith("embed_tokens.weight"):
+        return 2.0 / math.sqrt(c.hidden_size)
+    if name == "lm_head.weight":
+        return 1.0 / math.sqrt(c.hidden_size)
+    if name.endswith("norm.weight"):
+        return 0.1
+    if name.endswith(".bias"):
+        return 0.1
+    fan_in = {"o_proj": c.num_heads * c.head_dim, "down_proj": c.intermediate_size}.get(leaf[-2], c.hidden_size)
+    out_scale = 1.0 / math.sqrt(2 * c.num_layers) if leaf[-2] in ("o_proj", "down_proj") else 1.0
+    return out_scale / math.sqrt(fan_in)
+
+
+class _no_context:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ----------------------------------------------------------------------------- the batch-invariant matmul (GPU)
+# y = x W^T with one program per [BLOCK_M, BLOCK_N] tile of y, K walked in BLOCK_K steps from 0, fp32
+# accumulation, no split-K.  An element of y is the same chain of MMA k-steps whatever M is and wherever
+# its row sits in the tile (the MMA treats every row alike; rows past M load as zeros and only feed rows
+# that are never stored).  Its bits then depend on the tile shape, num_warps and the instruction they
+# select: so one config per (GPU family, element size), never autotuned, never chosen by M.
+# (GPU family, element size): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).  16-bit: 64-row tiles
+# (sm_90's wgmma needs 64), 48 KB of operands per stage; fp32: IEEE dots on the FMA units (no tf32).
+_INVARIANT_MATMUL_CONFIGS = {
+    (90, 2): (64, 128, 64, 4, 3),
+    (80, 2): (64, 128, 32, 4, 3),
+    (90, 4): (32, 64, 32, 4, 2),
+    (80, 4): (32, 64, 32, 4, 2),
+}
+
+
+def _invariant_matmul_config(dtype: torch.dtype, family: int) -> tuple[int, int, int, int, int]:
+    """The launch config for family 80 (A100 and older: mma.sync) or 90 (H100 and newer: wgmma)."""
+    return _INVARIANT_MATMUL_CONFIGS[(family, 4 if dtype == torch.float32 else 2)]
+
+
+def _gpu_family(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 80                                                       # the interpreter (CPU tensors)
+    return 90 if torch.cuda.get_device_capability(device)[0] >= 9 else 80
+
+
+def _triton_invariant_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype through the fixed-tile kernel (CUDA tensors, or
+    CPU tensors under TRITON_INTERPRET=1)."""
+    if triton is None:
+        raise RuntimeError("the batch-invariant matmul on a GPU needs Triton (pip install triton)")
+    if x.dtype != weight.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"x and weight must share a dtype in fp16 / bf16 / fp32, got {x.dtype} and {weight.dtype}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    block_m, block_n, block_k, warps, stages = _invariant_matmul_config(x.dtype, _gpu_family(x.device))
+    # A GPU's MMA rounds every row of a tile alike: the rows fill the tile.  The interpreter's dot is a
+    # BLAS call, whose micro-kernels round a tile's slots differently (OpenBLAS's Haswell sgemm: rows
+    # 6-11 of 16 apart from the rest), so there each row gets its own tile, at slot 0.
+    rows_per_tile = block_m if x.is_cuda else 1
+    grid = (triton.cdiv(m, rows_per_tile), triton.cdiv(n, block_n))
+    _invariant_matmul_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+                                   BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ROWS_PER_TILE=rows_per_tile,
+                                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                                   num_warps=warps, num_stages=stages)
+    return y
+
+
+if triton is not None:
+    @triton.jit
+    def _invariant_matmul_kernel(x, w, y, M, N, K, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS_PER_TILE: tl.constexpr,
+                                 PRECISION: tl.constexpr):
+        i_m, i_n = tl.program_id(0), tl.program_id(1)
+        o_slot = tl.arange(0, BLOCK_M)
+        o_m = i_m * ROWS_PER_TILE + o_slot                                  # rows x in slots 0 .. ROWS_PER_TILE - 1
+        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_m, m_n = (o_slot < ROWS_PER_TILE) & (o_m < M), o_n < N
+        p_x = x + o_m.to(tl.int64)[:, None] * stride_xm                     # [BLOCK_M, 1] row starts
+        p_w = w + o_n.to(tl.int64)[None, :] * stride_wn                     # [1, BLOCK_N] W rows = y columns
+        b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):                                     # from k = 0, in order, whatever M
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < K
+            b_x = tl.load(p_x + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0)      # [BLOCK_M, BLOCK_K]
+            b_w = tl.load(p_w + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0)      # [BLOCK_K, BLOCK_N]
+            b_acc = tl.dot(b_x, b_w, b_acc, input_precision=PRECISION)
+        p_y = y + o_m.to(tl.int64)[:, None] * stride_ym + o_n[None, :]
+        tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+# ----------------------------------------------------------------------------- input checks
+
+def _check_mode(batch_invariant, varlen_attn) -> None:
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
+    if varlen_attn is not None and not callable(varlen_attn):
+        raise TypeError(f"varlen_attn must be None or a function with varlen_attn's signature, got "
+                        f"{type(varlen_attn).__name__}")
+    if batch_invariant and varlen_attn is None:
+        raise ValueError("batch_invariant=True needs varlen_attn (fast/paged_varlen_attention.varlen_attn, whose "
+                         "batch_invariant=True rounds a row alike in a prefill, a decode step and a trainer's "
+                         "packed forward); the in-file default attention is not batch-invariant")
+
+def _check_logprob_inputs(sequences, prompt_lengths, temperature, config: ModelConfig):
+    """token_logprobs' arguments as (lists of token ids, prompt lengths, temperatures), or a clear error."""
+    if isinstance(sequences, (str, bytes, torch.Tensor)) or not isinstance(sequences, Iterable):
+        raise TypeError(f"sequences must be a list of token-id sequences, got {type(sequences).__name__}")
+    seqs = []
+    for n, s in enumerate(sequences):
+        if isinstance(s, torch.Tensor):
+            if s.dim() != 1 or s.is_floating_point() or s.is_complex():
+                raise TypeError(f"sequences[{n}] must be a 1-D integer tensor, got {s.dtype} of shape {tuple(s.shape)}")
+            s = s.tolist()
+        try:
+            seqs.append([operator.index(t) for t in s])
+        except TypeError:
+            raise TypeError(f"sequences[{n}] must hold ints (token ids), got {type(s).__name__}") from None
+    if isinstance(prompt_lengths, (str, bytes)) or not isinstance(prompt_lengths, Iterable):
+        raise TypeError(f"prompt_lengths must be a list of ints, got {type(prompt_lengths).__name__}")
+    prompts = list(prompt_lengths)
+    if len(prompts) != len(seqs) or not all(_is_int(p) for p in prompts):
+        raise ValueError(f"prompt_lengths must hold one int per sequence ({len(seqs)}), got {prompts!r}")
+    temps = list(temperature) if isinstance(temperature, Iterable) else [temperature] * len(seqs)
+    if len(temps) != len(seqs) or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0
+                                          for t in temps):
+        raise ValueError(f"temperature must be a float >= 0 or one per sequence ({len(seqs)}), got {temperature!r}")
+    for n, (s, p) in enumerate(zip(seqs, prompts)):
+        if not 1 <= p < len(s):
+            raise ValueError(f"prompt_lengths[{n}] must be in [1, {len(s)}) (a prompt and at least one completion "
+                             f"token), got {p}")
+        if len(s) - 1 > config.max_seq_len:
+            raise ValueError(f"sequences[{n}] has {len(s)} tokens: more than max_seq_len + 1 = "
+                             f"{config.max_seq_len + 1}")
+        if min(s) < 0 or max(s) >= config.vocab_size:
+            raise ValueError(f"sequences[{n}] must hold token ids in [0, {config.vocab_size}), got "
+                             f"{min(s) if min(s) < 0 else max(s)}")
+    return seqs, prompts, [float(t) for t in temps]

@@ -1,0 +1,958 @@
+"""Decoder LM: the reference (readable PyTorch, the specification of the model trainer and generator share).
+
+What it computes
+    ``DecoderLM`` is the decoder-only language model of Llama 3, Qwen2 / Qwen2.5, Qwen3 and Qwen3.5
+    (hybrid: Gated DeltaNet "linear" layers beside gated full attention), one model whose
+    architecture differences are config flags.  It is the contract between an RL trainer and its
+    generators: the trainer runs ``forward`` / ``token_logprobs``, the engines of
+    ``generator_engine.py`` run ``layers_forward`` with their KV caches plugged in, and both load the
+    same Hugging Face checkpoint (``from_pretrained``) under the checkpoint's own parameter names, so
+    a trainer's HF state dict loads into a generator as it is.  A trainer copies this file alone.
+
+The model (pre-norm; x = embed[token]; every norm an RMSNorm computed in fp32)
+    norm(x)       x / sqrt(mean(x^2) + eps) * w;  zero_centered_norm (Qwen3.5): * (1 + w) instead
+    attention     q = h W_q (+ b_q), k = h W_k (+ b_k), v = h W_v (+ b_v)       qkv_bias: Qwen2 / 2.5
+                  attn_output_gate (Qwen3.5): h W_q is [T, H_q, 2 D], per head (query, gate)
+                  qk_norm (Qwen3, Qwen3.5): q, k = norm(q), norm(k) over each head's D, before rotary
+                  rotary (rotate-half) on each head's first R = D * partial_rotary_factor dims at the
+                  token's position p: angle_i = p * inv_freq_i, inv_freq_i = theta^(-2i / R) (llama3
+                  scaling: long wavelengths divided by ``rope_factor``, a smooth blend in between)
+                  o = softmax(q k^T / sqrt(D)) v, causal, GQA (query head j reads KV head j // (H_q / H_kv))
+                  gated: o = o * sigmoid(gate);  x += o W_o
+    linear        x += linear_layer(h): a Gated DeltaNet layer (gated_deltanet.py's ``GatedDeltaNet``)
+    mlp           x += W_down(silu(W_gate h) * W_up h),  h = norm(x)
+    logits        norm(x) W_head^T in fp32 (W_head = the embedding when tied)
+
+Checkpoints (``ModelConfig.from_hf``, ``DecoderLM.from_pretrained``)
+    model_type    llama (rope default / llama3), qwen2, qwen3, qwen3_5_text, qwen3_5 (the text model of
+                  the multimodal checkpoint: ``model.language_model.*``; the vision tower ``model.visual.*``
+                  and the multi-token-prediction head ``mtp.*`` are skipped; text positions only, where
+                  Qwen3.5's multimodal rotary equals the plain one).  Anything else raises ValueError:
+                  MoE, sliding-window layers, other rope types, biases other than Qwen2's q/k/v.
+    weights       config.json + safetensors, one file or sharded (model.safetensors.index.json), read by
+                  the reader in this file: memory-mapped, every header field checked before any tensor
+                  is viewed (a checkpoint is untrusted input), copied straight into the parameters.
+                  Nothing is unpickled.  dtype from the config's ``dtype`` / ``torch_dtype`` unless given.
+    names         ``state_dict()`` uses the checkpoint's names (``model.layers.0.self_attn.q_proj.weight``,
+                  ``lm_head.weight``; a tied head is the embedding under both names, as in transformers).
+
+Batch-invariant numerics (``batch_invariant=True``)
+    A row's result does not depend on the other rows of the call: every matmul is one [1, K] x [K, N]
+    product per row, every reduction over a row's features (norms, the log-softmax's sum) a product with
+    a ones vector through it, SiLU / sigmoid composed from exp, and attention through the caller's
+    ``varlen_attn(..., batch_invariant=True)``.  fast/decoder_lm.py implements the bitwise on-policy
+    contract on these numerics (its docstring states it); this file states them plainly.
+
+Tensors and types
+    input_ids       [B, T] int64, or [1, T] with cu_seqlens [N + 1] int32 (documents packed along T)
+    logits          [B, T, vocab_size] fp32
+    ModelConfig     sizes (vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads,
+                    head_dim, max_seq_len), rope_theta, rms_eps, tie_embeddings, layer_types (None = all
+                    "attention", else "attention" / "linear" per layer), the flags above, rope_type and
+                    its llama3 parameters, the linear layers' sizes (linear_num_k_heads, linear_num_v_heads,
+                    linear_head_k_dim, linear_head_v_dim, linear_conv_kernel_size) and weight_prefix
+    linear_layer    a class or factory called with keywords ``hidden_size``, ``num_k_heads``,
+                    ``num_v_heads``, ``head_k_dim``, ``head_v_dim``, ``conv_kernel_size``, ``norm_eps``
+                    (gated_deltanet.py's ``GatedDeltaNet``, or a ``functools.partial`` of it with the
+                    fast kernels), giving a module called as ``m(x [1, T, hidden], cu_seqlens=cu,
+                    cache=c)``, ``m(x [B, T, hidden])`` and ``m(x [N, T, hidden], cache=c)``, with
+                    ``m.new_cache()`` (the generator engines' contract; gated_deltanet.py's layer has it)
+
+Supported, and what raises
+    fp32 / fp16 / bf16 weights on any device.  ValueError for bad config values, an unsupported
+    checkpoint (naming what is supported), a hybrid model without ``linear_layer``, a checkpoint with
+    missing, unexpected or mis-shaped tensors (one error listing them), a corrupted or truncated
+    safetensors file (naming the file and tensor), ``token_logprobs`` inputs out of range.
+
+References
+    Llama 3 (Meta, 2024), Qwen2.5 / Qwen3 / Qwen3.5 (Alibaba, 2024-2026) and Hugging Face transformers'
+    modeling files for each (the oracle in parity/test_checkpoints.py); the safetensors format
+    (Hugging Face); gpt-fast and nanoGPT (the model in one screen).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import operator
+import os
+import zlib
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ModelConfig", "DecoderLM", "LAYER_TYPES", "SUPPORTED_MODEL_TYPES", "read_safetensors"]
+
+LAYER_TYPES = ("attention", "linear")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5")
+ROPE_TYPES = ("default", "llama3")
+WEIGHT_PREFIXES = ("model.", "model.language_model.")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# ----------------------------------------------------------------------------- the config
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The model's sizes and architecture flags (module docstring).  ``ModelConfig.from_hf`` reads
+    them from a checkpoint's config.json."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    tie_embeddings: bool = True
+    layer_types: tuple[str, ...] | None = None
+    qkv_bias: bool = False                  # Qwen2 / Qwen2.5
+    qk_norm: bool = False                   # Qwen3, Qwen3.5
+    attn_output_gate: bool = False          # Qwen3.5
+    zero_centered_norm: bool = False        # Qwen3.5 (not the Gated DeltaNet output norm)
+    partial_rotary_factor: float = 1.0      # Qwen3.5: 0.25
+    rope_type: str = "default"              # or "llama3" (Llama 3.1+), with the four parameters below
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    linear_num_k_heads: int = 2             # the "linear" (Gated DeltaNet) layers' sizes
+    linear_num_v_heads: int = 4
+    linear_head_k_dim: int = 16
+    linear_head_v_dim: int = 16
+    linear_conv_kernel_size: int = 4
+    weight_prefix: str = "model."           # where the text model's weights live in the checkpoint
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_seq_len", "linear_num_k_heads", "linear_num_v_heads", "linear_head_k_dim",
+                     "linear_head_v_dim", "linear_conv_kernel_size", "rope_original_max_position"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.linear_num_v_heads % self.linear_num_k_heads:
+            raise ValueError(f"linear_num_v_heads ({self.linear_num_v_heads}) must be a multiple of "
+                             f"linear_num_k_heads ({self.linear_num_k_heads})")
+        if not self.rope_theta > 0 or not self.rms_eps > 0:
+            raise ValueError(f"rope_theta and rms_eps must be > 0, got {self.rope_theta!r} and {self.rms_eps!r}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1] and give an even rotary width >= 2 of "
+                             f"head_dim={self.head_dim}, got {self.partial_rotary_factor!r}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        if self.rope_type == "llama3" and not (self.rope_factor > 0 and
+                                               0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            raise ValueError("llama3 rope scaling needs rope_factor > 0 and 0 < rope_low_freq_factor < "
+                             f"rope_high_freq_factor, got {self.rope_factor}, {self.rope_low_freq_factor}, "
+                             f"{self.rope_high_freq_factor}")
+        if self.weight_prefix not in WEIGHT_PREFIXES:
+            raise ValueError(f"weight_prefix must be one of {WEIGHT_PREFIXES}, got {self.weight_prefix!r}")
+        if self.layer_types is not None:
+            types = tuple(self.layer_types)
+            if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
+                raise ValueError(f"layer_types must be None or {self.num_layers} entries from {LAYER_TYPES}, "
+                                 f"got {self.layer_types!r}")
+            object.__setattr__(self, "layer_types", types)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.layer_types or ("attention",) * self.num_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """R: the rotated dims at the start of each head (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def linear_layer_sizes(self) -> dict:
+        """The keywords a ``linear_layer`` is called with (gated_deltanet.py's GatedDeltaNet's names)."""
+        return dict(hidden_size=self.hidden_size, num_k_heads=self.linear_num_k_heads,
+                    num_v_heads=self.linear_num_v_heads, head_k_dim=self.linear_head_k_dim,
+                    head_v_dim=self.linear_head_v_dim, conv_kernel_size=self.linear_conv_kernel_size,
+                    norm_eps=self.rms_eps)
+
+    @classmethod
+    def from_hf(cls, config, *, max_seq_len: int | None = None) -> ModelConfig:
+        """The config of a Hugging Face checkpoint: ``config`` is a config.json path, a checkpoint
+        directory or the parsed dict.  ``max_seq_len`` caps the context (default: the checkpoint's
+        max_position_embeddings).  ValueError for a model type or feature this model does not have."""
+        raw = _read_json_config(config)
+        return cls(**_hf_fields(raw, max_seq_len))
+
+
+def _hf_fields(raw: dict, max_seq_len) -> dict:
+    """ModelConfig's fields from a transformers config dict (the research: each family's modeling file)."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported: this model reads {SUPPORTED_MODEL_TYPES} "
+                         f"(dense Llama 3 / Qwen2 / Qwen2.5 / Qwen3 and Qwen3.5 text; no MoE, no vision inputs)")
+    if isinstance(max_seq_len, bool) or not (max_seq_len is None or _is_int(max_seq_len) and max_seq_len >= 1):
+        raise ValueError(f"max_seq_len must be None or an int >= 1, got {max_seq_len!r}")
+    prefix, tie = "model.", raw.get("tie_word_embeddings", False)
+    if model_type == "qwen3_5":                       # the multimodal checkpoint: its text model (tied at the top)
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("a qwen3_5 config needs its text_config")
+        prefix, raw, model_type = "model.language_model.", text, "qwen3_5_text"
+
+    def get(key, default=None, required=False):
+        if key not in raw or raw[key] is None:
+            if required:
+                raise ValueError(f"the {model_type} config has no {key!r}")
+            return default
+        return raw[key]
+
+    if get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {get('hidden_act')!r} is not supported (silu only)")
+    hidden, heads = get("hidden_size", required=True), get("num_attention_heads", required=True)
+    qwen3_family = model_type in ("qwen3", "qwen3_5_text")
+    default_head_dim = {"qwen3": 128, "qwen3_5_text": 256}.get(model_type, hidden // heads)
+    layers = get("num_hidden_layers", required=True)
+    hf_types = get("layer_types") or (["full_attention"] * layers if model_type != "qwen3_5_text" else
+                                      ["full_attention" if (i + 1) % get("full_attention_interval", 4) == 0
+                                       else "linear_attention" for i in range(layers)])
+    unknown = sorted({t for t in hf_types} - {"full_attention", "linear_attention"})
+    if unknown or (model_type != "qwen3_5_text" and "linear_attention" in hf_types):
+        raise ValueError(f"layer types {unknown or ['linear_attention']} are not supported for {model_type} "
+                         f"(sliding-window layers are not)")
+    if get("use_sliding_window", False):
+        raise ValueError(f"use_sliding_window=True is not supported ({model_type}): full attention only")
+    if get("attention_bias", False):
+        raise ValueError(f"attention_bias=True is not supported ({model_type}): q/k/v biases exist only as Qwen2's")
+    if get("mlp_bias", False):
+        raise ValueError(f"mlp_bias=True is not supported ({model_type})")
+    # rope: transformers >= 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling.
+    rope = dict(get("rope_parameters") or get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported: {ROPE_TYPES}")
+    partial = rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25 if model_type == "qwen3_5_text"
+                                                    else 1.0))
+    fields = dict(
+        vocab_size=get("vocab_size", required=True), hidden_size=hidden,
+        intermediate_size=get("intermediate_size", required=True), num_layers=layers, num_heads=heads,
+        num_kv_heads=get("num_key_value_heads", heads), head_dim=get("head_dim", default_head_dim),
+        max_seq_len=min(get("max_position_embeddings", 2048), max_seq_len or math.inf),
+        rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))), rms_eps=float(get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(tie), qkv_bias=model_type == "qwen2", qk_norm=qwen3_family,
+        attn_output_gate=model_type == "qwen3_5_text", zero_centered_norm=model_type == "qwen3_5_text",
+        partial_rotary_factor=float(partial), rope_type=rope_type, weight_prefix=prefix,
+        layer_types=None if "linear_attention" not in hf_types else
+        tuple("linear" if t == "linear_attention" else "attention" for t in hf_types))
+    if rope_type == "llama3":
+        fields.update(rope_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
+                      rope_high_freq_factor=float(rope["high_freq_factor"]),
+                      rope_original_max_position=int(rope["original_max_position_embeddings"]))
+    if model_type == "qwen3_5_text":
+        fields.update(linear_num_k_heads=get("linear_num_key_heads", 16),
+                      linear_num_v_heads=get("linear_num_value_heads", 32),
+                      linear_head_k_dim=get("linear_key_head_dim", 128),
+                      linear_head_v_dim=get("linear_value_head_dim", 128),
+                      linear_conv_kernel_size=get("linear_conv_kernel_dim", 4))
+    return fields
+
+
+# ----------------------------------------------------------------------------- the math
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False,
+             linear=None) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * w (zero-centred: * (1 + w), in fp32 as Qwen3.5), fp32 inside.
+    ``linear`` (batch-invariant mode): the mean of squares as a product with a ones vector through it."""
+    xf = x.float()
+    if linear is None:
+        mean_sq = xf.pow(2).mean(-1, keepdim=True)
+    else:
+        mean_sq = linear(xf * xf, torch.ones(1, xf.shape[-1], device=x.device)) / xf.shape[-1]
+    normed = xf * torch.rsqrt(mean_sq + eps)
+    if zero_centered:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return normed.to(x.dtype) * weight
+
+
+def rope_inv_freq(c: ModelConfig) -> torch.Tensor:
+    """inv_freq [R/2] fp32 on the CPU, as transformers computes it: theta^(-2i/R); llama3 scaling divides
+    the frequencies whose wavelength exceeds original_max / low_freq_factor by ``rope_factor``, keeps
+    those below original_max / high_freq_factor, and blends linearly (in original_max / wavelength) between."""
+    r = c.rotary_dim
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, r, 2, dtype=torch.int64).float() / r))
+    if c.rope_type == "llama3":
+        low_wavelen = c.rope_original_max_position / c.rope_low_freq_factor
+        high_wavelen = c.rope_original_max_position / c.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / c.rope_factor, inv_freq)
+        smooth = (c.rope_original_max_position / wavelen - c.rope_low_freq_factor) / (
+            c.rope_high_freq_factor - c.rope_low_freq_factor)
+        blended = (1 - smooth) * scaled / c.rope_factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding on the first R = 2 * len(inv_freq) dims of each head, fp32 inside.
+    x [T, H, D]; positions [T] int -> [T, H, D]."""
+    r = 2 * inv_freq.shape[0]
+    angles = positions.to(torch.float32)[:, None] * inv_freq.to(x.device)[None]     # [T, R/2]
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]                         # [T, 1, R/2]
+    xf = x.float()
+    x1, x2, rest = xf[..., :r // 2], xf[..., r // 2:r], xf[..., r:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(x.dtype)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool):
+    """softmax(q k^T * scale) v with GQA, fp32 inside, and its log-sum-exp: (out [L_q, H_q, D] in q's
+    dtype, lse [H_q, L_q] fp32).  q [L_q, H_q, D]; k, v [L_k, H_kv, D].  Causal is bottom-right aligned
+    (query row i sees keys j <= i + L_k - L_q); a row that sees no key gets out 0 and lse -inf."""
+    l_q, h_q, d = q.shape
+    l_k, h_kv = k.shape[0], k.shape[1]
+    qf = q.float().view(l_q, h_kv, h_q // h_kv, d)                            # [L_q, H_kv, G, D]
+    s = torch.einsum("qhgd,khd->hgqk", qf, k.float()) * scale                 # [H_kv, G, L_q, L_k]
+    if causal:
+        future = torch.arange(l_k, device=q.device)[None] > torch.arange(l_q, device=q.device)[:, None] + (l_k - l_q)
+        s = s.masked_fill(future, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                         # [H_kv, G, L_q]
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    o = torch.einsum("hgqk,khd->qhgd", p, v.float())                         # [L_q, H_kv, G, D]
+    return o.reshape(l_q, h_q, d).to(q.dtype), lse.reshape(h_q, l_q)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """``attention_with_lse``'s output, causal: a prefill over its own keys, or a decode step over the cache."""
+    return attention_with_lse(q, k, v, scale, causal=True)[0]
+
+
+def merge_states(out_a, lse_a, out_b, lse_b):
+    """The attention state over two disjoint key sets from each one's (out [L, H, D], lse [H, L]):
+    lse = log(e^lse_a + e^lse_b) and out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b (the larger lse
+    subtracted first; a side with no key, lse = -inf, drops out).  Cascade attention is this merge of
+    a query's attention over a shared prefix and over its own suffix."""
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)                    # [H, L]
+    den = w_a + w_b
+    lse = torch.where(den == 0, torch.full_like(m, float("-inf")), m + torch.log(den))
+    w_a, w_b, den = (x.t()[..., None] for x in (w_a, w_b, torch.where(den == 0, torch.ones_like(den), den)))
+    return (w_a * out_a.float() + w_b * out_b.float()) / den, lse
+
+
+# Batch-invariant numerics: a row's bits never depend on the other rows of the call.
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T -> [..., N], one [1, K] x [K, N] product per row: the same BLAS call
+    for a row whatever the row count (a batched matmul of M one-row problems).  Differentiable."""
+    rows = x.reshape(-1, x.shape[-1])
+    y = torch.bmm(rows[:, None, :], weight.t().to(x.dtype).expand(rows.shape[0], -1, -1))[:, 0]
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _sigmoid(x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """sigmoid; invariant: 1 / (1 + exp(-x)) in fp32 (torch's CPU sigmoid rounds a vector loop's tail
+    through another formula; exp takes one formula for every element)."""
+    if not invariant:
+        return torch.sigmoid(x)
+    return (1 / (1 + torch.exp(-x.float().clamp(min=-80)))).to(x.dtype)
+
+
+def _silu(x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    return F.silu(x) if not invariant else (x.float() * _sigmoid(x.float(), True)).to(x.dtype)
+
+
+def _log_softmax(x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """log_softmax over the last dim; invariant: x - max - log(sum exp(x - max)), the sum a product."""
+    if not invariant:
+        return torch.log_softmax(x, dim=-1)
+    shifted = x - x.amax(-1, keepdim=True).detach()
+    return shifted - invariant_linear(shifted.exp(), torch.ones(1, x.shape[-1], device=x.device)).log()
+
+
+# ----------------------------------------------------------------------------- the modules
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+        self.eps, self.zero_centered = eps, zero_centered
+
+    def forward(self, x, linear=None):
+        return rms_norm(x, self.weight, self.eps, self.zero_centered, linear)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        q_out = c.num_heads * c.head_dim * (2 if c.attn_output_gate else 1)
+        self.q_proj = nn.Linear(c.hidden_size, q_out, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_eps, c.zero_centered_norm)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_eps, c.zero_centered_norm)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig, kind: str, linear_layer):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_eps, c.zero_centered_norm)
+        if kind == "attention":
+            self.self_attn = Attention(c)
+        else:
+            self.linear_attn = linear_layer(**c.linear_layer_sizes())
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_eps, c.zero_centered_norm)
+        self.mlp = FeedForward(c)
+
+
+class TextModel(nn.Module):
+    """The body under the checkpoint's prefix: embed_tokens, layers, norm."""
+
+    def __init__(self, c: ModelConfig, linear_layer, seed: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        blocks = []
+        for i, kind in enumerate(c.kinds):
+            with torch.random.fork_rng(devices=[]):  # a plug-in's own init, reproducible from the seed
+                torch.manual_seed(seed * 1000003 + i)
+                blocks.append(Block(c, kind, linear_layer))
+        self.layers = nn.ModuleList(blocks)
+        self.norm = RMSNorm(c.hidden_size, c.rms_eps, c.zero_centered_norm)
+
+
+class DecoderLM(nn.Module):
+    """The decoder-only LM of the module docstring.
+
+    ``DecoderLM(config=None, *, seed=0, linear_layer=None, device=None, dtype=None, batch_invariant=False,
+    varlen_attn=None)``: random weights from ``seed`` (drawn on the CPU per tensor name: the same weights
+    on every device; not drawn on the "meta" device), or ``DecoderLM.from_pretrained(path, ...)``.
+    ``forward(input_ids [B, T], *, cu_seqlens=None) -> logits [B, T, V]`` fp32 trains it (causal per row,
+    or per document of ``cu_seqlens`` with B == 1); ``token_logprobs`` is a trainer's recompute of sampled
+    tokens; ``layers_forward`` runs the blocks on packed tokens with the caller's attention and linear
+    layers' state: the generator engines' entry point.  ``varlen_attn``: the attention of ``forward`` and
+    ``token_logprobs`` (fast/paged_varlen_attention.varlen_attn's signature); None = plain PyTorch.
+    """
+
+    def __init__(self, config: ModelConfig | None = None, *, seed: int = 0, linear_layer=None, device=None,
+                 dtype=None, batch_invariant: bool = False, varlen_attn=None):
+        super().__init__()
+        config = ModelConfig() if config is None else config
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        if not _is_int(seed):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        _check_mode(batch_invariant, varlen_attn)
+        if "linear" in config.kinds and linear_layer is None:
+            raise ValueError("this model has 'linear' layers: pass linear_layer=GatedDeltaNet (gated_deltanet.py's "
+                             "class, or a functools.partial of it with the fast kernels)")
+        self.config = config
+        meta = torch.device(device).type == "meta" if device is not None else False
+        with torch.device("meta") if meta else _no_context():
+            body = TextModel(config, linear_layer, seed)
+            if config.weight_prefix == "model.language_model.":   # the multimodal checkpoint's layout
+                self.model = nn.Module()
+                self.model.language_model = body
+            else:
+                self.model = body
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_embeddings:                                # one tensor under both names, as transformers
+            self.lm_head.weight = body.embed_tokens.weight
+        if not meta:
+            self._init_weights(seed)
+        self.to(device=device, dtype=dtype)
+        self.batch_invariant, self.varlen_attn = batch_invariant, varlen_attn
+        if batch_invariant:
+            for i, block in enumerate(self.layers):
+                if hasattr(block, "linear_attn"):
+                    _set_invariant(block.linear_attn, i, invariant_linear)
+
+    @property
+    def body(self) -> TextModel:
+        return self.model.language_model if self.config.weight_prefix == "model.language_model." else self.model
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.body.layers
+
+    @torch.no_grad()
+    def _init_weights(self, seed: int) -> None:
+        """Each weight from its own CPU stream (seed, crc32 of its name): the same weights on every device
+        and in every layout (fast/decoder_lm.py's fused weights draw their parts alike).  Embeddings get
+        std 2 / sqrt(hidden) (logits spread over a few nats), projections 1 / sqrt(fan_in) (o_proj and
+        down_proj also / sqrt(2 layers)), biases and norm weights small values around their neutral one
+        (a zero or one would hide a missing term), plug-in layers keep their own init."""
+        for name, p in self.state_dict().items():
+            std = _init_std(name, self.config)
+            if std is not None:
+                gen = torch.Generator().manual_seed(seed * 1000003 + zlib.crc32(name.encode()))
+                base = 1.0 if name.endswith("norm.weight") and not self.config.zero_centered_norm else 0.0
+                p.copy_(base + torch.randn(p.shape, generator=gen) * std)
+
+    # ------------------------------------------------------------------ the forward pass
+
+    def layers_forward(self, ids: torch.Tensor, positions: torch.Tensor, attend, mix) -> torch.Tensor:
+        """The blocks on packed tokens.  ids, positions [T] -> final-normed hidden [T, hidden].
+
+        ``attend(layer, q [T, H_q, D], k [T, H_kv, D], v) -> [T, H_q, D]`` (norms and rotary applied) and
+        ``mix(layer, module, h [T, hidden]) -> [T, hidden]`` (a "linear" layer) belong to the caller:
+        they own the caches and the batch layout."""
+        c, t = self.config, ids.shape[0]
+        lin = invariant_linear if self.batch_invariant else None
+        inv_freq = rope_inv_freq(c)
+        x = self.body.embed_tokens(ids)                                     # [T, hidden]
+        for i, block in enumerate(self.layers):
+            h = block.input_layernorm(x, lin)
+            if hasattr(block, "self_attn"):
+                a = block.self_attn
+                q = self._linear(h, a.q_proj).view(t, c.num_heads, -1)     # [T, H_q, D] or [T, H_q, 2 D]
+                q, gate = (q.chunk(2, dim=-1) if c.attn_output_gate else (q, None))
+                k = self._linear(h, a.k_proj).view(t, c.num_kv_heads, c.head_dim)
+                v = self._linear(h, a.v_proj).view(t, c.num_kv_heads, c.head_dim)
+                if c.qk_norm:
+                    q, k = a.q_norm(q, lin), a.k_norm(k, lin)
+                q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
+                o = attend(i, q, k, v).reshape(t, c.num_heads * c.head_dim)
+                if gate is not None:
+                    o = o * _sigmoid(gate.reshape(t, -1), self.batch_invariant)
+                x = x + self._linear(o, a.o_proj)
+            else:
+                x = x + mix(i, block.linear_attn, h)
+            m, hm = block.mlp, block.post_attention_layernorm(x, lin)
+            act = _silu(self._linear(hm, m.gate_proj), self.batch_invariant) * self._linear(hm, m.up_proj)
+            x = x + self._linear(act, m.down_proj)
+        return self.body.norm(x, lin)
+
+    def _linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+        if not self.batch_invariant:
+            return layer(x)
+        y = invariant_linear(x, layer.weight)
+        return y if layer.bias is None else y + layer.bias
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [..., hidden] -> logits [..., V] fp32."""
+        w = self.lm_head.weight
+        return (invariant_linear(h, w) if self.batch_invariant else h @ w.t()).float()
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """log_softmax over the last dim with the model's numerics (batch-invariant in that mode): what
+        ``token_logprobs`` applies to the logits, and what a generator samples with."""
+        return _log_softmax(logits, self.batch_invariant)
+
+    def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise TypeError(f"input_ids must be an integer tensor [B, T], got "
+                            f"{getattr(input_ids, 'shape', input_ids)!r}")
+        b, t = input_ids.shape
+        if cu_seqlens is None:
+            lengths = [t] * b
+        else:
+            if b != 1:
+                raise ValueError(f"cu_seqlens requires input_ids of shape [1, T], got {tuple(input_ids.shape)}")
+            lengths = cu_seqlens.diff().tolist()
+            if sum(lengths) != t or min(lengths, default=0) < 0:
+                raise ValueError(f"cu_seqlens must partition the {t} tokens, got {cu_seqlens.tolist()}")
+        if max(lengths, default=0) > self.config.max_seq_len:
+            raise ValueError(f"a sequence of {max(lengths)} tokens exceeds max_seq_len={self.config.max_seq_len}")
+        dev = input_ids.device
+        positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
+        bounds = [0, *itertools.accumulate(lengths)]
+        cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
+
+        def mix(i, module, h):
+            if cu_seqlens is None:                                          # b equal rows: [B, T, hidden]
+                return module(h.view(b, t, -1)).reshape(h.shape)
+            return module(h[None], cu_seqlens=cu)[0]
+
+        h = self.layers_forward(input_ids.reshape(-1), positions, self._documents_attention(bounds), mix)
+        return self.logits(h).view(b, t, -1)
+
+    def _documents_attention(self, bounds: list):
+        """attend over documents packed along T (bounds: their starts and the end): each document alone,
+        causal; through ``varlen_attn`` when the model has one."""
+        scale = self.config.head_dim ** -0.5
+        if self.varlen_attn is not None:
+            mode = dict(batch_invariant=True) if self.batch_invariant else {}
+            cu = torch.tensor(bounds, dtype=torch.int32, device=self.lm_head.weight.device)
+            longest = max((e - s for s, e in zip(bounds, bounds[1:])), default=0)
+
+            def attend(i, q, k, v):
+                return self.varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0),
+                                        enable_gqa=True, **mode)
+            return attend
+
+        def attend(i, q, k, v):
+            return torch.cat([causal_attention(q[s:e], k[s:e], v[s:e], scale) for s, e in zip(bounds, bounds[1:])])
+        return attend
+
+    # ------------------------------------------------------------------ what a trainer recomputes
+
+    def token_logprobs(self, sequences, prompt_lengths, *, temperature=1.0, share_prompts=True) -> list[torch.Tensor]:
+        """What a trainer recomputes for the tokens a generator sampled.
+
+        ``sequences``: token ids, prompt + completion; ``prompt_lengths``: one int p per sequence,
+        1 <= p < len; ``temperature``: one float >= 0 or one per sequence.  For completion token j
+        (at position p + j) the logprob is log_softmax(logits * fp32(1 / T))[token] at position
+        p + j - 1 (T = 0: unscaled, what greedy sampling reports).  Returns one fp32 tensor
+        [len - p] per sequence; differentiable.
+
+        ``share_prompts`` (a GRPO group: n completions of one prompt): each distinct prompt runs once.
+        Its tokens go through the model once; a completion token attends to the prompt's keys and to
+        its own earlier keys, two attention states merged exactly (``merge_states``: cascade
+        attention), and "linear" layers continue each completion from the prompt's final state.  The
+        prompt's gradients are then the sum over its completions.  False: one forward over the
+        sequences packed whole as documents (the same numbers, to rounding)."""
+        seqs, prompts, temps = _check_logprob_inputs(sequences, prompt_lengths, temperature, self.config)
+        if not isinstance(share_prompts, bool):
+            raise TypeError(f"share_prompts must be a bool, got {type(share_prompts).__name__}")
+        if not seqs:
+            return []
+        dev = self.lm_head.weight.device
+        if share_prompts:
+            rows, logits = self._shared_prompt_logits(seqs, prompts)
+        else:
+            inputs = [s[:-1] for s in seqs]                                 # the last token is never fed
+            bounds = [0, *itertools.accumulate(len(s) for s in inputs)]
+            packed = torch.tensor([t for s in inputs for t in s], device=dev)[None]            # [1, T]
+            logits = self.forward(packed, cu_seqlens=torch.tensor(bounds, dtype=torch.int32, device=dev))[0]
+            rows = [list(range(start + p - 1, start + len(seq) - 1)) for start, seq, p in zip(bounds, seqs, prompts)]
+        out = []
+        for r, seq, p, temp in zip(rows, seqs, prompts, temps):
+            inv_t = torch.tensor(1.0 / temp if temp else 1.0, dtype=torch.float32, device=dev)
+            logp = _log_softmax(logits[r] * inv_t, self.batch_invariant)  # [len - p, V]: predict seq[p:]
+            out.append(logp.gather(1, torch.tensor(seq[p:], device=dev)[:, None])[:, 0])
+        return out
+
+    def _shared_prompt_logits(self, seqs: list, prompts: list):
+        """Logits of every distinct prompt's tokens, then of every completion's fed tokens (positions p
+        .. len - 2), in one pass; per sequence, the rows that predict its completion tokens."""
+        dev, c = self.lm_head.weight.device, self.config
+        group_of, heads = [], {}
+        for s, p in zip(seqs, prompts):
+            group_of.append(heads.setdefault(tuple(s[:p]), len(heads)))
+        prompt_ids = [list(t) for t in heads]
+        p_bounds = [0, *itertools.accumulate(len(t) for t in prompt_ids)]
+        fed = [s[p:-1] for s, p in zip(seqs, prompts)]                       # each completion's fed tokens
+        c_bounds = [p_bounds[-1] + b for b in [0, *itertools.accumulate(len(f) for f in fed)]]
+        ids = torch.tensor([t for ids_ in prompt_ids + fed for t in ids_], device=dev)
+        positions = torch.tensor([i for t in prompt_ids for i in range(len(t))] +
+                                 [p + i for p, f in zip(prompts, fed) for i in range(len(f))], device=dev)
+        scale = c.head_dim ** -0.5
+        prompts_attention = self._documents_attention(p_bounds)
+
+        def attend(i, q, k, v):
+            t_p = p_bounds[-1]
+            outs = [prompts_attention(i, q[:t_p], k[:t_p], v[:t_p])]
+            for g, a, b in zip(group_of, c_bounds, c_bounds[1:]):
+                pa, pb = p_bounds[g], p_bounds[g + 1]
+                # Cascade: over the prompt's keys (all visible), over its own keys (causal), merged.
+                o_prefix, lse_prefix = attention_with_lse(q[a:b], k[pa:pb], v[pa:pb], scale, causal=False)
+                o_own, lse_own = attention_with_lse(q[a:b], k[a:b], v[a:b], scale, causal=True)
+                outs.append(merge_states(o_prefix, lse_prefix, o_own, lse_own)[0].to(q.dtype))
+            return torch.cat(outs)
+
+        def mix(i, module, h):
+            cache = module.new_cache()
+            cu = torch.tensor(p_bounds, dtype=torch.int32, device=dev)
+            out_prompts = module(h[:p_bounds[-1]][None], cu_seqlens=cu, cache=cache)[0]
+            if h.shape[0] == p_bounds[-1]:
+                return out_prompts
+            forked = module.new_cache()                                      # each completion: its prompt's state
+            for name, t in vars(cache).items():
+                if isinstance(t, torch.Tensor):
+                    setattr(forked, name, t[torch.tensor(group_of, device=dev)])
+            cu = torch.tensor([b - p_bounds[-1] for b in c_bounds], dtype=torch.int32, device=dev)
+            return torch.cat([out_prompts, module(h[p_bounds[-1]:][None], cu_seqlens=cu, cache=forked)[0]])
+
+        logits = self.logits(self.layers_forward(ids, positions, attend, mix))
+        rows = [[p_bounds[g + 1] - 1, *range(a, b)] for g, a, b in zip(group_of, c_bounds, c_bounds[1:])]
+        return rows, logits
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @classmethod
+    def from_pretrained(cls, path, *, linear_layer=None, dtype=None, device=None, batch_invariant: bool = False,
+                        varlen_attn=None, max_seq_len: int | None = None) -> DecoderLM:
+        """The model of a Hugging Face checkpoint directory (config.json + safetensors, one file or
+        sharded): weights memory-mapped and copied straight into the parameters, in ``dtype`` (default:
+        the checkpoint's) on ``device``.  ``linear_layer``: required for hybrid (Qwen3.5) checkpoints,
+        called with the checkpoint's sizes as keywords.  ``max_seq_len`` caps the context."""
+        raw = _read_json_config(path)
+        config = ModelConfig(**_hf_fields(raw, max_seq_len))
+        dtype = _checkpoint_dtype(raw) if dtype is None else dtype
+        model = cls(config, linear_layer=linear_layer, device="meta", dtype=dtype, batch_invariant=batch_invariant,
+                    varlen_attn=varlen_attn)                       # no memory, no init: the checkpoint fills it
+        model.to_empty(device=torch.device("cpu") if device is None else device)
+        if config.tie_embeddings:                                  # to_empty gave each name its own tensor
+            model.lm_head.weight = model.body.embed_tokens.weight
+        load_checkpoint(model, path)
+        return model
+
+
+# ----------------------------------------------------------------------------- safetensors, read as untrusted input
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+_MAX_HEADER_BYTES = 100 << 20          # safetensors' own limit
+
+
+def read_safetensors(path) -> dict[str, torch.Tensor]:
+    """name -> tensor viewing a memory-mapped safetensors file (read-only use; no copy, except of a tensor
+    whose offset is not a multiple of its element size).  The format: an 8-byte little-endian header
+    length N, N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]}} (offsets into the data
+    after the header), then the data.  Every field is checked against the file before anything is
+    viewed: ValueError naming the file and tensor for a header past the end, bad JSON, an unknown dtype,
+    a bad shape, offsets out of range or overlapping, a shape that disagrees with its byte count."""
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    if size < 8:
+        raise ValueError(f"{path}: {size} bytes, shorter than the 8-byte safetensors header length")
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n > size - 8 or n > _MAX_HEADER_BYTES:
+            raise ValueError(f"{path}: header length {n} runs past the file ({size} bytes) or over "
+                             f"{_MAX_HEADER_BYTES} bytes: truncated or not a safetensors file")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: the safetensors header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header must be a JSON object")
+    data_start, data_len = 8 + n, size - 8 - n
+    spans = []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        spans.append((*_checked_entry(path, name, meta, data_len), name))
+    spans.sort(key=lambda span: span[:2])
+    for (_, e0, *_, n0), (b1, _, *_, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise ValueError(f"{path}: tensors {n0!r} and {n1!r} overlap (bytes {b1} < {e0})")
+    tensors = {}
+    if spans:
+        data = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)    # mmap, copy-on-write
+        for begin, end, dtype, shape, name in spans:
+            raw = data[data_start + begin:data_start + end]
+            if (data_start + begin) % dtype.itemsize:
+                raw = raw.clone()                                       # unaligned: view(dtype) needs alignment
+            tensors[name] = raw.view(dtype).view(shape)
+    return tensors
+
+
+def _checked_entry(path, name, meta, data_len: int):
+    """(begin, end, dtype, shape) of one header entry, each checked (ValueError otherwise)."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(meta, dict) or not {"dtype", "shape", "data_offsets"} <= meta.keys():
+        raise ValueError(f"{where}: a header entry needs dtype, shape and data_offsets, got {meta!r}")
+    dtype = _SAFETENSORS_DTYPES.get(meta["dtype"])
+    if dtype is None:
+        raise ValueError(f"{where}: unknown dtype {meta['dtype']!r} (known: {sorted(_SAFETENSORS_DTYPES)})")
+    shape, offsets = meta["shape"], meta["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_int(s) and 0 <= s < 2 ** 48 for s in shape):
+        raise ValueError(f"{where}: shape must be a list of ints >= 0, got {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_len):
+        raise ValueError(f"{where}: data_offsets {offsets!r} out of the data's range [0, {data_len}]")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise ValueError(f"{where}: shape {shape} of {meta['dtype']} is {nbytes} bytes, data_offsets give "
+                         f"{offsets[1] - offsets[0]}")
+    return offsets[0], offsets[1], dtype, tuple(shape)
+
+
+def checkpoint_tensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory, memory-mapped: model.safetensors, or the shards that
+    model.safetensors.index.json names (each a file inside the directory)."""
+    path = os.fspath(path)
+    index, single = os.path.join(path, "model.safetensors.index.json"), os.path.join(path, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index) as f:
+            try:
+                weight_map = json.load(f).get("weight_map")
+            except (json.JSONDecodeError, AttributeError):
+                weight_map = None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: needs a weight_map of tensor names to shard file names")
+        tensors = {}
+        for shard in sorted(set(weight_map.values())):
+            if os.path.basename(shard) != shard or shard in (".", ".."):
+                raise ValueError(f"{index}: shard {shard!r} is not a file name inside the checkpoint directory")
+            found = read_safetensors(os.path.join(path, shard))
+            listed = [n for n, s in weight_map.items() if s == shard]
+            absent = [n for n in listed if n not in found]
+            if absent:
+                raise ValueError(f"{os.path.join(path, shard)}: the index lists {absent[:5]} there, the file "
+                                 f"does not hold them")
+            tensors.update({n: found[n] for n in listed})
+        return tensors
+    if os.path.isfile(single):
+        return read_safetensors(single)
+    found = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    raise ValueError(f"{path} is not a checkpoint directory this model reads: it looked for config.json with "
+                     f"model.safetensors or model.safetensors.index.json (found {found[:8]}); .bin / .pt "
+                     f"weights are not read (nothing is unpickled): convert them to safetensors")
+
+
+@torch.no_grad()
+def load_checkpoint(model: nn.Module, path) -> None:
+    """Copy a checkpoint's tensors into ``model``'s parameters by name (cast to each parameter's dtype).
+    Skipped: the vision tower and the multi-token-prediction head of Qwen3.5 checkpoints.  Missing,
+    unexpected and mis-shaped tensors are named in one ValueError before anything is copied.  A tied
+    ``lm_head.weight`` may be absent (it is the embedding)."""
+    tensors = {n: t for n, t in checkpoint_tensors(path).items()
+               if not n.startswith(("model.visual.", "mtp.", "visual."))}
+    params = model.state_dict()
+    tied = _tied_aliases(model)
+    problems = {"missing": sorted(n for n in params.keys() - tensors.keys() if n not in tied),
+                "unexpected": sorted(tensors.keys() - params.keys()),
+                "mis-shaped": [f"{n}: checkpoint {tuple(t.shape)}, model {tuple(params[n].shape)}"
+                               for n, t in tensors.items() if n in params and t.shape != params[n].shape],
+                "not floating": [n for n, t in tensors.items() if n in params and not t.is_floating_point()]}
+    if any(problems.values()):
+        raise ValueError(f"checkpoint {os.fspath(path)} does not fit the model: " + "; ".join(
+            f"{kind} {items[:8]}{' ...' if len(items) > 8 else ''}" for kind, items in problems.items() if items))
+    for name, t in tensors.items():
+        params[name].copy_(t)
+
+
+def _tied_aliases(model: nn.Module) -> set:
+    """State-dict names whose tensor is an earlier name's (a tied lm_head): optional when loading."""
+    seen, aliases = set(), set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            aliases.add(name)
+        seen.add(id(t))
+    return aliases
+
+
+def _read_json_config(config) -> dict:
+    if isinstance(config, Mapping):
+        return dict(config)
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{os.fspath(config)} is not a checkpoint: no config.json there")
+    with open(path) as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a config must be a JSON object")
+    return raw
+
+
+def _checkpoint_dtype(raw: dict) -> torch.dtype:
+    """The config's ``dtype`` (``torch_dtype`` before transformers 5); fp32 when it names none."""
+    text = raw.get("text_config") if raw.get("model_type") == "qwen3_5" else None
+    name = raw.get("dtype") or raw.get("torch_dtype") or (text or {}).get("dtype") or (text or {}).get("torch_dtype")
+    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if name is not None and name not in table:
+        raise ValueError(f"checkpoint dtype {name!r} is not supported: {sorted(table)}")
+    return table.get(name, torch.float32)
+
+
+def _init_std(name: str, c: ModelConfig) -> float | None:
+    """The random init's std per canonical weight name (None: plug-in layers keep their own init, and a
+    tied lm_head is the embedding)."""
+    leaf = name.rsplit(".", 2)
+    if ".linear_attn." in name or (name == "lm_head.weight" and c.tie_embeddings):
+        return None
+    if name.endswith("embed_tokens.weight"):
+        return 2.0 / math.sqrt(c.hidden_size)
+    if name == "lm_head.weight":
+        return 1.0 / math.sqrt(c.hidden_size)
+    if name.endswith("norm.weight"):
+        return 0.1
+    if name.endswith(".bias"):
+        return 0.1
+    fan_in = {"o_proj": c.num_heads * c.head_dim, "down_proj": c.intermediate_size}.get(leaf[-2], c.hidden_size)
+    out_scale = 1.0 / math.sqrt(2 * c.num_layers) if leaf[-2] in ("o_proj", "down_proj") else 1.0
+    return out_scale / math.sqrt(fan_in)
+
+
+class _no_context:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ----------------------------------------------------------------------------- input checks
+
+def _check_mode(batch_invariant, varlen_attn) -> None:
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
+    if varlen_attn is not None and not callable(varlen_attn):
+        raise TypeError(f"varlen_attn must be None or a function with varlen_attn's signature, got "
+                        f"{type(varlen_attn).__name__}")
+
+
+def _set_invariant(module, index: int, linear) -> None:
+    if not callable(getattr(module, "set_batch_invariant", None)):
+        raise ValueError(f"batch_invariant=True: the linear_layer plug-in of layer {index} ({type(module).__name__}) "
+                         f"has no set_batch_invariant(linear) method, so its numerics cannot be made batch-invariant")
+    module.set_batch_invariant(linear)
+
+
+def _check_logprob_inputs(sequences, prompt_lengths, temperature, config: ModelConfig):
+    """token_logprobs' arguments as (lists of token ids, prompt lengths, temperatures), or a clear error."""
+    if isinstance(sequences, (str, bytes, torch.Tensor)) or not isinstance(sequences, Iterable):
+        raise TypeError(f"sequences must be a list of token-id sequences, got {type(sequences).__name__}")
+    seqs = []
+    for n, s in enumerate(sequences):
+        if isinstance(s, torch.Tensor):
+            if s.dim() != 1 or s.is_floating_point() or s.is_complex():
+                raise TypeError(f"sequences[{n}] must be a 1-D integer tensor, got {s.dtype} of shape {tuple(s.shape)}")
+            s = s.tolist()
+        try:
+            seqs.append([operator.index(t) for t in s])
+        except TypeError:
+            raise TypeError(f"sequences[{n}] must hold ints (token ids), got {type(s).__name__}") from None
+    if isinstance(prompt_lengths, (str, bytes)) or not isinstance(prompt_lengths, Iterable):
+        raise TypeError(f"prompt_lengths must be a list of ints, got {type(prompt_lengths).__name__}")
+    prompts = list(prompt_lengths)
+    if len(prompts) != len(seqs) or not all(_is_int(p) for p in prompts):
+        raise ValueError(f"prompt_lengths must hold one int per sequence ({len(seqs)}), got {prompts!r}")
+    temps = list(temperature) if isinstance(temperature, Iterable) else [temperature] * len(seqs)
+    if len(temps) != len(seqs) or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0
+                                          for t in temps):
+        raise ValueError(f"temperature must be a float >= 0 or one per sequence ({len(seqs)}), got {temperature!r}")
+    for n, (s, p) in enumerate(zip(seqs, prompts)):
+        if not 1 <= p < len(s):
+            raise ValueError(f"prompt_lengths[{n}] must be in [1, {len(s)}) (a prompt and at least one completion "
+                             f"token), got {p}")
+        if len(s) - 1 > config.max_seq_len:
+            raise ValueError(f"sequences[{n}] has {len(s)} tokens: more than max_seq_len + 1 = "
+                             f"{config.max_seq_len + 1}")
+        if min(s) < 0 or max(s) >= config.vocab_size:
+            raise ValueError(f"sequences[{n}] must hold token ids in [0, {config.vocab_size}), got "
+                             f"{min(s) if min(s) < 0 else max(s)}")
+    return seqs, prompts, [float(t) for t in temps]
+
+
+if __name__ == "__main__":  # a short self-check: packed documents equal each document alone
+    m = DecoderLM(ModelConfig(vocab_size=64, max_seq_len=32), seed=0)
+    ids = torch.randint(0, 64, (1, 12))
+    packed = m(ids, cu_seqlens=torch.tensor([0, 5, 12], dtype=torch.int32))
+    alone = torch.cat([m(ids[:, :5]), m(ids[:, 5:])], dim=1)
+    assert (packed - alone).abs().max() < 1e-5
+    print("ok:", tuple(packed.shape))
