@@ -626,6 +626,7 @@ class Generator:
         self.dtype = next(model.parameters()).dtype
         self._shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
         self._optional = _tied_aliases(model)
+        self._ignored = tuple(getattr(model, "ignored_weight_prefixes", ()))
         self._shadow = None                 # the second weight set, allocated by the first load
         self._version = policy_version
         self._varlen_attn = varlen_attn or _torch_varlen_attn
@@ -798,6 +799,8 @@ class Generator:
         names every problem (then nothing was touched)."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
+        ignored = self._ignored
+        state_dict = {n: t for n, t in state_dict.items() if not (ignored and n.startswith(ignored))}
         bad_type = next(((n, t) for n, t in state_dict.items()
                          if not isinstance(t, torch.Tensor) or not t.is_floating_point()), None)
         if bad_type is not None:

@@ -448,6 +448,10 @@ class DecoderLM(nn.Module):
     ``token_logprobs`` (fast/paged_varlen_attention.varlen_attn's signature); None = plain PyTorch.
     """
 
+    # What a Qwen3.5 checkpoint (and a trainer's state dict of it) holds beside the text model: the vision
+    # tower and the multi-token-prediction head.  Loading skips them; so do the generator engines.
+    ignored_weight_prefixes = ("model.visual.", "mtp.")
+
     def __init__(self, config: ModelConfig | None = None, *, seed: int = 0, linear_layer=None, device=None,
                  dtype=None, batch_invariant: bool = False, varlen_attn=None):
         super().__init__()
@@ -816,7 +820,7 @@ def load_checkpoint(model: nn.Module, path) -> None:
     unexpected and mis-shaped tensors are named in one ValueError before anything is copied.  A tied
     ``lm_head.weight`` may be absent (it is the embedding)."""
     tensors = {n: t for n, t in checkpoint_tensors(path).items()
-               if not n.startswith(("model.visual.", "mtp.", "visual."))}
+               if not n.startswith(getattr(model, "ignored_weight_prefixes", ()))}
     params = model.state_dict()
     tied = _tied_aliases(model)
     problems = {"missing": sorted(n for n in params.keys() - tensors.keys() if n not in tied),

@@ -445,6 +445,7 @@ class Generator:
         self.device = next(model.parameters()).device
         self._shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
         self._optional = _tied_aliases(model)
+        self._ignored = tuple(getattr(model, "ignored_weight_prefixes", ()))
         self._version = policy_version
         self.page_size, self.kv_on_swap = page_size, kv_on_swap
         self._cache = PrefixCache(page_size, cache_pages) if prefix_caching else None
@@ -496,7 +497,7 @@ class Generator:
         with self._load_lock:
             if version < self._version:
                 raise ValueError(f"version must not decrease: got {version}, serving {self._version}")
-            tensors = _checked_state_dict(state_dict, self._shapes, self._optional)
+            tensors = _checked_state_dict(state_dict, self._shapes, self._optional, self._ignored)
             done = Future()
             with self._cv:
                 if self._closed:
@@ -648,10 +649,13 @@ def _tied_aliases(model: nn.Module) -> set:
     return aliases
 
 
-def _checked_state_dict(state_dict, shapes: dict, optional: set = frozenset()) -> dict:
-    """Validate a whole state dict against the model's names and shapes before touching anything."""
+def _checked_state_dict(state_dict, shapes: dict, optional: set = frozenset(), ignored: tuple = ()) -> dict:
+    """Validate a whole state dict against the model's names and shapes before touching anything (names
+    under the model's ``ignored_weight_prefixes``, such as a multimodal checkpoint's vision tower, are
+    dropped; a tied alias may be absent)."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
+    state_dict = {n: t for n, t in state_dict.items() if not (ignored and n.startswith(ignored))}
     for name, t in state_dict.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] must be a torch.Tensor, got {type(t).__name__}")

@@ -1,0 +1,84 @@
+"""Tiny random Hugging Face models of every family decoder_lm.py reads, for the tests (nothing is downloaded).
+
+Every parameter is perturbed away from its init: a zero-initialised norm (Qwen3.5's zero-centred ones),
+a bias of zeros or a default gate would hide a missing ``1 + w``, a dropped bias or a swapped gate.
+transformers' Qwen3.5 runs its own PyTorch delta rule and conv (``use_torch_delta_rule``), never fla's
+kernels, so it stays an independent oracle even where fla is installed (``make roofline`` installs it).
+"""
+from __future__ import annotations
+
+import torch
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5")
+VOCAB = 97
+
+
+def hf_config(family: str, *, tie: bool | None = None, layers: int = 4, max_positions: int = 256):
+    """A transformers config of ``family`` at test size (odd sizes; GQA 4/2; llama3 rope scaling for
+    llama; Qwen3.5: 3 Gated DeltaNet layers + 1 gated attention layer, GVA 2/4, partial rotary)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
+    common = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                  rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    qwen35 = dict(common, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                  linear_value_head_dim=12, linear_conv_kernel_dim=4)
+    if family == "llama":
+        return LlamaConfig(**common, head_dim=12, tie_word_embeddings=bool(tie), rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=32))
+    if family == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True if tie is None else tie,
+                           rope_parameters=dict(rope_type="default", rope_theta=1e6))
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=16, tie_word_embeddings=bool(tie))
+    if family == "qwen3_5_text":
+        return Qwen3_5TextConfig(**qwen35, tie_word_embeddings=bool(tie))
+    if family == "qwen3_5":
+        return Qwen3_5Config(text_config=qwen35, tie_word_embeddings=bool(tie), vision_config=dict(
+            depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=48))
+    raise ValueError(family)
+
+
+def hf_model(family: str, *, seed: int = 0, dtype=torch.float32, **config_kw):
+    """A transformers model of ``family`` (``AutoModelForCausalLM``, or ``Qwen3_5ForConditionalGeneration``
+    for the multimodal qwen3_5), random, every parameter perturbed, in eval mode."""
+    import transformers
+    use_torch_delta_rule()
+    cfg = hf_config(family, **config_kw)
+    torch.manual_seed(seed)
+    if family == "qwen3_5":
+        model = transformers.Qwen3_5ForConditionalGeneration(cfg).to(dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            neutral = any(k in name for k in ("norm", "bias", "A_log", "dt_bias"))
+            p.add_((torch.randn(p.shape, generator=gen) * (0.2 if neutral else 0.02)).to(p.dtype))
+    model.generation_config.eos_token_id = None          # greedy runs to max_new_tokens, as the engines do
+    return model.eval()
+
+
+def use_torch_delta_rule() -> None:
+    """Make transformers' Qwen3.5 run its own PyTorch delta rule and causal conv, not fla's kernels."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update"):
+        fn = getattr(m, name)
+        setattr(m, name, getattr(fn, "__wrapped__", fn))
+
+
+def hf_logprobs(model, sequence: list, prompt_len: int) -> torch.Tensor:
+    """transformers' logprobs of a sequence's completion tokens, one forward over the sequence alone."""
+    with torch.no_grad():
+        logits = model(torch.tensor([sequence])).logits[0].float()
+    logp = torch.log_softmax(logits[prompt_len - 1:-1], dim=-1)
+    return logp.gather(1, torch.tensor(sequence[prompt_len:])[:, None])[:, 0]
+
+
+def hf_greedy(model, prompt: list, n: int) -> list:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()

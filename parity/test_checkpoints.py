@@ -1,0 +1,317 @@
+"""Real checkpoints: decoder_lm.py (ref and fast) and the generator engines on Hugging Face checkpoints of
+Llama 3, Qwen2 / Qwen2.5, Qwen3 and Qwen3.5 (text, and the text model of the multimodal checkpoint).
+
+The oracle is transformers itself, on tiny random models every parameter of which is perturbed
+(parity/hf_models.py), written with ``save_pretrained`` (one file, and sharded) and read back by this
+repo's own safetensors reader.  In fp32 on a CPU: ``token_logprobs`` and every engine logprob within
+1e-4 of transformers' per-sequence forward (measured: ~1e-6), greedy generation token for token equal to
+``generate(do_sample=False)``, for every family, both files, the fast engine with its default attention and
+with this repo's kernels plugged in (Triton interpreter).  With ``batch_invariant=True`` the fast engine's
+logprobs equal the model's ``token_logprobs`` bit for bit on Qwen3 and Qwen3.5 checkpoints through the
+prefix cache, groups, chunked prefill and preemption.  A checkpoint is untrusted input: truncated or
+corrupted safetensors files raise ValueError naming the file and tensor.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+import fast.decoder_lm as fast_lm
+import fast.flash_decoding as fast_fd
+import fast.gated_deltanet as fast_gdn
+import fast.generator_engine as fast_ge
+import fast.paged_varlen_attention as fast_pva
+import ref.decoder_lm as ref_lm
+import ref.gated_deltanet as ref_gdn
+import ref.generator_engine as ref_ge
+from hf_models import FAMILIES, VOCAB, hf_greedy, hf_logprobs, hf_model
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+TOL = 1e-4
+IMPLS = [pytest.param((ref_lm, ref_ge), id="ref"), pytest.param((fast_lm, fast_ge), id="fast")]
+FAST_GDN = functools.partial(ref_gdn.GatedDeltaNet, chunk_fn=fast_gdn.chunk_gated_delta_rule,
+                             recurrent_fn=fast_gdn.fused_recurrent_gated_delta_rule)
+
+
+def _prompts(seed: int, lengths=(5, 17, 33)) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (transformers model, its checkpoint directory); the odd families sharded."""
+    out = {}
+    for n, family in enumerate(FAMILIES):
+        model = hf_model(family, seed=n)
+        path = tmp_path_factory.mktemp(family)
+        model.save_pretrained(path, max_shard_size="40KB" if n % 2 else "1GB")
+        out[family] = (model, path)
+    return out
+
+
+# ----------------------------------------------------------------------------- equal to transformers
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_token_logprobs_equal_transformers(checkpoints, family, impl):
+    lm, _ = impl
+    hf, path = checkpoints[family]
+    model = lm.DecoderLM.from_pretrained(path, linear_layer=ref_gdn.GatedDeltaNet)
+    assert model.config.weight_prefix == ("model.language_model." if family == "qwen3_5" else "model.")
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(1, VOCAB, (21,), generator=gen).tolist()
+    seqs = [prompt + torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (1, 9, 70)]   # a group
+    seqs.append(torch.randint(1, VOCAB, (40,), generator=gen).tolist())                         # and another
+    prompts = [21, 21, 21, 13]
+    want = [hf_logprobs(hf, s, p) for s, p in zip(seqs, prompts)]
+    worst = 0.0
+    for share in (True, False):
+        got = model.token_logprobs(seqs, prompts, temperature=0.0, share_prompts=share)
+        worst = max(worst, *((g - w).abs().max().item() for g, w in zip(got, want)))
+    print(f"{family} {lm.__name__}: max |token_logprobs - transformers| = {worst:.2e}")
+    assert worst <= TOL
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_greedy_equals_transformers_generate(checkpoints, family, impl):
+    """Greedy tokens equal generate(do_sample=False); each logprob within TOL of transformers' forward."""
+    lm, ge = impl
+    hf, path = checkpoints[family]
+    prompts = _prompts(7)
+    with ge.Generator.from_pretrained(path, model_class=lm.DecoderLM, linear_layer=ref_gdn.GatedDeltaNet) as g:
+        got = g.generate([ge.Request(p, ge.SamplingParams(max_new_tokens=12)) for p in prompts])
+    worst = 0.0
+    for p, c in zip(prompts, got):
+        assert c.token_ids == hf_greedy(hf, p, 12), f"{family}: tokens differ from transformers' generate"
+        worst = max(worst, (torch.tensor(c.logprobs) - hf_logprobs(hf, p + c.token_ids, len(p))).abs().max().item())
+    print(f"{family} {ge.__name__}: max |engine logprob - transformers| = {worst:.2e}")
+    assert worst <= TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fast_engine_on_this_repos_kernels_equals_transformers(checkpoints, family):
+    """The fast engine with fast/paged_varlen_attention, fast/flash_decoding and fast/gated_deltanet plugged
+    in (Triton interpreter): greedy tokens equal transformers', logprobs within TOL, with a group and a
+    prefix-cache hit in the mix."""
+    hf, path = checkpoints[family]
+    prompts = _prompts(11, lengths=(6, 19))
+    prompts.append(prompts[1][:16] + [5, 6, 7])             # shares the second prompt's first page
+    with fast_ge.Generator.from_pretrained(path, model_class=fast_lm.DecoderLM, linear_layer=FAST_GDN,
+                                           varlen_attn=fast_pva.varlen_attn, flash_decode=fast_fd.flash_decode,
+                                           page_size=8) as g:
+        got = [g.generate([fast_ge.Request(p, fast_ge.SamplingParams(max_new_tokens=6, n=2 if i == 0 else 1))])[0]
+               for i, p in enumerate(prompts)]
+        assert g.stats()["prefix_hit_tokens"] >= 16
+    worst = 0.0
+    for p, c in zip(prompts, got):
+        for sample in c if isinstance(c, list) else [c]:
+            assert sample.token_ids == hf_greedy(hf, p, 6)
+            hf_lp = hf_logprobs(hf, p + sample.token_ids, len(p))
+            worst = max(worst, (torch.tensor(sample.logprobs) - hf_lp).abs().max().item())
+    print(f"{family} fast engine + kernels: max |logprob - transformers| = {worst:.2e}")
+    assert worst <= TOL
+
+
+# ----------------------------------------------------------------------------- names, state dicts, dtypes
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_state_dict_uses_the_checkpoints_names(checkpoints, family, impl):
+    """state_dict() round-trips to transformers' names; a trainer's HF state dict loads into a generator as
+    it is (the vision tower of the multimodal model is skipped) and changes what it serves."""
+    lm, ge = impl
+    hf, path = checkpoints[family]
+    model = lm.DecoderLM.from_pretrained(path, linear_layer=ref_gdn.GatedDeltaNet)
+    hf_sd = hf.state_dict()
+    text = {n for n in hf_sd if not n.startswith(model.ignored_weight_prefixes)}
+    assert set(model.state_dict()) == text
+    assert all(torch.equal(model.state_dict()[n], hf_sd[n]) for n in text)
+    trained = hf_model(family, seed=99)
+    prompt = _prompts(5, lengths=(9,))[0]
+    with ge.Generator(model) as g:
+        g.load_weights(trained.state_dict(), 1)
+        c = g.generate([ge.Request(prompt, ge.SamplingParams(max_new_tokens=5))])[0]
+    assert c.token_ids == hf_greedy(trained, prompt, 5) and c.max_policy_version == 1
+
+
+def test_dtype_from_the_config_unless_given(tmp_path):
+    hf = hf_model("qwen3", dtype=torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    for lm in (ref_lm, fast_lm):
+        assert lm.DecoderLM.from_pretrained(tmp_path).lm_head.weight.dtype == torch.bfloat16
+        model = lm.DecoderLM.from_pretrained(tmp_path, dtype=torch.float32)
+        assert model.lm_head.weight.dtype == torch.float32
+        assert torch.equal(model.state_dict()["model.norm.weight"], hf.state_dict()["model.norm.weight"].float())
+
+
+def test_tied_embeddings_one_tensor(checkpoints):
+    hf, path = checkpoints["qwen2"]                         # tied
+    assert "lm_head.weight" not in fast_lm.checkpoint_tensors(path)     # save_pretrained drops the alias
+    for lm in (ref_lm, fast_lm):
+        model = lm.DecoderLM.from_pretrained(path)
+        assert model.config.tie_embeddings
+        assert model.lm_head.weight is model.body.embed_tokens.weight
+
+
+def test_max_seq_len_caps_the_context(checkpoints):
+    _, path = checkpoints["qwen3"]
+    model = fast_lm.DecoderLM.from_pretrained(path, max_seq_len=40)
+    assert model.config.max_seq_len == 40
+    with fast_ge.Generator(model) as g, pytest.raises(ValueError, match="max_seq_len=40"):
+        g.submit(fast_ge.Request(list(range(1, 41))))
+
+
+# ----------------------------------------------------------------------------- bitwise on real architectures
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+def test_batch_invariant_engine_equals_trainer_bitwise(checkpoints, family):
+    """batch_invariant=True on a checkpoint with q/k norms (and Qwen3.5's gate, partial rotary, zero-centred
+    norms, Gated DeltaNet): every engine logprob equals token_logprobs bit for bit, with groups, prefix-cache
+    hits, chunked prefill and preemption (a pool too small for the batch) in the run."""
+    _, path = checkpoints[family]
+    kw = dict(linear_layer=FAST_GDN, batch_invariant=True, varlen_attn=fast_pva.varlen_attn)
+    trainer = fast_lm.DecoderLM.from_pretrained(path, **kw)
+    base = _prompts(13, lengths=(11, 26))
+    prompts = [base[0], base[1], base[1][:12] + [3, 4], base[0][:8] + [9] * 9]
+    reqs = [fast_ge.Request(p, fast_ge.SamplingParams(max_new_tokens=9, temperature=1.0, seed=i, n=2 if i == 1 else 1))
+            for i, p in enumerate(prompts)]
+    with fast_ge.Generator.from_pretrained(path, model_class=fast_lm.DecoderLM, flash_decode=fast_fd.flash_decode,
+                                           page_size=4, num_pages=20, max_prefill_tokens=10, **kw) as g:
+        got = g.generate(reqs)
+        stats = g.stats()
+    assert stats["preemptions"] >= 1 and stats["prefix_hit_tokens"] > 0, stats
+    samples = [s for c in got for s in (c if isinstance(c, list) else [c])]
+    seqs = [s.prompt_token_ids + s.token_ids for s in samples]
+    lens = [len(s.prompt_token_ids) for s in samples]
+    with torch.no_grad():
+        want = trainer.token_logprobs(seqs, lens, temperature=1.0)
+    for s, w in zip(samples, want):
+        assert torch.equal(torch.tensor(s.logprobs, dtype=torch.float32), w), (family, s.request_id)
+
+
+# ----------------------------------------------------------------------------- what raises
+
+@pytest.mark.parametrize("lm", [ref_lm, fast_lm], ids=["ref", "fast"])
+def test_unsupported_configs_raise(lm):
+    base = dict(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    cases = [(dict(model_type="qwen3_moe"), "qwen3_moe.*not supported"),
+             (dict(model_type="mistral"), "mistral"),
+             (dict(use_sliding_window=True), "sliding"),
+             (dict(layer_types=["sliding_attention"]), "sliding"),
+             (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), "yarn"),
+             (dict(attention_bias=True), "attention_bias"),
+             (dict(hidden_act="gelu"), "gelu"),
+             (dict(model_type="qwen3_5"), "text_config"),
+             (dict(vocab_size=None), "vocab_size")]
+    for change, match in cases:
+        with pytest.raises(ValueError, match=match):
+            lm.ModelConfig.from_hf({**base, **change})
+    with pytest.raises(ValueError, match="linear_layer"):
+        lm.DecoderLM(lm.ModelConfig(layer_types=("linear", "attention")))
+    assert lm.ModelConfig.from_hf(base).qk_norm
+
+
+@pytest.mark.parametrize("lm", [ref_lm, fast_lm], ids=["ref", "fast"])
+def test_hybrid_checkpoint_needs_linear_layer(checkpoints, lm):
+    _, path = checkpoints["qwen3_5_text"]
+    with pytest.raises(ValueError, match="linear_layer=GatedDeltaNet"):
+        lm.DecoderLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize("lm", [ref_lm, fast_lm], ids=["ref", "fast"])
+def test_not_a_checkpoint_says_what_it_looked_for(tmp_path, lm):
+    with pytest.raises(ValueError, match="no config.json"):
+        lm.DecoderLM.from_pretrained(tmp_path)
+    hf_model("qwen3").config.save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04 not read")
+    with pytest.raises(ValueError, match="model.safetensors.*nothing is unpickled"):
+        lm.DecoderLM.from_pretrained(tmp_path)
+
+
+def test_mismatched_checkpoint_names_every_problem(tmp_path):
+    hf = hf_model("qwen3")
+    sd = {n: t.contiguous() for n, t in hf.state_dict().items()}
+    sd.pop("model.layers.1.mlp.up_proj.weight")
+    sd["model.layers.0.extra.weight"] = torch.zeros(3)
+    sd["model.norm.weight"] = torch.zeros(47)
+    _write_checkpoint(tmp_path, hf, sd)
+    for lm in (ref_lm, fast_lm):
+        with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.up_proj.weight'\].*unexpected "
+                                             r"\['model.layers.0.extra.weight'\].*mis-shaped \['model.norm.weight"):
+            lm.DecoderLM.from_pretrained(tmp_path)
+
+
+def _write_checkpoint(path, hf, tensors: dict) -> None:
+    from safetensors.torch import save_file
+    hf.config.save_pretrained(path)
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def _safetensors_bytes(header: dict, data: bytes, header_len: int | None = None) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if header_len is None else header_len) + raw + data
+
+
+CORRUPT = {   # name -> (file bytes, what the error must name)
+    "shorter than the length": (b"\x01\x02", "shorter than the 8-byte"),
+    "header past the end": (_safetensors_bytes({}, b"", header_len=1 << 40), "runs past the file"),
+    "not JSON": (struct.pack("<Q", 5) + b"{oops", "not valid JSON"),
+    "not an object": (_safetensors_bytes([1, 2], b""), "JSON object"),
+    "unknown dtype": (_safetensors_bytes({"w": dict(dtype="F12", shape=[2], data_offsets=[0, 8])}, bytes(8)),
+                      "tensor 'w'.*unknown dtype"),
+    "offsets past the data": (_safetensors_bytes({"w": dict(dtype="F32", shape=[4], data_offsets=[0, 16])}, bytes(8)),
+                              "tensor 'w'.*out of the data's range"),
+    "shape disagrees with bytes": (_safetensors_bytes({"w": dict(dtype="F32", shape=[3], data_offsets=[0, 8])},
+                                                      bytes(8)), "tensor 'w'.*12 bytes"),
+    "overlap": (_safetensors_bytes({"a": dict(dtype="F32", shape=[2], data_offsets=[0, 8]),
+                                    "b": dict(dtype="F32", shape=[2], data_offsets=[4, 12])}, bytes(12)), "overlap"),
+    "negative shape": (_safetensors_bytes({"w": dict(dtype="F32", shape=[-1], data_offsets=[0, 0])}, b""),
+                       "shape must be"),
+    "huge shape": (_safetensors_bytes({"w": dict(dtype="F32", shape=[1 << 40, 1 << 40], data_offsets=[0, 8])},
+                                      bytes(8)), "tensor 'w'"),
+    "missing field": (_safetensors_bytes({"w": dict(dtype="F32", shape=[2])}, bytes(8)), "data_offsets"),
+}
+
+
+@pytest.mark.parametrize("lm", [ref_lm, fast_lm], ids=["ref", "fast"])
+@pytest.mark.parametrize("case", list(CORRUPT))
+def test_corrupted_safetensors_raise_naming_file_and_tensor(tmp_path, lm, case):
+    content, match = CORRUPT[case]
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(content)
+    with pytest.raises(ValueError, match=match) as info:
+        lm.read_safetensors(f)
+    assert str(f) in str(info.value)
+
+
+@pytest.mark.parametrize("lm", [ref_lm, fast_lm], ids=["ref", "fast"])
+def test_truncated_and_traversing_checkpoints(checkpoints, tmp_path, lm):
+    hf, path = checkpoints["qwen3"]
+    data = (path / "model.safetensors").read_bytes()
+    hf.config.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(data[:len(data) - 100])             # the last tensor cut short
+    with pytest.raises(ValueError, match="model.safetensors.*out of the data's range"):
+        lm.DecoderLM.from_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../x.safetensors"}}))
+    with pytest.raises(ValueError, match="not a file name inside the checkpoint directory"):
+        lm.DecoderLM.from_pretrained(tmp_path)
+
+
+def test_reading_maps_the_file_instead_of_copying_it(checkpoints):
+    """read_safetensors' tensors view one memory-mapped buffer (no copy per tensor, nothing read eagerly)."""
+    _, path = checkpoints["llama"]
+    tensors = fast_lm.read_safetensors(path / "model.safetensors")
+    storages = {t.untyped_storage().data_ptr() for t in tensors.values()}
+    assert len(storages) == 1 and len(tensors) > 10
+    assert all(torch.equal(tensors[n], t) for n, t in ref_lm.read_safetensors(path / "model.safetensors").items())
