@@ -72,11 +72,13 @@ References
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
 import operator
 import os
+import threading
 import zlib
 from collections.abc import Iterable, Mapping
 
@@ -314,16 +316,17 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     dtype, lse [H_q, L_q] fp32).  q [L_q, H_q, D]; k, v [L_k, H_kv, D].  Causal is bottom-right aligned
     (query row i sees keys j <= i + L_k - L_q); a row that sees no key gets out 0 and lse -inf."""
     l_q, h_q, d = q.shape
-    l_k, h_kv = k.shape[0], k.shape[1]
-    qf = q.float().view(l_q, h_kv, h_q // h_kv, d)                            # [L_q, H_kv, G, D]
-    s = torch.einsum("qhgd,khd->hgqk", qf, k.float()) * scale                 # [H_kv, G, L_q, L_k]
+    group = h_q // k.shape[1]
+    kf, vf = (x.float().repeat_interleave(group, dim=1) for x in (k, v))     # [L_k, H_q, D]: head j reads j // G
+    s = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale                   # [H_q, L_q, L_k], each head alone
     if causal:
+        l_k = k.shape[0]
         future = torch.arange(l_k, device=q.device)[None] > torch.arange(l_q, device=q.device)[:, None] + (l_k - l_q)
         s = s.masked_fill(future, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)                                         # [H_kv, G, L_q]
+    lse = torch.logsumexp(s, dim=-1)                                         # [H_q, L_q]
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    o = torch.einsum("hgqk,khd->qhgd", p, v.float())                         # [L_q, H_kv, G, D]
-    return o.reshape(l_q, h_q, d).to(q.dtype), lse.reshape(h_q, l_q)
+    o = torch.einsum("hqk,khd->qhd", p, vf)                                  # [L_q, H_q, D]
+    return o.to(q.dtype), lse
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -347,12 +350,22 @@ def merge_states(out_a, lse_a, out_b, lse_b):
 
 # Batch-invariant numerics: a row's bits never depend on the other rows of the call.
 
+INVARIANT_COLUMN_BLOCK = 8
+
+
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T -> [..., N], one [1, K] x [K, N] product per row: the same BLAS call
-    for a row whatever the row count (a batched matmul of M one-row problems).  Differentiable."""
-    rows = x.reshape(-1, x.shape[-1])
-    y = torch.bmm(rows[:, None, :], weight.t().to(x.dtype).expand(rows.shape[0], -1, -1))[:, 0]
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    """x [..., K] @ weight [N, K]^T -> [..., N], one [1, K] x [K, 8] product per row and block of 8 output
+    columns (the last block zero-padded): every BLAS call has one shape, so an element's bits depend on its
+    row and column alone, not on how many rows or columns share the call (a CPU BLAS rounds an N-tail
+    through other kernels: columns 40..47 of N = 48 round unlike the same columns of a 24-column call).
+    Batch-invariant in rows, and in columns across tensor-parallel shards.  Differentiable."""
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    pad = (-n) % INVARIANT_COLUMN_BLOCK
+    w = F.pad(weight, (0, 0, 0, pad)).to(x.dtype) if pad else weight.to(x.dtype)       # [N + pad, K]
+    blocks = [torch.bmm(rows[:, None, :], w[j:j + INVARIANT_COLUMN_BLOCK].t().expand(rows.shape[0], -1, -1))[:, 0]
+              for j in range(0, n + pad, INVARIANT_COLUMN_BLOCK)]                         # each [M, 8]
+    return torch.cat(blocks, dim=-1)[:, :n].reshape(*x.shape[:-1], n)
 
 
 def _sigmoid(x: torch.Tensor, invariant: bool) -> torch.Tensor:
@@ -453,7 +466,7 @@ class DecoderLM(nn.Module):
     ignored_weight_prefixes = ("model.visual.", "mtp.")
 
     def __init__(self, config: ModelConfig | None = None, *, seed: int = 0, linear_layer=None, device=None,
-                 dtype=None, batch_invariant: bool = False, varlen_attn=None):
+                 dtype=None, batch_invariant: bool = False, varlen_attn=None, tp_group=None):
         super().__init__()
         config = ModelConfig() if config is None else config
         if not isinstance(config, ModelConfig):
@@ -465,9 +478,13 @@ class DecoderLM(nn.Module):
             raise ValueError("this model has 'linear' layers: pass linear_layer=GatedDeltaNet (gated_deltanet.py's "
                              "class, or a functools.partial of it with the fast kernels)")
         self.config = config
+        self.tp_group = tp_group
+        self.tp_rank, self.tp_size = (0, 1) if tp_group is None else (tp_group.rank(), tp_group.size())
+        self.local_config = local_config(config, self.tp_size, batch_invariant)   # this rank's sizes
+        self.init_kwargs = dict(linear_layer=linear_layer, batch_invariant=batch_invariant, varlen_attn=varlen_attn)
         meta = torch.device(device).type == "meta" if device is not None else False
         with torch.device("meta") if meta else _no_context():
-            body = TextModel(config, linear_layer, seed)
+            body = TextModel(self.local_config, linear_layer, seed)
             if config.weight_prefix == "model.language_model.":   # the multimodal checkpoint's layout
                 self.model = nn.Module()
                 self.model.language_model = body
@@ -476,14 +493,22 @@ class DecoderLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:                                # one tensor under both names, as transformers
             self.lm_head.weight = body.embed_tokens.weight
-        if not meta:
+        if not meta and self.tp_size == 1:
             self._init_weights(seed)
+        elif not meta:                                           # a shard of the tp = 1 model's weights
+            with torch.no_grad():
+                full = DecoderLM(config, seed=seed, linear_layer=linear_layer).state_dict()
+                for name, p in self.state_dict().items():
+                    p.copy_(self.shard_tensor(name, full[name]))
         self.to(device=device, dtype=dtype)
         self.batch_invariant, self.varlen_attn = batch_invariant, varlen_attn
-        if batch_invariant:
-            for i, block in enumerate(self.layers):
-                if hasattr(block, "linear_attn"):
-                    _set_invariant(block.linear_attn, i, invariant_linear)
+        self.segments = tp_segments(config) if batch_invariant else None
+        for i, block in enumerate(self.layers):
+            if hasattr(block, "linear_attn") and batch_invariant:
+                out_linear = functools.partial(_local_tree, segments=self.segments["out_proj"] // self.tp_size)
+                _set_invariant(block.linear_attn, i, invariant_linear, out_linear)
+        if self.tp_size > 1:
+            _register_shared_grad_hooks(self)
 
     @property
     def body(self) -> TextModel:
@@ -507,6 +532,26 @@ class DecoderLM(nn.Module):
                 base = 1.0 if name.endswith("norm.weight") and not self.config.zero_centered_norm else 0.0
                 p.copy_(base + torch.randn(p.shape, generator=gen) * std)
 
+    # ------------------------------------------------------------------ tensor-parallel shards
+
+    def full_shape(self, name: str, local_shape) -> tuple:
+        """The tp = 1 shape of parameter ``name`` (this rank holds a shard of it)."""
+        if self.tp_size == 1:
+            return tuple(local_shape)
+        if not hasattr(self, "_full_shapes"):
+            full = DecoderLM(self.config, linear_layer=self.init_kwargs["linear_layer"], device="meta")
+            self._full_shapes = {n: tuple(t.shape) for n, t in full.state_dict().items()}
+        return self._full_shapes[name]
+
+    def shard_tensor(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full tensor ``name`` (``shard_spec``)."""
+        return shard(full, shard_spec(name, self.config, self.tp_size, self.tp_rank))
+
+    def shard_state_dict(self, state_dict: Mapping) -> dict:
+        """This rank's slices of a full (tp = 1) state dict, under the same names; names this model does not
+        have (a multimodal checkpoint's vision tower) pass through for the caller's checks."""
+        return {n: self.shard_tensor(n, t) for n, t in state_dict.items()}
+
     # ------------------------------------------------------------------ the forward pass
 
     def layers_forward(self, ids: torch.Tensor, positions: torch.Tensor, attend, mix) -> torch.Tensor:
@@ -515,12 +560,12 @@ class DecoderLM(nn.Module):
         ``attend(layer, q [T, H_q, D], k [T, H_kv, D], v) -> [T, H_q, D]`` (norms and rotary applied) and
         ``mix(layer, module, h [T, hidden]) -> [T, hidden]`` (a "linear" layer) belong to the caller:
         they own the caches and the batch layout."""
-        c, t = self.config, ids.shape[0]
+        c, t = self.local_config, ids.shape[0]
         lin = invariant_linear if self.batch_invariant else None
         inv_freq = rope_inv_freq(c)
-        x = self.body.embed_tokens(ids)                                     # [T, hidden]
+        x = self.body.embed_tokens(ids)                                     # [T, hidden], every rank
         for i, block in enumerate(self.layers):
-            h = block.input_layernorm(x, lin)
+            h = self._to_ranks(block.input_layernorm(x, lin))
             if hasattr(block, "self_attn"):
                 a = block.self_attn
                 q = self._linear(h, a.q_proj).view(t, c.num_heads, -1)     # [T, H_q, D] or [T, H_q, 2 D]
@@ -533,13 +578,32 @@ class DecoderLM(nn.Module):
                 o = attend(i, q, k, v).reshape(t, c.num_heads * c.head_dim)
                 if gate is not None:
                     o = o * _sigmoid(gate.reshape(t, -1), self.batch_invariant)
-                x = x + self._linear(o, a.o_proj)
+                x = x + self._row_parallel(o, a.o_proj.weight, "o_proj")
             else:
-                x = x + mix(i, block.linear_attn, h)
-            m, hm = block.mlp, block.post_attention_layernorm(x, lin)
+                x = x + self._reduce(mix(i, block.linear_attn, h))        # out_proj: row-parallel inside
+            m, hm = block.mlp, self._to_ranks(block.post_attention_layernorm(x, lin))
             act = _silu(self._linear(hm, m.gate_proj), self.batch_invariant) * self._linear(hm, m.up_proj)
-            x = x + self._linear(act, m.down_proj)
+            x = x + self._row_parallel(act, m.down_proj.weight, "down_proj")
         return self.body.norm(x, lin)
+
+    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, which: str) -> torch.Tensor:
+        """x [T, K_rank] @ weight [N, K_rank]^T summed over the ranks (this rank holds K_rank of K): an
+        all-reduce; batch-invariant: the segment tree of ``tp_segments`` (the module docstring)."""
+        if not self.batch_invariant:
+            return self._reduce(x @ weight.t())
+        return self._reduce(_local_tree(x, weight, segments=self.segments[which] // self.tp_size))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output summed over the ranks: identity at tp = 1; all-reduce (backward: identity);
+        batch-invariant: every rank's subtree root gathered, the tree's upper levels summed on every rank."""
+        if self.tp_size == 1:
+            return partial
+        return _ReduceFromRanks.apply(partial, self.tp_group, self.batch_invariant)
+
+    def _to_ranks(self, h: torch.Tensor) -> torch.Tensor:
+        """The replicated input of column-parallel projections: identity forward; backward the ranks'
+        partial gradients all-reduced (Megatron's f)."""
+        return h if self.tp_size == 1 else _CopyToRanks.apply(h, self.tp_group)
 
     def _linear(self, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         if not self.batch_invariant:
@@ -690,21 +754,287 @@ class DecoderLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, *, linear_layer=None, dtype=None, device=None, batch_invariant: bool = False,
-                        varlen_attn=None, max_seq_len: int | None = None) -> DecoderLM:
+                        varlen_attn=None, max_seq_len: int | None = None, tp_group=None) -> DecoderLM:
         """The model of a Hugging Face checkpoint directory (config.json + safetensors, one file or
         sharded): weights memory-mapped and copied straight into the parameters, in ``dtype`` (default:
         the checkpoint's) on ``device``.  ``linear_layer``: required for hybrid (Qwen3.5) checkpoints,
-        called with the checkpoint's sizes as keywords.  ``max_seq_len`` caps the context."""
+        called with the checkpoint's sizes as keywords.  ``max_seq_len`` caps the context.  ``tp_group``:
+        this rank reads only its shard's bytes."""
         raw = _read_json_config(path)
         config = ModelConfig(**_hf_fields(raw, max_seq_len))
         dtype = _checkpoint_dtype(raw) if dtype is None else dtype
         model = cls(config, linear_layer=linear_layer, device="meta", dtype=dtype, batch_invariant=batch_invariant,
-                    varlen_attn=varlen_attn)                       # no memory, no init: the checkpoint fills it
+                    varlen_attn=varlen_attn, tp_group=tp_group)   # no memory, no init: the checkpoint fills it
         model.to_empty(device=torch.device("cpu") if device is None else device)
         if config.tie_embeddings:                                  # to_empty gave each name its own tensor
             model.lm_head.weight = model.body.embed_tokens.weight
         load_checkpoint(model, path)
         return model
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+# The layout (Megatron's, by heads; ``shard_spec`` is the specification: which slice of which tensor a rank
+# holds).  With tp ranks:
+#   attention  q_proj (with Qwen3.5's gate: per head (query, gate)) and its bias: the rows of the rank's H_q / tp
+#              query heads (column-parallel); k_proj, v_proj: the rows of its H_kv / tp KV heads, or, when
+#              tp > H_kv, of one KV head replicated on tp / H_kv consecutive ranks (vLLM's rule); o_proj: the
+#              columns of its query heads (row-parallel: a partial sum, reduced across the ranks); q_norm,
+#              k_norm (over head_dim) replicated
+#   mlp        gate_proj, up_proj: rows [r I/tp, (r+1) I/tp); down_proj: those columns (row-parallel)
+#   linear     Gated DeltaNet by value heads with their key heads: Hv / tp value heads per rank with their
+#              key heads (Hk / tp, or one replicated when tp > Hk); the fused in_proj_qkv and conv1d are
+#              split into their q, k, v sections first (rows of the rank's key heads in q and k, of its value
+#              heads in v: three pieces); in_proj_z (rows of its value heads), in_proj_b, in_proj_a, A_log,
+#              dt_bias (its value heads); out_proj: the columns of its value heads (row-parallel); norm
+#              (over head_v_dim) replicated
+#   replicated embed_tokens, lm_head, every decoder RMSNorm: each rank computes the full logits (no
+#              vocab-parallel gather before sampling; the cost is V x hidden weights per rank)
+# The forward: the hidden state x is replicated; each column-parallel projection reads it (Megatron's f:
+# identity forward, the ranks' partial input gradients all-reduced backward), each row-parallel output is
+# summed over the ranks (g: all-reduce forward, identity backward).  A replicated weight that only sees the
+# rank's heads (q_norm, k_norm, the Gated DeltaNet norm, a replicated KV or key head's rows) gets its
+# partial gradients summed across the ranks that hold it, so backward leaves each rank exactly the
+# matching slices of the tp = 1 gradients.
+#
+# Batch-invariant reduction across ranks (the contract of ``batch_invariant=True`` at any tp): the K dim of
+# each row-parallel matmul is cut into S segments (``tp_segments``: S = the largest power of two, at most
+# MAX_TP_SEGMENTS, dividing its units: query heads for o_proj, value heads for out_proj, the intermediate
+# size for down_proj).  Segment s's partial P_s = x[:, K_s] W[:, K_s]^T (the invariant matmul), and the
+# partials are summed as a fixed binary tree: ((P_0 + P_1) + (P_2 + P_3)) + ...  A rank holds S / tp
+# consecutive segments, an aligned subtree: it sums its subtree, the ranks' roots are all-gathered, and
+# every rank sums the tree's upper levels.  Every node of the tree has the same operands at any tp that
+# divides S, so the result has the same bits at tp = 1, 2, 4 ... (tp must divide every S; other degrees
+# raise in the mode).  Communication per row-parallel output of T x hidden: an all-gather, each rank
+# receiving (tp - 1) T hidden values, against a ring all-reduce's 2 (tp - 1) / tp T hidden: the same at
+# tp = 2, twice at tp = 4.
+
+MAX_TP_SEGMENTS = 8
+
+
+def _largest_pow2_divisor(n: int, cap: int = MAX_TP_SEGMENTS) -> int:
+    return min(n & -n, cap)
+
+
+def tp_segments(c: ModelConfig) -> dict:
+    """S per row-parallel matmul (the batch-invariant reduction tree's leaves; see above)."""
+    return dict(o_proj=_largest_pow2_divisor(c.num_heads), down_proj=_largest_pow2_divisor(c.intermediate_size),
+                out_proj=_largest_pow2_divisor(c.linear_num_v_heads))
+
+
+def local_config(c: ModelConfig, tp: int, batch_invariant: bool = False) -> ModelConfig:
+    """The sizes one of tp ranks holds, or ValueError naming tp and the counts it does not fit."""
+    if not _is_int(tp) or tp < 1:
+        raise ValueError(f"the tensor-parallel size must be an int >= 1, got {tp!r}")
+    if tp == 1:
+        return c
+    hybrid = "linear" in c.kinds
+    problems = [f"{name}={n}" for name, n in (("num_heads", c.num_heads), ("intermediate_size", c.intermediate_size))
+                if n % tp]
+    problems += [f"num_kv_heads={c.num_kv_heads}"] if c.num_kv_heads % tp and tp % c.num_kv_heads else []
+    if hybrid:
+        problems += [f"linear_num_v_heads={c.linear_num_v_heads}"] if c.linear_num_v_heads % tp else []
+        k = c.linear_num_k_heads
+        problems += [f"linear_num_k_heads={k}"] if k % tp and tp % k else []
+    if problems:
+        raise ValueError(f"tensor parallelism over tp={tp} ranks needs tp to divide {', '.join(problems)} (KV and "
+                         f"key heads may also be a divisor of tp: they are then replicated)")
+    if batch_invariant:
+        bad = {name: s for name, s in tp_segments(c).items() if s % tp and (name != "out_proj" or hybrid)}
+        if bad:
+            raise ValueError(f"batch_invariant=True at tp={tp}: the reduction tree's segments {bad} must be a "
+                             f"multiple of tp (tp a power of two dividing the heads), so that every tp sums alike")
+    return dataclasses.replace(c, num_heads=c.num_heads // tp, num_kv_heads=max(c.num_kv_heads // tp, 1),
+                               intermediate_size=c.intermediate_size // tp,
+                               linear_num_v_heads=c.linear_num_v_heads // tp if hybrid else c.linear_num_v_heads,
+                               linear_num_k_heads=max(c.linear_num_k_heads // tp, 1) if hybrid
+                               else c.linear_num_k_heads)
+
+
+def _heads_of(n: int, tp: int, rank: int) -> tuple[int, int]:
+    """(first, count) of n heads on a rank: n / tp each, or one replicated on tp / n ranks when tp > n."""
+    return (rank * (n // tp), n // tp) if n >= tp else (rank // (tp // n), 1)
+
+
+def shard_spec(name: str, c: ModelConfig, tp: int, rank: int):
+    """(dim, ((start, stop), ...)): the rows (dim 0) or columns (dim 1) of the full tensor ``name`` that rank
+    holds, the pieces concatenated in order; (None, ()) = the whole tensor (replicated)."""
+    if tp == 1:
+        return None, ()
+
+    def span(unit, first, count):
+        return (first * unit, (first + count) * unit)
+
+    d = c.head_dim
+    heads = c.num_heads // tp
+    if ".self_attn." in name:
+        rest = name.split(".self_attn.", 1)[1]
+        if rest.startswith("q_proj."):
+            return 0, (span(d * (2 if c.attn_output_gate else 1), rank * heads, heads),)
+        if rest.startswith(("k_proj.", "v_proj.")):
+            return 0, (span(d, *_heads_of(c.num_kv_heads, tp, rank)),)
+        if rest.startswith("o_proj."):
+            return 1, (span(d, rank * heads, heads),)
+        return None, ()
+    if ".mlp." in name:
+        i = c.intermediate_size // tp
+        return (1 if ".down_proj." in name else 0), (span(i, rank, 1),)
+    if ".linear_attn." in name:
+        rest = name.split(".linear_attn.", 1)[1]
+        hv, dk, dv = c.linear_num_v_heads // tp, c.linear_head_k_dim, c.linear_head_v_dim
+        first_k, count_k = _heads_of(c.linear_num_k_heads, tp, rank)
+        key_dim, v0 = c.linear_num_k_heads * dk, rank * hv
+        if rest in ("in_proj_qkv.weight", "conv1d.weight"):        # the q, k, v sections, sliced apart
+            q = span(dk, first_k, count_k)
+            return 0, (q, (key_dim + q[0], key_dim + q[1]), tuple(2 * key_dim + x for x in span(dv, v0, hv)))
+        if rest == "in_proj_z.weight":
+            return 0, (span(dv, v0, hv),)
+        if rest in ("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias"):
+            return 0, (span(1, v0, hv),)
+        if rest == "out_proj.weight":
+            return 1, (span(dv, v0, hv),)
+        if rest == "norm.weight":
+            return None, ()
+        raise ValueError(f"tensor parallelism: no layout for the linear layer's parameter {rest!r} (the layout "
+                         f"follows Qwen3.5's Gated DeltaNet names: gated_deltanet.py's GatedDeltaNet)")
+    return None, ()
+
+
+def shard(t: torch.Tensor, spec) -> torch.Tensor:
+    """The pieces of ``t`` a shard spec names, concatenated (``t`` itself when replicated)."""
+    dim, ranges = spec
+    if dim is None:
+        return t
+    return torch.cat([t.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
+
+
+def _shared_grad(name: str, c: ModelConfig, tp: int) -> bool:
+    """Whether a parameter's rows are held by several ranks that each see only their heads, so that its
+    gradient must be summed across them: q_norm, k_norm and the Gated DeltaNet norm (replicated), a
+    replicated KV head's k_proj / v_proj rows, a replicated key head's q / k rows of in_proj_qkv and conv1d."""
+    if name.endswith(("q_norm.weight", "k_norm.weight", "linear_attn.norm.weight")):
+        return True
+    if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+        return tp > c.num_kv_heads
+    return name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")) and tp > c.linear_num_k_heads
+
+
+def _register_shared_grad_hooks(model) -> None:
+    c, tp, rank, group = model.config, model.tp_size, model.tp_rank, model.tp_group
+    for name, p in model.named_parameters():
+        if not _shared_grad(name, c, tp):
+            continue
+        spec, full = shard_spec(name, c, tp, rank), model.full_shape(name, p.shape)
+
+        def hook(grad, spec=spec, full=full):
+            if spec[0] is None:                                  # replicated: every rank holds all of it
+                return _all_reduce(grad.clone(), group)
+            whole = grad.new_zeros(full)                         # each rank's rows at their place, summed
+            offset = 0
+            for a, b in spec[1]:
+                whole.narrow(spec[0], a, b - a).copy_(grad.narrow(spec[0], offset, b - a))
+                offset += b - a
+            return shard(_all_reduce(whole, group), spec)
+        p.register_hook(hook)
+
+
+def _tree_sum(parts: list) -> torch.Tensor:
+    """((p0 + p1) + (p2 + p3)) + ...: a fixed binary tree over a power-of-two count of partials."""
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _local_tree(x: torch.Tensor, weight: torch.Tensor, segments: int) -> torch.Tensor:
+    """The rank's subtree of the batch-invariant reduction: x [.., K_rank] @ weight [N, K_rank]^T as
+    ``segments`` invariant matmuls over consecutive K slices, summed as a tree."""
+    return _tree_sum([invariant_linear(xs, ws) for xs, ws in zip(x.chunk(segments, -1), weight.chunk(segments, -1))])
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    group.allreduce([t]).wait()
+    return t
+
+
+def _all_gather(t: torch.Tensor, group) -> list:
+    outs = [torch.empty_like(t) for _ in range(group.size())]
+    group.allgather([outs], [t.contiguous()]).wait()
+    return outs
+
+
+class _ReduceFromRanks(torch.autograd.Function):
+    """g: a row-parallel partial summed over the ranks (all-reduce, or the invariant tree's upper levels
+    over the gathered subtree roots); backward: the gradient of a sum, identity."""
+
+    @staticmethod
+    def forward(ctx, partial, group, invariant):
+        if invariant:
+            return _tree_sum(_all_gather(partial, group))
+        return _all_reduce(partial.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _CopyToRanks(torch.autograd.Function):
+    """f: the replicated input of the column-parallel projections; backward: the partial gradients summed."""
+
+    @staticmethod
+    def forward(ctx, h, group):
+        ctx.group = group
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class LocalGroup:
+    """tp ranks as threads of one process: the single-process specification of tensor parallelism (and its
+    test).  ``LocalGroup(tp).ranks()`` gives one handle per rank with ``rank()``, ``size()`` and the two
+    collectives the model calls, ``allreduce`` (sum in rank order) and ``allgather``, with a
+    torch.distributed ProcessGroup's method names; the threads meet at a barrier."""
+
+    def __init__(self, size: int):
+        self._size, self._barrier, self._slots = size, threading.Barrier(size), [None] * size
+
+    def ranks(self) -> list:
+        return [_LocalRank(self, r) for r in range(self._size)]
+
+
+class _LocalRank:
+    def __init__(self, group: LocalGroup, rank: int):
+        self._group, self._rank = group, rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._group._size
+
+    def _exchange(self, t: torch.Tensor) -> list:
+        g = self._group
+        g._slots[self._rank] = t.clone()
+        g._barrier.wait()
+        out = list(g._slots)
+        g._barrier.wait()                      # nobody overwrites a slot before everyone has read it
+        return out
+
+    def allgather(self, outs, tensors):
+        for o, t in zip(outs[0], self._exchange(tensors[0])):
+            o.copy_(t)
+        return self
+
+    def allreduce(self, tensors):
+        parts = self._exchange(tensors[0])
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        tensors[0].copy_(total)
+        return self
+
+    def wait(self):
+        return True
 
 
 # ----------------------------------------------------------------------------- safetensors, read as untrusted input
@@ -821,6 +1151,8 @@ def load_checkpoint(model: nn.Module, path) -> None:
     ``lm_head.weight`` may be absent (it is the embedding)."""
     tensors = {n: t for n, t in checkpoint_tensors(path).items()
                if not n.startswith(getattr(model, "ignored_weight_prefixes", ()))}
+    if getattr(model, "tp_size", 1) > 1:                    # this rank's slices (views: only their bytes are read)
+        tensors = model.shard_state_dict(tensors)
     params = model.state_dict()
     tied = _tied_aliases(model)
     problems = {"missing": sorted(n for n in params.keys() - tensors.keys() if n not in tied),
@@ -910,11 +1242,13 @@ def _check_mode(batch_invariant, varlen_attn) -> None:
                         f"{type(varlen_attn).__name__}")
 
 
-def _set_invariant(module, index: int, linear) -> None:
+def _set_invariant(module, index: int, linear, out_linear) -> None:
+    """A plug-in layer's batch-invariant mode: ``linear`` for its projections, ``out_linear`` for its
+    row-parallel output projection (the reduction tree's leaves on this rank)."""
     if not callable(getattr(module, "set_batch_invariant", None)):
         raise ValueError(f"batch_invariant=True: the linear_layer plug-in of layer {index} ({type(module).__name__}) "
                          f"has no set_batch_invariant(linear) method, so its numerics cannot be made batch-invariant")
-    module.set_batch_invariant(linear)
+    module.set_batch_invariant(linear, out_linear=out_linear)
 
 
 def _check_logprob_inputs(sequences, prompt_lengths, temperature, config: ModelConfig):

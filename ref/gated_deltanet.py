@@ -422,27 +422,29 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_v_heads, **kw).uniform_(1, 16).log())
         self.norm = _GatedRMSNorm(head_v_dim, norm_eps, **kw)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **kw)
-        self.invariant_linear = None                                    # set_batch_invariant's product
+        self.invariant_linear = self.invariant_out_linear = None        # set_batch_invariant's products
 
     def new_cache(self) -> GatedDeltaNetCache:
         """An empty cache (the generator engines' plug-in contract)."""
         return GatedDeltaNetCache()
 
-    def set_batch_invariant(self, linear) -> None:
+    def set_batch_invariant(self, linear, out_linear=None) -> None:
         """Batch-invariant mode (fast/generator_engine.py's ``DecoderLM(batch_invariant=True)`` calls it):
         from then on a token's output is bit for bit the same whichever sequences share the call, however
         they are packed, and whether its sequence runs in one call or is split across calls (a prefill,
         then decode steps with the cache), provided ``linear(x [..., K], weight [N, K]) -> [..., N]``
         rounds each row independently of the other rows and ``recurrent_fn`` is batch- and
-        split-invariant (fast/gated_deltanet.py's).  What changes: the projections go through ``linear``;
+        split-invariant (fast/gated_deltanet.py's).  What changes: the projections go through ``linear``
+        (``out_proj`` through ``out_linear`` when given: decoder_lm.py's tensor-parallel reduction tree);
         the short conv is an explicit tap-by-tap multiply-add in fp32, the same expression in a prefill
         and in a decode step (``F.conv1d`` over a sequence and a decode step's sum round differently);
         every call runs ``recurrent_fn`` (prefill, decode and training: it has a backward); SiLU,
         sigmoid and softplus are composed from exp / log1p; the gated RMSNorm's mean of squares is a
         product with a ones vector through ``linear``."""
-        if not callable(linear):
-            raise TypeError(f"linear must be a function (x, weight) -> x @ weight.T, got {type(linear).__name__}")
-        self.invariant_linear = linear
+        if not callable(linear) or not (out_linear is None or callable(out_linear)):
+            raise TypeError(f"linear and out_linear must be functions (x, weight) -> x @ weight.T, got "
+                            f"{type(linear).__name__} and {type(out_linear).__name__}")
+        self.invariant_linear, self.invariant_out_linear = linear, out_linear or linear
 
     def _project(self, x, layer: nn.Linear):
         return layer(x) if self.invariant_linear is None else self.invariant_linear(x, layer.weight)
@@ -511,7 +513,8 @@ class GatedDeltaNet(nn.Module):
         if cache is not None:
             cache.conv_state, cache.recurrent_state = tail, final
         o = self.norm(o, z, self.invariant_linear)                      # [B, T, HV, V]
-        return self._project(o.reshape(b, t, self.value_dim), self.out_proj)
+        o = o.reshape(b, t, self.value_dim)
+        return self.out_proj(o) if self.invariant_linear is None else self.invariant_out_linear(o, self.out_proj.weight)
 
 
 # ----------------------------------------------------------------------------- input checks
