@@ -71,11 +71,13 @@ References
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
 import operator
 import os
+import threading
 import zlib
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
@@ -277,17 +279,28 @@ def _hf_fields(raw: dict, max_seq_len) -> dict:
 def _invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T -> [..., N] in x's dtype, each row rounded independently of every
     other row: on a GPU a fixed-tile Triton matmul (no split-K, one config per GPU family and element
-    size), on a CPU one [1, K] x [K, N] product per row (the same BLAS call whatever the row count).
+    size), on a CPU one [1, K] x [K, 8] product per row and block of 8 columns (the same BLAS call whatever
+    the row and column counts: tensor-parallel shards round alike).
     Differentiable (the backward is a plain matmul: gradients need not be invariant)."""
     y = torch.ops.twofold.invariant_linear(x.reshape(-1, x.shape[-1]), weight)
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+INVARIANT_COLUMN_BLOCK = 8
 
 
 @torch.library.custom_op("twofold::invariant_linear", mutates_args=())
 def _invariant_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         return _triton_invariant_matmul(x, weight)
-    return torch.bmm(x[:, None, :], weight.t().expand(x.shape[0], -1, -1))[:, 0]     # [M, 1, K] x [M, K, N]
+    # One [1, K] x [K, 8] product per row and block of 8 columns (the last zero-padded): one BLAS call shape,
+    # so an element's bits depend on its row and column alone (the reference's invariant_linear).
+    n = weight.shape[0]
+    pad = (-n) % INVARIANT_COLUMN_BLOCK
+    w = F.pad(weight, (0, 0, 0, pad)) if pad else weight                              # [N + pad, K]
+    blocks = [torch.bmm(x[:, None, :], w[j:j + INVARIANT_COLUMN_BLOCK].t().expand(x.shape[0], -1, -1))[:, 0]
+              for j in range(0, n + pad, INVARIANT_COLUMN_BLOCK)]                     # each [M, 8]
+    return torch.cat(blocks, dim=-1)[:, :n].contiguous()
 
 
 @_invariant_linear_op.register_fake
@@ -496,7 +509,7 @@ class DecoderLM(nn.Module):
     ignored_weight_prefixes = ("model.visual.", "mtp.")
 
     def __init__(self, config: ModelConfig | None = None, *, seed: int = 0, linear_layer=None, device=None,
-                 dtype=None, batch_invariant: bool = False, varlen_attn=None):
+                 dtype=None, batch_invariant: bool = False, varlen_attn=None, tp_group=None):
         super().__init__()
         config = ModelConfig() if config is None else config
         if not isinstance(config, ModelConfig):
@@ -508,9 +521,13 @@ class DecoderLM(nn.Module):
             raise ValueError("this model has 'linear' layers: pass linear_layer=GatedDeltaNet (gated_deltanet.py's "
                              "class, or a functools.partial of it with the fast kernels)")
         self.config = config
+        self.tp_group = tp_group
+        self.tp_rank, self.tp_size = (0, 1) if tp_group is None else (tp_group.rank(), tp_group.size())
+        self.local_config = local_config(config, self.tp_size, batch_invariant)   # this rank's sizes
+        self.init_kwargs = dict(linear_layer=linear_layer, batch_invariant=batch_invariant, varlen_attn=varlen_attn)
         meta = device is not None and torch.device(device).type == "meta"
         with torch.device("meta") if meta else _no_context():
-            body = _TextModel(config, linear_layer, seed)
+            body = _TextModel(self.local_config, linear_layer, seed)
             if config.weight_prefix == "model.language_model.":   # the multimodal checkpoint's layout
                 self.model = nn.Module()
                 self.model.language_model = body
@@ -521,23 +538,30 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = body.embed_tokens.weight
         self._rope_tables: dict = {}  # device -> (cos, sin) [max_seq_len, 1, R/2] fp32
         if not meta:
-            with torch.no_grad():     # the reference's draws: per canonical name, into the fused weights' parts
+            with torch.no_grad():     # the reference's draws (per canonical name), or this rank's shard of them
+                full = self.state_dict() if self.tp_size == 1 else DecoderLM(
+                    config, seed=seed, linear_layer=linear_layer).state_dict()
                 for name, p in self.state_dict().items():
-                    std = _init_std(name, config)
+                    std = _init_std(name, config) if self.tp_size == 1 else None
                     if std is not None:
                         gen = torch.Generator().manual_seed(seed * 1000003 + zlib.crc32(name.encode()))
                         base = 1.0 if name.endswith("norm.weight") and not config.zero_centered_norm else 0.0
                         p.copy_(base + torch.randn(p.shape, generator=gen) * std)
+                    elif self.tp_size > 1:
+                        p.copy_(self.shard_tensor(name, full[name]))
         self.to(device=device, dtype=dtype)
         self.batch_invariant, self.varlen_attn = batch_invariant, varlen_attn
-        if batch_invariant:
-            for i, block in enumerate(self.layers):
-                if hasattr(block, "linear_attn"):
-                    if not callable(getattr(block.linear_attn, "set_batch_invariant", None)):
-                        raise ValueError(f"batch_invariant=True: the linear_layer plug-in of layer {i} "
-                                         f"({type(block.linear_attn).__name__}) has no set_batch_invariant(linear) "
-                                         f"method, so its numerics cannot be made batch-invariant")
-                    block.linear_attn.set_batch_invariant(_invariant_linear)
+        self.segments = tp_segments(config) if batch_invariant else None
+        for i, block in enumerate(self.layers):
+            if hasattr(block, "linear_attn") and batch_invariant:
+                if not callable(getattr(block.linear_attn, "set_batch_invariant", None)):
+                    raise ValueError(f"batch_invariant=True: the linear_layer plug-in of layer {i} "
+                                     f"({type(block.linear_attn).__name__}) has no set_batch_invariant(linear) "
+                                     f"method, so its numerics cannot be made batch-invariant")
+                out_linear = functools.partial(_local_tree, segments=self.segments["out_proj"] // self.tp_size)
+                block.linear_attn.set_batch_invariant(_invariant_linear, out_linear=out_linear)
+        if self.tp_size > 1:
+            _register_shared_grad_hooks(self)
 
     @property
     def body(self) -> _TextModel:
@@ -547,15 +571,44 @@ class DecoderLM(nn.Module):
     def layers(self) -> nn.ModuleList:
         return self.body.layers
 
+    # ------------------------------------------------------------------ tensor-parallel shards
+
+    def full_shape(self, name: str, local_shape) -> tuple:
+        """The tp = 1 shape of parameter ``name`` (this rank holds a shard of it)."""
+        if self.tp_size == 1:
+            return tuple(local_shape)
+        if not hasattr(self, "_full_shapes"):
+            full = DecoderLM(self.config, linear_layer=self.init_kwargs["linear_layer"], device="meta")
+            self._full_shapes = {n: tuple(t.shape) for n, t in full.state_dict().items()}
+        return self._full_shapes[name]
+
+    def shard_tensor(self, name: str, full: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        """Rank ``rank``'s slice (this rank's by default) of the full tensor ``name`` (``shard_spec``)."""
+        return shard(full, shard_spec(name, self.config, self.tp_size, self.tp_rank if rank is None else rank))
+
+    def shard_state_dict(self, state_dict: Mapping, rank: int | None = None) -> dict:
+        """Rank ``rank``'s slices (this rank's by default) of a full (tp = 1) state dict, under the same
+        names; names this model does not have (a vision tower) pass through for the caller's checks."""
+        return {n: self.shard_tensor(n, t, rank) for n, t in state_dict.items()}
+
+    def to_empty(self, *, device, recurse: bool = True):
+        """nn.Module.to_empty, keeping a tied lm_head the embedding (to_empty gives every name a tensor)."""
+        super().to_empty(device=device, recurse=recurse)
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.body.embed_tokens.weight
+        return self
+
+    # ------------------------------------------------------------------ the forward pass
+
     def layers_forward(self, ids: torch.Tensor, positions: torch.Tensor, attend, mix) -> torch.Tensor:
         """The blocks on packed tokens, ids / positions [T] -> final-normed hidden [T, hidden];
-        ``attend(layer, q, k, v)`` and ``mix(layer, module, h)`` as in the reference."""
-        c, inv = self.config, self.batch_invariant
+        ``attend(layer, q, k, v)`` and ``mix(layer, module, h)`` as in the reference (this rank's heads)."""
+        c, inv = self.local_config, self.batch_invariant
         t = ids.shape[0]
         cos, sin = self._rotary_at(positions)                              # [T, 1, R/2]
-        x = self.body.embed_tokens(ids)                                     # [T, hidden]
+        x = self.body.embed_tokens(ids)                                     # [T, hidden], every rank
         for i, block in enumerate(self.layers):
-            h = block.input_layernorm(x, inv)
+            h = self._to_ranks(block.input_layernorm(x, inv))
             if hasattr(block, "self_attn"):
                 a = block.self_attn
                 q, k, v = _linear(h, a.qkv_proj.weight, a.qkv_proj.bias, inv).split(a.sizes, dim=-1)
@@ -565,14 +618,45 @@ class DecoderLM(nn.Module):
                 if c.qk_norm:
                     q, k = a.q_norm(q, inv), a.k_norm(k, inv)
                 q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-                o = attend(i, q, k, v.view(t, c.num_kv_heads, c.head_dim)).reshape(t, -1)
+                o = self._attend(attend, i, q, k, v.view(t, c.num_kv_heads, c.head_dim)).reshape(t, -1)
                 if gate is not None:
                     o = o * _sigmoid(gate.reshape(t, -1), inv)
-                x = x + _linear(o, a.o_proj.weight, None, inv)
+                x = x + self._row_parallel(o, a.o_proj.weight, "o_proj")
             else:
-                x = x + mix(i, block.linear_attn, h)
-            x = x + block.mlp(block.post_attention_layernorm(x, inv), inv)
+                x = x + self._reduce(mix(i, block.linear_attn, h))         # out_proj: row-parallel inside
+            m, hm = block.mlp, self._to_ranks(block.post_attention_layernorm(x, inv))
+            gate_up, up = _linear(hm, m.gate_up_proj.weight, None, inv).split(m.sizes, dim=-1)
+            x = x + self._row_parallel(_silu(gate_up, inv) * up, m.down_proj.weight, "down_proj")
         return self.body.norm(x, inv)
+
+    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, which: str) -> torch.Tensor:
+        """x [T, K_rank] @ weight [N, K_rank]^T summed over the ranks: an all-reduce; batch-invariant: the
+        reference's segment tree (``tp_segments``)."""
+        if not self.batch_invariant:
+            return self._reduce(x @ weight.t())
+        return self._reduce(_local_tree(x, weight, segments=self.segments[which] // self.tp_size))
+
+    def _attend(self, attend, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """attend over this rank's heads.  Batch-invariant with a replicated KV head (tp > H_kv), the rank's
+        H_q / tp query heads sit in a query tensor padded to the whole GQA group G = H_q / H_kv, at their
+        places in it: an attention kernel then lays each row out in its tile as at tp = 1 (row (p, g) at
+        the slot of p G + g), so it rounds alike; the padding rows are zeros and their outputs dropped."""
+        c = self.config
+        if not (self.batch_invariant and self.tp_size > c.num_kv_heads):
+            return attend(i, q, k, v)
+        group, heads = c.num_heads // c.num_kv_heads, q.shape[1]
+        first = self.tp_rank * heads % group                   # this rank's first query head within its group
+        padded = q.new_zeros(q.shape[0], group, q.shape[2])    # [T, G, D]
+        padded[:, first:first + heads] = q
+        return attend(i, padded, k, v)[:, first:first + heads]
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return partial
+        return _ReduceFromRanks.apply(partial, self.tp_group, self.batch_invariant)
+
+    def _to_ranks(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.tp_size == 1 else _CopyToRanks.apply(h, self.tp_group)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., hidden] -> logits [..., V] fp32."""
@@ -777,19 +861,18 @@ class DecoderLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, *, linear_layer=None, dtype=None, device=None, batch_invariant: bool = False,
-                        varlen_attn=None, max_seq_len: int | None = None) -> DecoderLM:
+                        varlen_attn=None, max_seq_len: int | None = None, tp_group=None) -> DecoderLM:
         """The model of a Hugging Face checkpoint directory (config.json + safetensors, one file or
         sharded): weights memory-mapped and copied straight into the parameters, in ``dtype`` (default:
         the checkpoint's) on ``device``.  ``linear_layer``: required for hybrid (Qwen3.5) checkpoints,
-        called with the checkpoint's sizes as keywords.  ``max_seq_len`` caps the context."""
+        called with the checkpoint's sizes as keywords.  ``max_seq_len`` caps the context.  ``tp_group``:
+        this rank reads only its shard's bytes."""
         raw = _read_json_config(path)
         config = ModelConfig(**_hf_fields(raw, max_seq_len))
         dtype = _checkpoint_dtype(raw) if dtype is None else dtype
         model = cls(config, linear_layer=linear_layer, device="meta", dtype=dtype, batch_invariant=batch_invariant,
-                    varlen_attn=varlen_attn)                       # no memory, no init: the checkpoint fills it
+                    varlen_attn=varlen_attn, tp_group=tp_group)   # no memory, no init: the checkpoint fills it
         model.to_empty(device=torch.device("cpu") if device is None else device)
-        if config.tie_embeddings:                                  # to_empty gave each name its own tensor
-            model.lm_head.weight = model.body.embed_tokens.weight
         load_checkpoint(model, path)
         return model
 
@@ -897,6 +980,286 @@ def _torch_attention_lse(q, k, v, cu_q: list, cu_k: list, scale: float, causal: 
         outs.append(torch.einsum("hgqk,khd->qhgd", p, vs.float()).reshape(l_q, h_q, d).to(q.dtype))
         lses.append(lse.reshape(h_q, l_q))
     return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+# The layout (Megatron's, by heads; ``shard_spec`` is the specification: which slice of which tensor a rank
+# holds).  With tp ranks:
+#   attention  q_proj (with Qwen3.5's gate: per head (query, gate)) and its bias: the rows of the rank's H_q / tp
+#              query heads (column-parallel); k_proj, v_proj: the rows of its H_kv / tp KV heads, or, when
+#              tp > H_kv, of one KV head replicated on tp / H_kv consecutive ranks (vLLM's rule); o_proj: the
+#              columns of its query heads (row-parallel: a partial sum, reduced across the ranks); q_norm,
+#              k_norm (over head_dim) replicated
+#   mlp        gate_proj, up_proj: rows [r I/tp, (r+1) I/tp); down_proj: those columns (row-parallel)
+#   linear     Gated DeltaNet by value heads with their key heads: Hv / tp value heads per rank with their
+#              key heads (Hk / tp, or one replicated when tp > Hk); the fused in_proj_qkv and conv1d are
+#              split into their q, k, v sections first (rows of the rank's key heads in q and k, of its value
+#              heads in v: three pieces); in_proj_z (rows of its value heads), in_proj_b, in_proj_a, A_log,
+#              dt_bias (its value heads); out_proj: the columns of its value heads (row-parallel); norm
+#              (over head_v_dim) replicated
+#   replicated embed_tokens, lm_head, every decoder RMSNorm: each rank computes the full logits (no
+#              vocab-parallel gather before sampling; the cost is V x hidden weights per rank)
+# The forward: the hidden state x is replicated; each column-parallel projection reads it (Megatron's f:
+# identity forward, the ranks' partial input gradients all-reduced backward), each row-parallel output is
+# summed over the ranks (g: all-reduce forward, identity backward).  A replicated weight that only sees the
+# rank's heads (q_norm, k_norm, the Gated DeltaNet norm, a replicated KV or key head's rows) gets its
+# partial gradients summed across the ranks that hold it, so backward leaves each rank exactly the
+# matching slices of the tp = 1 gradients.
+#
+# Batch-invariant reduction across ranks (the contract of ``batch_invariant=True`` at any tp): the K dim of
+# each row-parallel matmul is cut into S segments (``tp_segments``: S = the largest power of two, at most
+# MAX_TP_SEGMENTS, dividing its units: query heads for o_proj, value heads for out_proj, the intermediate
+# size for down_proj).  Segment s's partial P_s = x[:, K_s] W[:, K_s]^T (the invariant matmul), and the
+# partials are summed as a fixed binary tree: ((P_0 + P_1) + (P_2 + P_3)) + ...  A rank holds S / tp
+# consecutive segments, an aligned subtree: it sums its subtree, the ranks' roots are all-gathered, and
+# every rank sums the tree's upper levels.  Every node of the tree has the same operands at any tp that
+# divides S, so the result has the same bits at tp = 1, 2, 4 ... (tp must divide every S; other degrees
+# raise in the mode).  Communication per row-parallel output of T x hidden: an all-gather, each rank
+# receiving (tp - 1) T hidden values, against a ring all-reduce's 2 (tp - 1) / tp T hidden: the same at
+# tp = 2, twice at tp = 4.
+
+MAX_TP_SEGMENTS = 8
+
+
+def _largest_pow2_divisor(n: int, cap: int = MAX_TP_SEGMENTS) -> int:
+    return min(n & -n, cap)
+
+
+def tp_segments(c: ModelConfig) -> dict:
+    """S per row-parallel matmul (the batch-invariant reduction tree's leaves; see above)."""
+    return dict(o_proj=_largest_pow2_divisor(c.num_heads), down_proj=_largest_pow2_divisor(c.intermediate_size),
+                out_proj=_largest_pow2_divisor(c.linear_num_v_heads))
+
+
+def local_config(c: ModelConfig, tp: int, batch_invariant: bool = False) -> ModelConfig:
+    """The sizes one of tp ranks holds, or ValueError naming tp and the counts it does not fit."""
+    if not _is_int(tp) or tp < 1:
+        raise ValueError(f"the tensor-parallel size must be an int >= 1, got {tp!r}")
+    if tp == 1:
+        return c
+    hybrid = "linear" in c.kinds
+    problems = [f"{name}={n}" for name, n in (("num_heads", c.num_heads), ("intermediate_size", c.intermediate_size))
+                if n % tp]
+    problems += [f"num_kv_heads={c.num_kv_heads}"] if c.num_kv_heads % tp and tp % c.num_kv_heads else []
+    if hybrid:
+        problems += [f"linear_num_v_heads={c.linear_num_v_heads}"] if c.linear_num_v_heads % tp else []
+        k = c.linear_num_k_heads
+        problems += [f"linear_num_k_heads={k}"] if k % tp and tp % k else []
+    if problems:
+        raise ValueError(f"tensor parallelism over tp={tp} ranks needs tp to divide {', '.join(problems)} (KV and "
+                         f"key heads may also be a divisor of tp: they are then replicated)")
+    if batch_invariant:
+        bad = {name: s for name, s in tp_segments(c).items() if s % tp and (name != "out_proj" or hybrid)}
+        if bad:
+            raise ValueError(f"batch_invariant=True at tp={tp}: the reduction tree's segments {bad} must be a "
+                             f"multiple of tp (tp a power of two dividing the heads), so that every tp sums alike")
+    return dataclasses.replace(c, num_heads=c.num_heads // tp, num_kv_heads=max(c.num_kv_heads // tp, 1),
+                               intermediate_size=c.intermediate_size // tp,
+                               linear_num_v_heads=c.linear_num_v_heads // tp if hybrid else c.linear_num_v_heads,
+                               linear_num_k_heads=max(c.linear_num_k_heads // tp, 1) if hybrid
+                               else c.linear_num_k_heads)
+
+
+def _heads_of(n: int, tp: int, rank: int) -> tuple[int, int]:
+    """(first, count) of n heads on a rank: n / tp each, or one replicated on tp / n ranks when tp > n."""
+    return (rank * (n // tp), n // tp) if n >= tp else (rank // (tp // n), 1)
+
+
+def shard_spec(name: str, c: ModelConfig, tp: int, rank: int):
+    """(dim, ((start, stop), ...)): the rows (dim 0) or columns (dim 1) of the full tensor ``name`` that rank
+    holds, the pieces concatenated in order; (None, ()) = the whole tensor (replicated)."""
+    if tp == 1:
+        return None, ()
+
+    def span(unit, first, count):
+        return (first * unit, (first + count) * unit)
+
+    d = c.head_dim
+    heads = c.num_heads // tp
+    if ".self_attn." in name:
+        rest = name.split(".self_attn.", 1)[1]
+        if rest.startswith("q_proj."):
+            return 0, (span(d * (2 if c.attn_output_gate else 1), rank * heads, heads),)
+        if rest.startswith(("k_proj.", "v_proj.")):
+            return 0, (span(d, *_heads_of(c.num_kv_heads, tp, rank)),)
+        if rest.startswith("o_proj."):
+            return 1, (span(d, rank * heads, heads),)
+        return None, ()
+    if ".mlp." in name:
+        i = c.intermediate_size // tp
+        return (1 if ".down_proj." in name else 0), (span(i, rank, 1),)
+    if ".linear_attn." in name:
+        rest = name.split(".linear_attn.", 1)[1]
+        hv, dk, dv = c.linear_num_v_heads // tp, c.linear_head_k_dim, c.linear_head_v_dim
+        first_k, count_k = _heads_of(c.linear_num_k_heads, tp, rank)
+        key_dim, v0 = c.linear_num_k_heads * dk, rank * hv
+        if rest in ("in_proj_qkv.weight", "conv1d.weight"):        # the q, k, v sections, sliced apart
+            q = span(dk, first_k, count_k)
+            return 0, (q, (key_dim + q[0], key_dim + q[1]), tuple(2 * key_dim + x for x in span(dv, v0, hv)))
+        if rest == "in_proj_z.weight":
+            return 0, (span(dv, v0, hv),)
+        if rest in ("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias"):
+            return 0, (span(1, v0, hv),)
+        if rest == "out_proj.weight":
+            return 1, (span(dv, v0, hv),)
+        if rest == "norm.weight":
+            return None, ()
+        raise ValueError(f"tensor parallelism: no layout for the linear layer's parameter {rest!r} (the layout "
+                         f"follows Qwen3.5's Gated DeltaNet names: gated_deltanet.py's GatedDeltaNet)")
+    return None, ()
+
+
+def shard(t: torch.Tensor, spec) -> torch.Tensor:
+    """The pieces of ``t`` a shard spec names, concatenated (``t`` itself when replicated)."""
+    dim, ranges = spec
+    if dim is None:
+        return t
+    return torch.cat([t.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
+
+
+def _shared_grad(name: str, c: ModelConfig, tp: int) -> bool:
+    """Whether a parameter's rows are held by several ranks that each see only their heads, so that its
+    gradient must be summed across them: q_norm, k_norm and the Gated DeltaNet norm (replicated), a
+    replicated KV head's k_proj / v_proj rows, a replicated key head's q / k rows of in_proj_qkv and conv1d."""
+    if name.endswith(("q_norm.weight", "k_norm.weight", "linear_attn.norm.weight")):
+        return True
+    if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+        return tp > c.num_kv_heads
+    return name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")) and tp > c.linear_num_k_heads
+
+
+def _register_shared_grad_hooks(model) -> None:
+    """Sum across the ranks the gradients of the parameters (or of the parts of a fused one) that
+    ``_shared_grad`` names; a fused weight's gradient is split into its canonical parts for it."""
+    c, tp, rank, group = model.config, model.tp_size, model.tp_rank, model.tp_group
+    fused_parts = {}                                            # fused parameter name -> [(part name, rows)]
+    for prefix, module in model.named_modules():
+        for fused, parts in getattr(module, "fused", {}).items():
+            fused_parts[f"{prefix}.{fused}"] = [(f"{prefix}.{part}", size) for part, size in zip(parts, module.sizes)]
+    for name, p in model.named_parameters():
+        parts = fused_parts.get(name, [(name, p.shape[0])])
+        if not any(_shared_grad(part, c, tp) for part, _ in parts):
+            continue
+        plan = [(part, rows, _shared_grad(part, c, tp), shard_spec(part, c, tp, rank),
+                 model.full_shape(part, (rows, *p.shape[1:]))) for part, rows in parts]
+
+        def hook(grad, plan=plan):
+            pieces = grad.split([rows for _, rows, *_ in plan])
+            return torch.cat([_summed_over_holders(g, spec, full, group) if shared else g
+                              for g, (_, _, shared, spec, full) in zip(pieces, plan)])
+        p.register_hook(hook)
+
+
+def _summed_over_holders(grad: torch.Tensor, spec, full_shape, group) -> torch.Tensor:
+    """A shard's gradient summed over the ranks that hold the same rows: each rank's rows placed in a zero
+    tensor of the full shape, all-reduced, this rank's rows taken back (a replicated tensor: all-reduced)."""
+    if spec[0] is None:
+        return _all_reduce(grad.clone(), group)
+    whole, offset = grad.new_zeros(full_shape), 0
+    for a, b in spec[1]:
+        whole.narrow(spec[0], a, b - a).copy_(grad.narrow(spec[0], offset, b - a))
+        offset += b - a
+    return shard(_all_reduce(whole, group), spec)
+
+
+def _tree_sum(parts: list) -> torch.Tensor:
+    """((p0 + p1) + (p2 + p3)) + ...: a fixed binary tree over a power-of-two count of partials."""
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _local_tree(x: torch.Tensor, weight: torch.Tensor, segments: int) -> torch.Tensor:
+    """The rank's subtree of the batch-invariant reduction: x [.., K_rank] @ weight [N, K_rank]^T as
+    ``segments`` invariant matmuls over consecutive K slices, summed as a tree."""
+    return _tree_sum([_invariant_linear(xs, ws) for xs, ws in zip(x.chunk(segments, -1), weight.chunk(segments, -1))])
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    group.allreduce([t]).wait()
+    return t
+
+
+def _all_gather(t: torch.Tensor, group) -> list:
+    outs = [torch.empty_like(t) for _ in range(group.size())]
+    group.allgather([outs], [t.contiguous()]).wait()
+    return outs
+
+
+class _ReduceFromRanks(torch.autograd.Function):
+    """g: a row-parallel partial summed over the ranks (all-reduce, or the invariant tree's upper levels
+    over the gathered subtree roots); backward: the gradient of a sum, identity."""
+
+    @staticmethod
+    def forward(ctx, partial, group, invariant):
+        if invariant:
+            return _tree_sum(_all_gather(partial, group))
+        return _all_reduce(partial.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _CopyToRanks(torch.autograd.Function):
+    """f: the replicated input of the column-parallel projections; backward: the partial gradients summed."""
+
+    @staticmethod
+    def forward(ctx, h, group):
+        ctx.group = group
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class LocalGroup:
+    """tp ranks as threads of one process: the single-process specification of tensor parallelism (and its
+    test).  ``LocalGroup(tp).ranks()`` gives one handle per rank with ``rank()``, ``size()`` and the two
+    collectives the model calls, ``allreduce`` (sum in rank order) and ``allgather``, with a
+    torch.distributed ProcessGroup's method names; the threads meet at a barrier."""
+
+    def __init__(self, size: int):
+        self._size, self._barrier, self._slots = size, threading.Barrier(size), [None] * size
+
+    def ranks(self) -> list:
+        return [_LocalRank(self, r) for r in range(self._size)]
+
+
+class _LocalRank:
+    def __init__(self, group: LocalGroup, rank: int):
+        self._group, self._rank = group, rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._group._size
+
+    def _exchange(self, t: torch.Tensor) -> list:
+        g = self._group
+        g._slots[self._rank] = t.clone()
+        g._barrier.wait()
+        out = list(g._slots)
+        g._barrier.wait()                      # nobody overwrites a slot before everyone has read it
+        return out
+
+    def allgather(self, outs, tensors):
+        for o, t in zip(outs[0], self._exchange(tensors[0])):
+            o.copy_(t)
+        return self
+
+    def allreduce(self, tensors):
+        parts = self._exchange(tensors[0])
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        tensors[0].copy_(total)
+        return self
+
+    def wait(self):
+        return True
 
 
 # ----------------------------------------------------------------------------- safetensors, read as untrusted input
@@ -1013,6 +1376,8 @@ def load_checkpoint(model: nn.Module, path) -> None:
     ``lm_head.weight`` may be absent (it is the embedding)."""
     tensors = {n: t for n, t in checkpoint_tensors(path).items()
                if not n.startswith(getattr(model, "ignored_weight_prefixes", ()))}
+    if getattr(model, "tp_size", 1) > 1:                    # this rank's slices (views: only their bytes are read)
+        tensors = model.shard_state_dict(tensors)
     params = model.state_dict()
     tied = _tied_aliases(model)
     problems = {"missing": sorted(n for n in params.keys() - tensors.keys() if n not in tied),

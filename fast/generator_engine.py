@@ -128,6 +128,7 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Mapping
 from concurrent.futures import Future
+from typing import NamedTuple
 from types import SimpleNamespace
 
 import torch
@@ -514,13 +515,13 @@ class _Pages:
 class _Group:
     """The n samples of one submitted request: one future, settled when the last sample is done."""
 
-    __slots__ = ("request", "future", "completions", "left", "failed")
+    __slots__ = ("request", "future", "completions", "left", "failed", "admitted")
 
     def __init__(self, request: Request, future: Future):
         self.request, self.future = request, future
         self.completions = [None] * request.sampling.n
         self.left = request.sampling.n
-        self.failed = False
+        self.failed = self.admitted = False
 
     def done(self, completion: Completion, settle: list) -> None:
         self.completions[completion.sample_index] = completion
@@ -591,7 +592,22 @@ class Generator:
     def __init__(self, model: nn.Module, *, name: str = "generator", policy_version: int = 0, varlen_attn=None,
                  flash_decode=None, cascade_decode=None, page_size: int = 16, num_pages: int | None = None,
                  max_batch_size: int = 256, max_prefill_tokens: int = 8192, prefix_caching: bool = True,
-                 checkpoint_interval: int = 1, num_checkpoints: int | None = None, kv_on_swap: str = "keep"):
+                 checkpoint_interval: int = 1, num_checkpoints: int | None = None, kv_on_swap: str = "keep",
+                 tensor_parallel_size: int = 1, tp_timeout_s: float = 60.0, tp_address: str = "127.0.0.1",
+                 _tp_worker=None):
+        engine_kw = dict(name=name, policy_version=policy_version, varlen_attn=varlen_attn, flash_decode=flash_decode,
+                         cascade_decode=cascade_decode, page_size=page_size, num_pages=num_pages,
+                         max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
+                         prefix_caching=prefix_caching, checkpoint_interval=checkpoint_interval,
+                         num_checkpoints=num_checkpoints, kv_on_swap=kv_on_swap)
+        if not _is_int(tensor_parallel_size) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+        if not isinstance(tp_timeout_s, (int, float)) or isinstance(tp_timeout_s, bool) or not tp_timeout_s > 0:
+            raise ValueError(f"tp_timeout_s must be a number of seconds > 0, got {tp_timeout_s!r}")
+        self._tp, self._broken = _tp_worker, None
+        if tensor_parallel_size > 1:      # this object is rank 0: it starts the workers and keeps its own shard
+            self._tp = _TensorParallel(tensor_parallel_size, tp_timeout_s, tp_address)
+            model = self._tp.start(model, engine_kw)
         _check_model(model)
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
@@ -624,7 +640,8 @@ class Generator:
         self.batch_invariant = batch_invariant
         self.config = c = model.config
         self.dtype = next(model.parameters()).dtype
-        self._shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+        full_shape = getattr(model, "full_shape", lambda name, shape: tuple(shape))
+        self._shapes = {n: tuple(full_shape(n, t.shape)) for n, t in model.state_dict().items()}   # what loads take
         self._optional = _tied_aliases(model)
         self._ignored = tuple(getattr(model, "ignored_weight_prefixes", ()))
         self._shadow = None                 # the second weight set, allocated by the first load
@@ -643,7 +660,8 @@ class Generator:
         # The KV pool of every attention layer: [layers, num_pages, page_size, H_kv, D], zeros (finite).
         attn = [i for i, kind in enumerate(c.kinds) if kind == "attention"]
         self._pool_index = {layer: j for j, layer in enumerate(attn)}
-        kv_shape = (len(attn), self.num_pages, page_size, c.num_kv_heads, c.head_dim)
+        local = getattr(model, "local_config", c)     # this rank's heads under tensor parallelism
+        kv_shape = (len(attn), self.num_pages, page_size, local.num_kv_heads, local.head_dim)
         self._k = torch.zeros(kv_shape, device=self.device, dtype=self.dtype)
         self._v = torch.zeros(kv_shape, device=self.device, dtype=self.dtype)
         self._table = torch.zeros(max_batch_size, self._pages_per_seq, dtype=torch.int32, device=self.device)
@@ -664,8 +682,14 @@ class Generator:
         self._admissions = itertools.count()
         self._counts = dict(completed=0, steps=0, preemptions=0, generated_tokens=0, prompt_tokens=0,
                             computed_prompt_tokens=0, prefix_hit_tokens=0)
-        self._thread = threading.Thread(target=self._loop, name=f"{name}-engine", daemon=True)
-        self._thread.start()
+        self._incoming: list[_Seq] = []        # submitted, taken by the engine at its next iteration
+        self._samples = self._tp is None or self._tp.rank == 0   # tensor-parallel: rank 0 samples, workers follow
+        self._thread = None
+        if _tp_worker is None:                  # a tensor-parallel worker runs its loop in its main thread
+            self._thread = threading.Thread(target=self._loop, name=f"{name}-engine", daemon=True)
+            self._thread.start()
+        if isinstance(self._tp, _TensorParallel):
+            self._tp.watch(self._tp_failed)
 
     @classmethod
     def from_pretrained(cls, path, *, model_class, linear_layer=None, **kwargs) -> Generator:
@@ -679,6 +703,8 @@ class Generator:
         model_kw = {k: kwargs.pop(k) for k in _MODEL_KEYWORDS if k in kwargs}
         if "varlen_attn" in kwargs:
             model_kw["varlen_attn"] = kwargs["varlen_attn"]
+        if kwargs.get("tensor_parallel_size", 1) != 1:   # each rank reads its own shard of the checkpoint
+            return cls(_Checkpoint(model_class, path, dict(model_kw, linear_layer=linear_layer)), **kwargs)
         return cls(model_class.from_pretrained(path, linear_layer=linear_layer, **model_kw), **kwargs)
 
     @property
@@ -689,16 +715,24 @@ class Generator:
         """Queue one request; the future resolves to its ``Completion`` (a list of n with
         ``sampling.n > 1``).  Never blocks."""
         self._check_servable(request)
+        if self._tp is not None:   # every rank must draw alike: a random seed is drawn once, here
+            request = self._tp.with_seed(request)
         future = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"generator {self.name} is closed"
+                                   + (f" ({self._broken})" if self._broken is not None else ""))
+            if self._tp is not None and not future.set_running_or_notify_cancel():
+                return future
+            self._incoming.append(self._leader(request, future))
+            self._cv.notify()
+        return future
+
+    def _leader(self, request, future: Future) -> _Seq:
         group = _Group(request, future)
         leader = _Seq(group, 0, self.config.max_seq_len)
         leader.followers = [_Seq(group, i, self.config.max_seq_len) for i in range(1, request.sampling.n)]
-        with self._cv:
-            if self._closed:
-                raise RuntimeError(f"generator {self.name} is closed")
-            self._waiting.append(leader)
-            self._cv.notify()
-        return future
+        return leader
 
     def generate(self, requests) -> list:
         """Submit every request, wait, return the completions in order (raises the first failure)."""
@@ -713,10 +747,15 @@ class Generator:
             if version < self._version:
                 raise ValueError(f"version must not decrease: got {version}, serving {self._version}")
             tensors = self._checked(state_dict)
-            if self._shadow is None:  # allocated once, by the first load (a copy: no random init)
-                self._shadow = copy.deepcopy(self.model)
+            if self._tp is not None:  # each worker copies its shard into its shadow meanwhile
+                self._tp.send_weights(self.model, tensors)
+                tensors = self.model.shard_state_dict(tensors)
+            if self._shadow is None:  # allocated once, by the first load (no random init)
+                self._shadow = _shadow_of(self.model)
             shadow = self._shadow
             self._copy_into(shadow, tensors)
+            if self._tp is not None:
+                self._tp.wait_weights()
             swapped = Future()
             with self._cv:
                 if self._closed:
@@ -739,21 +778,25 @@ class Generator:
         stores = [t for store in list(self._checkpoints.values()) for t in list(store.values())]
         with self._cv:
             pages = self._pages
-            waiting = sum(1 + len(s.followers) for s in self._waiting)
+            waiting = sum(1 + len(s.followers) for s in [*self._incoming, *self._waiting])
             out = dict(waiting=waiting, running=len(self._running) + len(self._prefilling),
                        policy_version=self._version, free_pages=pages.available(), num_pages=self.num_pages,
                        page_size=self.page_size, weights_staged=self._staged is not None, **self._counts,
                        evictions=pages.evictions, cached_pages=len(pages.key_of),
                        state_checkpoints=len(pages.checkpoint_of),
-                       kv_pool_bytes=self._k.nbytes + self._v.nbytes, checkpoint_bytes=sum(t.nbytes for t in stores))
+                       kv_pool_bytes=self._k.nbytes + self._v.nbytes, checkpoint_bytes=sum(t.nbytes for t in stores),
+                       tensor_parallel_size=1 if self._tp is None else self._tp.size)
         return out
 
     def close(self) -> None:
+        """Stop the engine (what is queued or running fails) and, tensor-parallel, every worker process."""
         with self._cv:
             self._closed = True
             self._cv.notify()
-        if self._thread is not threading.current_thread():
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+        if self._tp is not None:
+            self._tp.close()
 
     def __enter__(self):
         return self
@@ -860,17 +903,24 @@ class Generator:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not (self._waiting or self._running or self._prefilling or self._staged or self._closed):
+                while not (self._incoming or self._waiting or self._running or self._prefilling or self._staged
+                           or self._closed):
                     self._cv.wait()
                 if self._closed:
                     break
+                incoming, self._incoming = self._incoming, []
                 staged, self._staged = self._staged, None
-            if staged is not None:
-                self._swap(*staged)
             settle: list = []
             try:
+                if self._tp is not None:      # the workers take the same iteration: its requests and swap
+                    self._tp.send_iteration(incoming, None if staged is None else staged[1])
+                self._waiting.extend(incoming)
+                if staged is not None:
+                    self._swap(*staged)
                 self._step(settle)
-            except Exception as exc:  # fail the requests that hit it; the engine goes on
+            except Exception as exc:  # fail the requests that hit it; the engine goes on (tensor-parallel: it stops)
+                if self._tp is not None:
+                    self._break(exc, settle)
                 for seq in self._prefilling + self._running:
                     if seq.slot is not None:      # (a sample that finished in this step keeps its result)
                         self._release(seq)
@@ -878,20 +928,65 @@ class Generator:
                 self._prefilling, self._running = [], []
             for fn, value in settle:  # outside every lock: callbacks may submit again
                 fn(value)
+            if self._broken is not None:
+                break
         with self._cv:
             staged, self._staged = self._staged, None
-            leftover = list(self._waiting) + self._prefilling + self._running
+            leftover = list(self._incoming) + list(self._waiting) + self._prefilling + self._running
+            self._incoming, self._prefilling, self._running = [], [], []
             self._waiting.clear()
-            self._prefilling, self._running = [], []
         if staged is not None:
             staged[2].set_exception(RuntimeError(f"generator {self.name} closed before the weights were swapped in"))
-        closed, settle = RuntimeError(f"generator {self.name} closed before finishing the request"), []
+        closed, settle = RuntimeError(f"generator {self.name} closed before finishing the request"
+                                      + (f": {self._broken}" if self._broken is not None else "")), []
         for seq in leftover:
             group = seq.group
             if not group.failed and (group.future.running() or group.future.set_running_or_notify_cancel()):
                 group.fail(closed, settle)
         for fn, value in settle:
             fn(value)
+
+    def _break(self, exc: BaseException, settle: list) -> None:
+        """Tensor-parallel: a step failed on some rank (a worker died, hung past tp_timeout_s, or raised), so
+        the ranks may no longer agree: the generator stops for good, failing what it holds (a router's fault
+        policy takes over), and its workers are ended."""
+        self._broken = exc
+        for seq in self._prefilling + self._running:
+            if seq.slot is not None:
+                self._release(seq)
+                seq.group.fail(RuntimeError(f"generator {self.name} failed: {exc}"), settle)
+        self._prefilling, self._running = [], []
+        with self._cv:
+            self._closed = True
+        self._tp.kill()
+
+    def _tp_failed(self, exc: BaseException) -> None:
+        """The workers' watchdog: a worker died while the engine waited (no collective to notice it)."""
+        with self._cv:
+            if self._closed:
+                return
+            self._broken, self._closed = exc, True
+            self._cv.notify()
+
+    def _serve_as_worker(self) -> None:
+        """A tensor-parallel worker's loop: rank 0's iterations, one by one (its requests, its swap), each
+        run with this rank's shard; rank 0 samples, this rank takes its tokens."""
+        while True:
+            message = self._tp.control.recv()
+            if message[0] == "close":
+                return
+            _, requests, swap = message
+            for request_id, prompt, sampling in requests:
+                self._waiting.append(self._leader(Request(prompt, SamplingParams(**sampling), request_id), Future()))
+            if swap is not None:
+                self._swap(self._shadow, swap, Future())
+            self._step([])
+
+    def _load_shard(self, tensors: dict) -> None:
+        """A worker's share of a weight load: its shard into its shadow weights (swapped at rank 0's word)."""
+        if self._shadow is None:
+            self._shadow = _shadow_of(self.model)
+        self._copy_into(self._shadow, tensors)
 
     @torch.no_grad()
     def _step(self, settle: list) -> None:
@@ -991,9 +1086,10 @@ class Generator:
         group = seq.group
         if group.failed:
             return None
-        if not group.future.running():     # its first admission
-            if not group.future.set_running_or_notify_cancel():
+        if not group.admitted:             # its first admission (a cancelled request leaves here)
+            if not (group.future.running() or group.future.set_running_or_notify_cancel()):
                 return None
+            group.admitted = True
             self._counts["prompt_tokens"] += n * seq.n_prompt
         for page in hits:
             pages.hold(page)
@@ -1123,8 +1219,8 @@ class Generator:
 
         def attend(i, q, k, v):
             kc, vc = self._k[self._pool_index[i]], self._v[self._pool_index[i]]
-            kc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, where, k)
-            vc.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, where, v)
+            kc.view(-1, *kc.shape[-2:]).index_copy_(0, where, k)
+            vc.view(-1, *vc.shape[-2:]).index_copy_(0, where, v)
             out = self._varlen_attn(q, kc, vc, cu, None, longest, keys, scale=scale, window_size=(-1, 0),
                                     enable_gqa=True, seqused_k=used, block_table=table, **self._attn_kw)
             for n, first, _ in completions:
@@ -1152,7 +1248,7 @@ class Generator:
         self._prefilling = [s for s in self._prefilling if s not in finished]
         if not finished:
             return []
-        logits = model.logits(h[torch.tensor(rows, device=dev)])                      # [N, V]
+        logits = model.logits(h[torch.tensor(rows, device=dev)]) if self._samples else None   # [N, V]
         samples, rows = [], []
         for n, s in enumerate(finished):
             if s.min_version is None:
@@ -1161,7 +1257,7 @@ class Generator:
             rows += [n] * (1 + len(s.followers))
             s.followers = []
         self._running = self._running + samples         # (what an error in sampling fails)
-        return self._advance(samples, logits[torch.tensor(rows, device=dev)], settle)
+        return self._advance(samples, None if logits is None else logits[torch.tensor(rows, device=dev)], settle)
 
     def _prefill_linear(self, i: int, module, h: torch.Tensor, work: list, cuts: list, slots) -> torch.Tensor:
         """A "linear" layer over the pass's tokens h [T, hidden]: each sample continues from its state
@@ -1277,7 +1373,7 @@ class Generator:
         for s in seqs:                                  # the fed token's KV is written: a page may be full
             s.computed = len(s.tokens)
             self._key_full_pages(s)
-        return self._advance(seqs, model.logits(h), settle)
+        return self._advance(seqs, model.logits(h) if self._samples else None, settle)
 
     def _decode_groups(self, seqs: list):
         """(cu_groups, prefix_lens) of a decode batch ordered by request: the samples of one request that
@@ -1335,10 +1431,15 @@ class Generator:
                 if checkpoint is not None:
                     self._take_checkpoint(checkpoint, seq.slot)
 
-    def _advance(self, seqs: list, logits: torch.Tensor, settle: list) -> list:
-        """Sample one token per sample; finished ones free their pages.  Returns the rest."""
-        tokens, logprobs = _sample_batch(logits, [s.group.request.sampling for s in seqs], [s.rng for s in seqs],
-                                         getattr(self.model, "log_softmax", None))
+    def _advance(self, seqs: list, logits, settle: list) -> list:
+        """Sample one token per sample; finished ones free their pages.  Returns the rest.  Tensor-parallel:
+        rank 0 samples and the workers take its tokens (every rank then schedules alike)."""
+        if logits is not None:
+            tokens, logprobs = _sample_batch(logits, [s.group.request.sampling for s in seqs],
+                                             [s.rng for s in seqs], getattr(self.model, "log_softmax", None))
+        if self._tp is not None:
+            tokens = self._tp.share_tokens(tokens if logits is not None else [0] * len(seqs))
+            logprobs = logprobs if logits is not None else [0.0] * len(seqs)
         still = []
         for s, token, logprob in zip(seqs, tokens, logprobs):
             s.tokens.append(token)
@@ -1358,6 +1459,258 @@ class Generator:
             self._counts["completed"] += 1
             self._counts["generated_tokens"] += generated
         return still
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+# Generator(model, tensor_parallel_size=N): the object the caller holds is rank 0.  It starts N - 1 worker
+# processes (multiprocessing spawn), each of which builds its shard of the model (decoder_lm.py's
+# DecoderLM(config, tp_group=...): heads split Megatron-style, its docstring has the layout) and an engine
+# like this one.  Every rank runs the same scheduler on the same events: rank 0 sends each iteration's new
+# requests (a random seed drawn once, on rank 0) and weight swap over a pipe, every rank runs the step with
+# its shard (the row-parallel sums are the model's collectives over the ranks' process group: gloo on CPUs,
+# NCCL on GPUs, on tp_address, loopback by default), rank 0 samples and broadcasts the tokens.  So the prefix
+# cache's keys and decisions, the pages and the preemptions are the same on every rank, and every rank's
+# KV pages, Gated DeltaNet states and checkpoints hold its heads.  Weights: a full state dict to
+# load_weights is validated on rank 0, each worker is sent its shard (into its shadow weights), and the swap
+# happens at the same iteration on every rank.  Faults: a worker that dies (its process sentinel, or a
+# collective that fails) or hangs (a collective past tp_timeout_s) stops the generator for good: what it held
+# fails, later submits raise, the workers are ended; close() ends them too, within tp_timeout_s.
+
+class _Checkpoint(NamedTuple):
+    """What each rank loads its shard from: ``model_class.from_pretrained(path, tp_group=..., **kwargs)``."""
+    model_class: type
+    path: str
+    kwargs: dict
+
+
+class _Instance(NamedTuple):
+    """What each worker builds its (empty) shard as: ``model_class(config, tp_group=..., **init_kwargs)``; rank 0
+    then sends it its slice of the caller's model."""
+    model_class: type
+    config: object
+    init_kwargs: dict
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _process_group(store, rank: int, size: int, address: str, device: torch.device, timeout_s: float):
+    import datetime
+
+    import torch.distributed as dist
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def _rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: cuda:(rank 0's index + r) on GPUs, the CPU otherwise."""
+    return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
+
+
+def _build_shard(recipe, group, device: torch.device, initial_weights=None) -> nn.Module:
+    if isinstance(recipe, _Checkpoint):
+        kw = dict(recipe.kwargs, device=device)
+        return recipe.model_class.from_pretrained(recipe.path, tp_group=group, **kw)
+    model = recipe.model_class(recipe.config, tp_group=group, device="meta", dtype=recipe.dtype,
+                               **recipe.init_kwargs).to_empty(device=device)
+    model.load_state_dict(initial_weights)
+    return model
+
+
+class _Ranks:
+    """What both sides of a tensor-parallel generator share: the rank, the group, the token broadcast."""
+
+    def __init__(self, rank: int, size: int, group, device: torch.device):
+        self.rank, self.size, self.group, self.device = rank, size, group, device
+
+    def share_tokens(self, tokens: list) -> list:
+        """Rank 0's sampled tokens, on every rank (a broadcast of len(tokens) int64)."""
+        t = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        if t.numel():
+            self.group.broadcast(t, 0).wait()
+        return t.tolist()
+
+
+class _TensorParallel(_Ranks):
+    """Rank 0's side: the worker processes, their pipes (iterations, weights), the watchdog."""
+
+    def __init__(self, size: int, timeout_s: float, address: str):
+        super().__init__(0, size, None, torch.device("cpu"))
+        self.timeout_s, self.address = float(timeout_s), address
+        self.procs, self.control, self.weights = [], [], []
+        self._stop = threading.Event()
+
+    def start(self, model, engine_kw: dict) -> nn.Module:
+        """Start the workers; returns rank 0's shard (the caller's model is only read)."""
+        import datetime
+        import multiprocessing as mp
+
+        import torch.distributed as dist
+        if isinstance(model, _Checkpoint):
+            recipe = model
+            self.device = torch.device(model.kwargs.get("device") or "cpu")
+        else:
+            _check_model(model)
+            if getattr(model, "tp_size", 1) != 1 or not hasattr(model, "init_kwargs"):
+                raise ValueError("tensor_parallel_size > 1 takes the whole (tp = 1) model of a class with a tp_group "
+                                 "keyword (decoder_lm.py's DecoderLM); its shards are built here")
+            p = next(model.parameters())
+            self.device = p.device
+            recipe = _Instance(type(model), model.config, dict(model.init_kwargs), p.dtype, p.device)
+        store = dist.TCPStore(self.address, 0, self.size, True, datetime.timedelta(seconds=self.timeout_s),
+                              wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        try:
+            for rank in range(1, self.size):
+                control, control_child = ctx.Pipe()
+                weights, weights_child = ctx.Pipe()
+                proc = ctx.Process(target=_tp_worker_main, name=f"{engine_kw['name']}-tp{rank}", daemon=True,
+                                   args=(rank, self.size, self.address, store.port, self.timeout_s, recipe,
+                                         _rank_device(self.device, rank), engine_kw, control_child, weights_child))
+                proc.start()
+                control_child.close()
+                weights_child.close()
+                self.procs.append(proc)
+                self.control.append(control)
+                self.weights.append(weights)
+            self.group = _process_group(store, 0, self.size, self.address, self.device, self.timeout_s)
+            if isinstance(recipe, _Checkpoint):
+                shard = _build_shard(recipe, self.group, self.device)
+            else:
+                empty = recipe.model_class(recipe.config, tp_group=self.group, device="meta", dtype=recipe.dtype,
+                                           **recipe.init_kwargs)
+                full = model.state_dict()
+                for rank, pipe in enumerate(self.weights, start=1):
+                    pipe.send(_to_host(empty.shard_state_dict(full, rank=rank)))
+                shard = _build_shard(recipe, self.group, self.device, empty.shard_state_dict(full))
+            for rank, pipe in enumerate(self.control, start=1):
+                self._expect(pipe, rank, "ready")
+        except BaseException:
+            self.kill()
+            raise
+        self._store = store
+        return shard
+
+    def _expect(self, pipe, rank: int, what: str) -> None:
+        if not pipe.poll(self.timeout_s):
+            raise RuntimeError(f"tensor-parallel worker {rank} sent no {what!r} within tp_timeout_s={self.timeout_s}")
+        kind, detail = pipe.recv()
+        if kind != what:
+            raise RuntimeError(f"tensor-parallel worker {rank} failed: {detail}")
+
+    def watch(self, on_death) -> None:
+        """A daemon thread that calls on_death(exc) when a worker process ends while the generator runs."""
+        from multiprocessing.connection import wait
+
+        def run():
+            sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs, start=1)}
+            while sentinels and not self._stop.is_set():
+                for ready in wait(list(sentinels), timeout=0.5):
+                    rank = sentinels.pop(ready)
+                    if not self._stop.is_set():
+                        code = self.procs[rank - 1].exitcode
+                        on_death(RuntimeError(f"tensor-parallel worker {rank} died (exit code {code})"))
+        threading.Thread(target=run, name="tp-watchdog", daemon=True).start()
+
+    def with_seed(self, request):
+        """The request with a seed drawn here when it has none, so that every rank's samples draw alike."""
+        if request.sampling.seed is not None:
+            return request
+        import random
+        out = copy.copy(request)
+        out.sampling = dataclasses.replace(request.sampling,
+                                           seed=random.SystemRandom().randrange(2 ** 63 - request.sampling.n))
+        return out
+
+    def send_iteration(self, incoming: list, swap_version) -> None:
+        requests = [(s.group.request.request_id, list(s.group.request.prompt_token_ids),
+                     {f.name: getattr(s.group.request.sampling, f.name) for f in dataclasses.fields(SamplingParams)})
+                    for s in incoming]
+        for pipe in self.control:
+            pipe.send(("step", requests, swap_version))
+
+    def send_weights(self, model, tensors: dict) -> None:
+        for rank, pipe in enumerate(self.weights, start=1):
+            pipe.send(_to_host(model.shard_state_dict(tensors, rank=rank)))
+
+    def wait_weights(self) -> None:
+        for rank, pipe in enumerate(self.weights, start=1):
+            self._expect(pipe, rank, "loaded")
+
+    def close(self) -> None:
+        """Tell every worker to stop, wait up to tp_timeout_s, then end what is left."""
+        self._stop.set()
+        for pipe in self.control + self.weights:
+            try:
+                pipe.send(("close", None))
+            except (OSError, ValueError):
+                pass
+        for proc in self.procs:
+            proc.join(self.timeout_s)
+        self.kill()
+
+    def kill(self) -> None:
+        self._stop.set()
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+def _shadow_of(model: nn.Module) -> nn.Module:
+    """A second weight set like ``model``'s: a deep copy, or, for a tensor-parallel shard (its process group
+    cannot be copied), an empty shard of the same class on the same group and device."""
+    if getattr(model, "tp_size", 1) == 1:
+        return copy.deepcopy(model)
+    p = next(model.parameters())
+    return type(model)(model.config, tp_group=model.tp_group, device="meta", dtype=p.dtype,
+                       **model.init_kwargs).to_empty(device=p.device)
+
+
+def _to_host(tensors: dict) -> dict:
+    return {n: t.detach().to("cpu", copy=False).contiguous() for n, t in tensors.items()}
+
+
+def _tp_worker_main(rank, size, address, port, timeout_s, recipe, device, engine_kw, control, weights) -> None:
+    """A worker process: join the group, build the shard and an engine, follow rank 0 until told to stop."""
+    import datetime
+
+    import torch.distributed as dist
+    try:
+        store = dist.TCPStore(address, port, size, False, datetime.timedelta(seconds=timeout_s))
+        group = _process_group(store, rank, size, address, device, timeout_s)
+        initial = None if isinstance(recipe, _Checkpoint) else weights.recv()
+        model = _build_shard(recipe, group, device, initial)
+        ranks = _Ranks(rank, size, group, device)
+        ranks.control = control
+        gen = Generator(model, **engine_kw, _tp_worker=ranks)
+    except BaseException as exc:
+        control.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from None
+
+    def receive_weights():
+        while True:
+            message = weights.recv()
+            if isinstance(message, tuple) and message[0] == "close":
+                return
+            try:
+                gen._load_shard(message)
+                weights.send(("loaded", None))
+            except Exception as exc:
+                weights.send(("error", f"{type(exc).__name__}: {exc}"))
+
+    threading.Thread(target=receive_weights, daemon=True).start()
+    control.send(("ready", None))
+    try:
+        gen._serve_as_worker()
+    except (EOFError, OSError):    # rank 0 is gone
+        raise SystemExit(1) from None
 
 
 # ----------------------------------------------------------------------------- input checks

@@ -543,14 +543,21 @@ class DecoderLM(nn.Module):
             self._full_shapes = {n: tuple(t.shape) for n, t in full.state_dict().items()}
         return self._full_shapes[name]
 
-    def shard_tensor(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the full tensor ``name`` (``shard_spec``)."""
-        return shard(full, shard_spec(name, self.config, self.tp_size, self.tp_rank))
+    def shard_tensor(self, name: str, full: torch.Tensor, rank: int | None = None) -> torch.Tensor:
+        """Rank ``rank``'s slice (this rank's by default) of the full tensor ``name`` (``shard_spec``)."""
+        return shard(full, shard_spec(name, self.config, self.tp_size, self.tp_rank if rank is None else rank))
 
-    def shard_state_dict(self, state_dict: Mapping) -> dict:
-        """This rank's slices of a full (tp = 1) state dict, under the same names; names this model does not
-        have (a multimodal checkpoint's vision tower) pass through for the caller's checks."""
-        return {n: self.shard_tensor(n, t) for n, t in state_dict.items()}
+    def shard_state_dict(self, state_dict: Mapping, rank: int | None = None) -> dict:
+        """Rank ``rank``'s slices (this rank's by default) of a full (tp = 1) state dict, under the same
+        names; names this model does not have (a vision tower) pass through for the caller's checks."""
+        return {n: self.shard_tensor(n, t, rank) for n, t in state_dict.items()}
+
+    def to_empty(self, *, device, recurse: bool = True):
+        """nn.Module.to_empty, keeping a tied lm_head the embedding (to_empty gives every name a tensor)."""
+        super().to_empty(device=device, recurse=recurse)
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.body.embed_tokens.weight
+        return self
 
     # ------------------------------------------------------------------ the forward pass
 
@@ -575,7 +582,7 @@ class DecoderLM(nn.Module):
                 if c.qk_norm:
                     q, k = a.q_norm(q, lin), a.k_norm(k, lin)
                 q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
-                o = attend(i, q, k, v).reshape(t, c.num_heads * c.head_dim)
+                o = self._attend(attend, i, q, k, v).reshape(t, c.num_heads * c.head_dim)
                 if gate is not None:
                     o = o * _sigmoid(gate.reshape(t, -1), self.batch_invariant)
                 x = x + self._row_parallel(o, a.o_proj.weight, "o_proj")
@@ -592,6 +599,20 @@ class DecoderLM(nn.Module):
         if not self.batch_invariant:
             return self._reduce(x @ weight.t())
         return self._reduce(_local_tree(x, weight, segments=self.segments[which] // self.tp_size))
+
+    def _attend(self, attend, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """attend over this rank's heads.  Batch-invariant with a replicated KV head (tp > H_kv), the rank's
+        H_q / tp query heads sit in a query tensor padded to the whole GQA group G = H_q / H_kv, at their
+        places in it: an attention kernel then lays each row out in its tile as at tp = 1 (row (p, g) at
+        the slot of p G + g), so it rounds alike; the padding rows are zeros and their outputs dropped."""
+        c = self.config
+        if not (self.batch_invariant and self.tp_size > c.num_kv_heads):
+            return attend(i, q, k, v)
+        group, heads = c.num_heads // c.num_kv_heads, q.shape[1]
+        first = self.tp_rank * heads % group                   # this rank's first query head within its group
+        padded = q.new_zeros(q.shape[0], group, q.shape[2])    # [T, G, D]
+        padded[:, first:first + heads] = q
+        return attend(i, padded, k, v)[:, first:first + heads]
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel output summed over the ranks: identity at tp = 1; all-reduce (backward: identity);
@@ -766,8 +787,6 @@ class DecoderLM(nn.Module):
         model = cls(config, linear_layer=linear_layer, device="meta", dtype=dtype, batch_invariant=batch_invariant,
                     varlen_attn=varlen_attn, tp_group=tp_group)   # no memory, no init: the checkpoint fills it
         model.to_empty(device=torch.device("cpu") if device is None else device)
-        if config.tie_embeddings:                                  # to_empty gave each name its own tensor
-            model.lm_head.weight = model.body.embed_tokens.weight
         load_checkpoint(model, path)
         return model
 
