@@ -44,7 +44,7 @@ What it prints (lines under 100 characters)
     larger.
 
     python bench/rl_loop.py               # CPU: 60 steps, ~1 min on 2 cores; reward ~0.25 -> ~0.9
-    python bench/rl_loop.py --steps 30    # half as long; reward ~0.25 -> ~0.5
+    python bench/rl_loop.py --steps 30    # half as long; reward ~0.25 -> 0.6-0.9 (timing moves staleness)
     python bench/rl_loop.py --ray         # the generators as Ray actors (ray_generators), a local Ray
     python bench/rl_loop.py --ray --kill-at 10   # ... and SIGKILL one actor's process at step 10
     python bench/rl_loop.py --batch-invariant --steps 4   # bitwise on-policy: max |diff| 0 every step
