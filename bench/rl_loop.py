@@ -7,11 +7,11 @@ What it runs
     mode="hot_swap")``: the generators swap them in between two decode steps, so rollouts may
     span two policy versions, and every completion says which (min/max_policy_version).
 
-    model        a tiny hybrid ``DecoderLM`` (fast/generator_engine.py): Gated DeltaNet layers
+    model        a tiny hybrid ``DecoderLM`` (fast/decoder_lm.py): Gated DeltaNet layers
                  (ref/gated_deltanet.py's Qwen3.5 layer, plugged in as the "linear" layers) and
                  rotary GQA attention layers, 3:1 like Qwen3.5 on the GPU size, 1:1 on the CPU size
-    generators   two fast ``Generator``s (continuous batching, paged KV cache, seeded sampling), in
-                 this process or (``--ray``) as Ray actors;
+    generators   two fast ``Generator``s (continuous batching, paged KV cache, seeded sampling), each
+                 serving its own copy of the model, in this process or (``--ray``) as Ray actors;
                  on a GPU their attention is this repo's fast varlen_attn (prefill) and
                  flash_decode (decode) and their Gated DeltaNet runs fast's Triton kernels; on a
                  CPU the in-file PyTorch attention and the reference delta rule
@@ -29,7 +29,7 @@ What it runs
     on-policy    every step, the trainer recomputes the logprobs of the sampled tokens
                  (``DecoderLM.token_logprobs``, one packed forward, on the weights of the version
                  that served them, in the generators' dtype) and compares them with the ones the
-                 generators reported.  ``--batch-invariant``: generators and trainer in the engine's
+                 generators reported.  ``--batch-invariant``: generators' and trainer's models in the
                  batch-invariant mode (fast varlen_attn / flash_decode with batch_invariant=True; on
                  a CPU under the Triton interpreter, so a smaller workload): the difference is 0.
 
@@ -44,7 +44,7 @@ What it prints (lines under 100 characters)
     larger.
 
     python bench/rl_loop.py               # CPU: 60 steps, ~1 min on 2 cores; reward ~0.25 -> ~0.9
-    python bench/rl_loop.py --steps 30    # half as long; reward ~0.25 -> ~0.5
+    python bench/rl_loop.py --steps 30    # half as long; reward ~0.25 -> 0.6-0.9 (timing moves staleness)
     python bench/rl_loop.py --ray         # the generators as Ray actors (ray_generators), a local Ray
     python bench/rl_loop.py --ray --kill-at 10   # ... and SIGKILL one actor's process at step 10
     python bench/rl_loop.py --batch-invariant --steps 4   # bitwise on-policy: max |diff| 0 every step
@@ -76,6 +76,7 @@ if "--batch-invariant" in sys.argv[1:] and not torch.cuda.is_available():
     # The mode's attention kernels on CPU tensors: the Triton interpreter, chosen before any kernel is defined.
     os.environ["TRITON_INTERPRET"] = "1"
 
+import fast.decoder_lm as lm  # noqa: E402
 import fast.generator_engine as ge  # noqa: E402
 import fast.routed_generator as rg  # noqa: E402
 import ref.gated_deltanet as ref_gdn  # noqa: E402
@@ -84,36 +85,29 @@ from fast.view_replay_offload import OffloadActivations  # noqa: E402
 SIZES = {
     "cpu": dict(model=dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
                            num_kv_heads=2, head_dim=16, max_seq_len=64, tie_embeddings=False,
-                           layer_types=("linear", "attention", "linear", "attention")),
-                gdn=dict(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16),
+                           layer_types=("linear", "attention", "linear", "attention"), linear_num_k_heads=2,
+                           linear_num_v_heads=4, linear_head_k_dim=16, linear_head_v_dim=16),
                 prompts=8, group=4, prompt_len=8, out_len=16, lr=1e-2),
     # --batch-invariant on a CPU: the attention kernels run under the Triton interpreter.
     "cpu-invariant": dict(model=dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
                                      num_kv_heads=1, head_dim=32, max_seq_len=32, tie_embeddings=False,
-                                     layer_types=("linear", "attention")),
-                          gdn=dict(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16),
+                                     layer_types=("linear", "attention"), linear_num_k_heads=2, linear_num_v_heads=4,
+                                     linear_head_k_dim=16, linear_head_v_dim=16),
                           prompts=4, group=2, prompt_len=6, out_len=8, lr=1e-2),
     "gpu": dict(model=dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=8, num_heads=8,
                            num_kv_heads=2, head_dim=64, max_seq_len=1024, tie_embeddings=False,
-                           layer_types=("linear", "linear", "linear", "attention") * 2),
-                gdn=dict(num_k_heads=4, num_v_heads=8, head_k_dim=64, head_v_dim=64),
+                           layer_types=("linear", "linear", "linear", "attention") * 2, linear_num_k_heads=4,
+                           linear_num_v_heads=8, linear_head_k_dim=64, linear_head_v_dim=64),
                 prompts=16, group=8, prompt_len=64, out_len=128, lr=1e-3),
 }
 TEMPERATURE = 1.0
 CLIP = 0.2
 
 
-class GDNLayer(ref_gdn.GatedDeltaNet):
-    """The Gated DeltaNet layer with the generator's plug-in contract: ``new_cache()``."""
-
-    def new_cache(self):
-        return ref_gdn.GatedDeltaNetCache()
-
-
-def gdn_factory(dims: dict, chunk_fn, recurrent_fn):
-    def make(config, index):
-        return GDNLayer(config.hidden_size, chunk_fn=chunk_fn, recurrent_fn=recurrent_fn, **dims)
-    return make
+def gdn_factory(chunk_fn, recurrent_fn):
+    """The "linear" layers: ref/gated_deltanet.py's layer with these delta-rule functions, built from the
+    config's linear_* sizes."""
+    return functools.partial(ref_gdn.GatedDeltaNet, chunk_fn=chunk_fn, recurrent_fn=recurrent_fn)
 
 
 def make_batch(step: int, size: dict, vocab: int):
@@ -211,11 +205,12 @@ def one_line(text: str, indent: str = "         ") -> None:
     print(indent + textwrap.shorten(text, width=99 - len(indent), placeholder=" ..."), flush=True)
 
 
-def build_generator(config, linear_layer, kw: dict):
-    """One engine (in this process, or inside a Ray actor: then with one intra-op thread on a CPU)."""
-    if kw["device"].type == "cpu":
+def build_generator(config, linear_layer, model_kw: dict, kw: dict):
+    """One engine on its own model (in this process, or inside a Ray actor: then with one intra-op thread
+    on a CPU); ``model_kw`` go to the DecoderLM, ``kw`` to the Generator."""
+    if model_kw["device"].type == "cpu":
         torch.set_num_threads(1)
-    return ge.Generator(config, seed=0, linear_layer=linear_layer, **kw)
+    return ge.Generator(lm.DecoderLM(config, seed=0, linear_layer=linear_layer, **model_kw), **kw)
 
 
 def main(argv=None) -> int:
@@ -239,26 +234,25 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if on_gpu else "cpu")
     if not on_gpu:
         torch.set_num_threads(1)  # three engine/trainer threads on a small CPU: no OpenMP team collisions
-    config = ge.ModelConfig(**size["model"])
+    config = lm.ModelConfig(**size["model"])
 
-    gen_kw = dict(device=device, dtype=torch.bfloat16 if on_gpu else torch.float32, page_size=16,
+    gen_model_kw = dict(device=device, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    gen_kw = dict(page_size=16,
                   num_pages=size["prompts"] * size["group"] * -(-(size["prompt_len"] + size["out_len"]) // 16) + 16)
     if on_gpu:
         import fast.gated_deltanet as fast_gdn
         from fast.flash_decoding import flash_decode
         from fast.paged_varlen_attention import varlen_attn
-        gen_layer = gdn_factory(size["gdn"], fast_gdn.chunk_gated_delta_rule, fast_gdn.fused_recurrent_gated_delta_rule)
+        gen_layer = gdn_factory(fast_gdn.chunk_gated_delta_rule, fast_gdn.fused_recurrent_gated_delta_rule)
         gen_kw.update(varlen_attn=varlen_attn, flash_decode=flash_decode)
         kernels = "fast varlen_attn + flash_decode + fast Gated DeltaNet kernels"
     else:
-        gen_layer = gdn_factory(size["gdn"], ref_gdn.chunk_gated_delta_rule, ref_gdn.fused_recurrent_gated_delta_rule)
+        gen_layer = gdn_factory(ref_gdn.chunk_gated_delta_rule, ref_gdn.fused_recurrent_gated_delta_rule)
         kernels = "in-file PyTorch attention + reference Gated DeltaNet (no CUDA)"
     if on_gpu:  # fast's chunk kernel has a Triton backward: the trainer uses it too
-        train_layer = gdn_factory(size["gdn"], fast_gdn.chunk_gated_delta_rule,
-                                  fast_gdn.fused_recurrent_gated_delta_rule)
+        train_layer = gdn_factory(fast_gdn.chunk_gated_delta_rule, fast_gdn.fused_recurrent_gated_delta_rule)
     else:  # on the short CPU rollouts the reference recurrent form beats the chunk form's 64-row solve
-        train_layer = gdn_factory(size["gdn"], ref_gdn.fused_recurrent_gated_delta_rule,
-                                  ref_gdn.fused_recurrent_gated_delta_rule)
+        train_layer = gdn_factory(ref_gdn.fused_recurrent_gated_delta_rule, ref_gdn.fused_recurrent_gated_delta_rule)
 
     mode = {}
     if invariant:  # the engine's bitwise contract: one attention kernel family, the recurrent GDN form everywhere
@@ -266,24 +260,25 @@ def main(argv=None) -> int:
         from fast.paged_varlen_attention import varlen_attn
         if not on_gpu:
             varlen_attn, flash_decode = one_at_a_time(varlen_attn), one_at_a_time(flash_decode)
-        gen_kw.update(batch_invariant=True, varlen_attn=varlen_attn, flash_decode=flash_decode)
         mode = dict(batch_invariant=True, varlen_attn=varlen_attn)
+        gen_model_kw.update(mode)
+        gen_kw.update(varlen_attn=varlen_attn, flash_decode=flash_decode)
         kernels = "batch-invariant mode: fast varlen_attn + flash_decode (batch_invariant=True)" + (
             "" if on_gpu else " under the Triton interpreter, reference Gated DeltaNet (recurrent form)")
-    model = ge.DecoderLM(config, seed=0, linear_layer=train_layer, device=device, **mode).train()
+    model = lm.DecoderLM(config, seed=0, linear_layer=train_layer, device=device, **mode).train()
     # The trainer's recompute of the rollouts' logprobs, in the generators' dtype on the weights that served them.
-    checker = ge.DecoderLM(config, seed=0, linear_layer=train_layer, device=device, dtype=gen_kw["dtype"],
+    checker = lm.DecoderLM(config, seed=0, linear_layer=train_layer, device=device, dtype=gen_model_kw["dtype"],
                            **mode).eval()
     snapshots = {0: {k: v.detach().clone() for k, v in model.state_dict().items()}}
     opt = torch.optim.AdamW(model.parameters(), lr=size["lr"], weight_decay=0.0)
     offload = OffloadActivations(min_offload_bytes=4096, module=model)
     if args.ray:  # a new local Ray instance, or the cluster RAY_ADDRESS names (checked within 30 s)
-        gens = rg.ray_generators(functools.partial(build_generator, config, gen_layer, gen_kw), 2,
+        gens = rg.ray_generators(functools.partial(build_generator, config, gen_layer, gen_model_kw, gen_kw), 2,
                                  name_prefix="gen", num_cpus=0, num_gpus=0.5 if on_gpu else 0, connect_timeout_s=30.0,
                                  ray_init_options=dict(logging_level="ERROR", log_to_driver=False))
         kernels += f"; as Ray actors (pids {[g.pid for g in gens]})"
     else:
-        gens = [build_generator(config, gen_layer, gen_kw) for _ in range(2)]
+        gens = [build_generator(config, gen_layer, gen_model_kw, gen_kw) for _ in range(2)]
         for i, g in enumerate(gens):
             g.name = f"gen{i}"
     router = rg.GeneratorRouter(gens, policy="least_loaded")

@@ -59,8 +59,9 @@ local Ray instance bound to 127.0.0.1; the same 4M model, engines with one intra
                               restarts it, the router re-syncs it, a probe served by the new process
                               closes its breaker).
 
-Batch-invariant mode (part 4: what ``Generator(batch_invariant=True)`` costs; on a CPU its attention kernels
-run under the Triton interpreter, set before they are defined, so these rows measure the interpreter)
+Batch-invariant mode (part 4: what a ``Generator`` serving ``DecoderLM(batch_invariant=True)`` costs; on a CPU
+its attention kernels run under the Triton interpreter, set before they are defined, so these rows measure the
+interpreter)
     invariant engine <dev> b=B  generated tokens/s of the fast engine with this repo's varlen_attn +
                               flash_decode, mode off (``default``) and on (``batch_invariant``), and
                               the mode's ``slowdown`` (default / invariant); ``default[torch-attn]``: the
@@ -101,8 +102,10 @@ if not torch.cuda.is_available():  # the batch-invariant rows' attention kernels
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from bench.harness import ON_GPU, Recorder, bench_parser, optional_import  # noqa: E402
+import fast.decoder_lm as fast_lm  # noqa: E402
 import fast.generator_engine as fast_ge  # noqa: E402
 import fast.routed_generator as fast_rg  # noqa: E402
+import ref.decoder_lm as ref_lm  # noqa: E402
 import ref.generator_engine as ref_ge  # noqa: E402
 import ref.routed_generator as ref_rg  # noqa: E402
 from parity.fleet_sim import Clock  # noqa: E402
@@ -485,7 +488,7 @@ def bench_engine(rec, quick):
             rates = {}
             run_ref = batch <= 8 or (batch == 64 and prompt_len == 128) if ON_GPU else True
             if run_ref:
-                with ref_ge.Generator(ref_ge.ModelConfig(**cfg), device=dev, dtype=dtype) as g:
+                with ref_ge.Generator(ref_lm.DecoderLM(ref_lm.ModelConfig(**cfg), device=dev, dtype=dtype)) as g:
                     rates["ref"] = _tokens_per_s(g, ref_ge, batch, prompt_len, out_len, cfg["vocab_size"])
             variants = [("fast[torch-attn]", {})]
             if ON_GPU:
@@ -495,8 +498,8 @@ def bench_engine(rec, quick):
                     rec.missing(case, "fast[repo-kernels]", "fast.flash_decoding or fast.paged_varlen_attention "
                                                             "not importable")
             for impl, plug in variants:
-                with fast_ge.Generator(fast_ge.ModelConfig(**cfg), device=dev, dtype=dtype, num_pages=pages,
-                                       max_batch_size=max(batch, 4), **plug) as g:
+                model = fast_lm.DecoderLM(fast_lm.ModelConfig(**cfg), device=dev, dtype=dtype)
+                with fast_ge.Generator(model, num_pages=pages, max_batch_size=max(batch, 4), **plug) as g:
                     rates[impl] = _tokens_per_s(g, fast_ge, batch, prompt_len, out_len, cfg["vocab_size"])
             for impl, rate in rates.items():
                 rec.add(case, impl, "tokens_per_s", rate, "tok/s")
@@ -527,13 +530,13 @@ def bench_sync(rec, quick):
     if quick:
         models = models[:1]
     for name, cfg in models:
-        config = fast_ge.ModelConfig(**cfg)
+        config = fast_lm.ModelConfig(**cfg)
         clock = _StepClock(config.num_layers)
         case = f"sync {name} b={batch}"
-        with fast_ge.Generator(config, device=dev, dtype=dtype, flash_decode=clock,
+        with fast_ge.Generator(fast_lm.DecoderLM(config, device=dev, dtype=dtype), flash_decode=clock,
                                num_pages=batch * (-(-(128 + out_len) // 16)) + 64) as gen:
             new = {k: v.clone()
-                   for k, v in fast_ge.DecoderLM(config, seed=1, device=dev, dtype=dtype).state_dict().items()}
+                   for k, v in fast_lm.DecoderLM(config, seed=1, device=dev, dtype=dtype).state_dict().items()}
             rec.add(case, "fast", "params", _n_params(gen.model) / 1e6, "M")
             gen.load_weights(new, 0)  # allocates the shadow weights (once per engine), outside the timing
             futures = [gen.submit(r) for r in _engine_requests(fast_ge, batch, 128, out_len, config.vocab_size)]
@@ -566,7 +569,8 @@ def bench_sync(rec, quick):
 def _fleet_engine():
     """What each actor (and each in-process engine) builds: the CPU model, one intra-op thread."""
     torch.set_num_threads(1)
-    return fast_ge.Generator(fast_ge.ModelConfig(**CPU_MODEL), seed=0, num_pages=512, max_batch_size=32)
+    return fast_ge.Generator(fast_lm.DecoderLM(fast_lm.ModelConfig(**CPU_MODEL), seed=0), num_pages=512,
+                             max_batch_size=32)
 
 
 def _fleet_batch(tag, n=32, prompt_len=64, out_len=32):
@@ -586,7 +590,7 @@ def bench_fleet(rec, quick):
     import ray
     ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, logging_level="ERROR",
              log_to_driver=False, _node_ip_address="127.0.0.1")
-    trained = fast_ge.DecoderLM(fast_ge.ModelConfig(**CPU_MODEL), seed=1)
+    trained = fast_lm.DecoderLM(fast_lm.ModelConfig(**CPU_MODEL), seed=1)
     weights = {k: v.clone() for k, v in trained.state_dict().items()}
     try:
         for n in ((1, 2) if quick else (1, 2, 4)):
@@ -681,9 +685,10 @@ def bench_invariant(rec, quick):
         rates = {}
         for impl, mode, plug in (("default[torch-attn]", False, {}), ("default", False, kernels),
                                  ("batch_invariant", True, kernels)):
-            with fast_ge.Generator(fast_ge.ModelConfig(**cfg), device=dev, dtype=dtype, max_batch_size=max(batch, 4),
-                                   num_pages=-(-(batch * (prompt_len + out_len)) // 16) + 16, batch_invariant=mode,
-                                   **plug) as g:
+            model = fast_lm.DecoderLM(fast_lm.ModelConfig(**cfg), device=dev, dtype=dtype, batch_invariant=mode,
+                                      varlen_attn=plug.get("varlen_attn"))
+            with fast_ge.Generator(model, max_batch_size=max(batch, 4), flash_decode=plug.get("flash_decode"),
+                                   num_pages=-(-(batch * (prompt_len + out_len)) // 16) + 16) as g:
                 rates[impl] = _tokens_per_s(g, fast_ge, batch, prompt_len, out_len, cfg["vocab_size"])
             rec.add(case, impl, "tokens_per_s", rates[impl], "tok/s")
         rec.add(case, "batch_invariant", "slowdown", rates["default"] / rates["batch_invariant"], "x")
@@ -694,7 +699,7 @@ def bench_invariant(rec, quick):
     times = {}
     for impl, mode, attn in (("default[sdpa]", False, None), ("default", False, kernels["varlen_attn"]),
                              ("batch_invariant", True, kernels["varlen_attn"])):
-        model = fast_ge.DecoderLM(fast_ge.ModelConfig(**cfg), device=dev, dtype=dtype, batch_invariant=mode,
+        model = fast_lm.DecoderLM(fast_lm.ModelConfig(**cfg), device=dev, dtype=dtype, batch_invariant=mode,
                                   varlen_attn=attn)
 
         def step():
@@ -716,7 +721,7 @@ def bench_invariant(rec, quick):
         x = torch.randn(m, k, device=dev, dtype=dtype)
         case = f"invariant linear {label} m={m} k={k} n={k}"
         base = _time_ms(lambda: torch.nn.functional.linear(x, w), 20)
-        inv = _time_ms(lambda: fast_ge._invariant_linear(x, w), 20)
+        inv = _time_ms(lambda: fast_lm._invariant_linear(x, w), 20)
         rec.add(case, "F.linear", "us_per_call", 1e3 * base, "us")
         rec.add(case, "batch_invariant", "us_per_call", 1e3 * inv, "us")
         rec.add(case, "batch_invariant", "slowdown", inv / base, "x")
@@ -752,14 +757,14 @@ def _served(results) -> int:
 def bench_grpo(rec, quick):
     """GRPO groups behind a shared system prompt: the fast engine with the prefix cache and groups against
     the same samples as n plain requests with the cache off (today's engine).  CPU, the 4-layer model."""
-    cfg = fast_ge.ModelConfig(**GRPO_CPU_MODEL)
+    cfg = fast_lm.ModelConfig(**GRPO_CPU_MODEL)
     shape = dict(prompts=8, n=4, system=128, lengths=(256, 512), outs=(16, 32)) if quick else \
         dict(prompts=32, n=8, system=128, lengths=(256, 1024), outs=(32, 128))
     case = f"grpo engine cpu {shape['prompts']}x{shape['n']} sys={shape['system']}"
     pages = shape["prompts"] * shape["n"] * -(-(shape["lengths"][1] + shape["outs"][1]) // 16) + 64
     for impl, groups, caching in (("cache+groups", True, True), ("no cache", False, False)):
         reqs = grpo_workload(fast_ge, vocab=cfg.vocab_size, groups=groups, **shape)
-        with _PhaseClock(cfg, num_pages=pages, max_batch_size=shape["prompts"] * shape["n"],
+        with _PhaseClock(fast_lm.DecoderLM(cfg), num_pages=pages, max_batch_size=shape["prompts"] * shape["n"],
                          prefix_caching=caching) as gen:
             t0 = time.perf_counter()
             done = gen.generate(reqs)
@@ -781,14 +786,14 @@ def bench_grpo_router(rec, quick):
     engines: prefix_affinity (a prompt's samples meet its pages on one engine) vs least_loaded.  Hit
     rate = prompt tokens skipped / prompt tokens requested, over both engines.  Completions of 8-16
     tokens (the hit rate depends on the prompts only)."""
-    cfg = fast_ge.ModelConfig(**GRPO_CPU_MODEL)
+    cfg = fast_lm.ModelConfig(**GRPO_CPU_MODEL)
     shape = dict(prompts=8, n=4, system=128, lengths=(256, 512), outs=(4, 8)) if quick else \
         dict(prompts=32, n=8, system=128, lengths=(256, 1024), outs=(8, 16))
     case = f"grpo router cpu 2 engines {shape['prompts']}x{shape['n']} sys={shape['system']}"
     pages = shape["prompts"] * shape["n"] * -(-(shape["lengths"][1] + shape["outs"][1]) // 16) + 64
     for policy in ("prefix_affinity", "least_loaded"):
-        gens = [fast_ge.Generator(cfg, name=f"e{i}", num_pages=pages, max_batch_size=shape["prompts"] * shape["n"])
-                for i in range(2)]
+        gens = [fast_ge.Generator(fast_lm.DecoderLM(cfg), name=f"e{i}", num_pages=pages,
+                                  max_batch_size=shape["prompts"] * shape["n"]) for i in range(2)]
         router = fast_rg.GeneratorRouter(gens, policy=policy, affinity_slack=64)
         try:
             t0 = time.perf_counter()
@@ -810,11 +815,11 @@ def bench_grpo_trainer(rec, quick):
     """The trainer's recompute of the GRPO samples (token_logprobs, forward + backward, the 4-layer model
     on the CPU, its in-file attention): each prompt once (share_prompts=True) or every sequence whole.
     One call per group of n sequences (their packed attention mask stays small)."""
-    cfg = fast_ge.ModelConfig(**GRPO_CPU_MODEL)
+    cfg = fast_lm.ModelConfig(**GRPO_CPU_MODEL)
     shape = dict(prompts=4, n=4, system=128, lengths=(256, 512), outs=(16, 32)) if quick else \
         dict(prompts=32, n=8, system=128, lengths=(256, 1024), outs=(32, 128))
     case = f"grpo trainer cpu {shape['prompts']}x{shape['n']} sys={shape['system']}"
-    model = fast_ge.DecoderLM(cfg, seed=0)
+    model = fast_lm.DecoderLM(cfg, seed=0)
     rng = random.Random(1)
     groups = []
     for r in grpo_workload(fast_rg, vocab=cfg.vocab_size, groups=True, **shape):
@@ -871,7 +876,7 @@ class _DecodeClock(fast_ge.Generator):
 def bench_chunked_prefill(rec, quick):
     """A prompt of 8x the per-iteration budget arrives while a request decodes: the largest gap between
     two of that request's decode steps, the prompt cut into page-aligned chunks or taken whole."""
-    cfg = fast_ge.ModelConfig(**dict(CPU_MODEL, max_seq_len=4608 if not quick else 1152))
+    cfg = fast_lm.ModelConfig(**dict(CPU_MODEL, max_seq_len=4608 if not quick else 1152))
     budget = 512 if not quick else 128
     rng = random.Random(3)
     case = f"chunked prefill cpu budget={budget} prompt={8 * budget}"
@@ -880,7 +885,7 @@ def bench_chunked_prefill(rec, quick):
                                   fast_ge.SamplingParams(max_new_tokens=400), request_id="running")
         long = fast_ge.Request([rng.randrange(cfg.vocab_size) for _ in range(8 * budget)],
                                fast_ge.SamplingParams(max_new_tokens=4), request_id="long")
-        with _DecodeClock(cfg, max_prefill_tokens=limit, num_pages=-(-9 * budget // 16) + 64) as gen:
+        with _DecodeClock(fast_lm.DecoderLM(cfg), max_prefill_tokens=limit, num_pages=-(-9 * budget // 16) + 64) as gen:
             first = gen.submit(running)
             while len(gen.steps) < 20:
                 time.sleep(0.001)

@@ -15,8 +15,9 @@ Checks (each reports the rows or requests that were bitwise out of those compare
               interpreter) gives a row the same bits in a call of 1, 7 or 45 rows;
   attention   varlen_attn's packed forward (the trainer's), paged prefill chunks cut at random points
               and decode steps through flash_decode / varlen_attn agree bit for bit, fp32 and fp16;
-  engine      Generator(batch_invariant=True) under preemption == the same requests alone ==
-              DecoderLM.token_logprobs, attention-only and hybrid (Gated DeltaNet) models.
+  engine      Generator(model) on a DecoderLM(batch_invariant=True) under preemption == the same
+              requests alone == DecoderLM.token_logprobs, attention-only and hybrid (Gated DeltaNet)
+              models.
 Prints one JSON line: {"corename", "aten", "checks": {name: {"bitwise", "total", "error"}}}.
 """
 from __future__ import annotations
@@ -52,11 +53,11 @@ def openblas_corename() -> str:
 
 
 def check_matmul() -> tuple[int, int]:
-    import fast.generator_engine as fast_ge
+    import fast.decoder_lm as fast_lm
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(45, 40, generator=gen), torch.randn(24, 40, generator=gen)
     good = total = 0
-    for fn in (fast_ge._invariant_linear, fast_ge._triton_invariant_matmul):
+    for fn in (fast_lm._invariant_linear, fast_lm._triton_invariant_matmul):
         full = fn(x, w)
         for lo, m in ((3, 1), (3, 7), (17, 7), (38, 7)):
             total += m
@@ -83,9 +84,7 @@ def check_attention(seed: int) -> tuple[int, int]:
 
 def check_engine(kind: str, *, requests: int, seed: int, page_size: int) -> tuple[int, int]:
     """Engine == trainer (and alone == busy) for every request; a run without a preemption fails."""
-    import fast.generator_engine as fast_ge
     import test_batch_invariant_engine as t
-    from fast.paged_varlen_attention import varlen_attn
     reqs = t.requests(seed=seed, n=requests)
     torch.set_num_threads(1)
     with t.generator(kind, True, page_size=page_size) as gen:
@@ -93,8 +92,7 @@ def check_engine(kind: str, *, requests: int, seed: int, page_size: int) -> tupl
         if gen.stats()["preemptions"] < 1:
             raise AssertionError(f"no preemption in the busy run: {gen.stats()}")
         alone = {i: gen.generate([reqs[i]])[0] for i in (0, requests - 1)}
-    trainer = fast_ge.DecoderLM(t.config(kind), seed=3, linear_layer=t.MODELS[kind]["linear_layer"],
-                                batch_invariant=True, varlen_attn=varlen_attn)
+    trainer = t.make_model(kind)
     trainer.load_state_dict(gen.model.state_dict())
     with torch.no_grad():
         recomputed = t.trainer_logprobs(trainer, reqs, busy)

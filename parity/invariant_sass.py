@@ -48,10 +48,10 @@ def sass_counts(case: dict, arch: int, cubins: list) -> dict:
 def main() -> None:
     varlen = A._import(ROOT / "fast" / "paged_varlen_attention.py", "sass_varlen")
     decoding = A._import(ROOT / "fast" / "flash_decoding.py", "sass_decoding")
-    engine = A._import(ROOT / "fast" / "generator_engine.py", "sass_engine")
+    model = A._import(ROOT / "fast" / "decoder_lm.py", "sass_decoder_lm")
     varlen_cases = A._import(PARITY / "aot_cases" / "paged_varlen_attention.py", "sass_varlen_cases")
     decoding_cases = A._import(PARITY / "aot_cases" / "flash_decoding.py", "sass_decoding_cases")
-    engine_cases = A._import(PARITY / "aot_cases" / "generator_engine.py", "sass_engine_cases")
+    model_cases = A._import(PARITY / "aot_cases" / "decoder_lm.py", "sass_decoder_lm_cases")
     A._resource_usage = lambda cubin, usage=A._resource_usage: _CUBINS.append(cubin) or usage(cubin)
     jobs = []
     for arch in (80, 90):
@@ -73,7 +73,7 @@ def main() -> None:
             group = f"attention sm_{arch} {A.POINTER_TYPES[dtype]} D={d}"
             jobs += [(group, label, case, arch) for label, case in launches.items()]
         for dtype in (torch.bfloat16, torch.float32):
-            launches = {f"M={rows}": engine_cases._matmul_case(engine, dtype, arch, rows, 512, 1536)
+            launches = {f"M={rows}": model_cases._matmul_case(model, dtype, arch, rows, 512, 1536)
                         for rows in (1, 37, 64)}
             group = f"invariant matmul sm_{arch} {A.POINTER_TYPES[dtype]}"
             jobs += [(group, label, case, arch) for label, case in launches.items()]

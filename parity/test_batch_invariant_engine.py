@@ -1,28 +1,32 @@
 """Bitwise on-policy: fast/generator_engine.py's batch-invariant mode.
 
-``Generator(..., batch_invariant=True)`` serves requests whose tokens and per-token logprobs do not
-depend on the rest of the batch, on when they joined, on how their prompt was packed, or on a
-preemption that recomputed them; ``DecoderLM(batch_invariant=True, varlen_attn=...).token_logprobs``
-(the trainer's one packed forward over prompt + completion) gives the same logprobs bit for bit
-(``torch.equal``).  Checked here for an attention-only model and a hybrid one (attention + Gated
-DeltaNet layers) under continuous batching with a KV pool small enough to preempt, in fp32 on the CPU
-with the repo's attention kernels under the Triton interpreter.  The negative control runs the same
-workload with the mode off and records how far apart the two sides are there (the README quotes it).
-The hybrid runs once with the reference recurrence and once with fast/gated_deltanet.py's recurrent
-kernel (batch- and split-invariant itself: parity/test_gated_deltanet.py).  The GPU tier runs the
-contract in bf16 with the Triton matmul, attention-only and hybrid with the fast recurrent kernel.
+``Generator(model)`` on a model in the mode (fast/decoder_lm.py's ``DecoderLM(batch_invariant=True,
+varlen_attn=...)``) serves requests whose tokens and per-token logprobs do not depend on the rest of
+the batch, on when they joined, on how their prompt was packed, or on a preemption that recomputed
+them; ``token_logprobs`` of a model in the mode (the trainer's one packed forward over prompt +
+completion) gives the same logprobs bit for bit (``torch.equal``).  Checked here for an
+attention-only model and a hybrid one (attention + Gated DeltaNet layers) under continuous batching
+with a KV pool small enough to preempt, in fp32 on the CPU with the repo's attention kernels under
+the Triton interpreter.  The negative control runs the same workload with the mode off and records
+how far apart the two sides are there (the README quotes it).  The hybrid runs once with the
+reference recurrence and once with fast/gated_deltanet.py's recurrent kernel (batch- and
+split-invariant itself: parity/test_gated_deltanet.py).  The GPU tier runs the contract in bf16 with
+the Triton matmul, attention-only and hybrid with the fast recurrent kernel.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 
 import pytest
 import torch
 
+import fast.decoder_lm as fast_lm
 import fast.gated_deltanet as fast_gdn
 import fast.generator_engine as fast_ge
 from conftest import DEVICE, requires_gpu
+import ref.decoder_lm as ref_lm
 import ref.gated_deltanet as ref_gdn
 import ref.generator_engine as ref_ge
 from fast.flash_decoding import flash_decode
@@ -35,16 +39,11 @@ N_REQUESTS = 32
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
-def gdn_layer(config, index, recurrent_fn=ref_gdn.fused_recurrent_gated_delta_rule):
-    """The hybrid's "linear" layers: ref/gated_deltanet.py's layer (the mode runs its recurrent form
-    everywhere, so the engine relies on the batch and split invariance of ``recurrent_fn``)."""
-    return ref_gdn.GatedDeltaNet(config.hidden_size, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8,
-                                 recurrent_fn=recurrent_fn)
-
-
-def fast_gdn_layer(config, index):
-    """The same layer with fast/gated_deltanet.py's recurrent kernel (Triton; the interpreter on a CPU)."""
-    return gdn_layer(config, index, recurrent_fn=fast_gdn.fused_recurrent_gated_delta_rule)
+# The hybrid's "linear" layers: ref/gated_deltanet.py's layer, sized by the config's linear_* fields (the mode
+# runs its recurrent form everywhere, so the engine relies on the batch and split invariance of recurrent_fn),
+# and the same layer with fast/gated_deltanet.py's recurrent kernel (Triton; the interpreter on a CPU).
+gdn_layer = functools.partial(ref_gdn.GatedDeltaNet, recurrent_fn=ref_gdn.fused_recurrent_gated_delta_rule)
+fast_gdn_layer = functools.partial(ref_gdn.GatedDeltaNet, recurrent_fn=fast_gdn.fused_recurrent_gated_delta_rule)
 
 
 MODELS = {
@@ -55,9 +54,17 @@ MODELS = {
 
 
 def config(kind):
-    return fast_ge.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
+    return fast_lm.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
                                num_kv_heads=1, head_dim=16, max_seq_len=48, tie_embeddings=False,
-                               layer_types=MODELS[kind]["layer_types"])
+                               layer_types=MODELS[kind]["layer_types"], linear_num_k_heads=2, linear_num_v_heads=4,
+                               linear_head_k_dim=8, linear_head_v_dim=8)
+
+
+def make_model(kind, invariant=True):
+    """The model (seed 3) with the repo's varlen_attn, in the batch-invariant mode or not: what an engine
+    serves and what the trainer recomputes with."""
+    return fast_lm.DecoderLM(config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"],
+                             batch_invariant=invariant, varlen_attn=varlen_attn)
 
 
 def requests(seed, n=N_REQUESTS):
@@ -74,10 +81,10 @@ def requests(seed, n=N_REQUESTS):
 
 
 def generator(kind, invariant, *, page_size=4):
-    """A busy engine: 8 slots and a pool of 56-57 KV slots (a request holds up to 28: preemptions)."""
-    plug = dict(varlen_attn=varlen_attn, flash_decode=flash_decode)
-    return fast_ge.Generator(config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"], page_size=page_size,
-                             num_pages=-(-56 // page_size), max_batch_size=8, batch_invariant=invariant, **plug)
+    """A busy engine: 8 slots and a pool of 56-57 KV slots (a request holds up to 28: preemptions); its
+    prefill attention is the model's varlen_attn, its decode flash_decode."""
+    return fast_ge.Generator(make_model(kind, invariant), page_size=page_size, num_pages=-(-56 // page_size),
+                             max_batch_size=8, flash_decode=flash_decode)
 
 
 def serve_busy(gen, reqs, seed):
@@ -125,8 +132,7 @@ def test_engine_logprobs_equal_the_trainers_bitwise(kind, page_size, n):
         for i in (0, 5, n - 1):
             alone = gen.generate([reqs[i]])[0]
             assert alone.token_ids == busy[i].token_ids and alone.logprobs == busy[i].logprobs, reqs[i].request_id
-    trainer = fast_ge.DecoderLM(config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"],
-                                batch_invariant=True, varlen_attn=varlen_attn)
+    trainer = make_model(kind)
     trainer.load_state_dict(gen.model.state_dict())
     with torch.no_grad():
         recomputed = trainer_logprobs(trainer, reqs, busy)
@@ -149,8 +155,7 @@ def test_negative_control_mode_off_mismatches(kind):
     with generator(kind, False) as gen:
         busy = serve_busy(gen, reqs, seed=12)
         assert gen.stats()["preemptions"] >= 1
-    trainer = fast_ge.DecoderLM(config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"],
-                                varlen_attn=varlen_attn)
+    trainer = make_model(kind, invariant=False)
     trainer.load_state_dict(gen.model.state_dict())
     with torch.no_grad():
         mismatch = largest_mismatch(busy, trainer_logprobs(trainer, reqs, busy))
@@ -164,7 +169,7 @@ def test_invariant_linear_rows_do_not_depend_on_the_row_count():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(45, 40, generator=gen)
     w = torch.randn(24, 40, generator=gen)
-    for fn in (fast_ge._invariant_linear, fast_ge._triton_invariant_matmul):
+    for fn in (fast_lm._invariant_linear, fast_lm._triton_invariant_matmul):
         full = fn(x, w)
         torch.testing.assert_close(full, x @ w.t(), rtol=1e-5, atol=1e-5)
         for m in (1, 7):
@@ -172,7 +177,7 @@ def test_invariant_linear_rows_do_not_depend_on_the_row_count():
     # A custom op with its fake and autograd (torch.compile traces it; gradients are x @ W^T's).
     torch.library.opcheck(torch.ops.twofold.invariant_linear, (x, w))
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-    fast_ge._invariant_linear(xg, wg).square().sum().backward()
+    fast_lm._invariant_linear(xg, wg).square().sum().backward()
     x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
     (x2 @ w2.t()).square().sum().backward()
     torch.testing.assert_close((xg.grad, wg.grad), (x2.grad, w2.grad), rtol=1e-5, atol=1e-4)
@@ -183,8 +188,8 @@ def test_gated_deltanet_layer_is_batch_and_split_invariant():
     alone, and a prefill of their first tokens followed by batched one-token decode steps give every
     token's output bit for bit alike."""
     torch.manual_seed(0)
-    layer = gdn_layer(config("hybrid"), 0)
-    layer.set_batch_invariant(fast_ge._invariant_linear)
+    layer = gdn_layer(**config("hybrid").linear_layer_sizes())
+    layer.set_batch_invariant(fast_lm._invariant_linear)
     lengths, prefix = [9, 4, 13], [3, 1, 5]
     docs = [torch.randn(1, n, 32) for n in lengths]
 
@@ -209,20 +214,20 @@ def test_gated_deltanet_layer_is_batch_and_split_invariant():
 
 
 def test_ref_token_logprobs_are_its_engines_logprobs():
-    """ref/generator_engine.py's token_logprobs (one packed forward) against the reference engine's
+    """ref/decoder_lm.py's token_logprobs (one packed forward) against the reference engine's
     logprobs, and fast's in the mode against ref's: the same numbers to fp32 rounding."""
     kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
               head_dim=8, max_seq_len=48, tie_embeddings=False)
     reqs = [ref_ge.Request(r.prompt_token_ids, ref_ge.SamplingParams(**vars(r.sampling)), request_id=r.request_id)
             for r in requests(seed=21, n=6)]
-    with ref_ge.Generator(ref_ge.ModelConfig(**kw), seed=3) as gen:
+    with ref_ge.Generator(ref_lm.DecoderLM(ref_lm.ModelConfig(**kw), seed=3)) as gen:
         done = gen.generate(reqs)
     seqs = [c.prompt_token_ids + c.token_ids for c in done]
     prompts = [len(c.prompt_token_ids) for c in done]
     temps = [r.sampling.temperature for r in reqs]
     with torch.no_grad():
-        ref_lps = ref_ge.DecoderLM(ref_ge.ModelConfig(**kw), seed=3).token_logprobs(seqs, prompts, temperature=temps)
-        fast_lps = fast_ge.DecoderLM(fast_ge.ModelConfig(**kw), seed=3, batch_invariant=True, varlen_attn=varlen_attn
+        ref_lps = ref_lm.DecoderLM(ref_lm.ModelConfig(**kw), seed=3).token_logprobs(seqs, prompts, temperature=temps)
+        fast_lps = fast_lm.DecoderLM(fast_lm.ModelConfig(**kw), seed=3, batch_invariant=True, varlen_attn=varlen_attn
                                      ).token_logprobs(seqs, prompts, temperature=temps)
     for c, r, f in zip(done, ref_lps, fast_lps):
         engine = torch.tensor(c.logprobs, dtype=torch.float32)
@@ -230,9 +235,9 @@ def test_ref_token_logprobs_are_its_engines_logprobs():
         torch.testing.assert_close(f, r, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rg", [ref_ge, fast_ge], ids=["ref", "fast"])
-def test_token_logprobs_bad_inputs_raise(rg):
-    model = rg.DecoderLM(rg.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
+@pytest.mark.parametrize("lm", [ref_lm, fast_lm], ids=["ref", "fast"])
+def test_token_logprobs_bad_inputs_raise(lm):
+    model = lm.DecoderLM(lm.ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1,
                                         num_heads=2, num_kv_heads=1, head_dim=8, max_seq_len=8))
     with pytest.raises(ValueError, match=r"prompt_lengths\[0\] must be in \[1, 3\)"):
         model.token_logprobs([[1, 2, 3]], [3])
@@ -252,30 +257,29 @@ def test_token_logprobs_bad_inputs_raise(rg):
 def test_bad_inputs_raise():
     c = config("attention")
     with pytest.raises(ValueError, match="batch_invariant=True needs varlen_attn"):
-        fast_ge.Generator(c, batch_invariant=True)
-    with pytest.raises(ValueError, match="batch_invariant=True needs flash_decode"):
-        fast_ge.Generator(c, batch_invariant=True, varlen_attn=varlen_attn)
-    with pytest.raises(ValueError, match="batch_invariant=True needs varlen_attn"):
-        fast_ge.DecoderLM(c, batch_invariant=True)
+        fast_lm.DecoderLM(c, batch_invariant=True)
+    with pytest.raises(ValueError, match="batch-invariant model needs varlen_attn .* and flash_decode"):
+        fast_ge.Generator(fast_lm.DecoderLM(c, batch_invariant=True, varlen_attn=varlen_attn))
     with pytest.raises(TypeError, match="batch_invariant must be a bool"):
-        fast_ge.Generator(c, batch_invariant=1, varlen_attn=varlen_attn)
+        fast_lm.DecoderLM(c, batch_invariant=1, varlen_attn=varlen_attn)
     with pytest.raises(TypeError, match="varlen_attn must be None or a function"):
-        fast_ge.DecoderLM(c, varlen_attn="flash")
+        fast_lm.DecoderLM(c, varlen_attn="flash")
+    with pytest.raises(TypeError, match="varlen_attn must be None or a function"):
+        fast_ge.Generator(fast_lm.DecoderLM(c), varlen_attn="flash")
 
     class NoMode(torch.nn.Module):                       # a linear-layer plug-in that cannot be made invariant
-        def __init__(self, config, index):
+        def __init__(self, **sizes):
             super().__init__()
 
     with pytest.raises(ValueError, match="set_batch_invariant"):
-        fast_ge.DecoderLM(config("hybrid"), linear_layer=NoMode, batch_invariant=True, varlen_attn=varlen_attn)
+        fast_lm.DecoderLM(config("hybrid"), linear_layer=NoMode, batch_invariant=True, varlen_attn=varlen_attn)
 
 
 # ----------------------------------------------------------------------------- GPU tier (bf16)
 
-def gpu_gdn_layer(config, index):
-    """A Qwen3.5-like Gated DeltaNet layer (head dims 128) on fast/gated_deltanet.py's recurrent kernel."""
-    return ref_gdn.GatedDeltaNet(config.hidden_size, num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128,
-                                 recurrent_fn=fast_gdn.fused_recurrent_gated_delta_rule)
+# A Qwen3.5-like Gated DeltaNet layer (head dims 128: the GPU config's linear_* fields) on fast/gated_deltanet.py's
+# recurrent kernel.
+gpu_gdn_layer = fast_gdn_layer
 
 
 @requires_gpu
@@ -285,22 +289,23 @@ def test_gpu_bf16_engine_logprobs_equal_the_trainers_bitwise(layer_types):
     """The same contract in bf16 on a GPU, where every matmul is the fixed-tile Triton kernel: a 0.1B
     model (attention-only, or hybrid with fast Gated DeltaNet layers), 64 requests through a pool that
     preempts, flash_decode(batch_invariant=True)."""
-    cfg = fast_ge.ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8,
+    cfg = fast_lm.ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8,
                               num_kv_heads=2, head_dim=64, max_seq_len=512, tie_embeddings=False,
-                              layer_types=layer_types)
+                              layer_types=layer_types, linear_num_k_heads=4, linear_num_v_heads=8,
+                              linear_head_k_dim=128, linear_head_v_dim=128)
     linear_layer = gpu_gdn_layer if layer_types else None
     rng = random.Random(5)
     reqs = [fast_ge.Request([rng.randrange(4096) for _ in range(rng.randint(1, 300))],
                             fast_ge.SamplingParams(max_new_tokens=rng.randint(1, 64), temperature=(0.0, 1.0)[i % 2],
                                                    seed=i), request_id=f"g{i}") for i in range(64)]
     kw = dict(device=DEVICE, dtype=torch.bfloat16, linear_layer=linear_layer)
-    with fast_ge.Generator(cfg, seed=0, page_size=16, num_pages=160, max_batch_size=32, batch_invariant=True,
-                           varlen_attn=varlen_attn, flash_decode=flash_decode, **kw) as gen:
+    model = fast_lm.DecoderLM(cfg, seed=0, batch_invariant=True, varlen_attn=varlen_attn, **kw)
+    with fast_ge.Generator(model, page_size=16, num_pages=160, max_batch_size=32, flash_decode=flash_decode) as gen:
         busy = serve_busy(gen, reqs, seed=6)
         assert gen.stats()["preemptions"] >= 1
         alone = gen.generate([reqs[7]])[0]
     assert alone.token_ids == busy[7].token_ids and alone.logprobs == busy[7].logprobs
-    trainer = fast_ge.DecoderLM(cfg, seed=0, batch_invariant=True, varlen_attn=varlen_attn, **kw)
+    trainer = fast_lm.DecoderLM(cfg, seed=0, batch_invariant=True, varlen_attn=varlen_attn, **kw)
     with torch.no_grad():
         recomputed = trainer_logprobs(trainer, reqs, busy)
     for c in busy:
@@ -336,11 +341,10 @@ def test_bitwise_with_groups_prefix_cache_and_chunks(kind):
     trainer's token_logprobs."""
     reqs = grpo_requests(seed=21)
     runs, stats = {}, {}
-    kw = dict(seed=3, linear_layer=MODELS[kind]["linear_layer"], page_size=3, max_batch_size=8,
-              batch_invariant=True, varlen_attn=varlen_attn, flash_decode=flash_decode)
-    with fast_ge.Generator(config(kind), prefix_caching=False, **kw) as gen:
+    kw = dict(page_size=3, max_batch_size=8, flash_decode=flash_decode)
+    with fast_ge.Generator(make_model(kind), prefix_caching=False, **kw) as gen:
         runs["cache off"] = by_sample(gen.generate(reqs))
-    with fast_ge.Generator(config(kind), num_pages=12, max_prefill_tokens=5, **kw) as gen:
+    with fast_ge.Generator(make_model(kind), num_pages=12, max_prefill_tokens=5, **kw) as gen:
         runs["cold, chunks of 5, preempting"] = by_sample(gen.generate(reqs))
         stats["cold"] = gen.stats()
         runs["warm"] = by_sample(gen.generate(reqs))
@@ -359,8 +363,7 @@ def test_bitwise_with_groups_prefix_cache_and_chunks(kind):
     for name, run in runs.items():
         assert run == base, f"{name}: {[k for k in base if run.get(k) != base[k]]}"
     assert all(alone[k] == base[k] for k in alone), [k for k in alone if alone[k] != base[k]]
-    trainer = fast_ge.DecoderLM(config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"],
-                                batch_invariant=True, varlen_attn=varlen_attn)
+    trainer = make_model(kind)
     with torch.no_grad():
         keys = list(base)
         prompts = {r.request_id: r for r in reqs}

@@ -22,6 +22,7 @@ What is compared, and how exactly
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -29,8 +30,10 @@ import pytest
 import torch
 from torch import nn
 
+import fast.decoder_lm as fast_lm
 import fast.generator_engine as fast_ge
 import fast.routed_generator as fast_rg
+import ref.decoder_lm as ref_lm
 import ref.generator_engine as ref_ge
 from conftest import DEVICE, requires_gpu
 from fleet_sim import wait_until
@@ -39,6 +42,7 @@ TIMEOUT = 60.0
 LP_RTOL = 32 * torch.finfo(torch.float32).eps
 TIE = 1e-4
 IMPLS = [pytest.param(ref_ge, id="ref"), pytest.param(fast_ge, id="fast")]
+LM = {ref_ge: ref_lm, fast_ge: fast_lm}   # each engine with the model file of its side
 
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -48,7 +52,14 @@ def small_config(rg, **kw):
     base = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                 head_dim=8, max_seq_len=64, tie_embeddings=False)
     base.update(kw)
-    return rg.ModelConfig(**base)
+    return LM[rg].ModelConfig(**base)
+
+
+def engine(rg, config, *, seed=0, linear_layer=None, device=None, dtype=None, **kw):
+    """rg's Generator serving its own DecoderLM (the same side's decoder_lm.py) with seeded random
+    weights; ``kw`` are the engine's knobs."""
+    return rg.Generator(LM[rg].DecoderLM(config, seed=seed, linear_layer=linear_layer, device=device, dtype=dtype),
+                        **kw)
 
 
 def make_requests(rg, seed, n=12, vocab=96, max_prompt=30, max_new=24, sampled=True, stops=True):
@@ -69,7 +80,7 @@ def make_requests(rg, seed, n=12, vocab=96, max_prompt=30, max_new=24, sampled=T
 def greedy_margin(model, ids) -> float:
     """top-1 minus top-2 logit of the next token after ``ids`` (teacher-forced reference model)."""
     with torch.no_grad():
-        logits = model(torch.tensor([ids], device=model.embed_tokens.weight.device))[0, -1].double()
+        logits = model(torch.tensor([ids], device=model.lm_head.weight.device))[0, -1].double()
     top = torch.topk(logits, 2).values
     return float(top[0] - top[1])
 
@@ -111,9 +122,9 @@ class ToyLinear(nn.Module):
     two-tap "conv" state; each document starts from zero, or from its row of a filled cache (a
     resumed prefill); prefill and one-token decode agree."""
 
-    def __init__(self, config, index):
+    def __init__(self, *, hidden_size, **sizes):  # the plug-in keywords; a toy needs only the width
         super().__init__()
-        d = config.hidden_size
+        d = hidden_size
         self.w_in = nn.Linear(d, d, bias=False)
         self.w_out = nn.Linear(d, d, bias=False)
         self.decay = nn.Parameter(torch.rand(d) * 0.5 + 0.4)
@@ -162,25 +173,30 @@ class ToyLinear(nn.Module):
 
 @pytest.mark.parametrize("rg", IMPLS)
 def test_config_and_model(rg):
+    lm = LM[rg]
     with pytest.raises(ValueError, match="num_heads"):
-        rg.ModelConfig(num_heads=6, num_kv_heads=4)
+        lm.ModelConfig(num_heads=6, num_kv_heads=4)
     with pytest.raises(ValueError, match="head_dim"):
-        rg.ModelConfig(head_dim=15)
+        lm.ModelConfig(head_dim=15)
     with pytest.raises(ValueError, match="layer_types"):
-        rg.ModelConfig(num_layers=2, layer_types=("attention",))
+        lm.ModelConfig(num_layers=2, layer_types=("attention",))
     with pytest.raises(ValueError, match="linear_layer"):
-        rg.DecoderLM(rg.ModelConfig(layer_types=("attention", "linear")))
+        lm.DecoderLM(lm.ModelConfig(layer_types=("attention", "linear")))
     with pytest.raises(ValueError, match="max_new_tokens"):
         rg.SamplingParams(max_new_tokens=0)
+    with pytest.raises(TypeError, match="model must be an nn.Module"):  # the engine serves a model, not a config
+        rg.Generator(small_config(rg))
     cfg = small_config(rg)
-    a, b = rg.DecoderLM(cfg, seed=3), rg.DecoderLM(cfg, seed=3)
-    other = ref_ge.DecoderLM(small_config(ref_ge), seed=3)
+    a, b = lm.DecoderLM(cfg, seed=3), lm.DecoderLM(cfg, seed=3)
+    other = ref_lm.DecoderLM(small_config(ref_ge), seed=3)
+    assert list(a.state_dict()) == list(other.state_dict())  # the checkpoint's names in both files
     for (n, x), (_, y), (_, z) in zip(a.state_dict().items(), b.state_dict().items(), other.state_dict().items()):
         assert torch.equal(x, y) and torch.equal(x, z), n  # same seed, same weights, in both files
-    other_seed = rg.DecoderLM(cfg, seed=4).state_dict()["embed_tokens.weight"]
-    assert not torch.equal(a.state_dict()["embed_tokens.weight"], other_seed)
-    tied = rg.DecoderLM(small_config(rg, tie_embeddings=True))
-    assert "lm_head.weight" not in tied.state_dict()
+    other_seed = lm.DecoderLM(cfg, seed=4).state_dict()["model.embed_tokens.weight"]
+    assert not torch.equal(a.state_dict()["model.embed_tokens.weight"], other_seed)
+    assert a.state_dict()["lm_head.weight"].data_ptr() != a.state_dict()["model.embed_tokens.weight"].data_ptr()
+    tied = lm.DecoderLM(small_config(rg, tie_embeddings=True)).state_dict()
+    assert tied["lm_head.weight"].data_ptr() == tied["model.embed_tokens.weight"].data_ptr()  # one tensor, two names
     # Training forward: causal (a later token does not change earlier logits), per document with cu_seqlens.
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
     logits = a(ids)
@@ -199,7 +215,7 @@ def test_logprobs_are_the_model_distribution(rg):
     cfg = small_config(rg)
     reqs = [rg.Request([5, 9, 2, 40], rg.SamplingParams(max_new_tokens=10)),
             rg.Request([5, 9, 2, 40], rg.SamplingParams(max_new_tokens=10, temperature=0.7, top_k=5, seed=1))]
-    gen = rg.Generator(cfg, seed=2)
+    gen = engine(rg, cfg, seed=2)
     model = gen.model
     outs = run(gen, reqs)
     for r, c, t in zip(reqs, outs, (1.0, 0.7)):
@@ -220,13 +236,13 @@ def test_fast_equals_ref_continuous_batching(page_size, num_pages, tied):
     the paged, continuously batched engine equal the reference, request by request."""
     reqs_ref = make_requests(ref_ge, seed=page_size)
     reqs_fast = make_requests(fast_ge, seed=page_size)
-    expect = run(ref_ge.Generator(small_config(ref_ge, tie_embeddings=tied), seed=1), reqs_ref)
-    gen = fast_ge.Generator(small_config(fast_ge, tie_embeddings=tied), seed=1, page_size=page_size,
-                            num_pages=num_pages, max_batch_size=8, max_prefill_tokens=48)
+    expect = run(engine(ref_ge, small_config(ref_ge, tie_embeddings=tied), seed=1), reqs_ref)
+    gen = engine(fast_ge, small_config(fast_ge, tie_embeddings=tied), seed=1, page_size=page_size,
+                 num_pages=num_pages, max_batch_size=8, max_prefill_tokens=48)
     with gen:
         got = gen.generate(reqs_fast)
         stats = gen.stats()
-    worst = max(assert_same(e, g, ref_ge.DecoderLM(small_config(ref_ge, tie_embeddings=tied), seed=1))
+    worst = max(assert_same(e, g, ref_lm.DecoderLM(small_config(ref_ge, tie_embeddings=tied), seed=1))
                 for e, g in zip(expect, got))
     print(f"max |logprob fast - ref| = {worst:.2e}; stats {stats}")
     assert {c.finish_reason for c in expect} == {"stop", "length"}
@@ -239,9 +255,9 @@ def test_same_request_alone_or_in_a_busy_batch():
     probes = [fast_ge.Request([3, 1, 4, 1, 5], fast_ge.SamplingParams(max_new_tokens=20, temperature=t, top_p=p,
                                                                        top_k=k, seed=77), request_id=f"probe{i}")
               for i, (t, p, k) in enumerate([(0.0, 1.0, 0), (1.0, 1.0, 0), (0.9, 0.8, 10)])]
-    alone = [run(fast_ge.Generator(cfg, seed=5), [p])[0] for p in probes]
+    alone = [run(engine(fast_ge, cfg, seed=5), [p])[0] for p in probes]
     crowd = make_requests(fast_ge, seed=9, n=14)
-    gen = fast_ge.Generator(cfg, seed=5, page_size=4, num_pages=80)
+    gen = engine(fast_ge, cfg, seed=5, page_size=4, num_pages=80)
     with gen:
         futures = [gen.submit(r) for r in crowd[:7]] + [gen.submit(p) for p in probes] + \
                   [gen.submit(r) for r in crowd[7:]]
@@ -251,7 +267,7 @@ def test_same_request_alone_or_in_a_busy_batch():
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= LP_RTOL * 10
     assert alone[1].token_ids != alone[0].token_ids  # sampling really sampled
     # Another seed, another draw; no seed: still valid tokens.
-    other = run(fast_ge.Generator(cfg, seed=5), [fast_ge.Request([3, 1, 4, 1, 5], fast_ge.SamplingParams(
+    other = run(engine(fast_ge, cfg, seed=5), [fast_ge.Request([3, 1, 4, 1, 5], fast_ge.SamplingParams(
         max_new_tokens=20, temperature=1.0, seed=78))])[0]
     assert other.token_ids != alone[1].token_ids
 
@@ -259,7 +275,7 @@ def test_same_request_alone_or_in_a_busy_batch():
 @pytest.mark.parametrize("rg", IMPLS)
 def test_stops_and_context_limit(rg):
     cfg = small_config(rg, max_seq_len=16)
-    gen = rg.Generator(cfg, seed=0)
+    gen = engine(rg, cfg, seed=0)
     with gen:
         free = gen.generate([rg.Request([1, 2, 3], rg.SamplingParams(max_new_tokens=8))])[0]
         stop_at = free.token_ids[3]
@@ -279,10 +295,10 @@ def test_linear_layer_plugin_fast_equals_ref():
     kinds = ("attention", "linear", "attention")
     reqs_ref = make_requests(ref_ge, seed=21, n=10)
     reqs_fast = make_requests(fast_ge, seed=21, n=10)
-    expect = run(ref_ge.Generator(small_config(ref_ge, num_layers=3, layer_types=kinds), seed=2,
-                                  linear_layer=ToyLinear), reqs_ref)
-    gen = fast_ge.Generator(small_config(fast_ge, num_layers=3, layer_types=kinds), seed=2, linear_layer=ToyLinear,
-                            page_size=4, num_pages=16, max_batch_size=5)
+    expect = run(engine(ref_ge, small_config(ref_ge, num_layers=3, layer_types=kinds), seed=2,
+                        linear_layer=ToyLinear), reqs_ref)
+    gen = engine(fast_ge, small_config(fast_ge, num_layers=3, layer_types=kinds), seed=2, linear_layer=ToyLinear,
+                 page_size=4, num_pages=16, max_batch_size=5)
     with gen:
         got = gen.generate(reqs_fast)
         stats = gen.stats()
@@ -297,8 +313,8 @@ def test_pool_pressure_queues_and_preempts_without_corruption():
     (freed, recomputed later), every page comes back, and outputs equal the reference."""
     reqs_ref = make_requests(ref_ge, seed=4, n=14, max_prompt=20, max_new=30)
     reqs_fast = make_requests(fast_ge, seed=4, n=14, max_prompt=20, max_new=30)
-    expect = run(ref_ge.Generator(small_config(ref_ge), seed=3), reqs_ref)
-    gen = fast_ge.Generator(small_config(fast_ge), seed=3, page_size=2, num_pages=26, max_batch_size=6)
+    expect = run(engine(ref_ge, small_config(ref_ge), seed=3), reqs_ref)
+    gen = engine(fast_ge, small_config(fast_ge), seed=3, page_size=2, num_pages=26, max_batch_size=6)
     peak = []
     with gen:
         futures = [gen.submit(r) for r in reqs_fast]
@@ -318,7 +334,7 @@ def test_pool_pressure_queues_and_preempts_without_corruption():
 def test_a_finished_request_frees_its_pages_while_others_run():
     """Pool of 16 pages of 4: a long request (up to 12 pages) and a short one (4 pages) fill it; a
     third (4 pages) can only start on the short one's pages, and finishes long before the long one."""
-    gen = fast_ge.Generator(small_config(fast_ge), seed=0, page_size=4, num_pages=16)
+    gen = engine(fast_ge, small_config(fast_ge), seed=0, page_size=4, num_pages=16)
     sp = fast_ge.SamplingParams
     with gen:
         long = gen.submit(fast_ge.Request(list(range(8)), sp(max_new_tokens=40)))
@@ -335,7 +351,7 @@ def test_a_finished_request_frees_its_pages_while_others_run():
 @pytest.mark.parametrize("rg", IMPLS)
 def test_bad_requests(rg):
     cfg = small_config(rg, max_seq_len=20)
-    gen = rg.Generator(cfg)
+    gen = engine(rg, cfg)
     with gen:
         with pytest.raises(ValueError, match="prompt_token_ids"):
             rg.Request([])
@@ -353,32 +369,33 @@ def test_bad_requests(rg):
     with pytest.raises(RuntimeError, match="closed"):
         gen.submit(rg.Request([1]))
     if rg is fast_ge:
-        tiny = fast_ge.Generator(cfg, page_size=2, num_pages=3)
+        tiny = engine(fast_ge, cfg, page_size=2, num_pages=3)
         with tiny:
             with pytest.raises(ValueError, match="never fit"):
                 tiny.submit(fast_ge.Request([1, 2, 3, 4, 5], fast_ge.SamplingParams(max_new_tokens=4)))
             assert tiny.generate([fast_ge.Request([1, 2], fast_ge.SamplingParams(max_new_tokens=5))])[0]
         with pytest.raises(ValueError, match="page_size"):
-            fast_ge.Generator(cfg, page_size=0)
+            engine(fast_ge, cfg, page_size=0)
 
 
 @pytest.mark.parametrize("rg", IMPLS)
 def test_bad_state_dict_is_rejected_whole(rg):
     cfg = small_config(rg)
-    gen = rg.Generator(cfg, seed=0)
+    gen = engine(rg, cfg, seed=0)
     probe = rg.Request([4, 4, 2], rg.SamplingParams(max_new_tokens=6), request_id="p")
-    good = rg.DecoderLM(cfg, seed=1).state_dict()
+    good = LM[rg].DecoderLM(cfg, seed=1).state_dict()
     with gen:
         before = gen.generate([probe])[0]
-        missing = {k: v for k, v in good.items() if k != "norm.weight"}
-        misshaped = dict(good, **{"layers.0.mlp.up_proj.weight": torch.zeros(3, 3)})
+        missing = {k: v for k, v in good.items() if k != "model.norm.weight"}
+        misshaped = dict(good, **{"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 3)})
         partial = {k: v * 0 for k, v in list(good.items())[:3]}  # right shapes, far from whole
+        unprefixed = {k.removeprefix("model."): v for k, v in good.items()}  # names without the checkpoint's prefix
         for bad, match in ((missing, "missing"), (misshaped, "mis-shaped"), (partial, "missing"),
-                           (dict(good, extra=torch.zeros(1)), "unexpected")):
+                           (dict(good, extra=torch.zeros(1)), "unexpected"), (unprefixed, "unexpected")):
             with pytest.raises(ValueError, match=match):
                 gen.load_weights(bad, 1)
         with pytest.raises(TypeError, match="state_dict"):
-            gen.load_weights(dict(good, **{"norm.weight": [1.0]}), 1)
+            gen.load_weights(dict(good, **{"model.norm.weight": [1.0]}), 1)
         with pytest.raises(TypeError, match="state_dict"):
             gen.load_weights([1, 2], 1)
         with pytest.raises(TypeError, match="version"):
@@ -390,7 +407,7 @@ def test_bad_state_dict_is_rejected_whole(rg):
             gen.load_weights(good, 2)
         after = gen.generate([probe])[0]
     assert gen.policy_version == 3 and (after.min_policy_version, after.max_policy_version) == (3, 3)
-    assert after.token_ids == run(rg.Generator(cfg, seed=1), [probe])[0].token_ids
+    assert after.token_ids == run(engine(rg, cfg, seed=1), [probe])[0].token_ids
 
 
 # ----------------------------------------------------------------------------- weight sync
@@ -430,8 +447,8 @@ def test_hot_swap_mid_generation_continues_with_the_new_weights():
     cfg = small_config(fast_ge)
     switch_after = 5  # decode steps 1..5 run on version 0; the swap lands before step 6
     gate = GatedDecode(stop_at_call=(switch_after - 1) * cfg.num_layers)
-    gen = fast_ge.Generator(cfg, seed=0, flash_decode=gate)
-    new = fast_ge.DecoderLM(cfg, seed=1).state_dict()
+    gen = engine(fast_ge, cfg, seed=0, flash_decode=gate)
+    new = fast_lm.DecoderLM(cfg, seed=1).state_dict()
     prompt = [9, 8, 7, 6, 5]
     with gen:
         fut = gen.submit(fast_ge.Request(prompt, fast_ge.SamplingParams(max_new_tokens=14)))
@@ -445,21 +462,21 @@ def test_hot_swap_mid_generation_continues_with_the_new_weights():
         loader.join(TIMEOUT)
     assert (got.min_policy_version, got.max_policy_version) == (0, 1)
     ref_cfg = small_config(ref_ge)
-    tokens, logprobs = _switch_run(ref_ge.DecoderLM(ref_cfg, seed=0), ref_ge.DecoderLM(ref_cfg, seed=1), prompt, 14,
+    tokens, logprobs = _switch_run(ref_lm.DecoderLM(ref_cfg, seed=0), ref_lm.DecoderLM(ref_cfg, seed=1), prompt, 14,
                                    switch_after)
     assert got.token_ids == tokens
     torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(logprobs), rtol=0, atol=1e-5)
-    only_old, _ = _switch_run(ref_ge.DecoderLM(ref_cfg, seed=0), ref_ge.DecoderLM(ref_cfg, seed=0), prompt, 14, 99)
+    only_old, _ = _switch_run(ref_lm.DecoderLM(ref_cfg, seed=0), ref_lm.DecoderLM(ref_cfg, seed=0), prompt, 14, 99)
     assert tokens[:switch_after + 1] == only_old[:switch_after + 1] and tokens != only_old
 
 
 def test_ref_loads_between_requests():
     cfg = small_config(ref_ge)
-    gen = ref_ge.Generator(cfg, seed=0)
+    gen = engine(ref_ge, cfg, seed=0)
     with gen:
         long = [gen.submit(ref_ge.Request([1, 2, 3], ref_ge.SamplingParams(max_new_tokens=40))) for _ in range(3)]
         wait_until(lambda: gen.stats()["running"] == 1, what="the first request to start")
-        gen.load_weights(ref_ge.DecoderLM(cfg, seed=1).state_dict(), 1)  # returns once loaded (between requests)
+        gen.load_weights(ref_lm.DecoderLM(cfg, seed=1).state_dict(), 1)  # returns once loaded (between requests)
         after = gen.submit(ref_ge.Request([1, 2, 3], ref_ge.SamplingParams(max_new_tokens=4))).result(TIMEOUT)
         done = [f.result(TIMEOUT) for f in long]
     assert done[0].max_policy_version == 0  # the request in progress finished on the old weights
@@ -470,11 +487,11 @@ def test_ref_loads_between_requests():
 @pytest.mark.parametrize("mode", ["drain", "hot_swap"])
 def test_router_over_real_engines(mode):
     cfg = small_config(fast_ge)
-    gens = [fast_ge.Generator(cfg, seed=0, name=f"g{i}", page_size=4, num_pages=64) for i in range(2)]
+    gens = [engine(fast_ge, cfg, seed=0, name=f"g{i}", page_size=4, num_pages=64) for i in range(2)]
     router = fast_rg.GeneratorRouter(gens, policy="least_loaded")
     try:
         first = [router.submit(r) for r in make_requests(fast_rg, seed=30, n=10)]  # the router's own Request type
-        router.sync_weights(fast_ge.DecoderLM(cfg, seed=1).state_dict(), 1, mode=mode)
+        router.sync_weights(fast_lm.DecoderLM(cfg, seed=1).state_dict(), 1, mode=mode)
         probe = fast_rg.Request([2, 7, 1], fast_rg.SamplingParams(max_new_tokens=8), request_id="probe")
         later = router.generate([probe])[0]
         done = [f.result(TIMEOUT) for f in first]
@@ -487,13 +504,13 @@ def test_router_over_real_engines(mode):
         if mode == "drain":
             assert c.min_policy_version == c.max_policy_version
     assert (later.min_policy_version, later.max_policy_version) == (1, 1)
-    assert later.token_ids == run(fast_ge.Generator(cfg, seed=1), [probe])[0].token_ids
+    assert later.token_ids == run(engine(fast_ge, cfg, seed=1), [probe])[0].token_ids
 
 
 @pytest.mark.parametrize("rg", IMPLS)
 def test_callbacks_may_submit_and_close_fails_the_rest(rg):
     """Futures settle outside the engine's lock: a done-callback submitting again does not deadlock."""
-    gen = rg.Generator(small_config(rg))
+    gen = engine(rg, small_config(rg))
     chained = []
     done = threading.Event()
 
@@ -525,13 +542,13 @@ def test_fast_engine_with_the_repos_attention_kernels(kernels):
         plug["flash_decode"] = flash_decode
     reqs_ref = make_requests(ref_ge, seed=40, n=5, max_prompt=12, max_new=6)
     reqs_fast = make_requests(fast_ge, seed=40, n=5, max_prompt=12, max_new=6)
-    expect = run(ref_ge.Generator(small_config(ref_ge), seed=6), reqs_ref)
-    gen = fast_ge.Generator(small_config(fast_ge), seed=6, page_size=3, num_pages=40, max_batch_size=4, **plug)
+    expect = run(engine(ref_ge, small_config(ref_ge), seed=6), reqs_ref)
+    gen = engine(fast_ge, small_config(fast_ge), seed=6, page_size=3, num_pages=40, max_batch_size=4, **plug)
     with gen:
         got = gen.generate(reqs_fast)
         stats = gen.stats()
     for e, g in zip(expect, got):
-        assert_same(e, g, ref_ge.DecoderLM(small_config(ref_ge), seed=6))
+        assert_same(e, g, ref_lm.DecoderLM(small_config(ref_ge), seed=6))
     assert stats["free_pages"] == 40 and stats["steps"] > 2
 
 
@@ -543,23 +560,19 @@ def test_hybrid_gated_deltanet_fast_engine_equals_ref_engine():
     import fast.gated_deltanet as fast_gdn
     import ref.gated_deltanet as ref_gdn
 
-    class GDN(ref_gdn.GatedDeltaNet):
-        def new_cache(self):
-            return ref_gdn.GatedDeltaNetCache()
-
     def layer(chunk, recurrent):
-        return lambda config, index: GDN(config.hidden_size, num_k_heads=2, num_v_heads=4, head_k_dim=16,
-                                         head_v_dim=16, chunk_fn=chunk, recurrent_fn=recurrent)
+        return functools.partial(ref_gdn.GatedDeltaNet, chunk_fn=chunk, recurrent_fn=recurrent)
 
-    kinds = ("linear", "attention")
+    sizes = dict(layer_types=("linear", "attention"), linear_num_k_heads=2, linear_num_v_heads=4, linear_head_k_dim=16,
+                 linear_head_v_dim=16)
     reqs_ref = make_requests(ref_ge, seed=70, n=4, max_prompt=10, max_new=5, sampled=False, stops=False)
     reqs_fast = make_requests(fast_ge, seed=70, n=4, max_prompt=10, max_new=5, sampled=False, stops=False)
-    expect = run(ref_ge.Generator(small_config(ref_ge, layer_types=kinds), seed=7,
-                                  linear_layer=layer(ref_gdn.chunk_gated_delta_rule,
-                                                     ref_gdn.fused_recurrent_gated_delta_rule)), reqs_ref)
-    got = run(fast_ge.Generator(small_config(fast_ge, layer_types=kinds), seed=7, page_size=4, num_pages=24,
-                                linear_layer=layer(fast_gdn.chunk_gated_delta_rule,
-                                                   fast_gdn.fused_recurrent_gated_delta_rule)), reqs_fast)
+    expect = run(engine(ref_ge, small_config(ref_ge, **sizes), seed=7,
+                        linear_layer=layer(ref_gdn.chunk_gated_delta_rule,
+                                           ref_gdn.fused_recurrent_gated_delta_rule)), reqs_ref)
+    got = run(engine(fast_ge, small_config(fast_ge, **sizes), seed=7, page_size=4, num_pages=24,
+                     linear_layer=layer(fast_gdn.chunk_gated_delta_rule,
+                                        fast_gdn.fused_recurrent_gated_delta_rule)), reqs_fast)
     for e, g in zip(expect, got):
         assert_same(e, g)
 
@@ -567,7 +580,7 @@ def test_hybrid_gated_deltanet_fast_engine_equals_ref_engine():
 # ----------------------------------------------------------------------------- GPU tier
 
 def _gpu_config(rg):
-    return rg.ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8,
+    return LM[rg].ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8,
                           num_kv_heads=2, head_dim=64, max_seq_len=1024, tie_embeddings=False)
 
 
@@ -590,9 +603,9 @@ def test_gpu_bf16_fast_matches_ref(kernels):
     reqs_ref = make_requests(ref_ge, seed=60, n=16, vocab=4096, max_prompt=300, max_new=64, sampled=False, stops=False)
     reqs_fast = make_requests(fast_ge, seed=60, n=16, vocab=4096, max_prompt=300, max_new=64, sampled=False,
                               stops=False)
-    lowp = run(ref_ge.Generator(_gpu_config(ref_ge), seed=0, device=DEVICE, dtype=torch.bfloat16), reqs_ref)
-    got = run(fast_ge.Generator(_gpu_config(fast_ge), seed=0, device=DEVICE, dtype=torch.bfloat16, **plug), reqs_fast)
-    hi_model = ref_ge.DecoderLM(_gpu_config(ref_ge), seed=0, device=DEVICE, dtype=torch.bfloat16).float().eval()
+    lowp = run(engine(ref_ge, _gpu_config(ref_ge), seed=0, device=DEVICE, dtype=torch.bfloat16), reqs_ref)
+    got = run(engine(fast_ge, _gpu_config(fast_ge), seed=0, device=DEVICE, dtype=torch.bfloat16, **plug), reqs_fast)
+    hi_model = ref_lm.DecoderLM(_gpu_config(ref_ge), seed=0, device=DEVICE, dtype=torch.bfloat16).float().eval()
     err_fast = err_lowp = scale = 0.0
     for e, g in zip(lowp, got):
         n = 0

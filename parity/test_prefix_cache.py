@@ -24,11 +24,12 @@ import random
 import pytest
 import torch
 
+import fast.decoder_lm as fast_lm
 import fast.generator_engine as fast_ge
 import ref.gated_deltanet as ref_gdn
 import ref.generator_engine as ref_ge
 from fast.paged_varlen_attention import varlen_attn as fast_varlen_attn
-from test_generator_engine import ToyLinear, assert_same, small_config
+from test_generator_engine import LM, ToyLinear, assert_same, engine, small_config
 
 TIMEOUT = 120.0
 IMPLS = [pytest.param(ref_ge, id="ref"), pytest.param(fast_ge, id="fast")]
@@ -39,12 +40,13 @@ STATS = ("prompt_tokens", "computed_prompt_tokens", "prefix_hit_tokens", "evicti
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
+# The Gated DeltaNet layers' sizes (a linear_layer is built from the config's linear_* fields).
+GDN_SIZES = dict(linear_num_k_heads=2, linear_num_v_heads=4, linear_head_k_dim=8, linear_head_v_dim=8)
+gdn_layer = ref_gdn.GatedDeltaNet
+
+
 def hybrid_config(rg, **kw):
-    return small_config(rg, layer_types=("linear", "attention"), **kw)
-
-
-def gdn_layer(config, index):
-    return ref_gdn.GatedDeltaNet(config.hidden_size, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
+    return small_config(rg, layer_types=("linear", "attention"), **GDN_SIZES, **kw)
 
 
 def tokens(rng, n, vocab=96):
@@ -76,7 +78,7 @@ def test_a_group_is_its_samples_alone(rg, kind):
     kw = dict(linear_layer=gdn_layer) if kind == "hybrid" else {}
     prompt = tokens(random.Random(3), 10)
     group = rg.Request(prompt, rg.SamplingParams(max_new_tokens=8, temperature=1.0, seed=7, n=4), request_id="grp")
-    with rg.Generator(cfg, seed=1, page_size=4, prefix_caching=False, **kw) as gen:
+    with engine(rg, cfg, seed=1, page_size=4, prefix_caching=False, **kw) as gen:
         samples = gen.submit(group).result(TIMEOUT)
         stats = gen.stats()
         alone = [gen.submit(rg.Request(prompt, rg.SamplingParams(max_new_tokens=8, temperature=1.0, seed=7 + i),
@@ -95,11 +97,11 @@ def test_fast_groups_and_cache_equal_the_reference():
     """The GRPO batch through both engines with the cache on (and the fast one with it off): the same
     tokens, logprobs to fp32 rounding; the fast engine computes a fraction of the prompt tokens."""
     reqs = grpo_requests(fast_ge, seed=5)
-    with ref_ge.Generator(small_config(ref_ge), seed=2, page_size=4) as gen:
+    with engine(ref_ge, small_config(ref_ge), seed=2, page_size=4) as gen:
         expect = [c for r in gen.generate(grpo_requests(ref_ge, seed=5)) for c in r]
         model = gen.model
     for caching in (True, False):
-        with fast_ge.Generator(small_config(fast_ge), seed=2, page_size=4, prefix_caching=caching) as gen:
+        with engine(fast_ge, small_config(fast_ge), seed=2, page_size=4, prefix_caching=caching) as gen:
             got = [c for r in gen.generate(reqs) for c in r]
             stats = gen.stats()
         for e, g in zip(expect, got):
@@ -121,7 +123,7 @@ def test_identical_prompts_share_their_prefill(rg):
     prompt = tokens(random.Random(4), 21)
     reqs = [rg.Request(prompt, rg.SamplingParams(max_new_tokens=3, seed=i, temperature=0.5), request_id=f"same{i}")
             for i in range(4)]
-    with rg.Generator(small_config(rg), seed=1, page_size=4) as gen:
+    with engine(rg, small_config(rg), seed=1, page_size=4) as gen:
         gen.generate(reqs)
         stats = gen.stats()
     # Each repeat recomputes only the partial last page: 21 - 20 tokens.
@@ -137,19 +139,19 @@ def test_hits_skip_prefill_and_never_cross_a_weight_version(rg):
     rng = random.Random(9)
     prompt = tokens(rng, 17)
     sp = rg.SamplingParams(max_new_tokens=4)
-    with rg.Generator(cfg, seed=1, page_size=4) as gen:
+    with engine(rg, cfg, seed=1, page_size=4) as gen:
         first = gen.generate([rg.Request(prompt, sp, request_id="a")])[0]
         longer = gen.generate([rg.Request(prompt + tokens(rng, 6), sp, request_id="b")])[0]
         after = gen.stats()
         assert after["prefix_hit_tokens"] == 16 and after["cached_pages"] >= 4
-        gen.load_weights(rg.DecoderLM(cfg, seed=2).state_dict(), 1)
+        gen.load_weights(LM[rg].DecoderLM(cfg, seed=2).state_dict(), 1)
         again = gen.generate([rg.Request(prompt, sp, request_id="c")])[0]
         swapped = gen.stats()
         assert swapped["prefix_hit_tokens"] == after["prefix_hit_tokens"], "a hit on KV of the old weights"
         assert swapped["computed_prompt_tokens"] == after["computed_prompt_tokens"] + 17
-    with rg.Generator(cfg, seed=2, page_size=4, prefix_caching=False) as fresh:
+    with engine(rg, cfg, seed=2, page_size=4, prefix_caching=False) as fresh:
         assert fresh.generate([rg.Request(prompt, sp, request_id="c")])[0].token_ids == again.token_ids
-    with rg.Generator(cfg, seed=1, page_size=4, prefix_caching=False) as cold:
+    with engine(rg, cfg, seed=1, page_size=4, prefix_caching=False) as cold:
         assert cold.generate([rg.Request(prompt + longer.prompt_token_ids[17:], sp, request_id="b")])[0].token_ids \
             == longer.token_ids
     assert first.token_ids and set(STATS) <= set(swapped)
@@ -160,7 +162,7 @@ def test_cached_pages_are_evicted_before_anyone_is_preempted():
     (least recently released first) for the next; nobody is preempted."""
     cfg = small_config(fast_ge)
     rng = random.Random(11)
-    with fast_ge.Generator(cfg, seed=1, page_size=4, num_pages=8, max_batch_size=1) as gen:
+    with engine(fast_ge, cfg, seed=1, page_size=4, num_pages=8, max_batch_size=1) as gen:
         for i in range(6):
             gen.generate([fast_ge.Request(tokens(rng, 20), fast_ge.SamplingParams(max_new_tokens=8),
                                           request_id=f"e{i}")])
@@ -181,7 +183,7 @@ def test_hybrid_hits_restore_the_linear_state(rg):
                        request_id=f"h{i}") for i, extra in enumerate([[], [], [3, 4]])]
     out = {}
     for caching in (True, False):
-        with rg.Generator(cfg, seed=1, page_size=3, prefix_caching=caching, linear_layer=ToyLinear) as gen:
+        with engine(rg, cfg, seed=1, page_size=3, prefix_caching=caching, linear_layer=ToyLinear) as gen:
             out[caching] = [gen.generate([r])[0] for r in reqs]
             stats = gen.stats()
             model = gen.model
@@ -194,8 +196,8 @@ def test_hybrid_hits_restore_the_linear_state(rg):
 
 def test_hybrid_page_without_checkpoint_is_not_a_hit():
     prompt = tokens(random.Random(13), 13)
-    with fast_ge.Generator(hybrid_config(fast_ge), seed=1, page_size=4, num_checkpoints=0,
-                           linear_layer=ToyLinear) as gen:
+    with engine(fast_ge, hybrid_config(fast_ge), seed=1, page_size=4, num_checkpoints=0,
+                linear_layer=ToyLinear) as gen:
         for i in range(2):
             gen.generate([fast_ge.Request(prompt, fast_ge.SamplingParams(max_new_tokens=2), request_id=f"n{i}")])
         stats = gen.stats()
@@ -206,8 +208,8 @@ def test_stats_count_the_kv_pool_and_the_checkpoints():
     """stats() reports the memory the cache holds: the K and V pools (2 x attention layers x pages x
     page_size x H_kv x D x elt) and, once a prefill wrote a checkpoint, num_checkpoints slots of every
     linear layer's fp32 recurrent state (HV x K x V x 4) and conv state (conv_dim x (W - 1) x elt)."""
-    cfg = small_config(fast_ge, num_layers=3, layer_types=("linear", "attention", "linear"))
-    with fast_ge.Generator(cfg, seed=1, page_size=4, num_pages=10, num_checkpoints=6, linear_layer=gdn_layer) as gen:
+    cfg = small_config(fast_ge, num_layers=3, layer_types=("linear", "attention", "linear"), **GDN_SIZES)
+    with engine(fast_ge, cfg, seed=1, page_size=4, num_pages=10, num_checkpoints=6, linear_layer=gdn_layer) as gen:
         before = gen.stats()
         gen.generate([fast_ge.Request(tokens(random.Random(14), 13), fast_ge.SamplingParams(max_new_tokens=2))])
         after = gen.stats()
@@ -249,7 +251,7 @@ def test_chunked_prefill_lets_running_requests_decode():
     short = fast_ge.Request(tokens(rng, 5), fast_ge.SamplingParams(max_new_tokens=30), request_id="short")
     long = fast_ge.Request(tokens(rng, 60), fast_ge.SamplingParams(max_new_tokens=6, temperature=0.7, seed=3),
                            request_id="long")
-    with Recording(cfg, seed=1, page_size=4, max_prefill_tokens=8) as gen:
+    with Recording(fast_lm.DecoderLM(cfg, seed=1), page_size=4, max_prefill_tokens=8) as gen:
         f_short = gen.submit(short)
         while not any(kind == "decode" for kind, _ in gen.log):
             pass
@@ -262,7 +264,7 @@ def test_chunked_prefill_lets_running_requests_decode():
     for i, (kind, work) in enumerate(log):
         if kind == "prefill" and any(rid == "long" for rid, _, _ in work) and work[-1][2] < 60:
             assert log[i + 1] == ("decode", ["short"]), log[i:i + 2]
-    with fast_ge.Generator(cfg, seed=1, page_size=4) as whole:
+    with engine(fast_ge, cfg, seed=1, page_size=4) as whole:
         expect = whole.generate([long])[0]
     assert_same(expect, got, whole.model)
 
@@ -275,9 +277,9 @@ def test_kv_on_swap(policy):
     the new weights over KV recomputed by them (teacher-forced logprobs of the new model); with
     "keep" the old KV stays (the later logprobs match neither model alone)."""
     cfg = small_config(fast_ge)
-    old, new = (fast_ge.DecoderLM(cfg, seed=s) for s in (1, 2))
+    old, new = (fast_lm.DecoderLM(cfg, seed=s) for s in (1, 2))
     req = fast_ge.Request(tokens(random.Random(15), 12), fast_ge.SamplingParams(max_new_tokens=40), request_id="x")
-    with Recording(cfg, seed=1, page_size=4, kv_on_swap=policy) as gen:
+    with Recording(fast_lm.DecoderLM(cfg, seed=1), page_size=4, kv_on_swap=policy) as gen:
         future = gen.submit(req)
         while sum(kind == "decode" for kind, _ in gen.log) < 3:
             pass
@@ -310,7 +312,7 @@ def test_bad_group_and_sampling_inputs(rg):
     sp = rg.SamplingParams(max_new_tokens=4)
     object.__setattr__(sp, "max_new_tokens", -3)          # changed after construction: submit checks again
     kw = dict(max_batch_size=4, num_pages=6, page_size=4) if rg is fast_ge else {}
-    with rg.Generator(small_config(rg), **kw) as gen:
+    with engine(rg, small_config(rg), **kw) as gen:
         with pytest.raises(ValueError, match="max_new_tokens"):
             gen.submit(rg.Request([1, 2, 3], sp))
         if rg is fast_ge:
@@ -342,9 +344,9 @@ def test_nothing_leaks_after_random_traffic(policy):
     cfg = hybrid_config(fast_ge)
     rng = random.Random(16 + (policy == "recompute"))
     systems = [tokens(rng, n) for n in (5, 9, 13)]
-    new_weights = fast_ge.DecoderLM(cfg, seed=3, linear_layer=ToyLinear).state_dict()
-    with fast_ge.Generator(cfg, seed=1, page_size=3, num_pages=48, max_batch_size=6, max_prefill_tokens=24,
-                           num_checkpoints=12, kv_on_swap=policy, linear_layer=ToyLinear) as gen:
+    new_weights = fast_lm.DecoderLM(cfg, seed=3, linear_layer=ToyLinear).state_dict()
+    with engine(fast_ge, cfg, seed=1, page_size=3, num_pages=48, max_batch_size=6, max_prefill_tokens=24,
+                num_checkpoints=12, kv_on_swap=policy, linear_layer=ToyLinear) as gen:
         futures, cancelled, total = [], 0, 0
         for i in range(1000):
             n = rng.choice((1, 1, 2, 4))
@@ -403,10 +405,10 @@ def test_shared_prompt_recompute_equals_separate_recomputes(rg, kind):
     kw = dict(linear_layer=gdn_layer) if kind == "hybrid" else {}
     seqs, prompts = grpo_sequences(seed=17)
     plug = dict(varlen_attn=fast_varlen_attn) if kind == "attention+varlen_attn" else {}
-    model = rg.DecoderLM(cfg, seed=4, **kw, **plug)
+    model = LM[rg].DecoderLM(cfg, seed=4, **kw, **plug)
     shared, g_shared = loss_and_grads(model, seqs, prompts, share_prompts=True)
     separate, g_separate = loss_and_grads(model, seqs, prompts, share_prompts=False)
-    model64 = rg.DecoderLM(cfg, seed=4, dtype=torch.float64, **kw)
+    model64 = LM[rg].DecoderLM(cfg, seed=4, dtype=torch.float64, **kw)
     model64.load_state_dict(model.state_dict())
     exact, g_exact = loss_and_grads(model64, seqs, prompts, share_prompts=False)
     check_close("logprobs", shared, exact, separate)
@@ -427,11 +429,11 @@ def test_groups_decode_through_cascade_decode():
         calls.append(kw["cu_groups"].numel() - 1)
         return cascade_decode(*args, **kw)
 
-    with ref_ge.Generator(small_config(ref_ge), seed=2, page_size=4) as gen:
+    with engine(ref_ge, small_config(ref_ge), seed=2, page_size=4) as gen:
         expect = [c for r in gen.generate(grpo_requests(ref_ge, seed=19, prompts=2, n=3, max_new=5)) for c in r]
         model = gen.model
-    with fast_ge.Generator(small_config(fast_ge), seed=2, page_size=4, varlen_attn=fast_varlen_attn,
-                           flash_decode=flash_decode, cascade_decode=counted) as gen:
+    with engine(fast_ge, small_config(fast_ge), seed=2, page_size=4, varlen_attn=fast_varlen_attn,
+                flash_decode=flash_decode, cascade_decode=counted) as gen:
         got = [c for r in gen.generate(reqs) for c in r]
     assert calls, "no decode step went through cascade_decode"
     for e, g in zip(expect, got):
@@ -444,7 +446,7 @@ def test_router_prefix_affinity_over_engines(policy):
     with prefix_affinity the samples of a prompt meet their prompt's pages on one engine, so most of
     the prompt tokens are hits; least_loaded spreads them.  Every sample is served once."""
     import fast.routed_generator as fast_rg
-    gens = [fast_ge.Generator(small_config(fast_ge), seed=2, page_size=4, name=f"e{i}", max_batch_size=16)
+    gens = [engine(fast_ge, small_config(fast_ge), seed=2, page_size=4, name=f"e{i}", max_batch_size=16)
             for i in range(2)]
     router = fast_rg.GeneratorRouter(gens, policy=policy, affinity_block=4, affinity_slack=100)
     rng = random.Random(23)

@@ -55,9 +55,10 @@ def _engine():
     """What each actor builds (one intra-op thread: three engines share two cores)."""
     import torch
 
+    import fast.decoder_lm as lm
     import fast.generator_engine as ge
     torch.set_num_threads(1)
-    return ge.Generator(ge.ModelConfig(**_CONFIG), seed=0, page_size=4, num_pages=256, max_batch_size=16)
+    return ge.Generator(lm.DecoderLM(lm.ModelConfig(**_CONFIG), seed=0), page_size=4, num_pages=256, max_batch_size=16)
 
 
 _CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -70,12 +71,13 @@ def _small_engine(marker: str):
     restarting for that long, the window in which a restart used to be taken for a death."""
     import torch
 
+    import fast.decoder_lm as lm
     import fast.generator_engine as ge
     if os.path.exists(marker):
         time.sleep(3.0)
     Path(marker).touch()
     torch.set_num_threads(1)
-    return ge.Generator(ge.ModelConfig(**_CONFIG), seed=0, page_size=4, num_pages=8, max_batch_size=4)
+    return ge.Generator(lm.DecoderLM(lm.ModelConfig(**_CONFIG), seed=0), page_size=4, num_pages=8, max_batch_size=4)
 
 
 def _wait(predicate, timeout: float, what: str) -> float:
@@ -172,6 +174,7 @@ def drill(out_path: str) -> None:
     import torch
     from ray.cluster_utils import Cluster
 
+    import fast.decoder_lm as lm
     import fast.generator_engine as ge
     import fast.routed_generator as rg
     torch.set_num_threads(1)
@@ -195,11 +198,14 @@ def drill(out_path: str) -> None:
     exc = router.submit(rg.Request([1, 2, 96], rg.SamplingParams(max_new_tokens=4))).exception(60)
     facts["fleet_bad_token"] = [type(exc).__name__, sum(s["dispatched"] for s in router.stats().values()),
                                sum(s["failures"] for s in router.stats().values())]
-    cfg = ge.ModelConfig(**_CONFIG)
-    weights = {v: {k: t.clone() for k, t in ge.DecoderLM(cfg, seed=v).state_dict().items()} for v in (1, 2, 3)}
+    cfg = lm.ModelConfig(**_CONFIG)
+    weights = {v: {k: t.clone() for k, t in lm.DecoderLM(cfg, seed=v).state_dict().items()} for v in (1, 2, 3)}
 
     def local(version, requests):
-        with ge.Generator(cfg, seed=0, state_dict=weights.get(version)) as g:
+        model = lm.DecoderLM(cfg, seed=0)
+        if version in weights:
+            model.load_state_dict(weights[version])
+        with ge.Generator(model) as g:
             return {c.request_id: c.token_ids for c in g.generate(requests)}
 
     def same_tokens(version, completions, requests):
@@ -215,7 +221,7 @@ def drill(out_path: str) -> None:
     group = rg.Request([3, 1, 4, 1, 5], rg.SamplingParams(max_new_tokens=5, temperature=1.0, seed=9, n=3),
                        request_id="group")
     samples = router.generate([group])[0]
-    with ge.Generator(cfg, seed=0) as g:
+    with ge.Generator(lm.DecoderLM(cfg, seed=0)) as g:
         expect = g.generate([group])[0]
     facts["group"] = [[c.sample_index for c in samples],
                       [c.token_ids for c in samples] == [c.token_ids for c in expect]]

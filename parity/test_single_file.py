@@ -66,10 +66,6 @@ ALLOWED_EXTRA = {
     ("fast", "Generator", "num_pages"): "paged KV cache: pool size",
     ("fast", "Generator", "max_batch_size"): "continuous batching: requests decoding at once",
     ("fast", "Generator", "max_prefill_tokens"): "continuous batching: prompt tokens per iteration",
-    # The batch-invariant mode belongs to the fast engine's kernels (the reference runs one request at a time).
-    ("fast", "Generator", "batch_invariant"): "bitwise on-policy mode of the batched engine",
-    ("fast", "DecoderLM", "batch_invariant"): "the same mode in the trainer's forward and token_logprobs",
-    ("fast", "DecoderLM", "varlen_attn"): "the trainer's packed attention (the mode's varlen_attn)",
 }
 
 _IMPORT_PROBE = r"""

@@ -72,7 +72,7 @@ The layer
     ``GatedDeltaNetCache`` carries the conv tail and the state between calls (prefill, decode).
     ``set_batch_invariant(linear)`` switches it to batch-invariant numerics (a token's output bit
     for bit the same in any batch, packing or prefill/decode split, given a row-invariant matmul
-    ``linear`` and an invariant ``recurrent_fn``): fast/generator_engine.py's bitwise on-policy mode.
+    ``linear`` and an invariant ``recurrent_fn``): fast/decoder_lm.py's bitwise on-policy mode.
 
 References
     Yang, Kautz, Hatamizadeh, Gated Delta Networks (ICLR 2025); Yang et al., Parallelizing
@@ -429,7 +429,7 @@ class GatedDeltaNet(nn.Module):
         return GatedDeltaNetCache()
 
     def set_batch_invariant(self, linear, out_linear=None) -> None:
-        """Batch-invariant mode (fast/generator_engine.py's ``DecoderLM(batch_invariant=True)`` calls it):
+        """Batch-invariant mode (fast/decoder_lm.py's ``DecoderLM(batch_invariant=True)`` calls it):
         from then on a token's output is bit for bit the same whichever sequences share the call, however
         they are packed, and whether its sequence runs in one call or is split across calls (a prefill,
         then decode steps with the cache), provided ``linear(x [..., K], weight [N, K]) -> [..., N]``

@@ -1,7 +1,7 @@
-"""Ahead-of-time build cases for fast/generator_engine.py (read by parity/aot_compile.py and
+"""Ahead-of-time build cases for fast/decoder_lm.py (read by parity/aot_compile.py and
 parity/test_compile.py).
 
-The engine has one Triton kernel: the batch-invariant mode's fixed-tile matmul
+The model has one Triton kernel: the batch-invariant mode's fixed-tile matmul
 (``_invariant_matmul_kernel``, y [M, N] = x [M, K] @ W [N, K]^T).  It is never autotuned: each
 (GPU family, element size) has one config in ``_INVARIANT_MATMUL_CONFIGS``, read here so that what
 is built is what ``_triton_invariant_matmul`` launches.  Each family's config is built on its own
