@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import fast.gated_deltanet as fast
 import ref.gated_deltanet as ref
 from conftest import DEVICE, ON_GPU, check_close, dtype_params, make_generator, nan_allocations, randn
-from test_gated_deltanet import CHUNK_CASES, FNS, RECURRENT_CASES, cast, cu_tensor, make_inputs
+from test_gated_deltanet import CHUNK_CASES, FNS, RECURRENT_CASES, cast, cu_tensor, kernel_gate_sums, make_inputs
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 # fla's gradient tolerances (rms(fast - ref) / rms(ref)) for fp16: dq / dk / dv / dh0, then dg / dbeta.
@@ -57,7 +57,8 @@ def grads(fn, tensors, *, with_state=True, final=True, use_o=True, use_s=True, s
 
 def compare_grads(kind, dtype, inputs, *, low=None, params=None, tag="", rms=True, no_rms=(), checked_apart=(),
                   with_state=True, **kw):
-    """fast(dtype) gradients vs the fp64 reference; ref_lowp = the same reference form in dtype.
+    """fast(dtype) gradients vs the fp64 reference; ref_lowp = the same reference form in dtype (the
+    chunk form with the kernels' gate sums, see test_gated_deltanet.kernel_gate_sums).
     ``low``: the inputs already in their test dtypes (mixed dtypes); ``params``: keyword tensors to
     differentiate too (A_log, dt_bias).  ``no_rms``: gradients exempt from the RMS guard (the
     max-error rule still applies); ``checked_apart``: gradients the caller checks itself.  Returns
@@ -68,7 +69,8 @@ def compare_grads(kind, dtype, inputs, *, low=None, params=None, tag="", rms=Tru
     names = NAMES[:5 + with_state] + tuple(f"d{name}" for name in params)
     wide = {name: x.double() for name, x in params.items()}
     g64, _, _ = grads(ref_fn, [x.double() for x in low], with_state=with_state, params=wide, **kw)
-    g_lp, _, _ = grads(ref_fn, low, with_state=with_state, upcast=False, params=params, **kw)
+    with kernel_gate_sums(kind == "chunk"):
+        g_lp, _, _ = grads(ref_fn, low, with_state=with_state, upcast=False, params=params, **kw)
     with nan_allocations():
         g_fast, _, _ = grads(fast_fn, low, with_state=with_state, params=params, **kw)
     limits = RMS_LIMIT.get(dtype) if rms else None
