@@ -1449,25 +1449,6 @@ def _init_std(name: str, c: ModelConfig) -> float | None:
     return out_scale / math.sqrt(fan_in)
 
 
-def _init_std(name: str, c: ModelConfig) -> float | None:
-    """The random init's std per canonical weight name (None: plug-in layers keep their own init, and a
-    tied lm_head is the embedding)."""
-    leaf = name.rsplit(".", 2)
-    if ".linear_attn." in name or (name == "lm_head.weight" and c.tie_embeddings):
-        return None
-    if name.endswith("embed_tokens.weight"):
-        return 2.0 / math.sqrt(c.hidden_size)
-    if name == "lm_head.weight":
-        return 1.0 / math.sqrt(c.hidden_size)
-    if name.endswith("norm.weight"):
-        return 0.1
-    if name.endswith(".bias"):
-        return 0.1
-    fan_in = {"o_proj": c.num_heads * c.head_dim, "down_proj": c.intermediate_size}.get(leaf[-2], c.hidden_size)
-    out_scale = 1.0 / math.sqrt(2 * c.num_layers) if leaf[-2] in ("o_proj", "down_proj") else 1.0
-    return out_scale / math.sqrt(fan_in)
-
-
 class _no_context:
     def __enter__(self):
         return self

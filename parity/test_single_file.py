@@ -66,6 +66,11 @@ ALLOWED_EXTRA = {
     ("fast", "Generator", "num_pages"): "paged KV cache: pool size",
     ("fast", "Generator", "max_batch_size"): "continuous batching: requests decoding at once",
     ("fast", "Generator", "max_prefill_tokens"): "continuous batching: prompt tokens per iteration",
+    ("fast", "Generator", "tensor_parallel_size"): "the fast engine runs over N processes (the reference states the "
+                                                   "layout and the reduction in ref/decoder_lm.py, one process)",
+    ("fast", "Generator", "tp_timeout_s"): "tensor parallelism: a dead or hung worker fails the generator after it",
+    ("fast", "Generator", "tp_address"): "tensor parallelism: the process group's address (loopback by default)",
+    ("fast", "Generator", "_tp_worker"): "private: the engine a tensor-parallel worker process runs",
 }
 
 _IMPORT_PROBE = r"""
