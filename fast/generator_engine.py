@@ -124,6 +124,8 @@ import copy
 import dataclasses
 import itertools
 import operator
+import os
+import sys
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Mapping
@@ -1709,8 +1711,12 @@ def _tp_worker_main(rank, size, address, port, timeout_s, recipe, device, engine
     control.send(("ready", None))
     try:
         gen._serve_as_worker()
+        code = 0
     except (EOFError, OSError):    # rank 0 is gone
-        raise SystemExit(1) from None
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)                 # without tearing the process group's threads down from under it
 
 
 # ----------------------------------------------------------------------------- input checks

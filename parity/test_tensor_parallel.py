@@ -1,0 +1,229 @@
+"""Tensor parallelism: the layout, the model's collectives, the engine over real processes, bitwise at any tp.
+
+ref/decoder_lm.py is the specification: ``shard_spec`` says which slice of which tensor a rank holds, and
+``LocalGroup`` runs tp ranks as threads of one process, so the reference's tensor-parallel forward and
+backward are checked here without a network: logits to fp32 rounding at tp = 2 and 4 (bitwise in the
+batch-invariant mode), each rank's gradients the matching slices of the tp = 1 gradients.  The fast files
+run as real processes over gloo (parity/tp_probe.py, inside a private network namespace the test creates:
+loopback only, bounded in time): fast/decoder_lm.py used SPMD as a torchrun trainer would, and
+fast/generator_engine.py's ``Generator(..., tensor_parallel_size=N)`` through groups, prefix-cache hits,
+chunked prefill, preemption and a weight load, bitwise against tp = 1 and against the trainer in the mode;
+a worker killed or hung mid-step fails its generator within ``tp_timeout_s``.  tp = 4 on models with 2 KV
+heads (and 2 Gated DeltaNet key heads) replicates them on two ranks each.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import ref.decoder_lm as ref_lm
+import ref.gated_deltanet as ref_gdn
+from netns import run_isolated, unavailable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _config(kind: str) -> ref_lm.ModelConfig:
+    kw = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+              head_dim=8, max_seq_len=64, tie_embeddings=False, qk_norm=True, attn_output_gate=True,
+              zero_centered_norm=True, partial_rotary_factor=0.5)
+    if kind == "hybrid":
+        kw.update(layer_types=("linear", "attention"), linear_num_k_heads=2, linear_num_v_heads=4,
+                  linear_head_k_dim=8, linear_head_v_dim=8)
+    return ref_lm.ModelConfig(**kw)
+
+
+def _on_threads(fns: list) -> list:
+    """Run one function per rank, each on its own thread (LocalGroup's ranks meet at a barrier)."""
+    out, errors = [None] * len(fns), []
+
+    def run(i):
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 (re-raised below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return out
+
+
+# ----------------------------------------------------------------------------- the layout (the specification)
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+def test_shards_tile_the_full_tensors(kind, tp):
+    """Every rank's slices, put back at the places shard_spec names, rebuild each full tensor: sharded ones
+    exactly once, replicated ones (norms, embeddings, replicated KV / key heads) whole on their ranks."""
+    c = _config(kind)
+    full = ref_lm.DecoderLM(c, seed=3, linear_layer=ref_gdn.GatedDeltaNet).state_dict()
+    for name, t in full.items():
+        seen = torch.zeros(t.shape, dtype=torch.int64)
+        for rank in range(tp):
+            dim, ranges = ref_lm.shard_spec(name, c, tp, rank)
+            piece = ref_lm.shard(t, (dim, ranges))
+            if dim is None:
+                assert torch.equal(piece, t)
+                seen += 1
+                continue
+            offset = 0
+            for a, b in ranges:
+                assert torch.equal(piece.narrow(dim, offset, b - a), t.narrow(dim, a, b - a))
+                seen.narrow(dim, a, b - a).add_(1)
+                offset += b - a
+            assert offset == piece.shape[dim]
+        holders = seen.unique().tolist()
+        replicated_kv = (".k_proj." in name or ".v_proj." in name) and tp > c.num_kv_heads
+        assert holders == [1] or ref_lm.shard_spec(name, c, tp, 0)[0] is None or replicated_kv or \
+            ("in_proj_qkv" in name or "conv1d" in name) and tp > c.linear_num_k_heads, (name, holders)
+
+
+def test_fused_gdn_projection_is_split_by_section_before_slicing():
+    """Rank r's in_proj_qkv rows: its key heads' rows of the q section, of the k section, then its value
+    heads' rows of the v section (slicing the fused tensor by position would mix q, k and v: the bug behind
+    most tensor-parallel GDN reports)."""
+    c = _config("hybrid")                      # Hk = 2, Hv = 4, dk = dv = 8: sections [0, 16), [16, 32), [32, 64)
+    assert ref_lm.shard_spec("model.layers.0.linear_attn.in_proj_qkv.weight", c, 2, 1) == \
+        (0, ((8, 16), (24, 32), (48, 64)))
+    assert ref_lm.shard_spec("model.layers.0.linear_attn.in_proj_qkv.weight", c, 4, 3) == \
+        (0, ((8, 16), (24, 32), (56, 64)))    # value head 3 and its key head 1 (replicated on ranks 2 and 3)
+    assert ref_lm.shard_spec("model.layers.0.linear_attn.out_proj.weight", c, 4, 3) == (1, ((24, 32),))
+    assert ref_lm.shard_spec("model.layers.1.self_attn.q_proj.weight", c, 2, 1) == (0, ((32, 64),))  # (q, gate)
+    assert ref_lm.shard_spec("model.layers.1.self_attn.k_proj.weight", c, 4, 3) == (0, ((8, 16),))
+
+
+@pytest.mark.parametrize("lm", ["ref", "fast"])
+def test_degrees_that_do_not_fit_raise(lm):
+    import fast.decoder_lm as fast_lm
+    mod = ref_lm if lm == "ref" else fast_lm
+    c = mod.ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                        head_dim=8, layer_types=("linear", "attention"), linear_num_k_heads=2, linear_num_v_heads=4)
+    with pytest.raises(ValueError, match=r"tp=3 .*num_heads=4, num_kv_heads=2, linear_num_v_heads=4"):
+        mod.local_config(c, 3)
+    with pytest.raises(ValueError, match="tp=8.*num_heads=4"):
+        mod.local_config(c, 8)
+    odd = mod.ModelConfig(num_heads=12, num_kv_heads=3, intermediate_size=96, head_dim=8, hidden_size=48)
+    assert mod.local_config(odd, 3).num_heads == 4                     # the default mode: any divisor
+    with pytest.raises(ValueError, match=r"batch_invariant=True at tp=3.*o_proj"):
+        mod.local_config(odd, 3, batch_invariant=True)                  # 12 heads: a tree of 4 segments
+
+
+# ----------------------------------------------------------------------------- the reference, one process
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
+@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+def test_reference_tensor_parallel_equals_tp1(kind, invariant):
+    """ref/decoder_lm.py at tp = 2 and 4 (LocalGroup threads) against tp = 1: logits and token_logprobs to fp32
+    rounding (bitwise in the batch-invariant mode: the segment tree), gradients equal the tp = 1 gradients'
+    slices (the shared ones summed across the ranks that hold them)."""
+    c, ids, cu = _config(kind), torch.randint(0, 61, (1, 23), generator=torch.Generator().manual_seed(0)), \
+        torch.tensor([0, 9, 23], dtype=torch.int32)
+    seqs, prompts = [list(range(3, 20)), list(range(3, 12)) + [5, 6, 7]], [9, 9]
+    kw = dict(seed=1, linear_layer=ref_gdn.GatedDeltaNet, batch_invariant=invariant)
+
+    def run(model):
+        logits = model(ids, cu_seqlens=cu)
+        logps = model.token_logprobs(seqs, prompts)
+        (logits.sum() + sum(lp.sum() for lp in logps)).backward()
+        return logits.detach(), [lp.detach() for lp in logps], {n: p.grad for n, p in model.named_parameters()}
+
+    want_logits, want_lps, want_grads = run(ref_lm.DecoderLM(c, **kw))
+    exact = run(ref_lm.DecoderLM(c, dtype=torch.float64, **kw))[2]          # fp64: how far fp32 rounding goes
+    for tp in (2, 4):
+        shards = [ref_lm.DecoderLM(c, tp_group=g, **kw) for g in ref_lm.LocalGroup(tp).ranks()]
+        results = _on_threads([functools.partial(run, m) for m in shards])
+        for m, (logits, lps, grads) in zip(shards, results):
+            if invariant:
+                assert torch.equal(logits, want_logits) and all(torch.equal(a, b) for a, b in zip(lps, want_lps))
+            else:
+                assert (logits - want_logits).abs().max() < 1e-5
+            for n, g in grads.items():       # the tolerance rule: at most 3x tp = 1's fp32 error, plus a floor
+                want, want64 = m.shard_tensor(n, want_grads[n]), m.shard_tensor(n, exact[n])
+                bound = 3 * (want - want64).abs().max() + 1e-6 * want64.abs().max()
+                assert (g - want64).abs().max() <= bound, (tp, n, (g - want64).abs().max().item(), bound.item())
+
+
+# ----------------------------------------------------------------------------- the fast files, real processes
+
+def _probe(*args, timeout: float = 600) -> dict:
+    if unavailable():
+        pytest.skip(unavailable())
+    proc = run_isolated([sys.executable, str(ROOT / "parity" / "tp_probe.py"), *map(str, args)], timeout=timeout,
+                        cwd=ROOT, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FACTS ")]
+    assert proc.returncode == 0 and lines, f"tp_probe {' '.join(map(str, args))} failed:\n{proc.stdout[-6000:]}"
+    facts = json.loads(lines[-1][6:])
+    print(json.dumps(facts, indent=1))
+    return facts
+
+
+@pytest.mark.parametrize("kind,mode", [("hybrid", "invariant"), ("attention", "default")])
+def test_fast_trainer_spmd(kind, mode):
+    """DecoderLM(tp_group=...) on 2 and 4 gloo processes: every rank returns the full logits and logprobs
+    (bitwise the tp = 1 ones in the batch-invariant mode, to fp32 rounding otherwise) and holds its shards'
+    gradients (the tp = 1 gradients' slices)."""
+    facts = _probe("trainer", kind, mode, 2, 4)
+    for tp in ("2", "4"):
+        f = facts[tp]
+        assert f["ranks_agree"]
+        if mode == "invariant":
+            assert f["logits_bitwise"] and f["logprobs_bitwise"], f
+        else:
+            assert f["logits_max_diff"] < 1e-5 and f["logprobs_max_diff"] < 1e-5, f
+        assert f["grad_max_rel_err"] < 1e-4, f
+
+
+@pytest.mark.parametrize("kind,mode,tps", [("hybrid", "invariant", (2, 4)), ("attention", "invariant", (4,)),
+                                           ("hybrid", "default", (2,))])
+def test_fast_engine_tensor_parallel(kind, mode, tps):
+    """Generator(model, tensor_parallel_size=tp) serves the request mix (a group of 3, a prefix-cache hit, a
+    prompt in chunks, preemption in a small pool, then a weight load) with the tp = 1 engine's tokens; in the
+    batch-invariant mode its logprobs are bitwise the tp = 1 engine's and the trainer's token_logprobs."""
+    facts = _probe("engine", kind, mode, *tps)
+    assert facts["1"]["preemptions"] >= 1 and facts["1"]["prefix_hit_tokens"] > 0, facts["1"]
+    for tp in map(str, tps):
+        f = facts[tp]
+        assert f["tensor_parallel_size"] == int(tp) and f["versions"] == [1] * len(f["versions"])
+        assert f["tokens_equal_tp1"], f
+        if mode == "invariant":
+            assert f["logprobs_bitwise_tp1"] and f["logprobs_bitwise_trainer"], f
+        else:
+            assert f["logprobs_max_diff_tp1"] < 1e-5, f
+
+
+def test_a_dead_or_hung_worker_fails_its_generator():
+    """A worker killed (SIGKILL) or hung (SIGSTOP) mid-decode: every request the generator held fails with a
+    RuntimeError naming the cause, within tp_timeout_s (plus slack for a loaded machine) for the hang; later
+    submits raise; close() returns within tp_timeout_s and leaves no worker running."""
+    facts = _probe("faults")
+    for how, f in facts.items():
+        bound = f["timeout_s"] * 2 + 10                  # the collective's timeout, then the failure's path
+        assert all(e is not None and e.startswith("RuntimeError") for e in f["errors"]), (how, f)
+        assert f["failed_after_s"] <= bound, (how, f)
+        assert f["later_submit"].startswith("RuntimeError") and "failed" in f["later_submit"] or \
+            "closed" in f["later_submit"], (how, f)
+        assert f["close_s"] <= f["timeout_s"] + 10 and not f["worker_alive_after_close"], (how, f)
+    assert facts["kill"]["failed_after_s"] < facts["kill"]["timeout_s"], facts["kill"]   # death: no timeout waited
+
+
+def test_sharded_loading_from_a_checkpoint(tmp_path):
+    """Generator.from_pretrained(path, tensor_parallel_size=2) on a Qwen3.5 checkpoint (each rank reads its
+    shard): greedy tokens equal the tp = 1 generator's and transformers' generate."""
+    from hf_models import hf_greedy, hf_model
+    hf = hf_model("qwen3_5_text", seed=4)
+    hf.save_pretrained(tmp_path)
+    facts = _probe("checkpoint", tmp_path, 2)
+    prompts = [[5, 17, 3, 44, 2, 9], list(range(20, 41))]
+    assert facts["2"]["tokens"] == facts["1"]["tokens"] == [hf_greedy(hf, p, 8) for p in prompts]
+    assert max(abs(a - b) for x, y in zip(facts["2"]["logprobs"], facts["1"]["logprobs"]) for a, b in zip(x, y)) < 1e-5
