@@ -48,6 +48,7 @@ What it prints (lines under 100 characters)
     python bench/rl_loop.py --ray         # the generators as Ray actors (ray_generators), a local Ray
     python bench/rl_loop.py --ray --kill-at 10   # ... and SIGKILL one actor's process at step 10
     python bench/rl_loop.py --batch-invariant --steps 4   # bitwise on-policy: max |diff| 0 every step
+    python bench/rl_loop.py --model DIR --steps 4         # from a Hugging Face checkpoint directory
 
 With ``--ray`` the two generators run as Ray actors (each builds its engine itself; weights reach
 them through the object store) on a new local Ray instance, or on the cluster ``RAY_ADDRESS`` names
@@ -205,12 +206,19 @@ def one_line(text: str, indent: str = "         ") -> None:
     print(indent + textwrap.shorten(text, width=99 - len(indent), placeholder=" ..."), flush=True)
 
 
-def build_generator(config, linear_layer, model_kw: dict, kw: dict):
+def build_model(config_or_path, linear_layer, model_kw: dict):
+    """The model: a checkpoint directory's (``--model DIR``), or random weights of a config (seed 0)."""
+    if isinstance(config_or_path, str):
+        return lm.DecoderLM.from_pretrained(config_or_path, linear_layer=linear_layer, **model_kw)
+    return lm.DecoderLM(config_or_path, seed=0, linear_layer=linear_layer, **model_kw)
+
+
+def build_generator(config_or_path, linear_layer, model_kw: dict, kw: dict):
     """One engine on its own model (in this process, or inside a Ray actor: then with one intra-op thread
     on a CPU); ``model_kw`` go to the DecoderLM, ``kw`` to the Generator."""
     if model_kw["device"].type == "cpu":
         torch.set_num_threads(1)
-    return ge.Generator(lm.DecoderLM(config, seed=0, linear_layer=linear_layer, **model_kw), **kw)
+    return ge.Generator(build_model(config_or_path, linear_layer, model_kw), **kw)
 
 
 def main(argv=None) -> int:
@@ -220,6 +228,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=60, help="optimizer steps to run (default: 60)")
     ap.add_argument("--ray", action="store_true", help="run the generators as Ray actors")
     ap.add_argument("--kill-at", type=int, default=None, help="with --ray: SIGKILL one actor's process at this step")
+    ap.add_argument("--model", default=None, metavar="DIR",
+                    help="a Hugging Face checkpoint directory (Llama 3, Qwen2/2.5, Qwen3, Qwen3.5) to start from; "
+                         "the task works on token ids, so no tokenizer is needed")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="generators and trainer in the batch-invariant mode: bitwise on-policy logprobs")
     args = ap.parse_args(argv)
@@ -234,7 +245,9 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if on_gpu else "cpu")
     if not on_gpu:
         torch.set_num_threads(1)  # three engine/trainer threads on a small CPU: no OpenMP team collisions
-    config = lm.ModelConfig(**size["model"])
+    config = lm.ModelConfig(**size["model"]) if args.model is None else lm.ModelConfig.from_hf(
+        args.model, max_seq_len=size["prompt_len"] + size["out_len"])
+    source = config if args.model is None else args.model    # what each model is built from
 
     gen_model_kw = dict(device=device, dtype=torch.bfloat16 if on_gpu else torch.float32)
     gen_kw = dict(page_size=16,
@@ -265,25 +278,27 @@ def main(argv=None) -> int:
         gen_kw.update(varlen_attn=varlen_attn, flash_decode=flash_decode)
         kernels = "batch-invariant mode: fast varlen_attn + flash_decode (batch_invariant=True)" + (
             "" if on_gpu else " under the Triton interpreter, reference Gated DeltaNet (recurrent form)")
-    model = lm.DecoderLM(config, seed=0, linear_layer=train_layer, device=device, **mode).train()
+    if args.model is not None:     # the checkpoint's context capped to the loop's sequences
+        gen_model_kw["max_seq_len"] = config.max_seq_len
+        mode = dict(mode, max_seq_len=config.max_seq_len)
+    model = build_model(source, train_layer, dict(device=device, dtype=torch.float32, **mode)).train()
     # The trainer's recompute of the rollouts' logprobs, in the generators' dtype on the weights that served them.
-    checker = lm.DecoderLM(config, seed=0, linear_layer=train_layer, device=device, dtype=gen_model_kw["dtype"],
-                           **mode).eval()
+    checker = build_model(source, train_layer, dict(device=device, dtype=gen_model_kw["dtype"], **mode)).eval()
     snapshots = {0: {k: v.detach().clone() for k, v in model.state_dict().items()}}
     opt = torch.optim.AdamW(model.parameters(), lr=size["lr"], weight_decay=0.0)
     offload = OffloadActivations(min_offload_bytes=4096, module=model)
     if args.ray:  # a new local Ray instance, or the cluster RAY_ADDRESS names (checked within 30 s)
-        gens = rg.ray_generators(functools.partial(build_generator, config, gen_layer, gen_model_kw, gen_kw), 2,
+        gens = rg.ray_generators(functools.partial(build_generator, source, gen_layer, gen_model_kw, gen_kw), 2,
                                  name_prefix="gen", num_cpus=0, num_gpus=0.5 if on_gpu else 0, connect_timeout_s=30.0,
                                  ray_init_options=dict(logging_level="ERROR", log_to_driver=False))
         kernels += f"; as Ray actors (pids {[g.pid for g in gens]})"
     else:
-        gens = [build_generator(config, gen_layer, gen_model_kw, gen_kw) for _ in range(2)]
+        gens = [build_generator(source, gen_layer, gen_model_kw, gen_kw) for _ in range(2)]
         for i, g in enumerate(gens):
             g.name = f"gen{i}"
     router = rg.GeneratorRouter(gens, policy="least_loaded")
     n_params = sum(p.numel() for p in model.parameters())
-    say(f"hybrid model: {config.kinds}, {n_params / 1e6:.2f}M parameters")
+    say(f"{'model ' + args.model if args.model else 'hybrid model'}: {config.kinds}, {n_params / 1e6:.2f}M parameters")
     say(f"generators: {kernels}")
     say(f"per step: {size['prompts']} prompts x {size['group']} samples x {size['out_len']} tokens")
 

@@ -525,6 +525,7 @@ class DecoderLM(nn.Module):
         self.tp_rank, self.tp_size = (0, 1) if tp_group is None else (tp_group.rank(), tp_group.size())
         self.local_config = local_config(config, self.tp_size, batch_invariant)   # this rank's sizes
         self.init_kwargs = dict(linear_layer=linear_layer, batch_invariant=batch_invariant, varlen_attn=varlen_attn)
+        self.tp_traffic = dict(reductions=0, payload_bytes=0)   # row-parallel sums so far (forward)
         meta = device is not None and torch.device(device).type == "meta"
         with torch.device("meta") if meta else _no_context():
             body = _TextModel(self.local_config, linear_layer, seed)
@@ -653,7 +654,7 @@ class DecoderLM(nn.Module):
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return partial
-        return _ReduceFromRanks.apply(partial, self.tp_group, self.batch_invariant)
+        return _ReduceFromRanks.apply(partial, self.tp_group, self.batch_invariant, self.tp_traffic)
 
     def _to_ranks(self, h: torch.Tensor) -> torch.Tensor:
         return h if self.tp_size == 1 else _CopyToRanks.apply(h, self.tp_group)
@@ -1191,14 +1192,16 @@ class _ReduceFromRanks(torch.autograd.Function):
     over the gathered subtree roots); backward: the gradient of a sum, identity."""
 
     @staticmethod
-    def forward(ctx, partial, group, invariant):
+    def forward(ctx, partial, group, invariant, traffic):
+        traffic["reductions"] += 1                 # the payload each rank contributes
+        traffic["payload_bytes"] += partial.numel() * partial.element_size()
         if invariant:
             return _tree_sum(_all_gather(partial, group))
         return _all_reduce(partial.clone(), group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        return grad, None, None, None
 
 
 class _CopyToRanks(torch.autograd.Function):

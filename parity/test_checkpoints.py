@@ -13,6 +13,7 @@ corrupted safetensors files raise ValueError naming the file and tensor.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import struct
@@ -314,3 +315,53 @@ def test_reading_maps_the_file_instead_of_copying_it(checkpoints):
     storages = {t.untyped_storage().data_ptr() for t in tensors.values()}
     assert len(storages) == 1 and len(tensors) > 10
     assert all(torch.equal(tensors[n], t) for n, t in ref_lm.read_safetensors(path / "model.safetensors").items())
+
+
+# ----------------------------------------------------------------------------- this repo's kernels inside transformers
+
+def test_this_repos_kernels_inside_transformers():
+    """A transformers Qwen3.5 model on this repo's kernels: varlen_attn registered through AttentionInterface
+    for a packed batch (cu_seq_lens), fast/gated_deltanet.py's functions in fla's place (and a per-document
+    conv, which transformers' PyTorch fallback lacks).  Its logits equal the stock model's, run one document
+    at a time, within the tolerance rule: at most twice the stock fp32 run's distance from fp64, plus a floor."""
+    import torch.nn.functional as F
+    from transformers import AttentionInterface
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        cu, longest = kw["cu_seq_lens_q"].to(torch.int32), int(kw["max_length_q"])
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))            # [1, H, T, D] -> [T, H, D]
+        out = fast_pva.varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0),
+                                   enable_gqa=True)
+        return out[None], None
+
+    def conv_per_document(x, weight, bias=None, activation=None, cu_seq_lens_q=None, **kw):   # x [1, C, T]
+        width = weight.shape[-1]
+        docs = [F.conv1d(F.pad(d, (width - 1, 0)), weight[:, None], bias, groups=x.shape[1])
+                for d in x.split(cu_seq_lens_q.diff().tolist(), dim=-1)]
+        return F.silu(torch.cat(docs, dim=-1))
+
+    hf = hf_model("qwen3_5_text", seed=8)
+    hf64 = copy.deepcopy(hf).double()
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (7, 30, 12)]
+    with torch.no_grad():
+        stock = torch.cat([hf(d[None]).logits[0] for d in docs])
+        exact = torch.cat([hf64(d[None]).logits[0] for d in docs])
+        saved = {n: getattr(m, n) for n in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+                                            "causal_conv1d_fn")}
+        AttentionInterface.register("twofold_varlen", packed_attention)
+        try:
+            m.torch_chunk_gated_delta_rule = fast_gdn.chunk_gated_delta_rule
+            m.torch_recurrent_gated_delta_rule = fast_gdn.fused_recurrent_gated_delta_rule
+            m.causal_conv1d_fn = conv_per_document
+            hf.set_attn_implementation("twofold_varlen")
+            cu = torch.tensor([0, 7, 37, 49])
+            ours = hf(torch.cat(docs)[None], position_ids=torch.cat([torch.arange(len(d)) for d in docs])[None],
+                      cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=30, max_length_k=30).logits[0]
+        finally:
+            for n, fn in saved.items():
+                setattr(m, n, fn)
+    err, stock_err = (ours.double() - exact).abs().max().item(), (stock.double() - exact).abs().max().item()
+    print(f"max |ours - fp64| = {err:.2e}, stock fp32: {stock_err:.2e}")
+    assert err <= 2 * stock_err + torch.finfo(torch.float32).eps * exact.abs().max().item()

@@ -7,8 +7,13 @@ copied into an empty folder, the block is written there as a script and run with
 interpreter from that folder, so it sees nothing of this repository but those files (the
 copy-one-file promise).  fast/ runs on the CPU through the Triton interpreter
 (``TRITON_INTERPRET=1``), as the README's CPU instructions say.  A block that uses Ray runs in a
-private network namespace (parity/netns.py: loopback only).  A block must finish without error
-within its time limit; what it prints is shown on failure.
+private network namespace (parity/netns.py: loopback only), and so does one that starts tensor-parallel
+processes (``tensor_parallel_size``).  A block that names a checkpoint directory ``tiny-<family>`` (a path a
+user would point at their own checkpoint) finds one there: the test writes a tiny random Hugging Face
+model of that family with ``save_pretrained`` (parity/hf_models.py), nothing downloaded.  A block that uses
+transformers runs as on a machine without fla (which ``make install`` never installs; ``make roofline``
+does): transformers then runs its own PyTorch Gated DeltaNet, the oracle such a block compares with.  A
+block must finish without error within its time limit; what it prints is shown on failure.
 """
 from __future__ import annotations
 
@@ -60,13 +65,19 @@ def test_readme_block_runs(line, source, where, files, tmp_path):
         src = ROOT / where / name
         assert src.exists(), f"README.md line {line}: {where}/{name} does not exist"
         shutil.copy(src, tmp_path / name)
+    for family in set(re.findall(r"tiny-([a-z0-9_]+)", source)):
+        from hf_models import hf_model
+        hf_model(family, seed=0).save_pretrained(tmp_path / f"tiny-{family}")
+    if "transformers" in source:       # no fla on the path: transformers' own delta rule, as after make install
+        (tmp_path / "fla").mkdir()
+        (tmp_path / "fla" / "__init__.py").write_text("raise ImportError('fla is not installed here')\n")
     script = tmp_path / "example.py"
     script.write_text(source)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     env["TRITON_INTERPRET"] = "1" if where == "fast" else "0"
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     argv = [sys.executable, str(script)]
-    if "ray" in source:
+    if "ray" in source or "tensor_parallel_size" in source:
         from netns import run_isolated, unavailable
         if unavailable():
             pytest.skip(unavailable())

@@ -1,0 +1,225 @@
+"""decoder_lm benchmark: real checkpoint sizes on the engine, and what tensor parallelism sends.
+
+Cases (CPU-meaningful: this measures loading, memory, the engine's batching and the wire, not a kernel)
+    checkpoint <shape>        a Hugging Face checkpoint of Qwen3-0.6B's and Qwen3.5-0.8B's shapes (random
+                              weights, written here in bf16 as released, loaded in fp32 for the CPU):
+                              ``load_s`` (DecoderLM.from_pretrained, a fresh process), ``weights_bytes``,
+                              ``rss_anon_bytes`` (the process's anonymous memory after the load: weights
+                              plus what the loader kept; the checkpoint itself is memory-mapped and not
+                              counted) and ``peak_rss_bytes`` (the high-water mark, mapped pages included),
+                              decode ``tokens/s`` of the fast engine at 1 and 16 requests (prompt 32, 16 new
+                              tokens, greedy, in-file attention), its ``kv_pool_bytes`` and
+                              ``checkpoint_bytes`` (the hybrid's linear-state slots).
+    tp <model> tp=N <mode>    fast/generator_engine.py's Generator(model, tensor_parallel_size=N) decoding B
+                              requests, inside a private network namespace (so the loopback counters see
+                              only this run): ``step_ms`` (mean iteration), ``wire_bytes_per_token``
+                              (loopback bytes sent per token through the model, all ranks, TCP/IP headers
+                              and ACKs included: counted), ``predicted_bytes_per_token`` (2 row-parallel sums
+                              of hidden elements per layer and token: a ring all-reduce sends 2 (N-1)
+                              payloads over all ranks, the batch-invariant all-gather N (N-1); plus rank
+                              0's token broadcast each iteration) and ``payload_bytes_per_layer`` (what
+                              one rank contributes per layer and decode step: two sums of B x hidden).
+                              Mode ``default`` or ``invariant`` (the reduction tree: on a CPU its kernels
+                              run under the Triton interpreter, so its step time is the interpreter's).
+
+    python bench/decoder_lm.py                 # both parts; rows to bench/results/latest/ (untracked)
+    python bench/decoder_lm.py --record        # ... and appended to bench/results/decoder_lm.csv
+    python bench/decoder_lm.py --part tp       # checkpoint | tp
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "parity"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from harness import run_bench  # noqa: E402
+
+SHAPES = {   # the released configs' sizes (random weights; vocab and head layout as released)
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       rope_theta=1000000.0, torch_dtype="bfloat16"),
+    "qwen3.5-0.8b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, intermediate_size=3584,
+                         num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                         linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                         linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True, torch_dtype="bfloat16",
+                         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25)),
+}
+TP_MODEL = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8, num_kv_heads=2,
+                head_dim=64, max_seq_len=256, tie_embeddings=False)
+
+
+# ----------------------------------------------------------------------------- checkpoints at real sizes
+
+def write_checkpoint(shape: str, path: Path) -> None:
+    """config.json and model.safetensors (bf16) of a random model with the shape's sizes."""
+    import fast.decoder_lm as lm
+    import ref.gated_deltanet as gdn
+    from safetensors.torch import save_file
+    raw = SHAPES[shape]
+    config = lm.ModelConfig.from_hf(raw, max_seq_len=64)
+    model = lm.DecoderLM(config, seed=0, linear_layer=gdn.GatedDeltaNet, dtype=torch.bfloat16)
+    tensors = {n: t.contiguous() for n, t in model.state_dict().items() if not (n == "lm_head.weight" and
+                                                                               config.tie_embeddings)}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+def _memory() -> tuple[int, int]:
+    """(RssAnon, VmHWM) of this process in bytes, from /proc/self/status."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "VmHWM"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields["RssAnon"], fields["VmHWM"]
+
+
+def checkpoint_child(path: str) -> dict:
+    """In a fresh process: load, measure memory, decode at 1 and 16 requests."""
+    import fast.decoder_lm as lm
+    import fast.generator_engine as ge
+    import ref.gated_deltanet as gdn
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    anon_before, _ = _memory()
+    start = time.perf_counter()
+    model = lm.DecoderLM.from_pretrained(path, linear_layer=gdn.GatedDeltaNet, dtype=torch.float32, max_seq_len=64)
+    load_s = time.perf_counter() - start
+    anon_after, peak = _memory()
+    out = dict(load_s=load_s, weights_bytes=sum(p.numel() * p.element_size() for p in
+                                                {id(p): p for p in model.parameters()}.values()),
+               rss_anon_bytes=anon_after - anon_before, peak_rss_bytes=peak)
+    with ge.Generator(model, page_size=16, max_batch_size=16) as g:
+        gen = torch.Generator().manual_seed(0)
+        for batch in (1, 16):
+            reqs = [ge.Request(torch.randint(0, model.config.vocab_size, (32,), generator=gen).tolist(),
+                               ge.SamplingParams(max_new_tokens=16)) for _ in range(batch)]
+            g.generate(reqs[:1])                                      # warm
+            start = time.perf_counter()
+            done = g.generate(reqs)
+            out[f"tokens_per_s_b{batch}"] = sum(len(c.token_ids) for c in done) / (time.perf_counter() - start)
+        stats = g.stats()
+        out.update(kv_pool_bytes=stats["kv_pool_bytes"], checkpoint_bytes=stats["checkpoint_bytes"])
+    return out
+
+
+def bench_checkpoints(rec, quick: bool) -> None:
+    for shape in (["qwen3-0.6b"] if quick else list(SHAPES)):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / shape
+            write_checkpoint(shape, path)
+            proc = subprocess.run([sys.executable, __file__, "--checkpoint-child", str(path)], capture_output=True,
+                                  text=True, timeout=3600)
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("FACTS ")]
+        if proc.returncode or not line:
+            raise RuntimeError(f"checkpoint {shape} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        facts = json.loads(line[-1][6:])
+        case = f"checkpoint {shape}"
+        rec.add(case, "fast", "load_s", facts["load_s"], "s")
+        for metric in ("weights_bytes", "rss_anon_bytes", "peak_rss_bytes", "kv_pool_bytes", "checkpoint_bytes"):
+            rec.add(case, "fast", metric, facts[metric], "B")
+        for batch in (1, 16):
+            rec.add(case, "fast", f"tokens/s b={batch}", facts[f"tokens_per_s_b{batch}"], "tok/s")
+
+
+# ----------------------------------------------------------------------------- tensor parallelism on the wire
+
+def _loopback_tx() -> int:
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name.strip() == "lo":
+            return int(rest.split()[8])                 # transmit bytes
+    raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+def tp_child(tp: int, mode: str, batch: int) -> dict:
+    """Inside a private network namespace: decode steps of a tensor-parallel generator, timed and counted."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    import fast.decoder_lm as lm
+    import fast.flash_decoding as fd
+    import fast.generator_engine as ge
+    import fast.paged_varlen_attention as pva
+    torch.set_num_threads(1)
+    invariant = mode == "invariant"
+    cfg = lm.ModelConfig(**TP_MODEL)
+    model = lm.DecoderLM(cfg, seed=0, batch_invariant=invariant, varlen_attn=pva.varlen_attn if invariant else None)
+    steps, new = [], 12
+    kw = dict(flash_decode=fd.flash_decode) if invariant else {}
+    with ge.Generator(model, tensor_parallel_size=tp, page_size=16, **kw) as g:
+        reqs = [ge.Request(list(range(1 + i, 17 + i)), ge.SamplingParams(max_new_tokens=new)) for i in range(batch)]
+        g.generate(reqs)                                            # warm: every rank has run every shape
+        before_tx, before_steps = _loopback_tx(), g.stats()["steps"]
+        start = time.perf_counter()
+        futures = [g.submit(r) for r in reqs]
+        while not all(f.done() for f in futures):
+            time.sleep(0.001)
+        elapsed = time.perf_counter() - start
+        after_tx, after_steps = _loopback_tx(), g.stats()["steps"]
+        steps = after_steps - before_steps
+    elt = 4
+    prompt_len = 16
+    tokens = batch * prompt_len + batch * (new - 1)                    # through the model: prefill, then decode
+    sums = 2 * cfg.num_layers                                           # two row-parallel sums per layer
+    wire_factor = tp * (tp - 1) if invariant else 2 * (tp - 1)          # bytes sent over all ranks, per payload
+    predicted = sums * tokens * cfg.hidden_size * elt * wire_factor + steps * (tp - 1) * batch * 8  # + tokens bcast
+    return dict(step_ms=elapsed / steps * 1e3, wire_bytes_per_token=(after_tx - before_tx) / tokens,
+                predicted_bytes_per_token=predicted / tokens if tp > 1 else 0,
+                payload_bytes_per_layer=2 * batch * cfg.hidden_size * elt, steps=steps)
+
+
+def bench_tp(rec, quick: bool) -> None:
+    from netns import run_isolated, unavailable
+    if unavailable():
+        rec.missing("tp", "fast", unavailable())
+        return
+    runs = [(1, "default"), (2, "default"), (2, "invariant")] + ([] if quick else [(4, "default"), (4, "invariant")])
+    for tp, mode in runs:
+        batch = 4
+        proc = run_isolated([sys.executable, __file__, "--tp-child", str(tp), mode, str(batch)], timeout=1800,
+                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("FACTS ")]
+        if proc.returncode or not line:
+            raise RuntimeError(f"tp={tp} {mode} failed:\n{proc.stdout[-3000:]}")
+        facts = json.loads(line[-1][6:])
+        case = f"tp 4-layer-512 tp={tp} {mode} b={batch}"
+        rec.add(case, "fast", "step_ms", facts["step_ms"], "ms")
+        for metric in ("wire_bytes_per_token", "predicted_bytes_per_token", "payload_bytes_per_layer"):
+            rec.add(case, "fast", metric, facts[metric], "B")
+
+
+def cpu(rec, args) -> None:
+    if args.part in ("all", "checkpoint"):
+        bench_checkpoints(rec, args.quick)
+    if args.part in ("all", "tp"):
+        bench_tp(rec, args.quick)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--checkpoint-child"]:
+        print("FACTS " + json.dumps(checkpoint_child(argv[1])), flush=True)
+        return 0
+    if argv[:1] == ["--tp-child"]:
+        print("FACTS " + json.dumps(tp_child(int(argv[1]), argv[2], int(argv[3]))), flush=True)
+        return 0
+
+    def configure(ap):
+        ap.add_argument("--part", choices=["all", "checkpoint", "tp"], default="all")
+    return run_bench("decoder_lm", __doc__, gpu=cpu, cpu=cpu, configure=configure, argv=argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
