@@ -209,6 +209,7 @@ def test_a_dead_or_hung_worker_fails_its_generator():
     facts = _probe("faults")
     for how, f in facts.items():
         bound = f["timeout_s"] * 2 + 10                  # the collective's timeout, then the failure's path
+        assert f["in_flight"] == 3, (how, f)             # the fault landed mid-decode (54 tokens each to go)
         assert all(e is not None and e.startswith("RuntimeError") for e in f["errors"]), (how, f)
         assert f["failed_after_s"] <= bound, (how, f)
         assert f["later_submit"].startswith("RuntimeError") and "failed" in f["later_submit"] or \

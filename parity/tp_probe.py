@@ -204,11 +204,13 @@ def faults() -> dict:
         g = ge.Generator(lm.DecoderLM(cfg, seed=1, linear_layer=gdn.GatedDeltaNet), tensor_parallel_size=2,
                          tp_timeout_s=timeout, page_size=4)
         g.generate([ge.Request([1, 2, 3], ge.SamplingParams(max_new_tokens=2))])          # warm: the ranks work
-        futures = [g.submit(ge.Request([i + 1] * 9, ge.SamplingParams(max_new_tokens=40))) for i in range(3)]
-        time.sleep(0.5)                                                                    # mid-decode
+        futures = [g.submit(ge.Request([i + 1] * 9, ge.SamplingParams(max_new_tokens=54))) for i in range(3)]
+        while g.stats()["steps"] < 3:                                                      # mid-decode
+            time.sleep(0.001)
         worker = g._tp.procs[0]
         start = time.time()
         os.kill(worker.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        in_flight = sum(not f.done() for f in futures)
         errors = []
         for f in futures:
             try:
@@ -225,9 +227,10 @@ def faults() -> dict:
         start = time.time()
         g.close()
         close_s = time.time() - start
-        if how == "hang":
+        if how == "hang" and worker.is_alive():     # (close() ends a hung worker itself)
             os.kill(worker.pid, signal.SIGKILL)
-        facts[how] = dict(timeout_s=timeout, failed_after_s=round(failed_after, 2), errors=errors, later_submit=later,
+        facts[how] = dict(timeout_s=timeout, in_flight=in_flight, failed_after_s=round(failed_after, 2), errors=errors,
+                          later_submit=later,
                           close_s=round(close_s, 2), worker_alive_after_close=worker.is_alive())
     return facts
 
