@@ -44,10 +44,10 @@ The latency model (``LatencyModel``, ``H100``): a model, never a measurement
     most are host-side input checks that a CUDA-graph replay would not run.
     The constants, H100 SXM5 (``H100``): 132 SMs and 3.35 TB/s of HBM3 from NVIDIA's H100 data sheet;
     50 MB of L2 (the data sheet / Hopper whitepaper); L2 bandwidth 5.5 TB/s and a launch cost of
-    2 us are assumptions, not data-sheet figures: 5.5 TB/s is the low end of published L2
-    microbenchmarks of H100 (Chips and Cheese, "Nvidia's H100: Funny L2, and Tons of Bandwidth",
-    2023, on the 114-SM PCIe card; 5.5-7 TB/s is the range usually quoted), 2 us a typical gap
-    between back-to-back kernels in one stream.  What the model leaves out: compute (these kernels
+    2 us are assumptions, not data-sheet figures (NVIDIA publishes no L2 bandwidth): 5.5 TB/s is the
+    low end of the 5.5-7 TB/s range quoted from microbenchmarks of H100's L2 (for instance Chips and
+    Cheese, "Nvidia's H100: Funny L2, and Tons of Bandwidth", 2023, on the 114-SM PCIe card), 2 us a
+    typical gap between back-to-back kernels in one stream.  What the model leaves out: compute (these kernels
     are memory-bound), latency of the first bytes, occupancy limits on bytes in flight, an SM
     drawing more than its share when others idle, and the partials' L2 residency (bytes written,
     then read back, count as unique).
