@@ -18,6 +18,11 @@ What is measured (parity/observatory.py has the instrument)
     sm_90 exactly as it ran (parity/aot_compile.py): registers, spills, shared memory, HGMMA /
     HMMA and SASS instructions; occupancy and waves on 132 SMs are modelled from H100's per-SM
     limits, not measured.  No timing: the interpreter cannot time a GPU kernel.
+    A latency model prices each launch from those counts (parity/observatory.py's ``LatencyModel``,
+    H100 constants): ``modeled_us`` = a fixed cost per launch + max(the busiest SM's bytes over its
+    share of HBM bandwidth, unique bytes over HBM bandwidth + reread bytes over L2 bandwidth), summed
+    over an op's kernels; the PyTorch ops between them are priced apart.  A model, never a measurement:
+    its constants are printed beside the tables.
 
 The IO lower bound of an op: every input it must read and every output it must write, once
 (the tensors and formulas are in the Case classes below and in bench/README.md).  issued / bound >= 1 is the
@@ -757,20 +762,23 @@ def _config_label(rec, space, variant=None) -> str:
 
 
 def summarize(case: Case, m: Measured) -> dict:
+    from observatory import H100
     issued = sum(r.issued_bytes for r in m.first)
     unique = sum(r.unique_bytes for r in m.first)
     flops = sum(r.dot_flops for r in m.first)
     glue = sum(r.issued_bytes for r in m.first if r.module == "torch")
     kernels = sum(r.module != "torch" for r in m.first)
+    model = H100.total(m.first)
     return dict(issued=issued, unique=unique, bound=case.bound, flops=flops, useful=case.useful, glue=glue,
                 launches=kernels, issued_over_bound=issued / case.bound, unique_over_bound=unique / case.bound,
-                dot_over_useful=flops / case.useful)
+                dot_over_useful=flops / case.useful, modeled_us=model["us"],
+                modeled_us_torch_ops=model["torch_ops_us"], torch_ops=model["torch_ops"])
 
 
 def kernel_rows(m: Measured, built: dict) -> list[dict]:
     """A row per (launch, config variant): traffic, FLOPs and the sm_90 build; the PyTorch ops between
     the kernels summed into one row."""
-    from observatory import Launch
+    from observatory import H100, Launch
     rows = []
     glue = [rec for rec in m.first if rec.module == "torch"]
     if glue:
@@ -779,11 +787,11 @@ def kernel_rows(m: Measured, built: dict) -> list[dict]:
                        unique_read_bytes=sum(r.unique_read_bytes for r in glue),
                        unique_write_bytes=sum(r.unique_write_bytes for r in glue))
         rows.append(dict(kernel=total.kernel, config=", ".join(sorted({r.kernel[6:] for r in glue})), first=True,
-                         record=total, static=None))
+                         record=total, static=None, modeled=sum(H100.torch_op_us(r) for r in glue)))
     for label, rec, config, first, spec in variants(m):
         space = m.spaces.get(rec.kernel) or []
         rows.append(dict(kernel=label, config=_config_label(rec, space, config), first=first, record=rec,
-                         static=built.get(_spec_key(spec))))
+                         static=built.get(_spec_key(spec)), modeled=H100.launch(rec)["us"]))
     return rows
 
 
@@ -805,13 +813,14 @@ def _static_cells(st) -> list[str]:
 
 def summary_table(results) -> str:
     lines = ["| case | op | impl: what it ran | kernels | issued MB | of which torch ops | unique MB | IO bound MB | "
-             "issued / bound | unique / bound | twofold's issued / this row's (kernels only) | dot / useful FLOPs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "issued / bound | unique / bound | twofold's issued / this row's (kernels only) | dot / useful FLOPs | "
+             "modeled us: kernels | torch ops: count, modeled us |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case, per_impl in results:
         ours = per_impl["ours"]["summary"]
         for impl, res in per_impl.items():
             if "missing" in res:
-                lines.append(f"| {case.name} | {case.op} | {case.label(impl)} | {res['missing']} |" + " |" * 8)
+                lines.append(f"| {case.name} | {case.op} | {case.label(impl)} | {res['missing']} |" + " |" * 10)
                 continue
             s = res["summary"]
             versus = "" if impl == "ours" else (f"{ours['issued'] / s['issued']:.2f}x "
@@ -819,7 +828,8 @@ def summary_table(results) -> str:
             dot = f"{s['dot_over_useful']:.2f}" if s["flops"] else "no dots"
             lines.append(f"| {case.name} | {case.op} | {case.label(impl)} | {s['launches']} | {_mb(s['issued'])} | "
                          f"{_mb(s['glue'])} | {_mb(s['unique'])} | {_mb(s['bound'])} | {s['issued_over_bound']:.2f} | "
-                         f"{s['unique_over_bound']:.2f} | {versus} | {dot} |")
+                         f"{s['unique_over_bound']:.2f} | {versus} | {dot} | {s['modeled_us']:.2f} | "
+                         f"{s['torch_ops']}, {s['modeled_us_torch_ops']:.1f} |")
     return "\n".join(lines)
 
 
@@ -836,40 +846,47 @@ def peer_table(results) -> str:
     labels = {i: SHORT[i] for i in impls}
     lines = ["| case | " + " | ".join(labels[i] for i in impls) + " |", "|---|" + "---|" * len(impls)]
     for case, per_impl in attention:
-        traffic, build = [], []
+        traffic, build, modeled = [], [], []
         for i in impls:
             res = per_impl.get(i)
             if res is None:
                 traffic.append("–")
                 build.append("–")
+                modeled.append("–")
             elif "missing" in res:
                 traffic.append("not installed")
                 build.append("")
+                modeled.append("")
             else:
                 traffic.append(f"{res['summary']['issued_over_bound']:.3f}")
+                modeled.append(f"{res['summary']['modeled_us']:.2f} ({res['summary']['launches']})")
                 row = _main_launch(res)
                 st, rec = row["static"] or {}, row["record"]
                 programs = rec.programs_run or 0
                 build.append(f"{st.get('reg', '?')} / {st.get('shared', 0) / 1024:.1f} / {st.get('sass', '?')} / "
                              f"{programs} ({programs / 132:.2f}; {st.get('waves', 0):.2f})" if st else "build failed")
         lines.append(f"| {case.name}: issued / IO bound | " + " | ".join(traffic) + " |")
+        lines.append(f"| {case.name}: modeled us, kernels (launches) | " + " | ".join(modeled) + " |")
         lines.append(f"| {case.name}: {_main_launch(per_impl['ours'])['kernel']} and peers' main kernel, regs / "
                      f"smem KB / SASS / programs (per 132 SMs; modelled waves) | " + " | ".join(build) + " |")
     return "\n".join(lines)
 
 
 def kernel_table(results, *, first_only: bool) -> str:
-    lines = ["| case | op | impl | kernel | config | issued MB | unique MB | dot GFLOP | regs | smem KB | "
-             "HGMMA/HMMA | SASS | blocks/SM (limit) occupancy | waves |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | op | impl | kernel | config | programs | issued MB | unique MB | busiest program KB | "
+             "modeled us | dot GFLOP | regs | smem KB | HGMMA/HMMA | SASS | blocks/SM (limit) occupancy | waves |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case, per_impl in results:
         for impl, res in per_impl.items():
             for row in res.get("kernels", []):
                 if first_only and not row["first"]:
                     continue
                 rec = row["record"]
-                cells = [case.name, case.op, IMPLS[impl], row["kernel"], row["config"], _mb(rec.issued_bytes),
-                         _mb(rec.unique_bytes), f"{rec.dot_flops / 1e9:.3f}", *_static_cells(row["static"])]
+                torch_row = rec.module == "torch"
+                cells = [case.name, case.op, IMPLS[impl], row["kernel"], row["config"],
+                         "" if torch_row else f"{rec.programs_run}", _mb(rec.issued_bytes), _mb(rec.unique_bytes),
+                         "" if torch_row else f"{max(rec.program_bytes.values(), default=0) / 1e3:.1f}",
+                         f"{row['modeled']:.2f}", f"{rec.dot_flops / 1e9:.3f}", *_static_cells(row["static"])]
                 lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -891,7 +908,8 @@ def record_rows(results, wall_s: float):
             s = res["summary"]
             for metric, unit in (("issued", "B"), ("unique", "B"), ("bound", "B"), ("issued_over_bound", "x"),
                                  ("unique_over_bound", "x"), ("flops", "FLOP"), ("useful", "FLOP"),
-                                 ("dot_over_useful", "x"), ("glue", "B"), ("launches", "count")):
+                                 ("dot_over_useful", "x"), ("glue", "B"), ("launches", "count"),
+                                 ("modeled_us", "us"), ("modeled_us_torch_ops", "us"), ("torch_ops", "count")):
                 rec.add(label, case.label(impl), metric if metric not in ("flops", "glue") else
                         {"flops": "dot_flops", "glue": "torch_op_bytes"}[metric], s[metric], unit)
             for row in res["kernels"]:
@@ -900,7 +918,7 @@ def record_rows(results, wall_s: float):
                 if row["first"] and r.module != "torch":
                     rec.add(label, name, "programs", r.programs_run, "count")
                 for metric, value, unit in (("issued", r.issued_bytes, "B"), ("unique", r.unique_bytes, "B"),
-                                            ("dot_flops", r.dot_flops, "FLOP")):
+                                            ("dot_flops", r.dot_flops, "FLOP"), ("modeled_us", row["modeled"], "us")):
                     rec.add(label, name, metric, value, unit)
                 st = row["static"]
                 if st and st.get("reg") is not None:
@@ -968,6 +986,16 @@ def plot(results):
     plt.close(fig)
 
 
+def model_note() -> str:
+    """The latency model and its constants, printed beside the tables."""
+    from observatory import H100
+    return ("modeled us: a latency model, not a measurement (parity/observatory.py): per kernel launch "
+            f"{H100.launch_us:g} us + max(busiest SM's bytes / (HBM / SMs), unique / HBM + reread / L2), summed over "
+            f"an op's kernels; the PyTorch ops between them priced apart ({H100.launch_us:g} us + bytes / HBM "
+            f"each). Constants: {H100.describe()}; SMs, HBM and L2 size from NVIDIA's H100 SXM5 data sheet, "
+            "L2 bandwidth and launch cost assumed.")
+
+
 def readme_block(results, wall_s: float, quick: bool) -> str:
     import triton
 
@@ -981,6 +1009,7 @@ def readme_block(results, wall_s: float, quick: bool) -> str:
              "The attention ops beside the production Triton kernels (issued / IO bound, lower is better; then "
              "the main kernel's sm_90 build: registers / shared memory KB / SASS instructions / programs "
              "launched, as a fraction of 132 SMs and as modelled waves):", "",
+             "*" + model_note() + "*", "",
              peer_table(results), "",
              "Every op, every implementation (the impl column names the kernel it ran):", "",
              summary_table(results), "",
@@ -1051,6 +1080,8 @@ def main(argv=None) -> int:
                 res["kernels"] = kernel_rows(res["measured"], built)
         results.append((case, case.per_impl))
     wall = time.perf_counter() - t0
+    print()
+    print(model_note())
     print()
     print(peer_table(results))
     print()

@@ -22,8 +22,8 @@ The math (the reference states it in full)
     A call runs ``_append_kv_kernel`` (with k_new / v_new) and ``_decode_fwd_kernel``, whose program
     that finishes a tile's keys last merges the splits' partials when there are several (the fused
     merge; its own partial never leaves its registers); each kernel's docstring gives its FLOPs and
-    bytes.  ``cascade_decode`` merges its prefix and suffix partials with ``_merge_splits_kernel``,
-    the same arithmetic.  Either way the result does not depend on which program finishes last.
+    bytes.  ``cascade_decode``'s kernel merges alike (the same ``_merge_step``).  Either way the result
+    does not depend on which program finishes last.
     ``num_splits=None`` asks ``choose_num_splits`` with the device's SM count (the interpreter
     assumes an H100's 132), one program per SM, and the cache's capacity, a shape: no host copy,
     the same choice under CUDA-graph capture; the count is then capped so that the splits' extra
@@ -34,12 +34,16 @@ The math (the reference states it in full)
     ``cache_leftpad [B]`` (flash-attn's name) starts sequence b's keys at that position: key k of the
     kernel is position cache_leftpad[b] + k.
     Cascade (``cascade_decode``): the n rows of a group share their first P keys' pages (a GRPO
-    group's prompt).  ``_cascade_prefix_kernel`` attends all the group's rows (n S_q G of them per
-    KV head, in one tile) to those P keys, reading them once instead of n times; the decode kernel
-    attends each row to its own keys from P on (as cache_leftpad); both write partials, and the
-    split merge combines them with the sink.  Bytes at n = 8, P = 2048, 256 own keys, GQA 8/2,
-    D = 128, fp16 (Triton interpreter count): 1.06x the IO bound (prefix once, suffixes), 0.23x
-    those of flash_decode on the same rows.
+    group's prompt).  One launch of ``_cascade_fwd_kernel`` (after a memset of its counters):
+    programs that attend all the group's rows (n S_q G of them per KV head, in one tile) to a share
+    of those P keys, reading them once instead of n times, then programs that attend each row to a
+    share of its own keys from P on; the last program to finish a sequence's rows merges their
+    partials with the sink.  The split counts (``_cascade_splits``) give every program about the same
+    keys, as many programs as a traffic budget allows (7.5% of the K/V bytes: a prefix split re-reads
+    the whole group's q and writes its partial).  At n = 8, P = 2048, 256 own keys, GQA 8/2, D = 128,
+    fp16 (Triton interpreter count): 30 programs, 1.096x the IO bound (the host checks' PyTorch ops
+    included), 0.24x the bytes of flash_decode on the same rows; 8.8 us modeled on an H100 against
+    flash_decode's 9.1 (parity/observatory.py's latency model: a model, not a measurement).
 
 Tensors (B sequences, S_q rows, H_q / H_kv heads, D head dim)
     q             [B, S_q, H_q, D]                  fp16 / bf16 / fp32, unit stride in D (else copied)
@@ -119,6 +123,16 @@ _SPLIT_TRAFFIC = 0.05
 # computes, so that another split's program arrives last and merges.
 _FUSED_MERGE = True
 _SPLIT_ROTATE = 0
+# cascade_decode's splits (_cascade_splits): their extra bytes (q rows read again, partials written and read)
+# within this fraction of the K and V bytes of the launch.  Higher than flash_decode's 5%, because a prefix
+# tile holds a whole group's rows: at the GRPO case (8 samples of 2k + 256 keys, GQA 8/2, D = 128, fp16)
+# a prefix split costs 25 KB, and 7.5% buys 7 per KV head (5%: 5), the most that keeps the case within
+# 1.10 of its IO bound (1.096, the host checks' PyTorch ops included; 8 would give 1.108).  The latency
+# model prices the launch by its busiest program, a prefix split: 172 KB, 8.8 us modeled against the
+# plain decode's 9.1 (bench/README.md, "The GRPO decode").
+_CASCADE_SPLIT_TRAFFIC = 0.075
+_CASCADE_SPLITS = None       # tests only: (prefix splits, suffix splits) instead of _cascade_splits'
+_CASCADE_REVERSE = False     # tests only: the suffix programs run first, so that prefix programs merge
 _LOG2E = tl.constexpr(1.4426950408889634)   # log2(e): kernels use it as is, the host as .value
 
 
@@ -158,10 +172,11 @@ def cascade_decode(q, k_cache, v_cache, seqused_k, *, block_table, cu_groups, pr
 
     Group g is rows cu_groups[g] .. cu_groups[g + 1] - 1 (``cu_groups [G + 1] int32``, 0 .. B); its
     first ``prefix_lens[g]`` keys (``prefix_lens [G] int32``) lie in the same pages for all its rows,
-    and every query row sees them all (prefix_lens[g] <= seqused_k[b] - S_q + 1).  One kernel reads
-    each group's prefix K/V once for all the group's rows (they share a tile, as GQA's heads do),
-    the decode kernel reads each row's own keys after the prefix, and the split merge combines the
-    two states exactly and adds the sink.  The result equals ``flash_decode``'s for every row, to
+    and every query row sees them all (prefix_lens[g] <= seqused_k[b] - S_q + 1).  One launch: its
+    prefix programs read each group's prefix K/V once for all the group's rows (they share a tile,
+    as GQA's heads do), each a share of the keys, its suffix programs each row's own keys after the
+    prefix, and the program that finishes a sequence last merges the states exactly and adds the
+    sink.  The result equals ``flash_decode``'s for every row, to
     rounding; the other keywords are flash_decode's.  Returns ``out [B, S_q, H_q, D]``, or ``(out,
     lse [B, H_q, S_q] fp32)``.
     """
@@ -395,9 +410,9 @@ def _cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_table: torch.Tensor, cu_groups: torch.Tensor, prefix_lens: torch.Tensor,
                     sinks: Optional[torch.Tensor], out: torch.Tensor, scale: float, softcap: float,
                     check_values: bool) -> torch.Tensor:
-    """Writes out [B, S_q, H_q, D]; returns lse [B, H_q, S_q]: the prefix kernel writes split 0 of the
-    partials, the decode kernel the suffix's splits 1 .. s (keys from each row's prefix length on),
-    the split merge the result."""
+    """Writes out [B, S_q, H_q, D]; returns lse [B, H_q, S_q]: one launch of ``_cascade_fwd_kernel``
+    (the prefix splits of every group's row tiles, then every row's suffix splits; the program that
+    finishes a sequence's keys last merges its partials), after a memset of its arrival counters."""
     batch, s_q, h_q, d = q.shape
     h_kv, page_size = k_cache.shape[2], k_cache.shape[1]
     group = h_q // h_kv
@@ -411,46 +426,35 @@ def _cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.numel() == 0:
         return lse
     kv_align, elt = _kv_align(k_cache, v_cache), q.element_size()
-    cfg = _fwd_config(d, q.dtype, s_q * group, True, kv_align, q.device)                 # the suffix
-    pre = _fwd_config(d, q.dtype, largest * s_q * group, True, kv_align, q.device)       # the prefix
-    # The shape gate for each part: the prefix (groups x KV heads x row tiles programs over at most the
-    # longest prefix's keys) and the suffix (rows x KV heads programs over the rest).
-    n_groups, sms = prefix_lens.numel(), _sm_count(q.device)
-    tiles = -(-largest * s_q * group // pre["BLOCK_M"])
-    p_splits = choose_num_splits(n_groups, h_kv, longest_prefix, num_sms=sms, num_q_tiles=tiles,
-                                 block_n=pre["BLOCK_N"], programs_per_sm=_PROGRAMS_PER_SM)
-    p_splits = max(1, min(p_splits, _traffic_splits(longest_prefix, largest * s_q * group, d, elt),
-                          -(-longest_prefix // pre["BLOCK_N"])))
-    suffix = capacity - shortest_prefix                   # the most keys a row has after its prefix
-    splits = choose_num_splits(batch, h_kv, suffix, num_sms=sms, num_q_tiles=cfg["num_q_tiles"],
-                               block_n=cfg["BLOCK_N"], programs_per_sm=_PROGRAMS_PER_SM)
-    splits = max(1, min(splits, _traffic_splits(suffix, s_q * group, d, elt), -(-suffix // cfg["BLOCK_N"])))
-    o_part, lse_part = _new_partials((batch, s_q, h_q, p_splits + splits, d), (batch, s_q, h_q, p_splits + splits),
+    rows = s_q * group                                      # a sequence's rows per KV head
+    cfg = _cascade_config(d, q.dtype, max(1, largest) * rows, kv_align, q.device)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    n_groups = prefix_lens.numel()
+    p_tiles = -(-largest * rows // block_m) if longest_prefix > 0 else 0   # no prefix: no prefix programs
+    s_tiles = -(-rows // block_m)
+    suffix = capacity - shortest_prefix                     # the most keys a row has after its prefix
+    p_splits, s_splits = _cascade_splits(
+        n_groups=n_groups, p_tiles=p_tiles, prefix=longest_prefix, p_rows=min(block_m, largest * rows),
+        batch=batch, s_tiles=s_tiles, suffix=suffix, s_rows=min(block_m, rows), h_kv=h_kv, head_dim=d, elt=elt,
+        block_n=block_n, num_sms=_sm_count(q.device))
+    if _CASCADE_SPLITS is not None:                          # tests only
+        p_splits, s_splits = _CASCADE_SPLITS
+    n_prefix, n_items = n_groups * p_tiles * p_splits, n_groups * p_tiles * p_splits + batch * s_tiles * s_splits
+    o_part, lse_part = _new_partials((batch, s_q, h_q, p_splits + s_splits, d), (batch, s_q, h_q, p_splits + s_splits),
                                      q.dtype, q.device)
+    counters = _new_counters(batch * h_kv, q.device)
     qk_scale = scale / softcap if softcap > 0 else scale * _LOG2E.value
-    flags = dict(HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], HAS_SOFTCAP=softcap > 0, KV_ALIGN=kv_align,
-                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    _cascade_prefix_kernel[(n_groups * h_kv, p_splits, tiles)](
-        q, k_cache, v_cache, block_table, cu_groups, prefix_lens, o_part, lse_part,
+    sk = sinks if sinks is not None else seqused_k          # a valid pointer the kernel never reads
+    _cascade_fwd_kernel[(n_items * h_kv,)](
+        q, k_cache, v_cache, seqused_k, block_table, cu_groups, prefix_lens, sk, o_part, lse_part, out, lse, counters,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *o_part.stride()[:4], *lse_part.stride()[:4],
-        block_table.stride(0), h_kv, group, s_q, page_size, p_splits, qk_scale, softcap,
-        BLOCK_M=pre["BLOCK_M"], BLOCK_N=pre["BLOCK_N"], num_warps=pre["num_warps"], num_stages=pre["num_stages"],
-        **flags)
-    # The suffix: the rows' keys from their group's prefix length on, into the partials after the prefix's.
-    row_prefix = torch.repeat_interleave(prefix_lens, cu_groups.diff(), output_size=batch)
-    o_suffix, lse_suffix = o_part[:, :, :, p_splits:], lse_part[:, :, :, p_splits:]
-    _decode_fwd_kernel[(batch * h_kv, splits, cfg["num_q_tiles"])](
-        q, k_cache, v_cache, seqused_k, block_table, seqused_k, o_suffix, lse_suffix,
-        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *o_suffix.stride()[:4],
-        *lse_suffix.stride()[:4], block_table.stride(0), h_kv, group, s_q, page_size, splits, qk_scale, softcap,
-        row_prefix, out, lse, seqused_k, 0, 0, 0,         # (the fused merge's arguments, unused here)
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], IS_PAGED=True, IS_SPLIT=True, HAS_SINKS=False, HAS_LEFTPAD=True,
-        BLOCK_IN_PAGE=aligned and page_size % cfg["BLOCK_N"] == 0, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **flags)
-    sk = sinks if sinks is not None else seqused_k
-    _merge_splits_kernel[(batch * s_q * h_q,)](
-        o_part, lse_part, sk, out, lse, out.stride(0), out.stride(1), out.stride(2), s_q, h_q, p_splits + splits,
-        HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], HAS_SINKS=sinks is not None, num_warps=4)
+        *out.stride()[:3], block_table.stride(0),
+        h_kv, group, s_q, page_size, n_groups, p_tiles, p_splits, s_tiles, s_splits, n_prefix, n_items,
+        qk_scale, softcap,
+        HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_M=block_m, BLOCK_N=block_n, HAS_SINKS=sinks is not None,
+        HAS_SOFTCAP=softcap > 0, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_ALIGN=kv_align,
+        BLOCK_IN_PAGE=aligned and page_size % block_n == 0, REVERSE=_CASCADE_REVERSE,
+        num_warps=cfg["warps"], num_stages=cfg["num_stages"])
     return lse
 
 
@@ -515,65 +519,146 @@ def _append_kv_kernel(
 
 
 @triton.jit
-def _cascade_prefix_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_groups_ptr, prefix_ptr, o_ptr, lse_ptr,
+def _cascade_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, seqused_ptr, bt_ptr, cu_groups_ptr, prefix_ptr, sinks_ptr,
+    po_ptr, plse_ptr, out_ptr, lse_ptr, count_ptr,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_os, stride_oh, stride_osplit, stride_lb, stride_ls, stride_lh, stride_lsplit,
-    stride_btb,
-    H_kv, GROUP, S_q, PAGE_SIZE, NUM_SPLITS, qk_scale, softcap,
+    stride_pb, stride_ps, stride_ph, stride_pj, stride_lb, stride_ls, stride_lh, stride_lj,
+    stride_ob, stride_os, stride_oh, stride_btb,
+    H_kv, GROUP, S_q, PAGE_SIZE, N_GROUPS, P_TILES, P_SPLITS, S_TILES, S_SPLITS, N_PREFIX, N_ITEMS,
+    qk_scale, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr,
+    BLOCK_IN_PAGE: tl.constexpr, REVERSE: tl.constexpr = False,
 ):
-    """``cascade_decode``'s shared prefix.  One program per (group x KV head, split, row tile): the tile
-    packs the rows of every sequence of the group, row r = (n * S_q + i) * G + g for its n-th sequence,
-    query row i and head g, so the prefix's K and V (through the group's first block-table row) are
-    read once for the whole group, not once per sequence; the prefix's key blocks are shared out
-    among NUM_SPLITS programs like the decode kernel's.  Every row sees every prefix key (the host
-    checked prefix <= seqused_k - S_q + 1).  Writes each row's partial state, normalized out in the
-    partials' dtype and lse in fp32, without the sink, at partial index ``split`` (0 .. NUM_SPLITS - 1).
+    """``cascade_decode`` in one launch.  Program ``pid`` is KV head pid % H_kv of work item pid // H_kv:
 
-    FLOPs ~= 4 * n * S_q * H_q * P * D per group of n sequences with a prefix of P keys.  Minimum
-    bytes = 2 * P * H_kv * D * elt (the prefix's K and V once) + n * S_q * H_q * (2 * D * elt + 4)
-    (q, the partial out and lse) + 4 * ceil(P / page_size) (page ids) per group; each further split
-    reads q and writes a partial again, and a group of more than BLOCK_M / (S_q G) sequences reads the
-    prefix once per row tile.
+    - items 0 .. N_PREFIX - 1, a group's shared prefix: (group, row tile, split).  The tile packs the
+      rows of every sequence of the group, row r = (n * S_q + i) * G + g for its n-th sequence, query
+      row i and head g, so the prefix's K and V (through the group's first block-table row) are read
+      once per row tile, not once per sequence; split j takes key blocks floor(j n / s) ..
+      floor((j + 1) n / s) - 1 of the prefix's n (every row sees them all: the host checked
+      prefix <= seqused_k - S_q + 1).
+    - then a row's own keys, from its group's prefix length on (its suffix, causal): (sequence,
+      query tile, split), the tile packing r = i * G + g, the splits shared out alike.
+    Each computes its tile's partial state (normalized out in the partials' dtype, lse in fp32, no
+    sink: slot j of the prefix's, P_SPLITS + j of the suffix's) and, for every sequence its tile holds
+    rows of, takes a ticket from that sequence's counter (int32 per sequence and KV head, zeroed by the
+    launcher: tickets in the low 16 bits, programs done in the high bits).  The program taking a
+    sequence's last ticket merges its partials (``_merge_step`` in slot order, then the sink): the
+    prefix programs store their partial before their tickets and count themselves done with them; a
+    suffix program takes its ticket first, and stores its partial and counts itself done only if it is
+    not the last, so a merging suffix program keeps its own state in registers (rounded as stored).  A
+    merger waits until all the others are done: they hold tickets, so they are running, and every
+    program counts itself done for all its sequences before it waits for any: no deadlock, whatever
+    the occupancy.  The slots are taken in index order, each as stored, so the result is the same bits
+    whichever program merges.  Splits with no keys neither run nor count (but a suffix with no keys runs
+    its split 0: someone must write the row).
+
+    FLOPs ~= 4 * S_q * H_q * D * (sum over rows of their keys), plus the merge's ~3 * S_q * H_q * D per
+    partial.  Minimum bytes = 2 * H_kv * D * elt * (each prefix once + each row's suffix) + B * S_q * H_q *
+    (2 * D * elt + 4) (q, out, lse), plus 4-byte page ids.  Each further split of a tile reads its q rows
+    again and writes a partial (D * elt + 4 bytes a row) that the merger reads, 3 * rows * (D * elt + 4)
+    in all: 25 KB for the 32 rows of a GRPO group of 8 at GQA 8/2, D = 128, fp16, against 1 KB for a
+    suffix tile's 4 rows (``_cascade_splits`` budgets them).  A sequence whose rows another program merges
+    adds its own suffix partial, written and read.  A group of more than BLOCK_M / (S_q G) sequences
+    reads its prefix once per row tile.
     """
-    i_gh, i_split, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_g, i_hkv = i_gh // H_kv, i_gh % H_kv
-    first = tl.load(cu_groups_ptr + i_g)
-    rows = (tl.load(cu_groups_ptr + i_g + 1) - first) * S_q * GROUP
-    if i_m * BLOCK_M >= rows:                            # the grid is sized by the largest group
+    pid = tl.program_id(0)
+    i_hkv = pid % H_kv
+    item = pid // H_kv
+    if REVERSE:   # tests only: the suffix programs run first, so that prefix programs arrive last and merge
+        item = N_ITEMS - 1 - item
+    rows_seq = S_q * GROUP
+    is_prefix = item < N_PREFIX
+    if is_prefix:
+        i_split = item % P_SPLITS
+        i_tile = (item // P_SPLITS) % P_TILES
+        i_g = item // (P_SPLITS * P_TILES)
+        g_first = tl.load(cu_groups_ptr + i_g)
+        n_rows = (tl.load(cu_groups_ptr + i_g + 1) - g_first) * rows_seq
+        prefix = tl.load(prefix_ptr + i_g)
+        row_base = g_first                # rows count from the group's first sequence
+        kv_first = 0
+        n_keys = prefix
+        n_splits = P_SPLITS
+        slot = i_split
+        causal = 0                        # every row sees every key: last_seen = n_keys + i >= n_keys
+    else:
+        i_item = item - N_PREFIX
+        i_split = i_item % S_SPLITS
+        i_tile = (i_item // S_SPLITS) % S_TILES
+        row_base = i_item // (S_SPLITS * S_TILES)          # the sequence
+        lo = 0                            # its group: the last g with cu_groups[g] <= the sequence
+        hi = N_GROUPS - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tl.load(cu_groups_ptr + mid) <= row_base:
+                lo = mid
+            else:
+                hi = mid - 1
+        g_first = tl.load(cu_groups_ptr + lo)
+        prefix = tl.load(prefix_ptr + lo)
+        n_rows = rows_seq
+        kv_first = prefix                 # key k of this item is position prefix + k
+        n_keys = tl.load(seqused_ptr + row_base) - prefix
+        n_splits = S_SPLITS
+        slot = P_SPLITS + i_split
+        causal = S_q                      # row i sees keys k <= n_keys - S_q + i
+    r0 = i_tile * BLOCK_M
+    n_blocks = tl.cdiv(n_keys, BLOCK_N)
+    blk_lo = i_split * n_blocks // n_splits
+    blk_hi = (i_split + 1) * n_blocks // n_splits
+    # A prefix tile past a smaller group's rows, or a split with no keys, neither runs nor counts
+    # (_cascade_arrivals counts alike); but a suffix with no keys at all runs its split 0, which writes the
+    # row when no prefix does.
+    if (r0 >= n_rows) | ((blk_lo == blk_hi) & (is_prefix | (i_split > 0) | (n_blocks > 0))):
         return
-    prefix = tl.load(prefix_ptr + i_g)
 
-    o_r = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_r = o_r < rows
-    i_b = (first + o_r // (S_q * GROUP)).to(tl.int64)    # the row's sequence
+    o_r = r0 + tl.arange(0, BLOCK_M)
+    m_r = o_r < n_rows
+    i_b = (row_base + o_r // rows_seq).to(tl.int64)                           # each row's sequence
     i_q = (o_r // GROUP) % S_q
     i_hq = i_hkv * GROUP + o_r % GROUP
     o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < HEAD_DIM
+    if BLOCK_D == HEAD_DIM:
+        m_d = tl.full([BLOCK_D], 1, tl.int1)      # a constant mask keeps the loads vectorized
+    else:
+        m_d = o_d < HEAD_DIM
     p_q = q_ptr + i_b[:, None] * stride_qb + i_q[:, None] * stride_qs + i_hq[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)           # [BLOCK_M, BLOCK_D]
 
-    bt_row = bt_ptr + first.to(tl.int64) * stride_btb
-    per_split = tl.cdiv(tl.cdiv(prefix, BLOCK_N), NUM_SPLITS)       # this split's share of the key blocks
-    start = i_split * per_split * BLOCK_N
-    end = tl.minimum(start + per_split * BLOCK_N, prefix)
-    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    start = blk_lo * BLOCK_N
+    end = tl.minimum(blk_hi * BLOCK_N, n_keys)
+    last_seen = n_keys - causal + i_q                                          # [BLOCK_M]
+    bt_row = bt_ptr + row_base.to(tl.int64) * stride_btb                       # the pages of the keys
+    b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)                 # running max, log2 units
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)                                # running sum of exp2
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    i_page = (kv_first + start) // PAGE_SIZE
+    o_page = (kv_first + start) % PAGE_SIZE
     for start_n in range(start, end, BLOCK_N):
         o_n = start_n + tl.arange(0, BLOCK_N)
         m_n = o_n < end
-        page = tl.load(bt_row + o_n // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
-        o_k = page * stride_kb + (o_n % PAGE_SIZE) * stride_kt + i_hkv * stride_kh
-        o_v = page * stride_vb + (o_n % PAGE_SIZE) * stride_vt + i_hkv * stride_vh
-        # The K/V loads and scores below are _decode_fwd_kernel's, written out again on purpose: in a
-        # shared @triton.jit function the alignment hint no longer reaches the loads' pipeliner (the
-        # KV_ALIGN < 16 builds, D = 100 or 60, lost their async copies and one invariant build spilled).
-        if KV_ALIGN > 1:
+        # The K/V loads and scores are _decode_fwd_kernel's, written out again on purpose: in a shared
+        # @triton.jit function the alignment hint no longer reaches the loads' pipeliner (measured on
+        # the sm_90 builds of the earlier prefix kernel: D = 100 or 60 lost their async copies).  The
+        # softcap's tanh is _tanh_near_zero: no bitwise contract ties the cascade to another kernel.
+        if BLOCK_IN_PAGE:    # one page id per block (BLOCK_N divides the page size and every prefix)
+            page = tl.load(bt_row + i_page).to(tl.int64)
+            o_t = o_page + tl.arange(0, BLOCK_N)
+            o_k = page * stride_kb + (o_t * stride_kt + i_hkv * stride_kh)
+            o_v = page * stride_vb + (o_t * stride_vt + i_hkv * stride_vh)
+            o_page += BLOCK_N
+            i_page += (o_page == PAGE_SIZE).to(tl.int32)
+            o_page = tl.where(o_page == PAGE_SIZE, 0, o_page)
+        else:
+            o_pos = o_n + kv_first                                          # the keys' positions
+            page = tl.load(bt_row + o_pos // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
+            o_k = page * stride_kb + (o_pos % PAGE_SIZE) * stride_kt + i_hkv * stride_kh
+            o_v = page * stride_vb + (o_pos % PAGE_SIZE) * stride_vt + i_hkv * stride_vh
+        if KV_ALIGN > 1:  # the host checked that every K/V row starts at a multiple of KV_ALIGN elements
             o_k = tl.multiple_of(o_k, KV_ALIGN)
             o_v = tl.multiple_of(o_v, KV_ALIGN)
         m_kv = m_n[:, None] & m_d[None, :]
@@ -581,18 +666,96 @@ def _cascade_prefix_kernel(
         b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_kv, other=0.0)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)       # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP:                                                # log2-domain scores
-            b_s = softcap * _tanh(b_s * qk_scale) * _LOG2E     # qk_scale = scale / softcap
+            b_s = softcap * _tanh_near_zero(b_s * qk_scale) * _LOG2E     # qk_scale = scale / softcap
         else:
             b_s = b_s * qk_scale                                          # qk_scale = scale * log2(e)
-        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+        b_s = tl.where(m_n[None, :] & (o_n[None, :] <= last_seen[:, None]), b_s, float("-inf"))
         b_acc, b_l, b_m = _online_softmax_step(b_acc, b_l, b_m, b_s, b_v, DOT_PRECISION)
 
     b_o, b_lse = _finish_rows(b_acc, b_l, b_m, tl.zeros([BLOCK_M], dtype=tl.float32), False)
-    p_o = (o_ptr + i_b[:, None] * stride_ob + i_q[:, None] * stride_os + i_hq[:, None] * stride_oh
-           + i_split * stride_osplit + o_d[None, :])
-    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
-    tl.store(lse_ptr + i_b * stride_lb + i_q * stride_ls + i_hq * stride_lh + i_split * stride_lsplit, b_lse,
-             mask=m_r)
+    b_o = b_o.to(po_ptr.dtype.element_ty)          # as stored: the merge reads every partial in this dtype
+    m_o = m_r[:, None] & m_d[None, :]
+    p_po = (po_ptr + i_b[:, None] * stride_pb + i_q[:, None] * stride_ps + i_hq[:, None] * stride_ph
+            + slot * stride_pj + o_d[None, :])
+    p_pl = plse_ptr + i_b * stride_lb + i_q * stride_ls + i_hq * stride_lh + slot * stride_lj
+    if is_prefix:       # stored before the tickets: a prefix program's tile feeds several sequences
+        tl.store(p_po, b_o, mask=m_o)
+        tl.store(p_pl, b_lse, mask=m_r)
+        tl.debug_barrier()
+
+    # The sequences this tile holds rows of: one ticket each.  Prefix programs count themselves done with
+    # the ticket (acq_rel: after their stores); a suffix program, if not the last, stores and then counts.
+    s_last = (tl.minimum(r0 + BLOCK_M, n_rows) - 1) // rows_seq
+    for s in range(r0 // rows_seq, s_last + 1):
+        i_s = row_base + s
+        arrivals = _cascade_arrivals(i_s, g_first, prefix, seqused_ptr, S_q, GROUP, P_SPLITS, S_SPLITS, S_TILES,
+                                     BLOCK_M, BLOCK_N)
+        p_count = count_ptr + i_s * H_kv + i_hkv
+        old = tl.atomic_add(p_count, tl.where(is_prefix, 1 + (1 << 16), 1), sem="acq_rel", scope="gpu")
+        last = (old & 0xFFFF) == arrivals - 1
+        if (not last) & (not is_prefix):
+            tl.store(p_po, b_o, mask=m_o)
+            tl.store(p_pl, b_lse, mask=m_r)
+            tl.debug_barrier()
+            tl.atomic_add(p_count, 1 << 16, sem="release", scope="gpu")
+        if last:
+            need = arrivals - 1 + is_prefix.to(tl.int32)              # the others; a prefix program too
+            done = (old >> 16) + is_prefix.to(tl.int32)
+            while done < need:
+                done = tl.atomic_add(p_count, 0, sem="acquire", scope="gpu") >> 16
+            i_s64 = i_s.to(tl.int64)
+            n_pblocks = tl.cdiv(prefix, BLOCK_N)
+            n_sblocks = tl.cdiv(tl.load(seqused_ptr + i_s) - prefix, BLOCK_N)
+            for c in range(0, S_TILES):                    # the sequence's rows, BLOCK_M at a time
+                o_c = c * BLOCK_M + tl.arange(0, BLOCK_M)
+                m_c = o_c < rows_seq
+                c_q = o_c // GROUP
+                c_h = i_hkv * GROUP + o_c % GROUP
+                own = (not is_prefix) & (c == i_tile)      # this program's rows: its state is in registers
+                # Scalar row bases and int32 offsets: pointer tensors would hold 64 bits an element (the
+                # D = 100 build spilled with them).
+                r_co = c_q[:, None] * stride_ps + c_h[:, None] * stride_ph + o_d[None, :]
+                r_cl = c_q * stride_ls + c_h * stride_lh
+                p_co = po_ptr + i_s64 * stride_pb
+                p_cl = plse_ptr + i_s64 * stride_lb
+                m_mrg = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                den = tl.zeros([BLOCK_M], dtype=tl.float32)
+                acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                for j in range(0, P_SPLITS + S_SPLITS):
+                    # The slots with keys (as _cascade_arrivals counts them), in index order.
+                    js = j - P_SPLITS
+                    present = tl.where(j < P_SPLITS,
+                                       (j + 1) * n_pblocks // P_SPLITS > j * n_pblocks // P_SPLITS,
+                                       ((js == 0) & (n_sblocks == 0))
+                                       | ((js + 1) * n_sblocks // S_SPLITS > js * n_sblocks // S_SPLITS))
+                    if present:
+                        m_j = tl.where(own & (j == slot), False, m_c)   # (m_c & a scalar: the interpreter casts)
+                        lse_j = tl.load(p_cl + j * stride_lj + r_cl, mask=m_j, other=b_lse, cache_modifier=".cg")
+                        o_j = tl.load(p_co + j * stride_pj + r_co, mask=m_j[:, None] & m_d[None, :], other=b_o,
+                                      cache_modifier=".cg")
+                        acc, den, m_mrg = _merge_step(acc, den, m_mrg, lse_j, o_j)
+                sink = tl.zeros([BLOCK_M], dtype=tl.float32)
+                if HAS_SINKS:
+                    sink = tl.load(sinks_ptr + c_h, mask=m_c, other=0.0).to(tl.float32)
+                f_o, f_lse = _merge_finish(acc, den, m_mrg, sink, HAS_SINKS)
+                p_out = out_ptr + i_s64 * stride_ob + c_q[:, None] * stride_os + c_h[:, None] * stride_oh + o_d[None, :]
+                tl.store(p_out, f_o.to(out_ptr.dtype.element_ty), mask=m_c[:, None] & m_d[None, :])
+                tl.store(lse_ptr + (i_s64 * (H_kv * GROUP) + c_h) * S_q + c_q, f_lse, mask=m_c)   # [B, H_q, S_q]
+
+
+@triton.jit
+def _cascade_arrivals(i_s, g_first, prefix, seqused_ptr, S_q, GROUP, P_SPLITS, S_SPLITS, S_TILES,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """How many programs write a partial of sequence i_s (one KV head): the prefix splits with keys, once
+    per prefix row tile holding some of its rows, and each query tile's suffix splits with keys (split 0
+    when the suffix has none).  Split j of n blocks in s splits has keys iff floor((j + 1) n / s) >
+    floor(j n / s): min(n, s) of them."""
+    rows_seq = S_q * GROUP
+    first_row = (i_s - g_first) * rows_seq                       # in the group's packed rows
+    p_tiles = (first_row + rows_seq - 1) // BLOCK_M - first_row // BLOCK_M + 1
+    p_splits = tl.minimum(tl.cdiv(prefix, BLOCK_N), P_SPLITS)
+    s_splits = tl.maximum(tl.minimum(tl.cdiv(tl.load(seqused_ptr + i_s) - prefix, BLOCK_N), S_SPLITS), 1)
+    return p_splits * p_tiles + s_splits * S_TILES
 
 
 @triton.jit
@@ -619,7 +782,7 @@ def _decode_fwd_kernel(
     writes out / lse: no partials, and a sequence's result does not depend on the rest of the
     batch.  With several, split i takes key blocks floor(i n / s) .. floor((i + 1) n / s) - 1 of the
     sequence's n, and each program writes its normalized output in the input dtype (rounded like the
-    final output) and its LSE in fp32: for ``_merge_splits_kernel`` (``cascade_decode``), or, with
+    final output) and its LSE in fp32: for ``_merge_splits_kernel`` (``_FUSED_MERGE = False``), or, with
     FUSED_MERGE (flash_decode), for the tile's last program, which merges them.
 
     The fused merge.  A program takes a ticket from its tile's counter (an int32 per (sequence, KV
@@ -895,6 +1058,22 @@ def _tanh(x):
 
 
 @triton.jit
+def _tanh_near_zero(x):
+    """tanh with a small relative error near 0 as well (cascade_decode's softcap): _tanh's
+    1 - 2 / (e^2x + 1) loses about eps of absolute accuracy where tanh is small, eps * softcap in the
+    score (fp32, softcap 20: 2.4e-6 against a tolerance of 2.1e-6 in parity/test_cascade_decode.py).
+    Below |x| = 0.3 the Taylor series to x^11 (next term < 6e-10); above, (1 - t) / (1 + t) with
+    t = e^(-2|x|) <= 0.55 (no cancellation past eps t).  Saturates to +-1 and keeps NaN."""
+    a = tl.abs(x)
+    t = tl.exp2(a * (-2.0 * _LOG2E))
+    x2 = x * x
+    near = a * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0
+                                                                                     - x2 * (1382.0 / 155925.0))))))
+    r = tl.where(a < 0.3, near, (1.0 - t) / (1.0 + t))
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
 def _merge_splits_kernel(
     po_ptr, plse_ptr, sinks_ptr, o_ptr, lse_ptr,
     stride_ob, stride_os, stride_oh,
@@ -902,9 +1081,9 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """One program per (sequence, row, query head) merges the splits' partials (outputs in the input
-    dtype, LSEs in fp32) in split order, in fp32 (_merge_step), and adds the sink once.  cascade_decode
-    runs it; flash_decode merges inside the decode kernel (FUSED_MERGE) with the same code, and
-    ``_FUSED_MERGE = False`` runs it there too.  FLOPs ~= 3 * B * S_q * H_q * num_splits * D;
+    dtype, LSEs in fp32) in split order, in fp32 (_merge_step), and adds the sink once.  flash_decode
+    merges inside the decode kernel (FUSED_MERGE) with the same code; ``_FUSED_MERGE = False`` runs this
+    kernel instead (the tests compare the two).  FLOPs ~= 3 * B * S_q * H_q * num_splits * D;
     bytes = B * S_q * H_q * (num_splits * (D * elt + 4) + D * elt + 4): each partial and LSE read once."""
     # One program per row (b, i, h), numbered like the partials [B, S_q, H_q, NUM_SPLITS, ...]; the
     # row is a tile of one ([1] and [1, BLOCK_D]) so that _merge_step serves both kernels.
@@ -999,7 +1178,7 @@ def _fwd_config(head_dim: int, dtype: torch.dtype, rows: int, paged: bool, kv_al
     split, 63 registers, 20.5 KB of shared memory (two 8 KB K/V stages and q), 828 SASS instructions
     paged (page 16), 64 / 20.5 KB / 678 contiguous, so 8 programs fit an SM; split with the fused merge
     (8 warps), 78 / 20.5 KB / 974 paged, 78 / 20.5 KB / 858 contiguous, 3 programs an SM (registers);
-    split for the merge kernel (4 warps, as cascade_decode's suffix), 63 / 20.5 KB / 871 paged.  Every
+    split for the merge kernel (4 warps, ``_FUSED_MERGE = False``), 63 / 20.5 KB / 871 paged.  Every
     config builds without spills for sm_80 and sm_90 (parity/test_compile.py).
     """
     elt = torch.finfo(dtype).bits // 8
@@ -1015,6 +1194,20 @@ def _fwd_config(head_dim: int, dtype: torch.dtype, rows: int, paged: bool, kv_al
                 fused_warps=max(num_warps, min(16, block_m * block_d // 256)),     # 8 merge elements a thread
                 num_stages=2 * buffers + 1 if paged else buffers + 1,
                 num_q_tiles=-(-rows // block_m))
+
+
+def _cascade_config(head_dim: int, dtype: torch.dtype, rows: int, kv_align: int, device: torch.device) -> dict:
+    """cascade_decode's one tile shape, for both kinds of program: _fwd_config's for the rows of its largest
+    group packed together (``rows``), paged.  ``warps``: enough for 8 elements of the tile a thread in the
+    merge (``fused_warps``, as flash_decode's fused merge), but at most 8 (16 warps cap a thread at 128
+    registers: the sinks' merge then spilled 16 bytes on sm_80).  Rows not aligned to 16 bytes (D = 100,
+    60) take 16-row tiles: a 32-row tile with the merge spilled on sm_90 (255 registers at 8 warps, 128 at
+    16); a group of more than 16 / (S_q G) sequences then reads its prefix once per 16 rows."""
+    if kv_align * (torch.finfo(dtype).bits // 8) < 16:
+        rows = min(rows, 16)
+    cfg = _fwd_config(head_dim, dtype, rows, True, kv_align, device)
+    cfg["warps"] = max(cfg["num_warps"], min(cfg["fused_warps"], 8))
+    return cfg
 
 
 # The batch-invariant mode's config: fast/paged_varlen_attention.py's table, copied (its comment gives
@@ -1086,6 +1279,46 @@ def _traffic_splits(capacity: int, rows: int, head_dim: int, elt: int, fused: bo
     D = 128, fp16: 9 splits at 1k keys fused (8 with the merge kernel), 68 (67) at 8k."""
     splits = int(_SPLIT_TRAFFIC * 2 * capacity * head_dim * elt) // (3 * rows * (head_dim * elt + 4))
     return max(1, splits + 1 if fused else splits)
+
+
+def _cascade_splits(*, n_groups, p_tiles, prefix, p_rows, batch, s_tiles, suffix, s_rows, h_kv, head_dim, elt,
+                    block_n, num_sms) -> tuple[int, int]:
+    """cascade_decode's (prefix splits, suffix splits), from shape numbers only (the longest prefix, the
+    longest suffix a row can have, the largest group): the smallest common share of keys per program
+    (a multiple of block_n) such that
+
+    - the splits' extra bytes stay within _CASCADE_SPLIT_TRAFFIC of the launch's K and V bytes: a split
+      past the first of a tile of r rows costs 3 r (D elt + 4) (q read again, a partial written and
+      read), over n_groups * p_tiles prefix tiles and batch * s_tiles suffix tiles per KV head;
+    - the launch has at most one program per SM (or one per tile, if that is more).
+
+    One share for both kinds keeps the programs' bytes even: the latency model prices a launch that
+    leaves SMs idle by its busiest program.  At the GRPO case (one group of 8, 2k + 256 keys, GQA 8/2,
+    D = 128, fp16): 7 prefix splits of 288-304 keys per KV head and one suffix split, 30 programs."""
+    kv = 2 * head_dim * elt                                   # K and V bytes of a key, one KV head
+    budget = _CASCADE_SPLIT_TRAFFIC * kv * h_kv * (n_groups * p_tiles * prefix + batch * suffix)
+    per_row = 3 * (head_dim * elt + 4)
+    tiles = h_kv * (n_groups * p_tiles + batch * s_tiles)
+    slots = max(num_sms * _PROGRAMS_PER_SM, tiles)
+
+    def splits(blocks):                                       # keys per program: blocks * block_n
+        chunk = blocks * block_n
+        return (max(1, -(-prefix // chunk)) if p_tiles else 1), max(1, -(-suffix // chunk))
+
+    def fits(blocks):
+        sp, ss = splits(blocks)
+        extra = h_kv * (n_groups * p_tiles * (sp - 1) * p_rows + batch * s_tiles * (ss - 1) * s_rows) * per_row
+        programs = h_kv * (n_groups * p_tiles * sp + batch * s_tiles * ss)
+        return extra <= budget and programs <= slots
+
+    lo, hi = 1, max(1, -(-max(prefix, suffix) // block_n))  # the whole of both in one program always fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return splits(lo)
 
 
 def _new_counters(n, device):

@@ -8,6 +8,9 @@ What it measures, per kernel launch
                    bus once, as with an infinite L2, so a lower bound.
     dot FLOPs      2 M N K for every ``tl.dot`` executed, masked rows and columns included (a
                    tensor core multiplies the padding too).
+    per program    the issued bytes of each program, by its linear id x + nx (y + ny z) (the
+                   interpreter runs the programs one after another, so each access is the current
+                   program's), for the latency model below.
     the launch     kernel, grid, and its exact specialization as the JIT would see it on a GPU
                    (constexprs, int arguments divisible by 16 or equal to 1, dtypes, warps,
                    stages), so parity/aot_compile.py can build that very launch for sm_90.
@@ -16,6 +19,38 @@ What it measures, per kernel launch
     sum over heads, a zero fill), which a GPU runs as kernels of its own, as pseudo-launches named
     ``torch.<op>``: each reads its tensor inputs and writes its outputs once (issued = unique).
     Views, allocations and the interpreter's own host copies cost nothing.
+
+The latency model (``LatencyModel``, ``H100``): a model, never a measurement
+    Bytes are not latency: four programs streaming 2 MB leave 128 SMs idle, a launch of 112 programs
+    re-reading a prompt that fits in L2 many times over may not.  Each kernel launch gets
+
+        modeled_us = launch_us + max(busiest_sm_bytes / (hbm / sms),
+                                     unique_bytes / hbm + reread_bytes / l2)
+
+    - busiest_sm_bytes: the programs are dealt out in launch order (linear id) to whichever SM has
+      the fewest bytes so far, as the block scheduler hands a free SM the next program; for a launch
+      of at most ``sms`` programs this is the busiest program's issued bytes.  An SM is credited
+      with its 1 / sms share of HBM bandwidth: the rate at which all SMs together saturate HBM.
+    - unique_bytes / hbm + reread_bytes / l2: the memory system's time for the whole launch, the
+      distinct bytes from HBM and the rest of the issued bytes (reread = issued - unique) from L2;
+      when the unique bytes exceed the L2 (50 MB) the rereads are charged at HBM bandwidth too.
+    - max, not sum: the two are bounds on the same transfer seen from two sides (one SM's share of
+      the bandwidth, the memory system's total), which overlap in time; their sum would count the
+      busiest program's bytes twice.  A launch that fills every SM evenly is priced by the memory
+      system; one that leaves SMs idle, by its busiest SM.
+    - launch_us: a fixed cost per kernel launch (the gap between dependent launches in one stream).
+    An op's modeled time is the sum over its kernel launches (they run one after another).  The
+    PyTorch ops between kernels are priced apart (``torch_op_us``: launch_us + bytes / hbm each):
+    most are host-side input checks that a CUDA-graph replay would not run.
+    The constants, H100 SXM5 (``H100``): 132 SMs and 3.35 TB/s of HBM3 from NVIDIA's H100 data sheet;
+    50 MB of L2 (the data sheet / Hopper whitepaper); L2 bandwidth 5.5 TB/s and a launch cost of
+    2 us are assumptions, not data-sheet figures (NVIDIA publishes no L2 bandwidth): 5.5 TB/s is the
+    low end of the 5.5-7 TB/s range quoted from microbenchmarks of H100's L2 (for instance Chips and
+    Cheese, "Nvidia's H100: Funny L2, and Tons of Bandwidth", 2023, on the 114-SM PCIe card), 2 us a
+    typical gap between back-to-back kernels in one stream.  What the model leaves out: compute (these kernels
+    are memory-bound), latency of the first bytes, occupancy limits on bytes in flight, an SM
+    drawing more than its share when others idle, and the partials' L2 residency (bytes written,
+    then read back, count as unique).
 
 The sanitizer
     Every active lane's bytes must lie inside the storage of a tensor argument of the launch
@@ -44,6 +79,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import heapq
 import inspect
 import threading
 from typing import Optional
@@ -56,7 +92,7 @@ import triton  # noqa: F401  (the interpreter patches triton.language in the glo
 import triton.language as tl  # noqa: F401
 from triton.runtime import interpreter as _interp
 
-__all__ = ["Launch", "OutOfBounds", "observe", "both_ends", "active"]
+__all__ = ["H100", "LatencyModel", "Launch", "OutOfBounds", "observe", "both_ends", "active"]
 
 
 class OutOfBounds(AssertionError):
@@ -81,6 +117,7 @@ class Launch:
     dot_flops: int = 0
     atomics: int = 0                # active atomic lanes
     args: dict = dataclasses.field(default_factory=dict)         # tensor arg name -> (dtype, storage bytes)
+    program_bytes: dict = dataclasses.field(default_factory=dict)   # linear program id -> issued bytes
 
     @property
     def issued_bytes(self) -> int:
@@ -109,6 +146,70 @@ def both_ends(k: int, axes: tuple = (0, 1, 2), kernels: Optional[tuple] = None) 
             return True
         return all(pid[a] < k or pid[a] >= grid[a] - k for a in axes)
     return keep
+
+
+# ----------------------------------------------------------------------------- the latency model
+
+@dataclasses.dataclass(frozen=True)
+class LatencyModel:
+    """A stated latency model of a kernel launch from its counted bytes (module docstring: the
+    formula, the constants and their sources).  A model, never a measurement."""
+    name: str
+    sms: int                    # streaming multiprocessors
+    hbm_bytes_per_s: float      # DRAM bandwidth
+    l2_bytes_per_s: float       # L2 bandwidth (an assumption: see the module docstring)
+    l2_bytes: float             # L2 capacity: rereads beyond it come from HBM
+    launch_us: float            # fixed cost per launch (an assumption)
+
+    def busiest_sm_bytes(self, program_bytes: dict, programs: int) -> int:
+        """The bytes of the busiest SM when ``programs`` programs (linear ids 0 .. programs - 1, bytes
+        ``program_bytes[id]``, 0 where absent) are dealt out in order, each to the SM with the fewest
+        bytes so far (the lowest-numbered on a tie)."""
+        if programs <= self.sms:
+            return max(program_bytes.values(), default=0)
+        loads = [(0, sm) for sm in range(self.sms)]
+        for pid in range(programs):
+            load, sm = heapq.heappop(loads)
+            heapq.heappush(loads, (load + program_bytes.get(pid, 0), sm))
+        return max(load for load, _ in loads)
+
+    def launch(self, record: Launch) -> dict:
+        """The modeled time of one kernel launch, in microseconds, with its terms:
+        ``us = fixed_us + max(sm_us, memory_us)``."""
+        if record.unique_bytes is None:
+            raise ValueError(f"{record.kernel}: the latency model needs unique bytes (observe(unique=True))")
+        programs = int(np.prod(record.grid or (1,)))
+        busiest = self.busiest_sm_bytes(record.program_bytes, programs)
+        reread = max(0, record.issued_bytes - record.unique_bytes)
+        reread_bw = self.l2_bytes_per_s if record.unique_bytes <= self.l2_bytes else self.hbm_bytes_per_s
+        sm_us = busiest / (self.hbm_bytes_per_s / self.sms) * 1e6
+        memory_us = (record.unique_bytes / self.hbm_bytes_per_s + reread / reread_bw) * 1e6
+        return dict(us=self.launch_us + max(sm_us, memory_us), fixed_us=self.launch_us, sm_us=sm_us,
+                    memory_us=memory_us, busiest_sm_bytes=busiest, programs=programs)
+
+    def torch_op_us(self, record: Launch) -> float:
+        """A PyTorch op between kernels (no program ids): a launch of its own that streams its bytes at
+        HBM bandwidth."""
+        return self.launch_us + record.issued_bytes / self.hbm_bytes_per_s * 1e6
+
+    def total(self, launches) -> dict:
+        """An op's modeled time: its kernel launches one after another (``us``), and apart the PyTorch
+        ops between them (``torch_ops_us``, ``torch_ops``: their number)."""
+        kernels = [r for r in launches if r.module != "torch"]
+        ops = [r for r in launches if r.module == "torch"]
+        return dict(us=sum(self.launch(r)["us"] for r in kernels), launches=len(kernels),
+                    torch_ops_us=sum(self.torch_op_us(r) for r in ops), torch_ops=len(ops))
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.sms} SMs, HBM {self.hbm_bytes_per_s / 1e12:.2f} TB/s (per SM "
+                f"{self.hbm_bytes_per_s / self.sms / 1e9:.1f} GB/s), L2 {self.l2_bytes / 1e6:.0f} MB at "
+                f"{self.l2_bytes_per_s / 1e12:.1f} TB/s (assumed), {self.launch_us:g} us per launch (assumed)")
+
+
+# H100 SXM5: SM count, HBM3 bandwidth and L2 size from NVIDIA's data sheet; L2 bandwidth and launch cost
+# are assumptions (module docstring).
+H100 = LatencyModel(name="H100 SXM5", sms=132, hbm_bytes_per_s=3.35e12, l2_bytes_per_s=5.5e12, l2_bytes=50e6,
+                    launch_us=2.0)
 
 
 # ----------------------------------------------------------------------------- per-launch state
@@ -183,6 +284,10 @@ class _LaunchState:
         nbytes = int(addr.size) * elt
         self.record.read_bytes += nbytes if read else 0
         self.record.write_bytes += nbytes if write else 0
+        x, y, z = _interp.interpreter_builder.grid_idx           # the program running now
+        nx, ny, _ = self.record.grid or (1, 1, 1)
+        pid = int(x) + nx * (int(y) + ny * int(z))
+        self.record.program_bytes[pid] = self.record.program_bytes.get(pid, 0) + nbytes * (read + write)
         if not self.unique:
             return
         for s, a in groups:

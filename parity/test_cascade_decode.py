@@ -1,15 +1,19 @@
 """Cascade (shared-prefix) decode and ``cache_leftpad``: fast/flash_decoding.py against the reference.
 
 ``cascade_decode`` attends groups of sequences whose first pages are shared (a GRPO group's samples
-behind their prompt): one kernel reads each group's prefix once for all its rows, the decode kernel
-reads each row's own keys from its group's prefix length on (``cache_leftpad``), and the split merge
-combines the two states.  Checked here, on the parity grid of ``flash_decode`` (fp32 and fp16; bf16 on
-a GPU; page sizes 1 / 3 / 16; GQA 1 / 3 / 8; head dims 32 / 60 / 100 / 128; S_q 1 and 3; softcap;
-sinks): the reference's cascade equals its flash_decode in fp64; fast's cascade meets the tolerance rule
-against it, with groups of several rows, a group of one, a prefix of 0, a prefix shorter than the
-shared pages, rows whose own keys are only the query rows' (an empty suffix past them), and an empty
-sequence; NaN in every unused slot.  ``cache_leftpad`` the same way, with splits, paged and contiguous.
-Bad input raises the same errors in both files.
+behind their prompt) in one launch of ``_cascade_fwd_kernel``: programs that read each group's prefix
+once for all its rows, split across programs, and programs that read each row's own keys from its
+group's prefix length on, the last of them to finish a sequence merging its partials.  Checked here, on
+the parity grid of ``flash_decode`` (fp32 and fp16; bf16 on a GPU; page sizes 1 / 3 / 16; GQA 1 / 3 / 8;
+head dims 32 / 60 / 100 / 128; S_q 1 and 3; softcap; sinks): the reference's cascade equals its
+flash_decode in fp64; fast's cascade meets the tolerance rule against it, with groups of several rows,
+odd group sizes, a group of one, a prefix of 0, a prefix shorter than the shared pages and not a multiple
+of the split size, rows whose own keys are only the query rows' (an empty suffix past them), an empty
+sequence, a sequence's rows spread over two prefix tiles and over two query tiles; NaN in every unused
+slot.  Forced split counts and either kind of program merging give the same bits; every program's
+ticket is counted; the prefix is read once; the split counts follow their traffic budget.
+``cache_leftpad`` the same way, with splits, paged and contiguous.  Bad input raises the same errors in
+both files.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import random
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import fast.flash_decoding as fast
 import ref.flash_decoding as ref
@@ -114,11 +120,12 @@ def test_cascade_matches_flash_decode(name, page, h_q, h_kv, d, s_q, softcap, us
     check_close("cascade lse", lse_fast, lse64, lse_low)
 
 
-def test_cascade_writes_k_new_and_reads_each_prefix_once():
+def test_cascade_writes_k_new_and_reads_each_prefix_once(monkeypatch):
     """k_new / v_new land in every row's own page first (as flash_decode writes them); and the prefix of
-    a group of four rows is read once: the Triton interpreter's count of the prefix kernel's loads is
-    one prefix's K/V (plus q and the page ids), and the whole cascade moves fewer bytes than flash_decode
-    reading the prefix for every row."""
+    a group of four rows is read once: one launch of the cascade kernel, whose prefix programs (one per
+    KV head, the first ones: one split forced) issue one prefix's K/V for their head plus q, the page ids,
+    the group's numbers, their partial and their tickets; and the whole cascade moves fewer bytes than
+    flash_decode reading the prefix for every row."""
     from observatory import observe
     case = cast(group_case(groups=[(6, None, [3, 2, 5, 1])], s_q=1, h_q=4, h_kv=2, d=32, page=4, seed=3),
                 torch.float32)
@@ -131,18 +138,24 @@ def test_cascade_writes_k_new_and_reads_each_prefix_once():
         e_o, e_lse = decode(ref, expect, k_new=k_new, v_new=v_new)
         torch.testing.assert_close(o, e_o.to(o.dtype), atol=2e-6, rtol=0)
         assert torch.equal(c["k_cache"].nan_to_num(7), expect["k_cache"].nan_to_num(7))
+    monkeypatch.setattr(fast, "_CASCADE_SPLITS", (1, 1))
     with observe() as obs:
         cascade(fast, case)
     with observe() as plain:
         decode(fast, case, num_splits=1)
-    prefix_kv = 2 * 24 * 2 * 32 * 4                                    # K and V of the 24-key prefix, once
-    (prefix_launch,) = [launch for launch in obs.launches if launch.kernel == "_cascade_prefix_kernel"]
-    q_bytes, page_ids, group_ids = 4 * 4 * 32 * 4, 4 * 24 * 2, 12 * 2       # per KV head: cu_groups x 2, prefix
-    assert prefix_kv <= prefix_launch.read_bytes <= prefix_kv + q_bytes + page_ids + group_ids, \
-        prefix_launch.read_bytes
+    (launch,) = obs.launches
+    assert launch.kernel == "_cascade_fwd_kernel" and launch.grid == ((1 + 4) * 2, 1, 1)   # 1 prefix + 4 rows
+    head_kv = 24 * 2 * 32 * 4                                 # K and V of the 24-key prefix, one KV head
+    rows = 4 * 2                                              # the group's rows for one KV head (G = 2)
+    q_bytes, page_ids, group_ids = rows * 32 * 4, 24 * 4, 3 * 4        # one page id a key (page 4 < BLOCK_N)
+    partial, tickets = rows * (32 * 4 + 4), 4 * 3 * 4        # 4 sequences: seqused_k, a ticket read and written
+    for pid in (0, 1):                                        # the prefix programs, KV heads 0 and 1
+        assert launch.program_bytes[pid] == head_kv + q_bytes + page_ids + group_ids + partial + tickets, \
+            launch.program_bytes
+    prefix_kv = 2 * head_kv
     total = sum(launch.issued_bytes for launch in obs.launches)
     once = sum(launch.issued_bytes for launch in plain.launches)
-    print(f"cascade issued {total} B (prefix kernel reads {prefix_launch.read_bytes} B), flash_decode {once} B")
+    print(f"cascade issued {total} B (a prefix program {launch.program_bytes[0]} B), flash_decode {once} B")
     assert total < once - 2 * prefix_kv, (total, once)
 
 
@@ -201,17 +214,138 @@ def test_bad_cascade_inputs(module):
     assert o.shape == case["q"].shape
 
 
-def test_a_long_prefix_is_split_across_programs():
+def test_a_long_prefix_is_split_across_programs(monkeypatch):
     """One group with a long prefix and few rows: the shape gate shares the prefix's key blocks out among
-    several programs (their partials merged with the suffix's), and the result is flash_decode's."""
+    several programs (their partials merged with the suffix's), in one launch, and the result is
+    flash_decode's."""
     from observatory import observe
     case64 = group_case(groups=[(32, None, [5, 9])], s_q=1, h_q=4, h_kv=2, d=32, page=16, seed=8)   # 512 keys
     o64, lse64 = decode(ref, case64)
     case = cast(case64, torch.float16)
     o_low, lse_low = cascade(ref, case, upcast=False)
+    chosen = []
+    gate = fast._cascade_splits
+    monkeypatch.setattr(fast, "_cascade_splits", lambda **kw: chosen.append(gate(**kw)) or chosen[-1])
     with observe(unique=False) as obs:
         o, lse = cascade(fast, case)
-    (prefix,) = [launch for launch in obs.launches if launch.kernel == "_cascade_prefix_kernel"]
-    assert prefix.grid[1] >= 2, prefix.grid                       # (groups x KV heads, splits, row tiles)
+    [(p_splits, s_splits)] = chosen
+    (launch,) = obs.launches
+    assert p_splits >= 2 and launch.grid == ((p_splits + 2 * s_splits) * 2, 1, 1), (chosen, launch.grid)
     check_close("split prefix out", o, o64, o_low)
     check_close("split prefix lse", lse, lse64, lse_low)
+
+
+# (id, page, H_q, H_kv, D, S_q, sinks, softcap, groups) for the launch's corner cases.  fp32 tiles hold 16
+# rows, fp16 ones up to 64: "odd" packs a group of 5 sequences of 9 rows (S_q 3, G 3) into 3 fp32 prefix
+# tiles (rows of a sequence in two tiles), with a prefix of 10 keys (3 pages of 3 keys: not a multiple of
+# anything), a group of one and a prefix of 0; "wide" has 24 rows a sequence (S_q 3, G 8), two fp32 query
+# tiles; "empty" has rows with no keys of their own past the prefix, a group of one, an empty sequence.
+CORNERS = [
+    ("odd", 3, 6, 2, 60, 3, True, 10.0,
+     [(4, 10, [3, 8, 5]), (5, None, [2, 6, 2, 3, 4]), (2, None, [4]), (1, 0, [7, 9])]),
+    ("wide", 16, 16, 2, 32, 3, False, 0.0, [(2, None, [5, 2]), (1, 7, [3])]),
+    ("empty", 16, 8, 1, 32, 1, True, 0.0, [(2, 32, [0, 0, 3]), (1, None, [0]), (0, 0, [0]), (0, 0, [4])]),
+]
+
+
+def _arrivals(case, p_splits, s_splits, block_m, block_n, s_q, group):
+    """Expected tickets per (sequence, KV head) counter: _cascade_arrivals in Python."""
+    rows = s_q * group
+    cu, prefixes, used = case["cu_groups"].tolist(), case["prefix_lens"].tolist(), case["seqused_k"].tolist()
+    want = []
+    for g, prefix in enumerate(prefixes):
+        for b in range(cu[g], cu[g + 1]):
+            first = (b - cu[g]) * rows
+            tiles = (first + rows - 1) // block_m - first // block_m + 1
+            p = min(-(-prefix // block_n), p_splits)
+            s = max(1, min(-(-(used[b] - prefix) // block_n), s_splits))
+            want.append(p * tiles + s * -(-rows // block_m))
+    return want
+
+
+@pytest.mark.parametrize("dtype", dtype_params(torch.float32, torch.float16))
+@pytest.mark.parametrize("name,page,h_q,h_kv,d,s_q,use_sinks,softcap,groups",
+                         [pytest.param(*c, id=c[0]) for c in CORNERS])
+def test_any_split_count_and_any_merger_give_the_same_bits(name, page, h_q, h_kv, d, s_q, use_sinks, softcap, groups,
+                                                          dtype, monkeypatch):
+    """The launch's corner cases against the fp64 reference, at the gate's split counts and at forced ones
+    (empty splits included: 5 prefix splits of a 10-key prefix); then with the programs in reverse order,
+    so that a prefix program, not a row's own, arrives last and merges from memory: the same bits.  Every
+    sequence's counter holds as many tickets as _cascade_arrivals counts, and all of them done but the
+    merger's own when a suffix program merged (it never stores its partial)."""
+    case64 = group_case(groups=groups, s_q=s_q, h_q=h_q, h_kv=h_kv, d=d, page=page, seed=sum(map(ord, name)))
+    sinks64 = case64["sinks"] if use_sinks else None
+    o64, lse64 = decode(ref, case64, sinks=sinks64, softcap=softcap)
+    case = cast(case64, dtype)
+    sinks = case["sinks"] if use_sinks else None
+    o_low, lse_low = cascade(ref, case, sinks=sinks, softcap=softcap, upcast=False)
+    counters = []
+    make = fast._new_counters
+    monkeypatch.setattr(fast, "_new_counters", lambda n, device: counters.append(make(n, device)) or counters[-1])
+    group = h_q // h_kv
+    largest = max(len(owns) for *_, owns in groups)
+    cfg = fast._cascade_config(d, dtype, largest * s_q * group, fast._kv_align(case["k_cache"], case["v_cache"]),
+                               case["q"].device)
+    for splits in (None, (1, 1), (5, 3)):
+        monkeypatch.setattr(fast, "_CASCADE_SPLITS", splits)
+        results = []
+        for reverse in (False, True):
+            monkeypatch.setattr(fast, "_CASCADE_REVERSE", reverse)
+            counters.clear()
+            o, lse = cascade(fast, case, sinks=sinks, softcap=softcap)
+            check_close(f"{name} {splits} {'reversed ' if reverse else ''}out", o, o64, o_low)
+            check_close(f"{name} {splits} {'reversed ' if reverse else ''}lse", lse, lse64, lse_low)
+            results.append((o, lse))
+            (count,) = counters
+            tickets, done = (count & 0xFFFF).view(-1, h_kv), (count >> 16).view(-1, h_kv)
+            if splits is not None:
+                want = torch.tensor(_arrivals(case, *splits, cfg["BLOCK_M"], cfg["BLOCK_N"], s_q, group))
+                assert torch.equal(tickets, want[:, None].expand(-1, h_kv).to(tickets.dtype)), (tickets, want)
+            assert ((tickets - done == 0) | (tickets - done == 1)).all(), (tickets, done)
+            # In order, a row's own program arrives last; reversed, a prefix program does where there is one.
+            has_prefix = torch.repeat_interleave(case["prefix_lens"] > 0, case["cu_groups"].diff())
+            merged_by_suffix = torch.ones_like(has_prefix) if not reverse else ~has_prefix
+            assert torch.equal(tickets - done, merged_by_suffix[:, None].expand(-1, h_kv).to(tickets.dtype)), \
+                (tickets, done)
+        assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_split_counts_follow_the_traffic_budget():
+    """_cascade_splits at the GRPO case (one group of 8, 2k + 256 keys, GQA 8/2, D = 128, fp16, BLOCK_N 16):
+    7 prefix splits a KV head and one suffix split, whose extra bytes stay within the budget where 8 would
+    not; no prefix: the suffix split like flash_decode, one program per SM at most; a budget of 0: one
+    split each."""
+    grpo = dict(n_groups=1, p_tiles=1, prefix=2048, p_rows=32, batch=8, s_tiles=1, suffix=256, s_rows=4, h_kv=2,
+                head_dim=128, elt=2, block_n=16, num_sms=132)
+    assert fast._cascade_splits(**grpo) == (7, 1)
+    budget = fast._CASCADE_SPLIT_TRAFFIC * 2 * 128 * 2 * 2 * (2048 + 8 * 256)
+    per_split = 2 * 3 * 32 * (128 * 2 + 4)                   # both KV heads' prefix tiles
+    assert 6 * per_split <= budget < 7 * per_split
+    p_splits, s_splits = fast._cascade_splits(**{**grpo, "p_tiles": 0, "prefix": 0, "batch": 4, "suffix": 8192})
+    assert p_splits == 1 and 2 * 4 * s_splits <= 132 < 2 * 4 * (s_splits + 1)
+    try:
+        old, fast._CASCADE_SPLIT_TRAFFIC = fast._CASCADE_SPLIT_TRAFFIC, 0.0
+        assert fast._cascade_splits(**grpo) == (1, 1)
+    finally:
+        fast._CASCADE_SPLIT_TRAFFIC = old
+
+
+@triton.jit
+def _tanh_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + o, fast._tanh_near_zero(tl.load(x_ptr + o, mask=o < n)), mask=o < n)
+
+
+def test_tanh_near_zero_is_accurate_everywhere():
+    """The cascade's softcap tanh: within 2 ulp of tanh (fp64) at every magnitude from 1e-30 to 100, 0 at
+    +-0, +-1 at +-inf, NaN kept (the decode kernel's _tanh loses about eps of absolute accuracy near 0)."""
+    x = torch.cat([torch.logspace(-30, 2, 4001), torch.linspace(0.25, 0.35, 1001)])
+    x = torch.cat([x, -x, torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan")])]).float()
+    y = torch.empty_like(x)
+    _tanh_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    want = torch.tanh(x.double())
+    finite = x.isfinite()
+    ulp = torch.finfo(torch.float32).eps * want[finite].abs().clamp_min(torch.finfo(torch.float32).tiny)
+    assert ((y[finite].double() - want[finite]).abs() <= 2 * ulp).all(), \
+        ((y[finite].double() - want[finite]).abs() / ulp).max()
+    assert torch.equal(y[-5:-1], torch.tensor([0.0, 0.0, 1.0, -1.0])) and y[-1].isnan()

@@ -4,7 +4,9 @@ Each trivial kernel below has a traffic and FLOP count that can be written down 
 a kernel that re-reads its input, a masked load, atomics, a dot.  The sanitizer must stop a
 planted out-of-bounds read and an index computed in int32 past 2^31 (the same kernel with an
 int64 index must pass), naming the kernel, the argument, the offset and the program id.  The
-recorded specialization must match what Triton's JIT specializes on, and build for sm_90.
+recorded specialization must match what Triton's JIT specializes on, and build for sm_90.  Bytes are
+attributed to the program that issued them, and the latency model (``LatencyModel``) gives, on
+synthetic launches, the value its formula states.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import triton
 import triton.language as tl
 
 from conftest import INTERPRET
-from observatory import OutOfBounds, both_ends, observe
+from observatory import H100, LatencyModel, Launch, OutOfBounds, both_ends, observe
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="the observatory instruments the Triton interpreter")
 ROOT = Path(__file__).resolve().parents[1]
@@ -276,3 +278,101 @@ def test_recorded_launch_builds_for_sm90():
     # one warp and few registers: the 32-blocks-per-SM limit binds, 32 of 64 warp slots filled
     assert (static["blocks_per_sm"], static["occupancy"]) == (32, 0.5)
     assert static["waves"] == pytest.approx(24 / (32 * 132))
+
+
+# ----------------------------------------------------------------------------- per-program bytes, latency model
+
+def test_bytes_are_attributed_to_the_program_that_issued_them():
+    """Each program of the copy kernel loads and stores its own block; the last one is masked past n.
+    Per-program bytes sum to the launch's issued bytes, ids linear as on a GPU (x fastest)."""
+    n, block = 1000, 128
+    x = torch.randn(n)
+    y = torch.empty(n)
+    with observe() as obs:
+        _copy_kernel[(triton.cdiv(n, block),)](x, y, n, BLOCK=block)
+    r = _only(obs)
+    assert r.program_bytes == {**{i: 2 * 4 * block for i in range(7)}, 7: 2 * 4 * (n - 7 * block)}
+    assert sum(r.program_bytes.values()) == r.issued_bytes
+    x2 = torch.randn(2, 3, 64)
+    y2 = torch.empty(6 * 64)
+    with observe() as obs:                     # a 2-D grid: program (i, j) copies row 3 i + j
+        _grid2d_copy_kernel[(2, 3)](x2, y2, BLOCK=64)
+    r = _only(obs)
+    assert torch.equal(y2, x2.flatten())
+    assert r.program_bytes == {i + 2 * j: 2 * 4 * 64 for i in range(2) for j in range(3)}
+
+
+@triton.jit
+def _grid2d_copy_kernel(x, y, BLOCK: tl.constexpr):
+    o = (tl.program_id(0) * 3 + tl.program_id(1)) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y + o, tl.load(x + o))
+
+
+def _synthetic(program_bytes, grid, unique, issued=None):
+    issued = sum(program_bytes.values()) if issued is None else issued
+    return Launch(kernel="synthetic", module="test", file="", grid=grid, read_bytes=issued, write_bytes=0,
+                  unique_read_bytes=unique, unique_write_bytes=0, program_bytes=dict(program_bytes))
+
+
+MODEL = LatencyModel(name="test", sms=4, hbm_bytes_per_s=4e9, l2_bytes_per_s=8e9, l2_bytes=1e6, launch_us=3.0)
+
+
+def test_latency_model_is_its_formula():
+    """launch + max(busiest SM's bytes / (HBM / SMs), unique / HBM + reread / L2), by hand, on a model
+    with 4 SMs, 4 GB/s of HBM (1 GB/s an SM, i.e. 1 byte a ns), 8 GB/s of L2 and 3 us per launch."""
+    # Memory-bound: four even programs, every byte read twice.  SM term 1000 B / 1 GB/s = 1 us;
+    # memory 2000 B / 4 GB/s + 2000 B / 8 GB/s = 0.75 us.  max = 1 us.
+    r = MODEL.launch(_synthetic({i: 1000 for i in range(4)}, (4, 1, 1), unique=2000))
+    assert r["sm_us"] == pytest.approx(1.0) and r["memory_us"] == pytest.approx(0.75)
+    assert r["us"] == pytest.approx(3.0 + 1.0)
+    # Rereads bound it: 4 x 1000 B issued of 1000 B unique: 0.25 + 3000 / 8000 = 0.625 us < 1 us.
+    # The same bytes with 12000 of them reread: 0.25 + 11000 / 8000 us = 1.625 us > the SM term.
+    r = MODEL.launch(_synthetic({i: 3000 for i in range(4)}, (4, 1, 1), unique=1000))
+    assert r["sm_us"] == pytest.approx(3.0) and r["memory_us"] == pytest.approx(0.25 + 11000 / 8000)
+    assert r["us"] == pytest.approx(3.0 + 3.0)
+    r = MODEL.launch(_synthetic({i: 1000 for i in range(4)}, (4, 1, 1), unique=1000, issued=13000))
+    assert r["us"] == pytest.approx(3.0 + 0.25 + 12000 / 8000)
+    # Unique bytes past the L2's 1 MB: rereads come from HBM.
+    big = 4_000_000
+    r = MODEL.launch(_synthetic({i: big for i in range(4)}, (4, 1, 1), unique=2 * big))
+    assert r["memory_us"] == pytest.approx((2 * big + 2 * big) / 4e9 * 1e6)
+    # An op: the sum of its kernels; the torch ops apart, launch + bytes / HBM each.
+    torch_op = Launch(kernel="torch.add", module="torch", file="", read_bytes=8000, write_bytes=4000,
+                      unique_read_bytes=8000, unique_write_bytes=4000)
+    one = _synthetic({0: 1000}, (1, 1, 1), unique=1000)
+    total = MODEL.total([one, torch_op, one])
+    assert total["us"] == pytest.approx(2 * (3.0 + 1.0)) and total["launches"] == 2
+    assert total["torch_ops_us"] == pytest.approx(3.0 + 3.0) and total["torch_ops"] == 1
+
+
+def test_one_program_is_bound_by_one_sms_share():
+    """However few its bytes against the whole GPU's bandwidth, one program gets one SM's share: the
+    model charges a launch that leaves SMs idle by its busiest program.  H100: 1 MB in one program is
+    1e6 / (3.35e12 / 132) s = 39.4 us, against 0.30 us for the memory system."""
+    r = H100.launch(_synthetic({0: 1_000_000}, (1, 1, 1), unique=1_000_000))
+    assert r["sm_us"] == pytest.approx(1e6 / (3.35e12 / 132) * 1e6)
+    assert r["memory_us"] == pytest.approx(1e6 / 3.35e12 * 1e6)
+    assert r["us"] == pytest.approx(H100.launch_us + r["sm_us"])
+    # The same megabyte in 132 programs of equal share: the memory system's time, the SM term equal to it.
+    even = H100.launch(_synthetic({i: 1_000_000 / 132 for i in range(132)}, (132, 1, 1), unique=1_000_000))
+    assert even["sm_us"] == pytest.approx(even["memory_us"])
+    assert r["us"] - H100.launch_us == pytest.approx(132 * (even["us"] - H100.launch_us))
+
+
+def test_programs_past_one_wave_share_an_sm():
+    """More programs than SMs: dealt out in launch order to the least-loaded SM, so 2 x SMs equal
+    programs put two on each SM, and one heavy program among them sits alone while the rest fill in."""
+    assert MODEL.busiest_sm_bytes({i: 100 for i in range(8)}, 8) == 200
+    assert MODEL.busiest_sm_bytes({i: 100 for i in range(9)}, 9) == 300
+    # program 0 (1000 B) takes SM 0; the next 12 light ones go to SMs 1-3 until they pass it
+    heavy = {0: 1000, **{i: 100 for i in range(1, 13)}}
+    assert MODEL.busiest_sm_bytes(heavy, 13) == 1000
+    # programs that touched no memory (absent from the dict) still take their turn
+    assert MODEL.busiest_sm_bytes({4: 100, 5: 100}, 6) == 100
+    r = MODEL.launch(_synthetic({i: 100 for i in range(9)}, (9, 1, 1), unique=900))
+    assert r["busiest_sm_bytes"] == 300 and r["sm_us"] == pytest.approx(0.3) and r["programs"] == 9
+
+
+def test_latency_model_needs_unique_bytes():
+    with pytest.raises(ValueError, match="unique"):
+        MODEL.launch(Launch(kernel="k", module="m", file="", grid=(1, 1, 1), read_bytes=8))

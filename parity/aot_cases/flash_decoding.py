@@ -23,11 +23,10 @@ def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16,
     pages (or a contiguous cache of ``seq`` slots), ``num_splits`` partials or the output directly.
     ``kv_align`` < 16 pads the cache rows to a multiple of it (head dims like 100 or 63).
     ``invariant_family`` (80 or 90): the batch-invariant launch on that family (its tile, one split).
-    ``leftpad``: keys from cache_leftpad on (a cascade's suffix, the mode's second segment).
-    ``fused``: the split launch merges its partials itself (flash_decode's); default: split and not
-    leftpad (with leftpad, a split launch is cascade_decode's suffix, merged by the merge kernel)."""
+    ``leftpad``: keys from cache_leftpad on (the mode's second segment).
+    ``fused``: the split launch merges its partials itself (flash_decode's); default: split."""
     if fused is None:
-        fused = split and not leftpad
+        fused = split
     if invariant_family is None:
         cfg = m._fwd_config(d, dtype, s_q * (h_q // h_kv), paged, kv_align, torch.device("cuda"))
     else:
@@ -78,34 +77,44 @@ def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16,
         tensor_cores=dtype != torch.float32, wgmma=cfg["BLOCK_M"] >= 64)
 
 
-def _cascade_prefix_case(m, dtype, d, h_q, h_kv, s_q, n, page=16, batch=32):
-    """The cascade's prefix kernel for groups of n sequences (n * S_q * G rows), one split after it."""
+def _cascade_case(m, dtype, d, h_q, h_kv, s_q, n, extras=False, page=16, kv_align=16, aligned=True):
+    """cascade_decode's one kernel for groups of up to n sequences (n * S_q * G rows in the prefix's row
+    tiles, the suffix's rows in the same tile shape), as ``_cascade_decode`` launches it: ``_cascade_config``
+    of the prefix's rows and its warps, BLOCK_IN_PAGE when every prefix is
+    page-aligned (``aligned``) and BLOCK_N divides the page size.  ``extras``: sinks and softcap."""
     group = h_q // h_kv
-    kv_align = 16 if d % 16 == 0 else 4
-    cfg = m._fwd_config(d, dtype, n * s_q * group, True, kv_align, torch.device("cuda"))
+    cfg = m._cascade_config(d, dtype, n * s_q * group, kv_align, torch.device("cuda"))
     row = -(-d // kv_align) * kv_align
     k_strides = (page * h_kv * row, h_kv * row, row)
     q_strides = (s_q * h_q * d, h_q * d, d)
-    o_strides = (s_q * h_q * 6 * d, h_q * 6 * d, 6 * d, d)            # the partials [B, S_q, H_q, 3 + 3, D]
-    l_strides = (s_q * h_q * 6, h_q * 6, 6, 1)
+    slots = 7 + 3                                                     # the partials [B, S_q, H_q, 7 + 3, D]
+    p_strides = (s_q * h_q * slots * d, h_q * slots * d, slots * d, d)
+    l_strides = (s_q * h_q * slots, h_q * slots, slots, 1)
     names = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt",
-             "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_osplit", "stride_lb", "stride_ls",
-             "stride_lh", "stride_lsplit", "stride_btb", "H_kv", "GROUP", "S_q", "PAGE_SIZE", "NUM_SPLITS")
-    values = (*q_strides, *k_strides, *k_strides, *o_strides, *l_strides, 8192 // page + 1, h_kv, group, s_q, page,
-              3)
+             "stride_vh", "stride_pb", "stride_ps", "stride_ph", "stride_pj", "stride_lb", "stride_ls", "stride_lh",
+             "stride_lj", "stride_ob", "stride_os", "stride_oh", "stride_btb", "H_kv", "GROUP", "S_q", "PAGE_SIZE",
+             "N_GROUPS", "P_TILES", "P_SPLITS", "S_TILES", "S_SPLITS", "N_PREFIX", "N_ITEMS")
+    batch, n_groups = 4 * n, 4
+    p_tiles, s_tiles = -(-n * s_q * group // cfg["BLOCK_M"]), -(-s_q * group // cfg["BLOCK_M"])
+    values = (*q_strides, *k_strides, *k_strides, *p_strides, *l_strides, *q_strides, 8192 // page + 1, h_kv, group,
+              s_q, page, n_groups, p_tiles, 7, s_tiles, 3, n_groups * p_tiles * 7,
+              n_groups * p_tiles * 7 + batch * s_tiles * 3)
     signature, constants = _int_types(dict(zip(names, values)))
     t = _TYPES[dtype]
-    signature.update(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}", o_ptr=f"*{t}", lse_ptr="*fp32", bt_ptr="*i32",
-                     cu_groups_ptr="*i32", prefix_ptr="*i32", qk_scale="fp32", softcap="fp32")
+    signature.update(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}", seqused_ptr="*i32", bt_ptr="*i32",
+                     cu_groups_ptr="*i32", prefix_ptr="*i32", sinks_ptr="*fp32", po_ptr=f"*{t}", plse_ptr="*fp32",
+                     out_ptr=f"*{t}", lse_ptr="*fp32", count_ptr="*i32", qk_scale="fp32", softcap="fp32")
+    in_page = aligned and page % cfg["BLOCK_N"] == 0
     return dict(
-        kernel=m._cascade_prefix_kernel, archs=[80, 90],
-        name=f"cascade_prefix[{t},D={d},n={n},S_q={s_q},G={group}:M={cfg['BLOCK_M']},N={cfg['BLOCK_N']},"
-             f"w{cfg['num_warps']},s{cfg['num_stages']}]",
+        kernel=m._cascade_fwd_kernel, archs=[80, 90],
+        name=f"cascade_fwd[{t},D={d},n={n},S_q={s_q},G={group},page{page}{',in_page' if in_page else ''}"
+             f"{',sinks+softcap' if extras else ''}{f',align{kv_align}' if kv_align < 16 else ''}:"
+             f"M={cfg['BLOCK_M']},N={cfg['BLOCK_N']},w{cfg['warps']},s{cfg['num_stages']}]",
         signature=signature,
         constexprs=dict(constants, HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                        HAS_SOFTCAP=dtype == torch.bfloat16, KV_ALIGN=kv_align,
+                        HAS_SINKS=extras, HAS_SOFTCAP=extras, KV_ALIGN=kv_align, BLOCK_IN_PAGE=in_page,
                         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32"),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["warps"], num_stages=cfg["num_stages"],
         tensor_cores=dtype != torch.float32, wgmma=cfg["BLOCK_M"] >= 64)
 
 
@@ -159,14 +168,15 @@ def cases(m) -> list[dict]:
         # The mode's second segment (keys from the prompt's end: cache_leftpad), decoding and recomputing.
         cases += [_decode_case(m, bf16, 128, 32, 8, 1, True, False, False, invariant_family=family, leftpad=True),
                   _decode_case(m, fp32, 64, 8, 2, 3, True, False, False, invariant_family=family, leftpad=True)]
-    # cascade_decode: the prefix kernel at the GRPO shape (8 samples x GQA 8/2 = 32 rows per tile) and a
-    # group of 16 verifying 4 rows (256 rows: 4 tiles), and the suffix through the decode kernel.
-    for dtype, d, h_q, h_kv, s_q, n in ((fp16, 128, 8, 2, 1, 8), (bf16, 128, 32, 8, 4, 16), (bf16, 64, 8, 2, 1, 4),
-                                        (bf16, 256, 8, 2, 1, 8), (fp32, 128, 8, 2, 1, 8), (bf16, 100, 8, 2, 1, 8)):
-        cases.append(_cascade_prefix_case(m, dtype, d, h_q, h_kv, s_q, n))
-    cases += [_decode_case(m, fp16, 128, 8, 2, 1, True, True, False, leftpad=True),
-              _decode_case(m, bf16, 128, 32, 8, 4, True, True, True, leftpad=True),
-              _decode_case(m, fp32, 64, 8, 2, 1, False, True, False, leftpad=True)]
+    # cascade_decode's one kernel: the GRPO shape (8 samples x GQA 8/2 = 32 rows per prefix tile, fp16, the
+    # roofline case), a group of 16 verifying 4 rows (256 rows: 4 prefix tiles, 2 query tiles a row), head
+    # dims 64 / 256 / 100 (rows aligned to 4), fp32, sinks + softcap, a page size that BLOCK_N does not divide.
+    for dtype, d, h_q, h_kv, s_q, n, extras, page, align in (
+            (fp16, 128, 8, 2, 1, 8, False, 16, 16), (bf16, 128, 32, 8, 4, 16, True, 16, 16),
+            (bf16, 64, 8, 2, 1, 4, True, 16, 16), (bf16, 256, 8, 2, 1, 8, False, 16, 16),
+            (fp32, 128, 8, 2, 1, 8, True, 16, 16), (bf16, 100, 8, 2, 1, 8, False, 16, 4),
+            (fp16, 128, 8, 2, 1, 8, True, 3, 16), (bf16, 128, 16, 2, 1, 1, False, 16, 16)):
+        cases.append(_cascade_case(m, dtype, d, h_q, h_kv, s_q, n, extras, page=page, kv_align=align))
     # flash_decode with cache_leftpad, split: its fused merge.
     cases.append(_decode_case(m, bf16, 128, 8, 2, 1, True, True, True, leftpad=True, fused=True))
     # Rows aligned to 4 or 1 elements only (8 warps, narrower vectors).
