@@ -37,7 +37,8 @@ help:
 # A PyTorch that is already installed is kept: GPU machines bring their own CUDA build.
 # Where none is installed we ask for torch==2.13.0 (a CPU build on the CI machines).
 # ray (2.40 .. 2.x; tested with 2.60) runs the generator fleet (fast/routed_generator.py's
-# ray_generators) and its test; nothing in ref/ or fast/ needs it at import.
+# ray_generators) and its test; transformers (5.24 .. 5.x, with safetensors) is the oracle of the checkpoint
+# tests (parity/test_checkpoints.py builds tiny models with it); nothing in ref/ or fast/ needs either at import.
 install:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 		echo "keeping torch $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
@@ -45,7 +46,7 @@ install:
 		$(PIP) install "torch==2.13.0"; \
 	fi
 	@$(PYTHON) -c "import triton" 2>/dev/null || $(PIP) install "triton>=3.4"
-	$(PIP) install "einops>=0.7" "pytest>=7.4" "ray>=2.40,<3" "matplotlib>=3.7" "ruff>=0.6"
+	$(PIP) install "einops>=0.7" "pytest>=7.4" "ray>=2.40,<3" "matplotlib>=3.7" "ruff>=0.6" "transformers>=5.24,<6"
 
 parity:
 	$(PYTHON) -m pytest parity $(PYTEST_ARGS)
