@@ -53,9 +53,21 @@ Batch-invariant mode: bitwise on-policy (``DecoderLM(..., batch_invariant=True, 
     and MKL at AVX2 and scalar: parity/test_bitwise_blas.py), on Llama-style, Qwen3 and Qwen3.5
     checkpoints, and on the sm_80/sm_90 builds; a GPU run is owed.
 
+Tensor parallelism (``DecoderLM(config, tp_group=group)``: any torch.distributed ProcessGroup)
+    The reference's layout (``shard_spec``), collectives (Megatron's f and g: one all-reduce per row-parallel
+    output, two per layer; backward all-reduces the column-parallel inputs' gradients and sums a replicated
+    weight's partial gradients over the ranks that hold it) and batch-invariant reduction (every rank's
+    subtree root all-gathered, the tree's upper levels summed on every rank: bitwise the same at tp = 1, 2,
+    4).  Under it the invariant matmul on a CPU runs in blocks of 8 columns, so a column-parallel shard rounds
+    as the whole matrix does; with a replicated KV head the rank's query heads are padded to the GQA group, so
+    an attention kernel lays rows out as at tp = 1.  Fused weights are sharded part by part (q, k, v; gate,
+    up), under the checkpoint's names.  fast/generator_engine.py's ``Generator(model,
+    tensor_parallel_size=N)`` builds the shards itself.
+
 Cost
     Per token, FLOPs ~ 2 * (non-embedding parameters + hidden * vocab) + 4 * L_ctx * H_q * D per
-    attention layer (L_ctx = keys it attends to).
+    attention layer (L_ctx = keys it attends to); under tensor parallelism 2 all-reduces of T x hidden per
+    layer (the batch-invariant mode: all-gathers, N - 1 partials received per rank; the same bytes at N = 2).
 
 Tensors and types
     As the reference (ModelConfig, the linear_layer plug-in, input_ids / cu_seqlens, logits fp32).

@@ -43,6 +43,14 @@ Batch-invariant numerics (``batch_invariant=True``)
     ``varlen_attn(..., batch_invariant=True)``.  fast/decoder_lm.py implements the bitwise on-policy
     contract on these numerics (its docstring states it); this file states them plainly.
 
+Tensor parallelism (``DecoderLM(config, tp_group=group)``, ``from_pretrained(path, tp_group=group)``)
+    Megatron's layout by heads, Gated DeltaNet by value heads with their key heads; KV / key heads replicated
+    past their count; embedding and lm_head replicated.  ``shard_spec`` states which slice of which tensor a
+    rank holds (the section "tensor parallelism" below), ``LocalGroup`` runs ranks as threads of one process:
+    this file is the specification; fast/decoder_lm.py runs it over torch.distributed.  Used SPMD: every rank
+    returns the full logits and keeps its shards' gradients.  In the batch-invariant mode every row-parallel
+    sum is a fixed tree of segments whose subtrees are the ranks' shards: the same bits at tp = 1, 2, 4.
+
 Tensors and types
     input_ids       [B, T] int64, or [1, T] with cu_seqlens [N + 1] int32 (documents packed along T)
     logits          [B, T, vocab_size] fp32
