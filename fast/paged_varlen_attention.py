@@ -416,7 +416,8 @@ def _block_segments(lo, full_lo, full_hi, BLOCK: tl.constexpr):
 #     threads: then on a GPU every floating-point reduction of a row is an MMA (mma.sync m16n8k16, the same
 #     instruction whatever the launch's warps, SUB or tile) or a max (exact in any order), so the bits do not
 #     depend on how a launch spreads its rows over warps.
-# Every block runs masked: a hidden block, a hidden segment and an empty segment state are exact no-ops.
+# Every block runs masked (the default kernel's unmasked loop fuses scale and max-subtraction into one FMA
+# where a masked loop rounds twice): a hidden block, a hidden segment and an empty segment are exact no-ops.
 
 _ROWS = tl.constexpr(16)     # the mode's row group: mma.sync's M; a row's slot is fixed within it
 
@@ -1276,12 +1277,13 @@ def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_lef
 
     if batch_invariant:
         # One fixed row group, key block and segment per device family, dtype and head-dim class: never
-        # tuned, never forced.  Row groups per program: as many as the longest sequence's rows fill, up to SUB.
+        # tuned, never forced.  Row groups a program: one when the longest sequence's rows fit one (a decode
+        # step), else the table's SUB (only these two shapes are built and checked for spills).
         family = None if not query.is_cuda else _gpu_family(
             query.device.index if query.device.index is not None else torch.cuda.current_device())
         config = _invariant_config(family, head_dim, query.element_size())
         rows = max_q * group + _ROWS.value - math.gcd(group, _ROWS.value)   # the first row's slot: < 16
-        sub = min(_invariant_sub(config, align), triton.next_power_of_2(triton.cdiv(rows, _ROWS.value)))
+        sub = 1 if rows <= _ROWS.value else _invariant_sub(config, align)
         launch = dict(num_warps=sub, num_stages=config["num_stages"]) if sub > 1 else dict(
             num_warps=config["group_warps"], num_stages=config["group_stages"])
         grid = (triton.cdiv(rows, sub * _ROWS.value) * num_seqs, h_kv)
