@@ -86,7 +86,7 @@ Batch invariance (``batch_invariant=True``; the default, False, keeps the fast p
     merger's last, 5.1% of the K/V bytes at G = 4 (10% at G = 8), whatever the split count: 1.0495x
     the IO bound at L = 1k (72 programs, as the default), 1.039x at 8k (1.012 for the default); one
     split writes none.  A 16-row group for S_q * G rows (4x the useful MMA work at G = 4, plus the
-    row sums' 1/16), 88 registers, 29 KB of shared memory.  GPU timings are owed.
+    row sums' 1/16), 88 registers, 28.5 KB of shared memory (three K/V buffers).  GPU timings are owed.
 
 References
     Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference" (2023); flash-attn's
@@ -1120,8 +1120,8 @@ def _decode_invariant_kernel(
     block and one more per segment boundary inside a block (per key with cache_leftpad); 4 * H_kv * s
     (seqused_k) and per tile 4 bytes of zeros and 2 s atomics of 4 bytes read and written.  At B = 4, GQA
     8/2, D = 128, fp16, page 16, SPLIT = 120: L = 1k, 9 segments, 9 splits (72 programs): 1.0495 of the
-    bound; L = 8k, 69
-    segments in 16 splits (128 programs): 1.04 (the kernel observatory's figures, bench/README.md).
+    bound; L = 8k, 69 segments in 16 splits (128 programs): 1.039 (the kernel observatory's figures,
+    bench/README.md).
     """
     i_bh, i_split, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if SPLIT_ROTATE != 0:    # tests only: another split's program arrives last and merges
