@@ -8,20 +8,22 @@ it is computed
       sequence cut at random points, the chunks batched in shuffled orders, page sizes 1/3/16 in
       shuffled, over-allocated pools;
   (c) in decode steps, one row per sequence, the batch reshuffled every step, each step through a
-      route drawn at random: ``flash_decode(batch_invariant=True)`` over the pages or over a
-      contiguous cache (no window: flash_decode has none), or ``varlen_attn`` with one row per
-      sequence over the pages;
-and in a batch of one as in the busy batch.  Also: speculative rows (S_q = 3) and prefill chunks
-at every offset of a tile; the two files' shared tiles and arithmetic code; gradients through the
-mode; bad arguments.  The mode must also be right: (a) is checked against the fp64 reference.  A
-negative control measures the default mode on the same inputs.  And, for the GPU the interpreter
-cannot stand in for: the sm_80 and sm_90 builds of the trainer's, a prefill's and a decode's launches
-hold the same floating-point instructions in their SASS (the same MMA kind and shape), count for
-count.  The same checks under other CPU kernel families (the BLAS behind the interpreter's dot) run
-in parity/test_bitwise_blas.py.
+      route drawn at random: ``flash_decode(batch_invariant=True)`` over the pages (its segments split
+      over programs, or folded by one) or over a contiguous cache (no window: flash_decode has none),
+      or ``varlen_attn`` with one row per sequence over the pages;
+and in a batch of one as in the busy batch.  Also: speculative rows (S_q = 3), prefill chunks at
+every offset of a row group, every split count and merging program, cache_leftpad's segments; the
+two files' shared tables and arithmetic code; gradients through the mode; bad arguments.  The mode
+must also be right: (a) is checked against the fp64 reference.  A negative control measures the
+default mode on the same inputs.  And, for the GPU the interpreter cannot stand in for: the sm_80 and
+sm_90 builds of the trainer's, a prefill's and a decode's launches run the same MMA (mma.sync
+m16n8k16), and those of one shape hold the same floating-point instructions, count for count.  The
+same checks under other CPU kernel families (the BLAS behind the interpreter's dot) run in
+parity/test_bitwise_blas.py.
 
-Interpreter tier: fp32 and fp16, short sequences (16 x 16 tiles, so rows still cross several key
-blocks and tile positions).  GPU tier: the same tests in bf16, plus sequences up to 700 tokens.
+Interpreter tier: fp32 and fp16, short sequences (16-row groups, 16-key blocks and segments of 8 keys,
+so rows cross several blocks, segments and group positions).  GPU tier: the same tests in bf16, plus
+sequences up to 700 tokens.
 """
 from __future__ import annotations
 
