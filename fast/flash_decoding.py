@@ -73,17 +73,24 @@ Batch invariance (``batch_invariant=True``; the default, False, keeps the fast p
     fast/paged_varlen_attention.py's ``varlen_attn(..., batch_invariant=True)`` gives the same row
     (causal, same keys, scale, softcap, sinks, dtype and head dim, one GPU family or the
     interpreter, one Triton version) in a trainer's packed forward, a paged prefill chunk or a
-    decode step, whatever else shares either batch, the page size or the block table.  As there,
-    every phase computes a row with the same tile shape and instruction (BLOCK_M, BLOCK_N,
-    num_warps from the same table), the row at the same slot of the tile ((p * G + g) mod BLOCK_M
-    for position p, head g: a CPU BLAS rounds a tile's slots differently), key blocks of BLOCK_N
-    from key 0, every block masked (a hidden block is an exact no-op), one split, and the same code
-    for the score transform, the online-softmax step and the finalisation (the two files hold them
-    character for character).  ``num_splits`` must be None or 1.  The cost, against the default: no
-    split (B * H_kv programs, so a small batch with a long context leaves SMs idle where the shape
-    gate would have split), and a 64-row tile (16-bit) for the S_q * G rows, i.e. 64 / (S_q * G)
-    times the useful MMA work (64 FLOPs per K/V byte: memory-bound still); bytes are the IO bound
-    (no partials).  GPU timings are owed.
+    decode step, whatever else shares either batch, the page size, the block table or the split
+    count.  ``_decode_invariant_kernel`` computes a row as that file's invariant kernel does, with the
+    same helpers (character for character): the row in a 16-row group at slot (p * G + g) mod 16,
+    the same mma.sync instruction, row sums as a ones dot; its keys (from key 0 of the call, i.e.
+    from ``cache_leftpad`` with one) in segments of SPLIT keys (120 on sm_80 and sm_90, 8 under the
+    interpreter), each reduced from a fresh state through key blocks of BLOCK_N from key 0 and
+    finished to (out in the input dtype, lse fp32), the segment states folded in index order, the
+    sink last.  The launch splits like the default's: split i takes segments floor(i n / s) ..
+    floor((i + 1) n / s) - 1, and with more than one split the last program to finish folds every
+    segment's state in index order (the fused merge, its own last segment from its registers): the
+    same bits whichever program merges and whatever ``num_splits`` (None: the shape gate, one split
+    once B * H_kv programs fill the GPU, else one program per SM up to a program per segment).
+    The cost, against the default (B = 4, GQA 8/2, D = 128, fp16, page 16, sm_90 builds; the kernel
+    observatory's figures, bench/README.md): a split launch writes every segment's partial but the
+    merger's last, 5.1% of the K/V bytes at G = 4 (10% at G = 8), whatever the split count: 1.0495x
+    the IO bound at L = 1k (72 programs, as the default), 1.039x at 8k (1.012 for the default); one
+    split writes none.  A 16-row group for S_q * G rows (4x the useful MMA work at G = 4, plus the
+    row sums' 1/16), 88 registers, 28.5 KB of shared memory (three K/V buffers).  GPU timings are owed.
 
 References
     Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference" (2023); flash-attn's
@@ -145,11 +152,11 @@ def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None
 
     With ``k_new``/``v_new`` the cache is written in place first.  ``num_splits=None`` lets
     ``choose_num_splits`` decide; ``num_splits=1`` is deterministic and independent of the rest of
-    the batch.  ``batch_invariant=True`` (one split; ``num_splits`` None or 1) also rounds exactly
-    like fast/paged_varlen_attention.py's ``varlen_attn(..., batch_invariant=True)``: see "Batch
-    invariance" in the module docstring.  ``cache_leftpad [B] int32`` (flash-attn's name): sequence
-    b's keys start at that position (0 <= cache_leftpad[b] <= seqused_k[b]); the mode then aligns
-    tiles and key blocks to that start.
+    the batch.  ``batch_invariant=True`` rounds exactly like fast/paged_varlen_attention.py's
+    ``varlen_attn(..., batch_invariant=True)`` at any ``num_splits`` (its fixed-size key segments are
+    split over the programs): see "Batch invariance" in the module docstring.  ``cache_leftpad [B]
+    int32`` (flash-attn's name): sequence b's keys start at that position (0 <= cache_leftpad[b] <=
+    seqused_k[b]); the mode then counts row slots, key blocks and segments from that start.
     Returns ``out [B, S_q, H_q, D]``, or ``(out, lse [B, H_q, S_q] fp32)`` when ``return_lse``;
     with ``out=`` the result is written there.
     """
@@ -340,14 +347,12 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if q.numel() == 0:
         return lse
     if batch_invariant:
-        family = None if not q.is_cuda else _gpu_family(
-            q.device.index if q.device.index is not None else torch.cuda.current_device())
-        cfg = _invariant_config(d, q.dtype, s_q * group, group, _kv_align(k_cache, v_cache), family)
-        num_splits = 1
-    else:
-        cfg = _fwd_config(d, q.dtype, s_q * group, paged, _kv_align(k_cache, v_cache), q.device)
+        _decode_invariant(q, k_cache, v_cache, seqused_k, block_table, sinks, out, lse, scale, softcap, num_splits,
+                          cache_leftpad, capacity)
+        return lse
+    cfg = _fwd_config(d, q.dtype, s_q * group, paged, _kv_align(k_cache, v_cache), q.device)
     max_blocks = max(1, -(-capacity // cfg["BLOCK_N"]))
-    fused = _FUSED_MERGE and not batch_invariant
+    fused = _FUSED_MERGE
     if num_splits == 0:
         num_splits = choose_num_splits(batch, h_kv, capacity, num_sms=_sm_count(q.device),
                                        num_q_tiles=cfg["num_q_tiles"], block_n=cfg["BLOCK_N"],
@@ -385,7 +390,7 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         IS_PAGED=paged, IS_SPLIT=split, HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_ALIGN=cfg["KV_ALIGN"],
-        BATCH_INVARIANT=batch_invariant, HAS_LEFTPAD=cache_leftpad is not None,
+        HAS_LEFTPAD=cache_leftpad is not None,
         BLOCK_IN_PAGE=paged and k_cache.shape[1] % cfg["BLOCK_N"] == 0 and cache_leftpad is None,
         FUSED_MERGE=fused, SPLIT_ROTATE=_SPLIT_ROTATE % num_splits if fused else 0,
         num_warps=cfg["fused_warps"] if fused else cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -403,6 +408,51 @@ def _(q, k_cache, v_cache, seqused_k, block_table, sinks, out, scale, softcap, n
       batch_invariant, cache_leftpad):
     batch, s_q, h_q, _ = q.shape
     return q.new_empty(batch, h_q, s_q, dtype=torch.float32)
+
+
+def _decode_invariant(q, k_cache, v_cache, seqused_k, block_table, sinks, out, lse, scale, softcap, num_splits,
+                      cache_leftpad, capacity):
+    """``batch_invariant=True``: writes out and lse with ``_decode_invariant_kernel``.  num_splits 0 = the
+    shape gate: one split when the launch fills a wave, else one program per SM (up to the segments of the
+    cache's capacity).  Any split count gives the same bits; with more than one, every segment's state but
+    the merging program's last is written and read as a partial (in q's dtype, lse fp32)."""
+    batch, s_q, h_q, d = q.shape
+    h_kv = k_cache.shape[2]
+    group = h_q // h_kv
+    paged = block_table is not None
+    family = None if not q.is_cuda else _gpu_family(
+        q.device.index if q.device.index is not None else torch.cuda.current_device())
+    cfg = _invariant_config(d, q.dtype, s_q * group, group, _kv_align(k_cache, v_cache), family)
+    n_seg = max(1, -(-capacity // cfg["SPLIT"]))
+    programs = batch * h_kv * cfg["num_q_tiles"]
+    if num_splits == 0:
+        slots = _sm_count(q.device) * _PROGRAMS_PER_SM
+        num_splits = 1 if programs >= slots else slots // programs
+    num_splits = max(1, min(num_splits, n_seg, _MAX_SPLITS))
+    split = num_splits > 1
+    if split:
+        o_part, lse_part = _new_partials((batch, s_q, h_q, n_seg, d), (batch, s_q, h_q, n_seg), q.dtype, q.device)
+        counters = _new_counters(programs, q.device)
+    else:
+        o_part, lse_part, counters = out[:, :, :, None], lse[:, None].transpose(2, 3), seqused_k   # never read
+    qk_scale = scale / softcap if softcap > 0 else scale * _LOG2E.value   # what the varlen kernel passes
+    bt = block_table if paged else seqused_k     # valid pointers the kernel never reads
+    _decode_invariant_kernel[(batch * h_kv, num_splits, cfg["num_q_tiles"])](
+        q, k_cache, v_cache, seqused_k, bt, sinks if sinks is not None else seqused_k,
+        cache_leftpad if cache_leftpad is not None else seqused_k, out, lse, o_part, lse_part, counters,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        *o_part.stride()[:4], *lse_part.stride()[:4],
+        block_table.stride(0) if paged else 0,
+        h_kv, group, s_q, k_cache.shape[1], num_splits, qk_scale, softcap,
+        HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_N=cfg["BLOCK_N"], SPLIT=cfg["SPLIT"], IS_PAGED=paged,
+        IS_SPLIT=split, HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap > 0,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_ALIGN=cfg["KV_ALIGN"],
+        BLOCK_IN_PAGE=paged and k_cache.shape[1] % cfg["BLOCK_N"] == 0 and cache_leftpad is None,
+        HAS_LEFTPAD=cache_leftpad is not None, SPLIT_ROTATE=_SPLIT_ROTATE % num_splits if split else 0,
+        num_warps=cfg["num_warps"], num_stages=2 * cfg["buffers"] + 1 if paged else cfg["buffers"] + 1)
 
 
 @torch.library.custom_op("twofold::cascade_decode", mutates_args=("out",))
@@ -978,9 +1028,9 @@ def _decode_fwd_kernel(
             tl.atomic_add(p_count, 1 << 16, sem="release", scope="gpu")
 
 
-# A row's result is made of the score transform in the decode loop and the next three functions.
-# fast/paged_varlen_attention.py holds the same code, character for character, so that the
-# batch-invariant decode rounds like its kernel.
+# A row's result is made of the score transform in the decode loop and the next three functions
+# (fast/paged_varlen_attention.py's default kernel holds the same code; the batch-invariant mode's
+# helpers, shared with that file character for character, are further below).
 
 @triton.jit
 def _online_softmax_step(acc, l_i, m_i, b_s, b_v, DOT_PRECISION: tl.constexpr):
@@ -1145,6 +1195,253 @@ def _merge_states_kernel(
     tl.store(lse_ptr + o_l, tl.where(empty, float("-inf"), m + tl.log(den_safe)))
 
 
+# ----------------------------------------------------------------------------- the batch-invariant decode
+#
+# batch_invariant=True runs _decode_invariant_kernel: a row's result is fast/paged_varlen_attention.py's
+# ``varlen_attn(..., batch_invariant=True)`` for the same row, bit for bit.  The construction (that file's
+# comment above _attn_fwd_invariant_kernel has it in full): rows in groups of 16 at slot (p G + g) mod 16;
+# a row's keys in segments of SPLIT keys from key 0 of the call (cache_leftpad's position with one), each
+# segment from a fresh state through key blocks of BLOCK_N from key 0, finished to (out in the input
+# dtype, lse fp32), the segment states folded in index order; row sums as a ones dot.  The helpers below
+# are that file's, character for character.  Here one program per (sequence x KV head, split, row group):
+# split i takes segments floor(i n / s) .. floor((i + 1) n / s) - 1 of the sequence's n, so the launch
+# splits the keys like the default's split launch, yet a row's bits do not depend on the split count.
+
+_ROWS = tl.constexpr(16)     # the mode's row group: mma.sync's M; a row's slot is fixed within it
+
+
+@triton.jit
+def _inv_block_step(acc, l_i, m_i, b_s, b_v, b_ones, DOT_PRECISION: tl.constexpr):
+    """One key block of a segment's online softmax, for a row group [.., 16] (or SUB of them): b_s
+    [.., 16, BLOCK_N] log2-domain scores (-inf where hidden), b_v [.., BLOCK_N, BLOCK_D], b_ones
+    [.., BLOCK_N, 8]; returns the new (acc, l, m).  l adds the rounded probabilities' row sums as an MMA."""
+    m_new = tl.maximum(m_i, tl.max(b_s, -1))
+    # A row that has seen nothing yet keeps m = -inf; subtracting 0 instead keeps its
+    # 2^(-inf) = 0 probabilities from turning into 2^(-inf + inf) = nan.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    b_p = tl.exp2(b_s - tl.expand_dims(m_safe, -1)).to(b_v.dtype)
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.max(tl.dot(b_p, b_ones, input_precision=DOT_PRECISION), -1)
+    acc = acc * tl.expand_dims(alpha, -1) + tl.dot(b_p, b_v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _inv_segment_state(acc, l_i, m_i):
+    """A segment's state: (out = acc / l, lse = (m + log2 l) ln 2), out 0 and lse -inf where it saw nothing.
+    The caller rounds out to the input dtype, as a decode's partial is stored."""
+    empty = l_i == 0.0                                  # tested as == 0, so that a NaN stays NaN
+    l_safe = tl.where(empty, 1.0, l_i)
+    b_o = tl.math.fdiv(acc, tl.expand_dims(l_safe, -1), approx=True)    # l >= 1: 2 ulp, no slow path
+    b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    return b_o, b_lse
+
+
+@triton.jit
+def _inv_fold_step(acc, den, m, lse_j, o_j):
+    """Fold the next segment's state (lse_j fp32, o_j in the input dtype) into the running (acc, den, m),
+    the segments taken in index order; rescaled like the online softmax so that every weight is at most 1.
+    An empty segment (lse -inf, out 0) changes nothing."""
+    m_new = tl.maximum(m, lse_j)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)    # nothing seen yet: weights 0, not NaN
+    alpha = tl.exp(m - m_safe)
+    w = tl.exp(lse_j - m_safe)
+    return acc * tl.expand_dims(alpha, -1) + tl.expand_dims(w, -1) * o_j.to(tl.float32), den * alpha + w, m_new
+
+
+@triton.jit
+def _inv_fold_finish(acc, den, m, sink, HAS_SINKS: tl.constexpr):
+    """The rows' (out, lse) from the folded segments, after the sink (natural log) joins the denominator."""
+    m = tl.where(m == float("-inf"), 0.0, m)
+    if HAS_SINKS:
+        m_fin = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_fin)                                 # 0 against a sink of +inf
+        den = den * alpha + tl.exp(tl.where(sink == m_fin, 0.0, sink - m_fin))   # 1 for a sink of +inf
+        acc = acc * tl.expand_dims(alpha, -1)
+        m = m_fin
+    empty = den == 0                                              # no key and no sink (or one of -inf)
+    den_safe = tl.where(empty, 1.0, den)
+    b_o = tl.math.fdiv(acc, tl.expand_dims(den_safe, -1), approx=True)   # den >= 1 (or a sink's share)
+    b_lse = tl.where(empty, float("-inf"), m + tl.log(den_safe))
+    return b_o, b_lse
+
+
+@triton.jit
+def _decode_invariant_kernel(
+    q_ptr, k_ptr, v_ptr, seqused_ptr, bt_ptr, sinks_ptr, leftpad_ptr, out_ptr, lse_ptr, po_ptr, plse_ptr, count_ptr,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_pb, stride_ps, stride_ph, stride_pseg, stride_lb, stride_ls, stride_lh, stride_lseg,
+    stride_btb,
+    H_kv, GROUP, S_q, PAGE_SIZE, NUM_SPLITS, qk_scale, softcap,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    IS_PAGED: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr, BLOCK_IN_PAGE: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    SPLIT_ROTATE: tl.constexpr = 0,
+):
+    """``flash_decode(..., batch_invariant=True)``.  One program per (sequence x KV head, split, row group):
+    the group holds the S_q * G rows of one KV head at slots (p * G + g) mod 16 (one group while decoding
+    with G <= 13 or G | 16).  The program reduces its share of the sequence's segments, each from a fresh
+    state.  With one split it folds them as it goes and writes out / lse.  With several, it writes every
+    segment's state but its last as a partial (out in the input dtype, lse fp32; index = the segment), takes
+    a ticket from its tile's counter once its keys are done, and the program with the last ticket (the
+    others hold tickets, so they are running and wait on nothing) folds all the segments in index order,
+    its own last one from its registers, as the others were stored: the same fold as the varlen kernel's,
+    whichever program merges and whatever the split count (the fused merge of ``_decode_fwd_kernel``, with
+    partials per segment instead of per split).
+
+    FLOPs ~= 4 * B * H_q * S_q * L * D, plus the row sums' ones dot (2 * 16 * 8 per key and row group: 1/16
+    more MMA work at D = 128) and ~3 * S_q * H_q * D per segment for the fold.  Minimum bytes (the IO bound)
+    as ``_decode_fwd_kernel``'s.  Issued bytes add, per sequence: with s > 1 splits, (n - 1) * S_q * H_q *
+    (D * elt + 4) twice (every segment's partial but the merger's own last, written and read: n =
+    ceil(L / SPLIT) segments) and (s - 1) * S_q * H_q * D * elt (q read again); the page ids, one per key
+    block and one more per segment boundary inside a block (per key with cache_leftpad); 4 * H_kv * s
+    (seqused_k) and per tile 4 bytes of zeros and 2 s atomics of 4 bytes read and written.  At B = 4, GQA
+    8/2, D = 128, fp16, page 16, SPLIT = 120: L = 1k, 9 segments, 9 splits (72 programs): 1.0495 of the
+    bound; L = 8k, 69 segments in 16 splits (128 programs): 1.039 (the kernel observatory's figures,
+    bench/README.md).
+    """
+    i_bh, i_split, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if SPLIT_ROTATE != 0:    # tests only: another split's program arrives last and merges
+        i_split = (i_split + SPLIT_ROTATE) % NUM_SPLITS
+    i_b, i_hkv = i_bh // H_kv, i_bh % H_kv
+    i_b64 = i_b.to(tl.int64)
+    # HAS_LEFTPAD: the sequence's keys start at position kv_first (cache_leftpad); key k of this call is
+    # position kv_first + k: the segments and key blocks count from kv_first, as the trainer's from its
+    # packed sequence's first key.
+    kv_first = 0
+    if HAS_LEFTPAD:
+        kv_first = tl.load(leftpad_ptr + i_b)
+    seqlen = tl.load(seqused_ptr + i_b) - kv_first
+
+    # The group's rows: (query row i, head g) at slot (p * G + g) mod 16 for its position p = seqlen - S_q + i.
+    shift = (((seqlen - S_q) * GROUP) % _ROWS + _ROWS) % _ROWS
+    if i_m * _ROWS >= S_q * GROUP + shift:          # the launch has one group more than the rows need
+        return
+    o_r = i_m * _ROWS + tl.arange(0, _ROWS) - shift
+    i_q = o_r // GROUP
+    i_hq = i_hkv * GROUP + o_r % GROUP
+    m_r = (o_r >= 0) & (o_r < S_q * GROUP)
+    o_d = tl.arange(0, BLOCK_D)
+    if BLOCK_D == HEAD_DIM:
+        m_d = tl.full([BLOCK_D], 1, tl.int1)      # a constant mask keeps the loads vectorized
+    else:
+        m_d = o_d < HEAD_DIM
+    m_rd = m_r[:, None] & m_d[None, :]
+    p_q = q_ptr + i_b64 * stride_qb + i_q[:, None] * stride_qs + i_hq[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_rd, other=0.0)                                 # [16, BLOCK_D]
+    last_seen = seqlen - S_q + i_q                                             # row i sees keys j <= last_seen
+
+    # This split's share of the sequence's segments: split i takes floor(i n / s) .. floor((i + 1) n / s) - 1.
+    n_seg = tl.cdiv(seqlen, SPLIT)
+    seg_first = i_split * n_seg // NUM_SPLITS
+    seg_end = (i_split + 1) * n_seg // NUM_SPLITS
+    p_po = po_ptr + i_b64 * stride_pb + i_q[:, None] * stride_ps + i_hq[:, None] * stride_ph + o_d[None, :]
+    p_pl = plse_ptr + i_b64 * stride_lb + i_q * stride_ls + i_hq * stride_lh
+    b_ones = tl.full([BLOCK_N, 8], 1.0, dtype=k_ptr.dtype.element_ty)
+    f_acc = tl.zeros([_ROWS, BLOCK_D], dtype=tl.float32)       # one split: the folded segments
+    f_den = tl.zeros([_ROWS], dtype=tl.float32)
+    f_m = tl.full([_ROWS], float("-inf"), dtype=tl.float32)
+    b_o = tl.zeros([_ROWS, BLOCK_D], dtype=out_ptr.dtype.element_ty)   # the last segment's state, as stored
+    b_lse = tl.full([_ROWS], float("-inf"), dtype=tl.float32)
+    for i_seg in range(seg_first, seg_end):
+        seg_lo = i_seg * SPLIT
+        seg_hi = tl.minimum(seg_lo + SPLIT, seqlen)
+        acc = tl.zeros([_ROWS, BLOCK_D], dtype=tl.float32)
+        l_i = tl.zeros([_ROWS], dtype=tl.float32)
+        m_i = tl.full([_ROWS], float("-inf"), dtype=tl.float32)
+        # Key blocks of BLOCK_N from key 0: the segment's first may start before it (SPLIT % BLOCK_N keys
+        # of the previous segment, masked).  BLOCK_IN_PAGE: each block lies in one page, whose id and the
+        # block's offset in it advance with the loop.
+        blk_lo = (seg_lo // BLOCK_N) * BLOCK_N
+        i_page = blk_lo // PAGE_SIZE
+        o_page = blk_lo % PAGE_SIZE
+        for start_n in range(blk_lo, seg_hi, BLOCK_N):
+            o_n = start_n + tl.arange(0, BLOCK_N)
+            m_n = (o_n >= seg_lo) & (o_n < seg_hi)
+            if IS_PAGED and BLOCK_IN_PAGE:    # one page id per block, rows at a fixed stride
+                page = tl.load(bt_ptr + i_b64 * stride_btb + i_page).to(tl.int64)
+                o_t = o_page + tl.arange(0, BLOCK_N)
+                o_k = page * stride_kb + (o_t * stride_kt + i_hkv * stride_kh)
+                o_v = page * stride_vb + (o_t * stride_vt + i_hkv * stride_vh)
+                o_page += BLOCK_N
+                i_page += (o_page == PAGE_SIZE).to(tl.int32)
+                o_page = tl.where(o_page == PAGE_SIZE, 0, o_page)
+            elif IS_PAGED:
+                o_pos = o_n + kv_first                                          # the keys' positions
+                page = tl.load(bt_ptr + i_b64 * stride_btb + o_pos // PAGE_SIZE, mask=m_n, other=0).to(tl.int64)
+                o_k = page * stride_kb + (o_pos % PAGE_SIZE) * stride_kt + i_hkv * stride_kh
+                o_v = page * stride_vb + (o_pos % PAGE_SIZE) * stride_vt + i_hkv * stride_vh
+            else:
+                o_pos = (o_n + kv_first).to(tl.int64)
+                o_k = i_b64 * stride_kb + o_pos * stride_kt + i_hkv * stride_kh
+                o_v = i_b64 * stride_vb + o_pos * stride_vt + i_hkv * stride_vh
+            if KV_ALIGN > 1:  # the host checked that every K/V row starts at a multiple of KV_ALIGN elements
+                o_k = tl.multiple_of(o_k, KV_ALIGN)
+                o_v = tl.multiple_of(o_v, KV_ALIGN)
+            m_kv = m_n[:, None] & m_d[None, :]
+            b_k = tl.load(k_ptr + o_k[:, None] + o_d[None, :], mask=m_kv, other=0.0)
+            b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_kv, other=0.0)
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)       # [16, BLOCK_N]
+            if HAS_SOFTCAP:                                                # log2-domain scores
+                b_s = softcap * _tanh(b_s * qk_scale) * _LOG2E     # qk_scale = scale / softcap
+            else:
+                b_s = b_s * qk_scale                                          # qk_scale = scale * log2(e)
+            b_s = tl.where(m_n[None, :] & (o_n[None, :] <= last_seen[:, None]), b_s, float("-inf"))
+            acc, l_i, m_i = _inv_block_step(acc, l_i, m_i, b_s, b_v, b_ones, DOT_PRECISION)
+        s_o, b_lse = _inv_segment_state(acc, l_i, m_i)
+        b_o = s_o.to(out_ptr.dtype.element_ty)        # rounded as a partial is stored
+        if IS_SPLIT:
+            if i_seg + 1 < seg_end:                   # not this split's last: a partial for the merger
+                tl.store(p_po + i_seg * stride_pseg, b_o, mask=m_rd)
+                tl.store(p_pl + i_seg * stride_lseg, b_lse, mask=m_r)
+        else:
+            f_acc, f_den, f_m = _inv_fold_step(f_acc, f_den, f_m, b_lse, b_o)
+
+    b_sink = tl.zeros([_ROWS], dtype=tl.float32)
+    if HAS_SINKS:
+        b_sink = tl.load(sinks_ptr + i_hq, mask=m_r, other=0.0).to(tl.float32)
+    p_out = out_ptr + i_b64 * stride_ob + i_q[:, None] * stride_os + i_hq[:, None] * stride_oh + o_d[None, :]
+    p_lse = lse_ptr + i_b64 * (S_q * H_kv * GROUP) + i_hq * S_q + i_q           # lse [B, H_q, S_q]
+    if not IS_SPLIT:
+        f_o, f_lse = _inv_fold_finish(f_acc, f_den, f_m, b_sink, HAS_SINKS)
+        tl.store(p_out, f_o.to(out_ptr.dtype.element_ty), mask=m_rd)
+        tl.store(p_lse, f_lse, mask=m_r)
+    else:
+        # The merge, by the program of the tile that finishes its keys last: its ticket (the low 16 bits of
+        # the tile's counter; NUM_SPLITS <= _MAX_SPLITS < 2^16) says so.  The others store their last
+        # segment's partial and count themselves done (the high bits), a barrier putting every thread's
+        # stores before one thread's release atomic (GPU scope); the last waits for them with acquire
+        # semantics, then reads the partials from L2 (.cg).  A split with no segment (more splits than the
+        # sequence has segments) only counts itself.
+        own = tl.where(seg_end > seg_first, seg_end - 1, -1)          # the segment this program still holds
+        p_count = count_ptr + i_bh * tl.num_programs(2) + i_m
+        ticket = tl.atomic_add(p_count, 1, sem="relaxed", scope="gpu") & 0xFFFF
+        if ticket == NUM_SPLITS - 1:
+            done = 0                                                 # (s >= 2: the loop runs)
+            while done < NUM_SPLITS - 1:
+                done = tl.atomic_add(p_count, 0, sem="acquire", scope="gpu") >> 16
+            # The segments in index order, this program's own as the others' are read (tl.load casts
+            # ``other`` to the partials' dtype).  ``step`` is 1, but not to ptxas, which would unroll the loop.
+            step = done + 2 - NUM_SPLITS
+            for j in range(0, n_seg, step):
+                m_j = tl.where(j != own, m_r, False)     # (m_r & a scalar: the interpreter casts it to int)
+                lse_j = tl.load(p_pl + j * stride_lseg, mask=m_j, other=b_lse, cache_modifier=".cg")
+                o_j = tl.load(p_po + j * stride_pseg, mask=m_j[:, None] & m_d[None, :], other=b_o,
+                              cache_modifier=".cg")
+                f_acc, f_den, f_m = _inv_fold_step(f_acc, f_den, f_m, lse_j, o_j)
+            f_o, f_lse = _inv_fold_finish(f_acc, f_den, f_m, b_sink, HAS_SINKS)
+            tl.store(p_out, f_o.to(out_ptr.dtype.element_ty), mask=m_rd)
+            tl.store(p_lse, f_lse, mask=m_r)
+        else:
+            if own >= 0:
+                tl.store(p_po + own * stride_pseg, b_o, mask=m_rd)
+                tl.store(p_pl + own * stride_lseg, b_lse, mask=m_r)
+            tl.debug_barrier()
+            tl.atomic_add(p_count, 1 << 16, sem="release", scope="gpu")
+
+
 # ----------------------------------------------------------------------------- launch configuration
 
 def _fwd_config(head_dim: int, dtype: torch.dtype, rows: int, paged: bool, kv_align: int,
@@ -1210,37 +1507,41 @@ def _cascade_config(head_dim: int, dtype: torch.dtype, rows: int, kv_align: int,
     return cfg
 
 
-# The batch-invariant mode's config: fast/paged_varlen_attention.py's table, copied (its comment gives
-# the reasons).  A row's bits depend on BLOCK_M, BLOCK_N and num_warps, so a decode step runs the
-# varlen kernel's tile to round like it.  Per GPU family, head-dim class and element size:
-# (BLOCK_M, BLOCK_N, num_warps, stages of the varlen kernel, stages of this file's decode kernel);
-# then the interpreter's (CPU tensors).
+# The batch-invariant mode's launch: fast/paged_varlen_attention.py's table, copied (its comment gives the
+# reasons).  Per GPU family, head-dim class and element size: (BLOCK_N, SPLIT, the varlen kernel's row groups
+# a program, its stages, the warps and stages of a one-group program, K/V buffers of this file's decode
+# kernel); then the interpreter's (CPU tensors).  A row's bits depend on the row group (16), BLOCK_N and
+# SPLIT, so a decode step reduces like the varlen kernel; warps and stages spread the same arithmetic.
 _INVARIANT_CONFIG_TABLE = {
-    (90, 64, 2): (64, 64, 4, 3, 3), (90, 128, 2): (64, 64, 8, 3, 3), (90, 256, 2): (64, 32, 8, 3, 3),
-    (80, 64, 2): (64, 64, 4, 3, 3), (80, 128, 2): (64, 32, 8, 3, 3), (80, 256, 2): (64, 16, 8, 3, 3),
-    (90, 64, 4): (16, 16, 4, 2, 2), (90, 128, 4): (32, 16, 8, 2, 2), (90, 256, 4): (16, 16, 8, 1, 1),
-    (80, 64, 4): (16, 16, 4, 2, 2), (80, 128, 4): (32, 16, 8, 2, 2), (80, 256, 4): (16, 16, 4, 2, 2),
+    (90, 64, 2): (16, 120, 8, 2, 4, 2, 2), (90, 128, 2): (16, 120, 8, 1, 8, 2, 3),
+    (90, 256, 2): (16, 120, 1, 2, 8, 2, 2),
+    (80, 64, 2): (16, 120, 8, 2, 4, 2, 2), (80, 128, 2): (16, 120, 8, 1, 8, 2, 2),
+    (80, 256, 2): (16, 120, 1, 2, 8, 2, 2),
+    (90, 64, 4): (16, 120, 1, 2, 4, 2, 1), (90, 128, 4): (16, 120, 1, 2, 8, 2, 2),
+    (90, 256, 4): (16, 120, 1, 1, 8, 1, 1),
+    (80, 64, 4): (16, 120, 1, 2, 4, 2, 3), (80, 128, 4): (16, 120, 1, 2, 8, 3, 2),
+    (80, 256, 4): (16, 120, 1, 2, 8, 2, 1),
 }
-_INTERPRET_INVARIANT_CONFIG = (16, 16, 4, 1, 1)
+# The Triton interpreter's (CPU tensors): segments of 8 keys, so that short test sequences cross several
+# and every 16-key block straddles two; two row groups a prefill program.
+_INTERPRET_INVARIANT_CONFIG = (16, 8, 2, 1, 4, 1, 1)
 
 
 def _invariant_config(head_dim: int, dtype: torch.dtype, rows: int, group: int, kv_align: int,
                       family: Optional[int]) -> dict:
-    """The decode kernel's batch-invariant launch on GPU family 80 or 90 (None: the interpreter): the
-    varlen kernel's invariant tile, one split.  Its costs against ``_fwd_config``: a 64-row tile
-    (16-bit) for S_q * G rows, so 64 / (S_q * G) times the useful MMA work (memory-bound all the
-    same), and no split: B * H_kv programs, however many SMs there are."""
+    """The decode kernel's batch-invariant launch on GPU family 80 or 90 (None: the interpreter): a 16-row
+    group, the varlen kernel's BLOCK_N and SPLIT, the table's warps and this kernel's K/V buffers."""
     elt = torch.finfo(dtype).bits // 8
     block_d = max(16, triton.next_power_of_2(head_dim))
     if family is None:
-        block_m, block_n, warps, _, stages = _INTERPRET_INVARIANT_CONFIG
+        block_n, split, _, _, warps, _, buffers = _INTERPRET_INVARIANT_CONFIG
     else:
-        block_m, block_n, warps, _, stages = _INVARIANT_CONFIG_TABLE[(family, max(64, block_d), elt)]
-    # Rows sit at position-aligned slots (see the kernel): the first at a multiple of gcd(G, BLOCK_M)
-    # up to BLOCK_M - gcd, so S_q * G rows span at most this many tiles (one, decoding with G | BLOCK_M).
-    num_q_tiles = -(-(rows + block_m - math.gcd(group, block_m)) // block_m)
-    return dict(BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, KV_ALIGN=kv_align, num_warps=warps,
-                num_stages=stages, num_q_tiles=num_q_tiles)
+        block_n, split, _, _, warps, _, buffers = _INVARIANT_CONFIG_TABLE[(family, max(64, block_d), elt)]
+    # Rows sit at position-aligned slots (see the kernel): the first at a multiple of gcd(G, 16) up to
+    # 16 - gcd, so S_q * G rows span at most this many groups (one, decoding with G | 16).
+    num_q_tiles = -(-(rows + 16 - math.gcd(group, 16)) // 16)
+    return dict(BLOCK_D=block_d, BLOCK_M=16, BLOCK_N=block_n, SPLIT=split, KV_ALIGN=kv_align, num_warps=warps,
+                buffers=buffers, num_q_tiles=num_q_tiles)
 
 
 @functools.cache
@@ -1431,9 +1732,6 @@ def _check_scalars(*, scale, softcap, num_splits, batch_invariant):
         _integer("num_splits", num_splits, 1)
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
-    if batch_invariant and num_splits is not None and operator.index(num_splits) != 1:
-        raise ValueError(f"batch_invariant=True decodes in one split (a split count changes the rounding); "
-                         f"num_splits must be None or 1, got {num_splits}")
 
 
 def _check_device(name, t):

@@ -45,33 +45,38 @@ Batch invariance (``batch_invariant=True``; the default, False, keeps the autotu
     head dim, on one GPU family (or the interpreter) and one Triton version: in a packed forward
     over any other sequences (a trainer's), in a paged prefill chunk of any length starting at any
     position (any page size, block table, batch order), in a decode step of one row per sequence,
-    and in fast/flash_decoding.py's ``flash_decode(..., batch_invariant=True)``.  The rule that makes
-    it so: every phase computes a row's dots with the same tile shape, the same instruction and the
-    row in the same slot of the tile, and reduces its keys in the same blocks in the same order.
-    * One tile per (GPU family, element size, head-dim class), never autotuned or chosen by rows
-      (``_INVARIANT_CONFIG_TABLE``): BLOCK_M x BLOCK_N x BLOCK_D and num_warps fix the MMA
-      (sm_80: mma.sync m16n8k16; sm_90: wgmma m64nNk16; parity/invariant_sass.py checks that the
-      trainer's, a prefill's and a decode's builds hold the same floating-point SASS).
-    * Tiles aligned to absolute positions: the row of (position p, head g) sits at slot
-      (p * G + g) mod BLOCK_M whatever the call (a prefill chunk starting mid-sequence, a decode
-      row), so a sequence's first tile may be partly empty.  A CPU BLAS, which runs ``tl.dot`` under
-      the interpreter, rounds the slots of a tile differently (OpenBLAS's Haswell/Zen sgemm: rows
-      6-11 of 16 through another micro-kernel), so a fixed slot is part of the contract.
-    * Key blocks of BLOCK_N from key 0, in order, all through one masked loop: the default's
-      unmasked loop fuses the scale and the max-subtraction into one FMA (sm_90 PTX: fma.rn.f32)
-      where the masked loop rounds twice, so a block's bits there depend on the tile's other rows.
-    * A block hidden from a row leaves its (m, l, acc) exactly as they were (p = 2^-inf = 0, alpha
-      = 2^0 = 1; alpha = 0 on the zeros of a row that has seen nothing yet), so the blocks the
-      tile's other rows add change nothing; no split-K, and the same finalisation (sink, 1 / l,
-      lse) in both files.
-    The cost, against the default: 64-row tiles where the autotuner's first choice in 16-bit has 128
-    (a prefill reads K and V twice as often: K/V bytes = 2 D elt H_kv sum over tiles of the keys
-    they see, about L^2 G / (2 BLOCK_M) per causal sequence and KV head), one more (partly empty)
-    tile per sequence whose first row is not at slot 0, every block pays the mask, and a decode
-    step through this kernel runs one program per (sequence, KV head) with G of its 64 rows in use
-    (no split: a small batch leaves SMs idle; 64 FLOPs per K/V byte, memory-bound still).  fp32
-    keeps its default tile.  GPU timings are owed.  Under the interpreter the default mode is
-    invariant or not depending on the BLAS (one 16 x 16 tile in both loops); on a GPU it is not.
+    and in fast/flash_decoding.py's ``flash_decode(..., batch_invariant=True)`` with any split count.
+    The rule that makes it so: every phase computes a row with the same per-row arithmetic, the same
+    instruction on the same row group, and reduces its keys in the same segments and blocks in the
+    same order.  ``_attn_fwd_invariant_kernel`` and the decode kernel share the helpers, character
+    for character.
+    * Row groups of 16 (mma.sync m16n8k16's M, on sm_80 and sm_90 alike: no wgmma in the mode), the
+      row of (position p, head g) at slot (p * G + g) mod 16 of its group in every call (a CPU BLAS,
+      which runs ``tl.dot`` under the interpreter, rounds a tile's slots apart: OpenBLAS's
+      Haswell/Zen sgemm takes rows 6-11 of 16 through another micro-kernel).  A prefill program holds
+      SUB groups (8 in 16-bit at D <= 128: 128 packed rows, as the default's first tile) as a batched
+      dot, one group a warp, so each K/V block is loaded once for all of them; a decode holds one.
+    * The row sums of the probabilities are a dot with a ones block, like P V, and the row maxima are
+      exact in any order: no floating-point sum of a row crosses threads, so spreading the same rows
+      over other warps (SUB, num_warps, a decode's one group) changes no bits.
+    * Fixed-size key splits: a row's keys (from the call's key 0: a packed sequence's first key, or
+      ``cache_leftpad`` in the decode) in segments of SPLIT keys (``_INVARIANT_CONFIG_TABLE``: 120 on
+      both families and every head dim, 8 under the interpreter), each reduced from a fresh state
+      through key blocks of BLOCK_N from key 0 (a block that straddles a segment boundary is visited
+      by both segments, each masking the other's keys), finished to (out rounded to the input dtype,
+      lse fp32) as a decode's partial is stored, and the segment states folded in index order; the
+      sink joins after the last.  A decode then splits a row's segments over programs like the
+      default's split launch, and the program that merges folds them in the same order.
+    * Every block masked; a hidden block, a hidden segment and an empty segment leave the state
+      exactly as it was (p = 2^-inf = 0 and alpha = 2^0 = 1; weights e^-inf = 0 in the fold).
+    The cost, against the default (the kernel observatory, B = 4 / 2 x 512, GQA 8/2, D = 128, fp16,
+    sm_90 builds; bench/README.md has the candidates): a prefill issues 0.96x the default's bytes
+    (128-row programs, but mma.sync instead of wgmma, one pipeline stage: 234 registers, 36 KB of
+    shared memory; its speed on a GPU is owed), 1/16 more MMA work for the row sums, a block more
+    per segment boundary inside a block, and a segment's finish and fold per 120 keys.  fp32, D = 256
+    and rows aligned to fewer than 8 elements take one group a program (16 packed rows per K/V load:
+    8x the K/V bytes of a 128-row tile).  Under the interpreter the default mode is invariant or not
+    depending on the BLAS (one 16 x 16 tile in both loops); on a GPU it is not.
 
 References
     PyTorch 2.13 torch.nn.attention.varlen; Dao, FlashAttention-2 (2023); Kwon et al.,
@@ -148,8 +153,8 @@ def varlen_attn_out(out, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
 # ----------------------------------------------------------------------------- forward kernel
 #
 # A row's result is made of the next three functions and the score transform in _attn_key_blocks'
-# loop.  fast/flash_decoding.py holds the same code, character for character, so that its
-# batch-invariant decode rounds like this kernel.  (The transform stays inline: as a function called
+# loop (fast/flash_decoding.py holds the same code; the batch-invariant mode's helpers, shared with it
+# character for character, are further below).  (The transform stays inline: as a function called
 # in the loop it cost the fp32 D = 256 sm_90 build 8 bytes of stack.)
 
 @triton.jit
@@ -206,7 +211,7 @@ def _attn_fwd_kernel(
     GROUP: tl.constexpr, IS_PAGED: tl.constexpr, HAS_SEQUSED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BATCH_INVARIANT: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The forward.  Grid: (query tiles x sequences, KV heads), heaviest tile first (under a causal
     mask a sequence's last tile sees the most keys).
@@ -216,10 +221,7 @@ def _attn_fwd_kernel(
       sequences (L_q = 1) still fill G rows.
     * Mask skipping: the tile's visible key range [lo, hi) comes from the window; blocks outside
       it are never loaded, blocks fully inside it run without a mask, and only the (at most two)
-      edge segments pay for it.  With BATCH_INVARIANT every block of [lo, hi) runs through the one
-      masked loop instead: the compiler fuses scale and max-subtraction into one FMA in the
-      unmasked loop but not in the masked one (sm_90 PTX: fma.rn.f32 there, mul + sub here), so a
-      block's bits would otherwise depend on the segment the tile's other rows put it in.
+      edge segments pay for it.  (``batch_invariant=True`` runs ``_attn_fwd_invariant_kernel``.)
     * Paged K/V: key j's row is at ``block_table[b, j // page_size]``, slot ``j % page_size``, so
       any page size works and the loads pipeline like packed ones.
     * fp32 inputs use IEEE fp32 dots (no silent tf32); fp16 / bf16 tensor cores, fp32 accumulation.
@@ -248,25 +250,14 @@ def _attn_fwd_kernel(
             L_k = tl.load(cu_seq_k_ptr + i_b + 1) - bos_k
 
     # Rows of the tile: flattened (position, head-in-group), so the G query heads of this KV
-    # head share every K/V block.  BATCH_INVARIANT aligns the tiles to absolute positions: the
-    # row of (position p, head g) sits at slot (p * G + g) mod BLOCK_M in every call (a prefill
-    # chunk that starts mid-sequence, a decode row), because a CPU BLAS rounds the slots of a
-    # tile differently (see "Batch invariance" in the module docstring).
-    if BATCH_INVARIANT:
-        shift = (((L_k - L_q) * GROUP) % BLOCK_M + BLOCK_M) % BLOCK_M   # the first row's slot
-        num_tiles = tl.cdiv(L_q * GROUP + shift, BLOCK_M)
-    else:
-        num_tiles = tl.cdiv(L_q * GROUP, BLOCK_M)
+    # head share every K/V block.
+    num_tiles = tl.cdiv(L_q * GROUP, BLOCK_M)
     if i_m_from_end >= num_tiles:
         return
     i_m = num_tiles - 1 - i_m_from_end
     first_r = i_m * BLOCK_M                             # the tile's first row within the sequence
-    if BATCH_INVARIANT:
-        first_r -= shift
     o_r = first_r + tl.arange(0, BLOCK_M)               # [BLOCK_M]
     m_r = o_r < L_q * GROUP
-    if BATCH_INVARIANT:
-        m_r = m_r & (o_r >= 0)
     o_pos = o_r // GROUP                                # query position inside the sequence
     o_head = i_kvh * GROUP + o_r % GROUP                # query head
     o_d = tl.arange(0, BLOCK_D)
@@ -304,13 +295,10 @@ def _attn_fwd_kernel(
     # The key blocks the tile sees, one loop per segment (unrolled at compile time): [blk_lo, edge_a_hi)
     # masked, [full_blk_lo, full_blk_hi) without a mask (every row sees every key), [edge_c_lo, hi)
     # masked.  Only a left window bound leaves blocks in the first segment (without one that loop
-    # would be empty; leaving it out of the code saves registers).  BATCH_INVARIANT runs one masked
-    # segment, [blk_lo, hi): blocks from key 0 in steps of BLOCK_N.  The blocks the tile's other rows
-    # add are hidden from this row, and a fully hidden block leaves (m, l, acc) exactly as they were
-    # (p = 2^-inf = 0 and alpha = 2^0 = 1; on a row that has seen nothing yet, alpha = 0 on zeros).
+    # would be empty; leaving it out of the code saves registers).
     seg_start = (blk_lo, full_blk_lo, edge_c_lo)
-    seg_end = (hi, full_blk_hi, hi) if BATCH_INVARIANT else (edge_a_hi, full_blk_hi, hi)
-    for i_seg in tl.static_range(0 if HAS_LEFT or BATCH_INVARIANT else 1, 1 if BATCH_INVARIANT else 3):
+    seg_end = (edge_a_hi, full_blk_hi, hi)
+    for i_seg in tl.static_range(0 if HAS_LEFT else 1, 3):
         acc, l_i, m_i = _attn_key_blocks(
             acc, l_i, m_i, b_q, k_base, v_base, bt_row_ptr, bos_k, L_k, o_key_pos, o_d, m_d,
             seg_start[i_seg], seg_end[i_seg], qk_scale, softcap, window_left, window_right, page_size,
@@ -412,6 +400,236 @@ def _block_segments(lo, full_lo, full_hi, BLOCK: tl.constexpr):
     return blk_lo, edge_a_hi, full_blk_lo, full_blk_hi, edge_c_lo
 
 
+# ----------------------------------------------------------------------------- the batch-invariant forward
+#
+# batch_invariant=True runs this kernel in every phase (a trainer's packed forward, a paged prefill chunk,
+# a decode step through varlen_attn); fast/flash_decoding.py's _decode_invariant_kernel computes the same
+# rows with the same helpers below (the two files hold them character for character).  A row's result:
+#   * rows in groups of _ROWS = 16 (mma.sync's M), the row of (position p, head g) at slot (p G + g) mod 16
+#     of its group in every call (a CPU BLAS rounds a tile's slots apart); a program holds SUB groups
+#     ([SUB, 16, D]: a batched dot, one group per warp) that share each K/V block it loads;
+#   * its keys cut into segments of SPLIT keys from key 0 (the call's first key), each segment reduced from
+#     a fresh state by the masked online softmax over key blocks of BLOCK_N from key 0 (a block that
+#     straddles a segment boundary is visited by both segments, each masking the other's keys), finished
+#     to (out rounded to the input dtype, lse fp32), and the segment states folded in index order;
+#   * the row sum of the probabilities a dot with a ones block (like the P V dot), not a reduction across
+#     threads: then on a GPU every floating-point reduction of a row is an MMA (mma.sync m16n8k16, the same
+#     instruction whatever the launch's warps, SUB or tile) or a max (exact in any order), so the bits do not
+#     depend on how a launch spreads its rows over warps.
+# Every block runs masked (the default kernel's unmasked loop fuses scale and max-subtraction into one FMA
+# where a masked loop rounds twice): a hidden block, a hidden segment and an empty segment are exact no-ops.
+
+_ROWS = tl.constexpr(16)     # the mode's row group: mma.sync's M; a row's slot is fixed within it
+
+
+@triton.jit
+def _inv_block_step(acc, l_i, m_i, b_s, b_v, b_ones, DOT_PRECISION: tl.constexpr):
+    """One key block of a segment's online softmax, for a row group [.., 16] (or SUB of them): b_s
+    [.., 16, BLOCK_N] log2-domain scores (-inf where hidden), b_v [.., BLOCK_N, BLOCK_D], b_ones
+    [.., BLOCK_N, 8]; returns the new (acc, l, m).  l adds the rounded probabilities' row sums as an MMA."""
+    m_new = tl.maximum(m_i, tl.max(b_s, -1))
+    # A row that has seen nothing yet keeps m = -inf; subtracting 0 instead keeps its
+    # 2^(-inf) = 0 probabilities from turning into 2^(-inf + inf) = nan.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    b_p = tl.exp2(b_s - tl.expand_dims(m_safe, -1)).to(b_v.dtype)
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.max(tl.dot(b_p, b_ones, input_precision=DOT_PRECISION), -1)
+    acc = acc * tl.expand_dims(alpha, -1) + tl.dot(b_p, b_v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _inv_segment_state(acc, l_i, m_i):
+    """A segment's state: (out = acc / l, lse = (m + log2 l) ln 2), out 0 and lse -inf where it saw nothing.
+    The caller rounds out to the input dtype, as a decode's partial is stored."""
+    empty = l_i == 0.0                                  # tested as == 0, so that a NaN stays NaN
+    l_safe = tl.where(empty, 1.0, l_i)
+    b_o = tl.math.fdiv(acc, tl.expand_dims(l_safe, -1), approx=True)    # l >= 1: 2 ulp, no slow path
+    b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    return b_o, b_lse
+
+
+@triton.jit
+def _inv_fold_step(acc, den, m, lse_j, o_j):
+    """Fold the next segment's state (lse_j fp32, o_j in the input dtype) into the running (acc, den, m),
+    the segments taken in index order; rescaled like the online softmax so that every weight is at most 1.
+    An empty segment (lse -inf, out 0) changes nothing."""
+    m_new = tl.maximum(m, lse_j)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)    # nothing seen yet: weights 0, not NaN
+    alpha = tl.exp(m - m_safe)
+    w = tl.exp(lse_j - m_safe)
+    return acc * tl.expand_dims(alpha, -1) + tl.expand_dims(w, -1) * o_j.to(tl.float32), den * alpha + w, m_new
+
+
+@triton.jit
+def _inv_fold_finish(acc, den, m, sink, HAS_SINKS: tl.constexpr):
+    """The rows' (out, lse) from the folded segments, after the sink (natural log) joins the denominator."""
+    m = tl.where(m == float("-inf"), 0.0, m)
+    if HAS_SINKS:
+        m_fin = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_fin)                                 # 0 against a sink of +inf
+        den = den * alpha + tl.exp(tl.where(sink == m_fin, 0.0, sink - m_fin))   # 1 for a sink of +inf
+        acc = acc * tl.expand_dims(alpha, -1)
+        m = m_fin
+    empty = den == 0                                              # no key and no sink (or one of -inf)
+    den_safe = tl.where(empty, 1.0, den)
+    b_o = tl.math.fdiv(acc, tl.expand_dims(den_safe, -1), approx=True)   # den >= 1 (or a sink's share)
+    b_lse = tl.where(empty, float("-inf"), m + tl.log(den_safe))
+    return b_o, b_lse
+
+
+@triton.jit
+def _attn_fwd_invariant_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sinks_ptr,
+    cu_seq_q_ptr, cu_seq_k_ptr, seqused_k_ptr, block_table_ptr,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_lse_head,
+    stride_k_page, stride_k_tok, stride_k_head, stride_v_page, stride_v_tok, stride_v_head,
+    stride_bt, page_size, num_seqs,
+    qk_scale, softcap, window_left, window_right,
+    GROUP: tl.constexpr, IS_PAGED: tl.constexpr, HAS_SEQUSED: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SUB: tl.constexpr,
+):
+    """The forward of ``batch_invariant=True`` (see the comment above and "Batch invariance" in the module
+    docstring).  Grid: (tiles of SUB row groups x sequences, KV heads), heaviest tile first.  A program
+    holds SUB * 16 packed rows (position r // G, head r % G), the first at slot (p G + g) mod 16, so a
+    sequence's first group may be partly empty; SUB > 1 computes the groups as a batched dot ([SUB, 16,
+    D] x [SUB, D, BLOCK_N] with K broadcast: each K/V block is loaded once for all of them).
+
+    FLOPs = 4 * D * (visible pairs) as the default kernel's, plus the row sums' ones dot (2 * 16 * 8 * BLOCK_N
+    per block and row group: 1/16 more MMA work at D = 128) and a block more per segment boundary that
+    cuts one.  Minimum bytes as the default kernel's; K and V are read once per program that sees them,
+    i.e. once per SUB * 16 packed rows.
+    """
+    i_tile, i_kvh = tl.program_id(0), tl.program_id(1)
+    i_b = i_tile % num_seqs
+    i_m_from_end = i_tile // num_seqs                  # 0 = the sequence's last (heaviest) tile
+    bos_q = tl.load(cu_seq_q_ptr + i_b)
+    L_q = tl.load(cu_seq_q_ptr + i_b + 1) - bos_q
+    if IS_PAGED:
+        bos_k = 0
+        L_k = tl.load(seqused_k_ptr + i_b)
+    else:
+        bos_k = tl.load(cu_seq_k_ptr + i_b)
+        if HAS_SEQUSED:
+            L_k = tl.load(seqused_k_ptr + i_b)
+        else:
+            L_k = tl.load(cu_seq_k_ptr + i_b + 1) - bos_k
+
+    # The rows, aligned to absolute positions: (position p, head g) at slot (p * G + g) mod 16 of a group.
+    shift = (((L_k - L_q) * GROUP) % _ROWS + _ROWS) % _ROWS            # the sequence's first row's slot
+    num_tiles = tl.cdiv(L_q * GROUP + shift, SUB * _ROWS)
+    if i_m_from_end >= num_tiles:
+        return
+    first_r = (num_tiles - 1 - i_m_from_end) * (SUB * _ROWS) - shift
+    o_r = first_r + tl.arange(0, SUB * _ROWS)
+    if SUB > 1:
+        o_r = tl.reshape(o_r, [SUB, _ROWS])                             # [SUB, 16]: a row group per warp
+    m_r = (o_r >= 0) & (o_r < L_q * GROUP)
+    o_pos = o_r // GROUP                                # query position inside the sequence
+    o_head = i_kvh * GROUP + o_r % GROUP                # query head
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    o_key_pos = o_pos + (L_k - L_q)                     # the key position each row is aligned with
+    o_q_row = (bos_q + o_pos).to(tl.int64) * stride_q_tok + o_head.to(tl.int64) * stride_q_head
+    o_o_row = (bos_q + o_pos).to(tl.int64) * stride_o_tok + o_head.to(tl.int64) * stride_o_head
+    if ALIGN > 1:
+        if SUB > 1:
+            o_q_row = tl.multiple_of(o_q_row, [ALIGN, ALIGN])
+            o_o_row = tl.multiple_of(o_o_row, [ALIGN, ALIGN])
+        else:
+            o_q_row = tl.multiple_of(o_q_row, ALIGN)
+            o_o_row = tl.multiple_of(o_o_row, ALIGN)
+    m_rd = tl.expand_dims(m_r, -1) & m_d
+    b_q = tl.load(q_ptr + tl.expand_dims(o_q_row, -1) + o_d, mask=m_rd, other=0.0)   # [.., 16, BLOCK_D]
+
+    # The keys some row of the tile can see, [lo, hi): segments lo // SPLIT .. cdiv(hi, SPLIT) - 1.
+    pos_first = tl.maximum(first_r, 0) // GROUP + (L_k - L_q)
+    pos_last = tl.minimum((first_r + SUB * _ROWS - 1) // GROUP, L_q - 1) + (L_k - L_q)
+    lo, hi, _, _ = _visible_span(pos_first, pos_last, L_k, window_left, window_right, HAS_LEFT, HAS_RIGHT)
+    bt_row_ptr = block_table_ptr + i_b.to(tl.int64) * stride_bt
+    o_k_head = i_kvh.to(tl.int64) * stride_k_head
+    o_v_head = i_kvh.to(tl.int64) * stride_v_head
+    if ALIGN > 1:
+        o_k_head = tl.multiple_of(o_k_head, ALIGN)
+        o_v_head = tl.multiple_of(o_v_head, ALIGN)
+    k_base = k_ptr + o_k_head
+    v_base = v_ptr + o_v_head
+
+    f_acc = tl.zeros(b_q.shape, dtype=tl.float32)       # the folded segments
+    f_den = tl.zeros(o_r.shape, dtype=tl.float32)
+    f_m = tl.full(o_r.shape, float("-inf"), dtype=tl.float32)
+    for i_seg in range(lo // SPLIT, tl.cdiv(hi, SPLIT)):
+        seg_lo = tl.maximum(i_seg * SPLIT, lo)
+        seg_hi = tl.minimum(i_seg * SPLIT + SPLIT, hi)
+        acc, l_i, m_i = _inv_key_blocks(
+            b_q, k_base, v_base, bt_row_ptr, bos_k, o_key_pos, o_d, m_d, seg_lo, seg_hi, qk_scale, softcap,
+            window_left, window_right, page_size, stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
+            IS_PAGED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, DOT_PRECISION, ALIGN, BLOCK_N, SUB)
+        b_o, b_lse = _inv_segment_state(acc, l_i, m_i)
+        f_acc, f_den, f_m = _inv_fold_step(f_acc, f_den, f_m, b_lse, b_o.to(o_ptr.dtype.element_ty))
+
+    b_sink = tl.zeros(o_r.shape, dtype=tl.float32)
+    if HAS_SINKS:
+        b_sink = tl.load(sinks_ptr + o_head, mask=m_r, other=0.0).to(tl.float32)
+    b_o, b_lse = _inv_fold_finish(f_acc, f_den, f_m, b_sink, HAS_SINKS)
+    tl.store(o_ptr + tl.expand_dims(o_o_row, -1) + o_d, b_o.to(o_ptr.dtype.element_ty), mask=m_rd)
+    tl.store(lse_ptr + o_head.to(tl.int64) * stride_lse_head + bos_q + o_pos, b_lse, mask=m_r)
+
+
+@triton.jit
+def _inv_key_blocks(b_q, k_ptr, v_ptr, bt_row_ptr, bos_k, o_key_pos, o_d, m_d, n_lo, n_hi, qk_scale, softcap,
+                    window_left, window_right, page_size, stride_k_page, stride_k_tok, stride_v_page, stride_v_tok,
+                    IS_PAGED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr,
+                    BLOCK_N: tl.constexpr, SUB: tl.constexpr):
+    """One segment's state from a fresh start: the keys [n_lo, n_hi) through key blocks of BLOCK_N from
+    key 0 (the first may start before n_lo), every block masked.  Returns (acc, l, m)."""
+    acc = tl.zeros(b_q.shape, dtype=tl.float32)
+    l_i = tl.zeros(o_key_pos.shape, dtype=tl.float32)
+    m_i = tl.full(o_key_pos.shape, float("-inf"), dtype=tl.float32)
+    if SUB > 1:
+        b_ones = tl.full([SUB, BLOCK_N, 8], 1.0, dtype=k_ptr.dtype.element_ty)
+    else:
+        b_ones = tl.full([BLOCK_N, 8], 1.0, dtype=k_ptr.dtype.element_ty)
+    for start_n in range((n_lo // BLOCK_N) * BLOCK_N, n_hi, BLOCK_N):
+        o_n = start_n + tl.arange(0, BLOCK_N)                          # key positions [BLOCK_N]
+        m_n = (o_n >= n_lo) & (o_n < n_hi)
+        if IS_PAGED:
+            page = tl.load(bt_row_ptr + o_n // page_size, mask=m_n, other=0).to(tl.int64)
+            slot = (o_n % page_size).to(tl.int64)
+            o_k_row = page * stride_k_page + slot * stride_k_tok
+            o_v_row = page * stride_v_page + slot * stride_v_tok
+        else:
+            o_k_row = (bos_k + o_n).to(tl.int64) * stride_k_tok
+            o_v_row = (bos_k + o_n).to(tl.int64) * stride_v_tok
+        if ALIGN > 1:  # the launcher checked every K/V row starts at a multiple of ALIGN elements
+            o_k_row = tl.multiple_of(o_k_row, ALIGN)
+            o_v_row = tl.multiple_of(o_v_row, ALIGN)
+        m_kv = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(k_ptr + o_k_row[:, None] + o_d[None, :], mask=m_kv, other=0.0)   # [BLOCK_N, BLOCK_D]
+        b_v = tl.load(v_ptr + o_v_row[:, None] + o_d[None, :], mask=m_kv, other=0.0)
+        if SUB > 1:     # every row group against the one K/V block
+            b_kt = tl.broadcast_to(tl.expand_dims(tl.trans(b_k), 0), [SUB, b_k.shape[1], BLOCK_N])
+            b_v = tl.broadcast_to(tl.expand_dims(b_v, 0), [SUB, BLOCK_N, b_v.shape[1]])
+        else:
+            b_kt = tl.trans(b_k)
+        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION)          # [.., 16, BLOCK_N] fp32
+        if HAS_SOFTCAP:                                                # log2-domain scores
+            b_s = softcap * _tanh(b_s * qk_scale) * _LOG2E     # qk_scale = scale / softcap
+        else:
+            b_s = b_s * qk_scale                                          # qk_scale = scale * log2(e)
+        m_s = m_n[None, :]
+        if HAS_LEFT:
+            m_s = m_s & (o_n[None, :] >= tl.expand_dims(o_key_pos, -1) - window_left)
+        if HAS_RIGHT:
+            m_s = m_s & (o_n[None, :] <= tl.expand_dims(o_key_pos, -1) + window_right)
+        b_s = tl.where(m_s, b_s, float("-inf"))
+        acc, l_i, m_i = _inv_block_step(acc, l_i, m_i, b_s, b_v, b_ones, DOT_PRECISION)
+    return acc, l_i, m_i
+
+
 @triton.jit
 def _padding_rows_kernel(x_ptr, y_ptr, lse_ptr, cu_ptr, num_seqs, T, stride_x_tok, stride_x_head, stride_y_tok,
                          stride_y_head, stride_lse_head, HEAD_DIM: tl.constexpr, NUM_ZEROS: tl.constexpr,
@@ -498,36 +716,59 @@ _TUNED = {(family, block_d, elt): triton.autotune(
     for family in (80, 90) for block_d in (16, 32, 64, 128, 256) for elt in (2, 4)}
 
 
-# The batch-invariant mode's config per GPU family, head-dim class and element size, whatever the
-# rows, the batch or the rows' alignment: (BLOCK_M, BLOCK_N, num_warps, stages of this file's
-# kernel, stages of fast/flash_decoding.py's decode kernel).  A row's bits depend on BLOCK_N (the
-# key blocks), BLOCK_M and num_warps (the MMA and reduction layouts), so a trainer's packed forward,
-# a paged prefill and a decode step must all run the same tile; the pipeline depth only moves loads
-# and is chosen per kernel (the decode kernel's sm_80 D = 128 build takes three stages: with two,
-# ptxas holds it to 128 registers and spills 16 bytes when it reads keys from a cache_leftpad on).
-# 64-row tiles (one wgmma warpgroup on sm_90) from the default table's alignment-free lists: a
-# prefill reads K/V once per 64 packed rows instead of the default's first choice of 128 (2x the K/V
-# bytes); a decode step fills S_q * G of the 64 rows (64 FLOPs per K/V byte in 16-bit: memory-bound
-# still, under the A100's and H100's tensor-FLOP/s-to-bytes/s ratios).  fp32 keeps its default (only)
-# tile.  fast/flash_decoding.py holds the same table.
+# The batch-invariant mode's launch per GPU family, head-dim class and element size, whatever the rows or
+# the batch: (BLOCK_N, SPLIT, SUB, stages of a SUB-group program, warps and stages of a one-group program,
+# K/V buffers of fast/flash_decoding.py's decode kernel).  What a row's bits depend on, and so what every
+# phase shares, is the row group (16 rows, mma.sync m16n8k16), BLOCK_N (the key blocks: the P V dot's K)
+# and SPLIT (the segments); SUB (row groups a program, a warp each), the warps and the stages only spread
+# the same per-row arithmetic over threads, since no row's floating-point reduction crosses threads but
+# through an MMA or a max (the row sums are a ones dot).
+# * BLOCK_N = 16: a decode's K/V stage is 8 KB (two 16 x 128 fp16 blocks), as the default decode's; 32
+#   would double it (38 KB of shared memory at two buffers) and spill the 128-row prefill.
+# * SUB: a prefill program takes 8 groups (128 packed rows: the K/V bytes of the default's first tile) at
+#   D <= 128 in 16-bit; a launch whose longest sequence fits one group (a decode step) takes one, spread over
+#   the warps.  Each warp of a SUB-group program holds its group's fp32 [16, D] state twice (the segment's
+#   and the fold's): at D = 128 only one pipeline stage builds without spilling (234-244 registers), and
+#   D = 256, fp32 and rows aligned to fewer than 8 elements take one group a program.
+# * SPLIT = 120 keys: a decode split's fixed bytes (q read again, its partial written and read: 3 G (D e + 4)
+#   per KV head) are 5.1% of its K/V bytes (2 SPLIT D e) at G = 4, any D; 9 segments for 1k keys (72 programs
+#   at B = 4, H_kv = 2: more than half of an H100's SMs), where 128 would give 8 (64) and 112 would give 10
+#   (9 partials: 1.053x the IO bound).  A constant of the table, so that it can follow a GPU family.
+# * The warps, stages and buffers: what builds for sm_80 and sm_90 without spills (parity/test_compile.py).
+# bench/README.md's batch-invariant section has the candidates' costs.  fast/flash_decoding.py holds the
+# same table.
 _INVARIANT_CONFIG_TABLE = {
-    (90, 64, 2): (64, 64, 4, 3, 3), (90, 128, 2): (64, 64, 8, 3, 3), (90, 256, 2): (64, 32, 8, 3, 3),
-    (80, 64, 2): (64, 64, 4, 3, 3), (80, 128, 2): (64, 32, 8, 3, 3), (80, 256, 2): (64, 16, 8, 3, 3),
-    (90, 64, 4): (16, 16, 4, 2, 2), (90, 128, 4): (32, 16, 8, 2, 2), (90, 256, 4): (16, 16, 8, 1, 1),
-    (80, 64, 4): (16, 16, 4, 2, 2), (80, 128, 4): (32, 16, 8, 2, 2), (80, 256, 4): (16, 16, 4, 2, 2),
+    (90, 64, 2): (16, 120, 8, 2, 4, 2, 2), (90, 128, 2): (16, 120, 8, 1, 8, 2, 3),
+    (90, 256, 2): (16, 120, 1, 2, 8, 2, 2),
+    (80, 64, 2): (16, 120, 8, 2, 4, 2, 2), (80, 128, 2): (16, 120, 8, 1, 8, 2, 2),
+    (80, 256, 2): (16, 120, 1, 2, 8, 2, 2),
+    (90, 64, 4): (16, 120, 1, 2, 4, 2, 1), (90, 128, 4): (16, 120, 1, 2, 8, 2, 2),
+    (90, 256, 4): (16, 120, 1, 1, 8, 1, 1),
+    (80, 64, 4): (16, 120, 1, 2, 4, 2, 3), (80, 128, 4): (16, 120, 1, 2, 8, 3, 2),
+    (80, 256, 4): (16, 120, 1, 2, 8, 2, 1),
 }
-# The Triton interpreter's (CPU tensors).
-_INTERPRET_INVARIANT_CONFIG = (16, 16, 4, 1, 1)
+# The Triton interpreter's (CPU tensors): segments of 8 keys, so that short test sequences cross several
+# and every 16-key block straddles two; two row groups a prefill program.
+_INTERPRET_INVARIANT_CONFIG = (16, 8, 2, 1, 4, 1, 1)
 
 
 def _invariant_config(family: Optional[int], head_dim: int, elt_size: int) -> dict:
-    """The batch-invariant launch options (BLOCK_M, BLOCK_N, num_warps, num_stages) for GPU family
-    80 or 90, or the interpreter's (None)."""
+    """The batch-invariant launch options for GPU family 80 or 90, or the interpreter's (None):
+    BLOCK_N, SPLIT, SUB (the most row groups a program takes), and the warps and stages of a SUB-group and
+    of a one-group program."""
     if family is None:
-        block_m, block_n, warps, stages, _ = _INTERPRET_INVARIANT_CONFIG
+        block_n, split, sub, stages, warps, group_stages, _ = _INTERPRET_INVARIANT_CONFIG
     else:
-        block_m, block_n, warps, stages, _ = _INVARIANT_CONFIG_TABLE[(family, max(64, _block_d(head_dim)), elt_size)]
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        block_n, split, sub, stages, warps, group_stages, _ = _INVARIANT_CONFIG_TABLE[
+            (family, max(64, _block_d(head_dim)), elt_size)]
+    return dict(BLOCK_N=block_n, SPLIT=split, SUB=sub, num_stages=stages, group_warps=warps,
+                group_stages=group_stages)
+
+
+def _invariant_sub(config: dict, align: int) -> int:
+    """The most row groups a program of the mode takes: the table's, one for rows aligned to fewer than 8
+    elements (narrow loads: a warp's two fp32 [16, D] states then spill)."""
+    return config["SUB"] if align >= 8 else 1
 
 
 # ----------------------------------------------------------------------------- backward kernels
@@ -1032,20 +1273,23 @@ def _launch(out, query, key, value, cu_seq_q, cu_seq_k, max_q, scale, window_lef
                  ALIGN=align, HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim))
 
     def grid(meta):
-        # The mode's position-aligned tiles (see the kernel): a sequence's first row sits at a multiple
-        # of gcd(G, BLOCK_M), at most BLOCK_M - gcd, so its rows may need one tile more.
-        rows = max_q * group
-        if meta.get("BATCH_INVARIANT"):
-            rows += meta["BLOCK_M"] - math.gcd(group, meta["BLOCK_M"])
-        return (triton.cdiv(rows, meta["BLOCK_M"]) * num_seqs, h_kv)
+        return (triton.cdiv(max_q * group, meta["BLOCK_M"]) * num_seqs, h_kv)
 
     if batch_invariant:
-        # One fixed config per device family, dtype and head-dim class: never tuned, never forced.
+        # One fixed row group, key block and segment per device family, dtype and head-dim class: never
+        # tuned, never forced.  Row groups a program: one when the longest sequence's rows fit one (a decode
+        # step), else the table's SUB (only these two shapes are built and checked for spills).
         family = None if not query.is_cuda else _gpu_family(
             query.device.index if query.device.index is not None else torch.cuda.current_device())
         config = _invariant_config(family, head_dim, query.element_size())
+        rows = max_q * group + _ROWS.value - math.gcd(group, _ROWS.value)   # the first row's slot: < 16
+        sub = 1 if rows <= _ROWS.value else _invariant_sub(config, align)
+        launch = dict(num_warps=sub, num_stages=config["num_stages"]) if sub > 1 else dict(
+            num_warps=config["group_warps"], num_stages=config["group_stages"])
+        grid = (triton.cdiv(rows, sub * _ROWS.value) * num_seqs, h_kv)
         with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
-            _attn_fwd_kernel[grid](*args, **flags, **config, BATCH_INVARIANT=True)
+            _attn_fwd_invariant_kernel[grid](*args[:24], *args[25:], **flags, BLOCK_N=config["BLOCK_N"],
+                                             SPLIT=config["SPLIT"], SUB=sub, **launch)
     elif query.is_cuda:
         with torch.cuda.device(query.device):
             if _FORCED_CONFIG is not None:

@@ -74,7 +74,7 @@ def check_attention(seed: int) -> tuple[int, int]:
         attn = t.attention_kwargs(s, softcap, use_sinks, left)
         trainer = t.trainer_forward(s, attn)
         cache = t.paged_cache(s, page)
-        routes = ("varlen",) if left >= 0 else ("varlen", "flash_decode", "contiguous")
+        routes = ("varlen",) if left >= 0 else ("varlen", "flash_decode", "flash_decode, one split", "contiguous")
         for rows in (t.prefill_chunks(s, attn, cache), t.decode_steps(s, attn, cache, routes=routes)):
             for (b, pos), (out, lse) in rows.items():
                 total += 1

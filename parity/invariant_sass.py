@@ -1,14 +1,22 @@
 """The batch-invariant mode's GPU builds, read without a GPU: does every phase run the same arithmetic?
 
-A row's bits are the same in a trainer's forward, a prefill and a decode step only if the three
-compiled kernels hold the same floating-point instructions: the same MMA kind and shape (mma.sync
-m16n8k16 is ``HMMA.16816``, wgmma m64nNk16 is ``HGMMA.64xNx16``), the same FFMA / FADD / FMUL /
-MUFU counts.  This script builds, for sm_80 and sm_90, in bf16 (D = 64) and fp16 (D = 128), the mode's
-launches of the three phases (and a batch of one sequence, which Triton specializes as a constant)
-through parity/aot_compile.py, disassembles each cubin with cuobjdump and counts its floating-point
-instructions; likewise the invariant matmul at M = 1 (a constant), 37 and 64 rows.  It prints one JSON
-object {group: {launch: {opcode: count}}}; parity/test_batch_invariant_attention.py asserts that the
-launches of a group agree count for count.  Run without ``TRITON_INTERPRET`` (it needs the compiler).
+A row's bits are the same in a trainer's forward, a prefill and a decode step only if the compiled
+kernels compute it with the same floating-point instructions: the same MMA kind and shape (mma.sync
+m16n8k16 is ``HMMA.16816``; the mode's 16-row groups keep it on sm_90 too, where a 64-row tile would take
+wgmma, ``HGMMA.64xNx16``), the same FFMA / FADD / FMUL / MUFU work.  The mode sums a row through MMAs (the
+row sums are a ones dot) and maxima only, so spreading the same rows over other warps (a prefill program's
+SUB row groups, a warp each, against a decode program's one group over all its warps) changes no bits; the
+code must still be the same.  This script builds, for sm_80 and sm_90, in bf16 (D = 64) and fp16 (D = 128),
+the mode's launches through parity/aot_compile.py, disassembles each cubin with cuobjdump and counts its
+floating-point instructions, in groups whose launches must agree count for count:
+  * one row group a program: the varlen kernel's trainer (packed), prefill (paged) and one-sequence
+    launches and the decode kernel's one-split launches (paged, contiguous): the same code, the same layout;
+  * SUB row groups a program: the varlen kernel's trainer, prefill and one-sequence launches;
+and a last group per arch and dtype whose launches must hold the same MMA instructions: all of the above
+and the decode kernel's split launch (whose merge adds the fold's FP work).  Likewise the invariant matmul
+at M = 1 (a constant), 37 and 64 rows.  It prints one JSON object {group: {launch: {opcode: count}}}; a
+group whose name ends in "(MMA)" is compared on its MMA opcodes only (parity/test_batch_invariant_attention.py
+asserts both).  Run without ``TRITON_INTERPRET`` (it needs the compiler).
 """
 from __future__ import annotations
 
@@ -59,19 +67,30 @@ def main() -> None:
             t = A.POINTER_TYPES[dtype]
             flags = dict(GROUP=4, HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_SINKS=False)
             packed, paged = dict(flags, IS_PAGED=False, HAS_SEQUSED=False), dict(flags, IS_PAGED=True, HAS_SEQUSED=True)
-            one = varlen_cases.invariant_case(varlen, arch, t, d, "one sequence", dict(paged, num_seqs=1))
-            launches = {
-                "trainer: packed, causal": varlen_cases.invariant_case(varlen, arch, t, d, "packed", packed),
-                "prefill: paged chunks": varlen_cases.invariant_case(varlen, arch, t, d, "paged", paged),
-                "prefill: one sequence (num_seqs = 1)": dict(
-                    one, signature=dict(one["signature"], num_seqs="constexpr")),
-                "decode: flash_decode, paged": decoding_cases._decode_case(
-                    decoding, dtype, d, 8, 2, 1, True, False, False, invariant_family=arch),
-                "decode: flash_decode, contiguous": decoding_cases._decode_case(
-                    decoding, dtype, d, 8, 2, 1, False, False, False, invariant_family=arch),
-            }
-            group = f"attention sm_{arch} {A.POINTER_TYPES[dtype]} D={d}"
-            jobs += [(group, label, case, arch) for label, case in launches.items()]
+            sub = varlen._invariant_config(arch, d, 2)["SUB"]
+
+            def varlen_launches(s):
+                one = varlen_cases.invariant_case(varlen, arch, t, d, "one sequence", dict(paged, num_seqs=1), sub=s)
+                return {
+                    f"trainer: packed, causal (SUB={s})": varlen_cases.invariant_case(
+                        varlen, arch, t, d, "packed", packed, sub=s),
+                    f"prefill: paged chunks (SUB={s})": varlen_cases.invariant_case(
+                        varlen, arch, t, d, "paged", paged, sub=s),
+                    f"prefill: one sequence, num_seqs = 1 (SUB={s})": dict(
+                        one, signature=dict(one["signature"], num_seqs="constexpr")),
+                }
+            group = f"attention sm_{arch} {t} D={d}"
+            one_group = dict(varlen_launches(1), **{
+                "decode: flash_decode, paged, one split": decoding_cases.invariant_decode_case(
+                    decoding, dtype, d, 8, 2, 1, True, False, False, arch),
+                "decode: flash_decode, contiguous, one split": decoding_cases.invariant_decode_case(
+                    decoding, dtype, d, 8, 2, 1, False, False, False, arch)})
+            jobs += [(f"{group}: one row group a program", label, case, arch) for label, case in one_group.items()]
+            jobs += [(f"{group}: {sub} row groups a program", label, case, arch)
+                     for label, case in varlen_launches(sub).items()]
+            jobs.append((f"{group}: every launch (MMA)", "decode: flash_decode, paged, split (the fused merge)",
+                         decoding_cases.invariant_decode_case(decoding, dtype, d, 8, 2, 1, True, True, False, arch),
+                         arch))
         for dtype in (torch.bfloat16, torch.float32):
             launches = {f"M={rows}": model_cases._matmul_case(model, dtype, arch, rows, 512, 1536)
                         for rows in (1, 37, 64)}
@@ -84,6 +103,12 @@ def main() -> None:
     groups = {}
     for (group, label, _, _), ops in zip(jobs, counts):
         groups.setdefault(group, {})[label] = ops
+    # The MMA group of each arch and dtype holds every attention launch of it.
+    for name in [g for g in groups if g.endswith("(MMA)")]:
+        prefix = name.removesuffix(": every launch (MMA)")
+        for other in [g for g in groups if g.startswith(prefix + ":") and g != name]:
+            groups[name].update({f"{other.removeprefix(prefix + ': ')}: {label}": ops
+                                 for label, ops in groups[other].items()})
     print(json.dumps(groups))
 
 

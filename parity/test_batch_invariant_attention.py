@@ -8,20 +8,22 @@ it is computed
       sequence cut at random points, the chunks batched in shuffled orders, page sizes 1/3/16 in
       shuffled, over-allocated pools;
   (c) in decode steps, one row per sequence, the batch reshuffled every step, each step through a
-      route drawn at random: ``flash_decode(batch_invariant=True)`` over the pages or over a
-      contiguous cache (no window: flash_decode has none), or ``varlen_attn`` with one row per
-      sequence over the pages;
-and in a batch of one as in the busy batch.  Also: speculative rows (S_q = 3) and prefill chunks
-at every offset of a tile; the two files' shared tiles and arithmetic code; gradients through the
-mode; bad arguments.  The mode must also be right: (a) is checked against the fp64 reference.  A
-negative control measures the default mode on the same inputs.  And, for the GPU the interpreter
-cannot stand in for: the sm_80 and sm_90 builds of the trainer's, a prefill's and a decode's launches
-hold the same floating-point instructions in their SASS (the same MMA kind and shape), count for
-count.  The same checks under other CPU kernel families (the BLAS behind the interpreter's dot) run
-in parity/test_bitwise_blas.py.
+      route drawn at random: ``flash_decode(batch_invariant=True)`` over the pages (its segments split
+      over programs, or folded by one) or over a contiguous cache (no window: flash_decode has none),
+      or ``varlen_attn`` with one row per sequence over the pages;
+and in a batch of one as in the busy batch.  Also: speculative rows (S_q = 3), prefill chunks at
+every offset of a row group, every split count and merging program, cache_leftpad's segments; the
+two files' shared tables and arithmetic code; gradients through the mode; bad arguments.  The mode
+must also be right: (a) is checked against the fp64 reference.  A negative control measures the
+default mode on the same inputs.  And, for the GPU the interpreter cannot stand in for: the sm_80 and
+sm_90 builds of the trainer's, a prefill's and a decode's launches run the same MMA (mma.sync
+m16n8k16), and those of one shape hold the same floating-point instructions, count for count.  The
+same checks under other CPU kernel families (the BLAS behind the interpreter's dot) run in
+parity/test_bitwise_blas.py.
 
-Interpreter tier: fp32 and fp16, short sequences (16 x 16 tiles, so rows still cross several key
-blocks and tile positions).  GPU tier: the same tests in bf16, plus sequences up to 700 tokens.
+Interpreter tier: fp32 and fp16, short sequences (16-row groups, 16-key blocks and segments of 8 keys,
+so rows cross several blocks, segments and group positions).  GPU tier: the same tests in bf16, plus
+sequences up to 700 tokens.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -106,8 +109,10 @@ def prefill_chunks(s, attn, cache, *, batch_invariant=True):
 def decode_steps(s, attn, cache, *, routes, first=0, batch_invariant=True, num_splits=None):
     """(c) Decode: step p (from ``first``) computes row p of every sequence longer than p, one row per
     sequence, the batch in a fresh random order each step, through a route drawn from ``routes``
-    each step: "flash_decode" over the pages, "contiguous" (flash_decode over a [B, S_max] cache) or
-    "varlen" (varlen_attn with one row per sequence over the pages); flash_decode gets ``num_splits``.
+    each step: "flash_decode" over the pages, "flash_decode, one split" (its segments folded by one
+    program), "contiguous" (flash_decode over a [B, S_max] cache) or "varlen" (varlen_attn with one row
+    per sequence over the pages); flash_decode gets ``num_splits`` (None: the shape gate, which at these
+    batches gives every segment a program, the last to finish merging them).
     Returns {(b, position): (out, lse)}."""
     k_pool, v_pool, table = cache
     gen, lengths = s["gen"], s["lengths"]
@@ -135,7 +140,7 @@ def decode_steps(s, attn, cache, *, routes, first=0, batch_invariant=True, num_s
             out, lse = fast_decoding.flash_decode(
                 q[:, None], kc, vc, used, block_table=bt, return_lse=True, out=nan_like(q[:, None]),
                 batch_invariant=batch_invariant, scale=attn.get("scale"), softcap=attn.get("softcap", 0.0),
-                sinks=attn.get("sinks"), num_splits=num_splits)
+                sinks=attn.get("sinks"), num_splits=1 if route == "flash_decode, one split" else num_splits)
             out, lse = out[:, 0], lse[:, :, 0].t()                              # [B, H_q, D], [H_q, B]
         for i, b in enumerate(batch):
             rows[(b, pos)] = (out[i], lse[:, i])
@@ -175,7 +180,8 @@ def check_every_route(s, attn, *, page_size, left):
     cache = paged_cache(s, page_size)
     rows = sum(s["lengths"])
     assert compare("paged prefill chunks", prefill_chunks(s, attn, cache), trainer) == rows
-    routes = ("varlen",) if left >= 0 else ("varlen", "flash_decode", "contiguous")   # flash_decode: no window
+    routes = ("varlen",) if left >= 0 else ("varlen", "flash_decode", "flash_decode, one split", "contiguous")
+    # (flash_decode has no window.)
     assert compare(f"decode steps through {routes}", decode_steps(s, attn, cache, routes=routes), trainer) == rows
     # A batch of one: the longest sequence alone, in the trainer's forward.
     longest = max(range(len(s["lengths"])), key=s["lengths"].__getitem__)
@@ -230,6 +236,41 @@ def test_speculative_rows_and_prefill_tiles():
         rows.update({(b, start + i): (out[i], lse[:, i]) for i in range(5)})
         compare(f"chunk at {start}", rows, trainer)
         rows.clear()
+
+
+def test_split_count_and_merging_program_do_not_change_the_bits(monkeypatch):
+    """The mode's decode cuts a row's keys into segments of SPLIT keys (8 under the interpreter) and spreads
+    them over the split launch's programs; the last program to finish folds them in index order.  The bits
+    are the trainer's for every split count (one split folding all of them itself, a split per segment,
+    more splits than segments) and whichever program merges (``_SPLIT_ROTATE``); and with cache_leftpad,
+    whose segments count from the call's first key, as the trainer's packed forward over those keys does
+    (the engine's second segment)."""
+    s = make_sequences(seed=81, n=3, max_len=45, h_q=4, h_kv=2, d=32, dtype=torch.float16)
+    attn = attention_kwargs(s, 5.0, True, -1)
+    trainer = trainer_forward(s, attn)
+    cache = paged_cache(s, 16)
+    last = max(s["lengths"]) - 2
+    for splits, rotate in ((None, 0), (None, 1), (1, 0), (2, 1), (3, 2), (7, 0), (7, 5)):
+        monkeypatch.setattr(fast_decoding, "_SPLIT_ROTATE", rotate)
+        rows = decode_steps(s, attn, cache, routes=("flash_decode", "contiguous"), first=last, num_splits=splits)
+        assert compare(f"num_splits={splits}, merger rotated by {rotate}", rows, trainer) > 0
+    # cache_leftpad: each sequence's keys from ``first`` on; a trainer's packed forward over the same keys.
+    first = 11
+    ids = [b for b, length in enumerate(s["lengths"]) if length > first + 2]
+    suffix = dict(s, **{x: [s[x][b][first:] for b in ids] for x in ("q", "k", "v")},
+                  lengths=[s["lengths"][b] - first for b in ids])
+    want = trainer_forward(suffix, attn)
+    k_pool, v_pool, table = paged_cache(s, 3)
+    for splits in (None, 1, 2):
+        for i, b in enumerate(ids):
+            pos = s["lengths"][b] - 1
+            out, lse = fast_decoding.flash_decode(
+                s["q"][b][pos][None, None], k_pool, v_pool, torch.tensor([pos + 1], dtype=torch.int32, device=DEVICE),
+                block_table=table[b:b + 1], cache_leftpad=torch.tensor([first], dtype=torch.int32, device=DEVICE),
+                return_lse=True, batch_invariant=True, softcap=attn["softcap"], sinks=attn["sinks"], num_splits=splits)
+            row = pos - first
+            assert torch.equal(out[0, 0], want[i][0][row]), (splits, b)
+            assert torch.equal(lse[0, :, 0], want[i][1][:, row]), (splits, b)
 
 
 GPU_CASES = [
@@ -302,20 +343,23 @@ def function_sources(module) -> dict:
 
 
 def test_the_two_files_hold_the_same_arithmetic_and_tiles():
-    """flash_decode rounds like varlen_attn only if both files run the same tile and the same code
-    for a row's arithmetic: the tables and the helpers (and the score transform) are equal."""
+    """flash_decode rounds like varlen_attn only if both files run the same row group, key blocks and
+    segments and the same code for a row's arithmetic: the tables and the helpers (and the score
+    transform) are equal."""
     assert fast._INVARIANT_CONFIG_TABLE == fast_decoding._INVARIANT_CONFIG_TABLE
     assert fast._INTERPRET_INVARIANT_CONFIG == fast_decoding._INTERPRET_INVARIANT_CONFIG
-    assert fast._LOG2E.value == fast_decoding._LOG2E.value
+    assert fast._LOG2E.value == fast_decoding._LOG2E.value and fast._ROWS.value == fast_decoding._ROWS.value == 16
     varlen, decoding = function_sources(fast), function_sources(fast_decoding)
-    for name in ("_online_softmax_step", "_finish_rows", "_tanh"):
+    for name in ("_inv_block_step", "_inv_segment_state", "_inv_fold_step", "_inv_fold_finish", "_tanh"):
         assert varlen[name] == decoding[name], name
-    transform = """        if HAS_SOFTCAP:                                                # log2-domain scores
+    transform = textwrap.dedent("""\
+        if HAS_SOFTCAP:                                                # log2-domain scores
             b_s = softcap * _tanh(b_s * qk_scale) * _LOG2E     # qk_scale = scale / softcap
         else:
             b_s = b_s * qk_scale                                          # qk_scale = scale * log2(e)
-"""
-    assert transform in varlen["_attn_key_blocks"] and transform in decoding["_decode_fwd_kernel"]
+    """)
+    assert textwrap.indent(transform, " " * 8) in varlen["_inv_key_blocks"]
+    assert textwrap.indent(transform, " " * 12) in decoding["_decode_invariant_kernel"]
 
 
 @pytest.mark.parametrize("mod", ["ref", "fast"])
@@ -333,9 +377,10 @@ def test_bad_batch_invariant_arguments(mod):
     with pytest.raises(TypeError, match="batch_invariant"):
         decode.flash_decode(q[None, :1], k[None], k[None], used, batch_invariant=None)
     with pytest.raises(ValueError, match="num_splits"):
-        decode.flash_decode(q[None, :1], k[None], k[None], used, num_splits=2, batch_invariant=True)
-    out = decode.flash_decode(q[None, :1], k[None], k[None], used, num_splits=1, batch_invariant=True)
-    assert out.shape == (1, 1, 2, 16)
+        decode.flash_decode(q[None, :1], k[None], k[None], used, num_splits=0, batch_invariant=True)
+    for splits in (1, 2):      # the split count is the launch's choice in the mode too (the same bits)
+        out = decode.flash_decode(q[None, :1], k[None], k[None], used, num_splits=splits, batch_invariant=True)
+        assert out.shape == (1, 1, 2, 16)
 
 
 def test_gradients_in_the_mode():
@@ -396,29 +441,39 @@ def test_edge_cases_in_the_mode():
 
 def test_gpu_builds_run_the_same_arithmetic():
     """What the interpreter cannot show: on a GPU, the trainer's, a prefill's and a decode's launches of
-    the mode (different compiled kernels) must round alike.  parity/invariant_sass.py builds them for
-    sm_80 and sm_90 (bf16 D = 64, fp16 D = 128; a packed forward, paged prefill chunks, a one-sequence
-    prefill that Triton specializes, flash_decode over pages and over a contiguous cache) and the
-    invariant matmul at M = 1, 37 and 64 rows, and counts each SASS's floating-point instructions.
-    Within a group they must agree count for count, the MMA included: mma.sync m16n8k16 (HMMA.16816)
-    on sm_80, one wgmma shape set (HGMMA.64xNx16) on sm_90, FFMA only for the fp32 matmul.  (The
-    default kernels would not: their unmasked loop fuses scale and max-subtraction into FFMAs the
-    masked loop does not have, and the autotuner picks tiles by row count.)"""
+    the mode (different compiled kernels, and different spreads of the same rows over warps) must round
+    alike.  parity/invariant_sass.py builds them for sm_80 and sm_90 (bf16 D = 64, fp16 D = 128: a packed
+    forward, paged prefill chunks and a one-sequence prefill that Triton specializes, with one row group a
+    program and with SUB of them; flash_decode over pages and over a contiguous cache in one split, and
+    split with the fused merge) and the invariant matmul at M = 1, 37 and 64 rows, and counts each SASS's
+    floating-point instructions.  Launches of the same shape agree count for count (the one-group launches
+    of both kernels: the same code); every attention launch of an arch and dtype runs the same MMA, mma.sync
+    m16n8k16 (HMMA.16816) on sm_80 and on sm_90 (the mode's 16-row groups: no wgmma), so a row's sums, all
+    MMAs or maxima, do not depend on the warps.  The matmul: HMMA.16816 on sm_80, one wgmma shape set
+    (HGMMA.64xNx16) on sm_90, FFMA only in fp32.  (The default kernels would not: their unmasked loop fuses
+    scale and max-subtraction into FFMAs the masked loop does not have, and the autotuner picks tiles by
+    row count.)"""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     probe = Path(__file__).resolve().parent / "invariant_sass.py"
-    proc = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     groups = json.loads(proc.stdout.splitlines()[-1])
-    assert len(groups) == 8, sorted(groups)
+    assert len(groups) == 16, sorted(groups)
     for group, launches in groups.items():
         mma = {label: {op: n for op, n in ops.items() if "MMA" in op} for label, ops in launches.items()}
-        print(f"{group}: MMA {next(iter(mma.values()))}")
+        print(f"{group}: MMA {sorted(set().union(*mma.values()))}")
+        if group.endswith("(MMA)"):
+            kinds = {label: set(ops) for label, ops in mma.items()}
+            first_kinds = next(iter(kinds.values()))
+            assert all(k == first_kinds for k in kinds.values()), (group, kinds)
+            assert first_kinds and all(op.startswith("HMMA.16816.") for op in first_kinds), (group, first_kinds)
+            continue
         first = next(iter(launches.values()))
         assert all(ops == first for ops in launches.values()), (group, launches)
-        kinds = set(next(iter(mma.values())))
+        kinds = set(mma[next(iter(mma))])
         if "fp32" in group:
             assert not kinds and first.get("FFMA", 0) > 0, (group, first)
-        elif "sm_80" in group:
+        elif "sm_80" in group or group.startswith("attention"):
             assert kinds and all(op.startswith("HMMA.16816.") for op in kinds), (group, kinds)
         else:
             assert kinds and all(re.fullmatch(r"HGMMA\.64x\d+x16\.F32.*", op) for op in kinds), (group, kinds)

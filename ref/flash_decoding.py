@@ -58,9 +58,11 @@ Supported, and what raises
 Batch invariance (``batch_invariant``, default False)
     The fast kernel's contract with ``batch_invariant=True``: each row's out and lse are bitwise
     those of ``varlen_attn(..., batch_invariant=True)`` of fast/paged_varlen_attention.py for the
-    same row, however either call is batched; it decodes in one split, so ``num_splits`` must be
-    None or 1 (ValueError otherwise, here too).  This reference computes the same values either
-    way and is not bitwise invariant itself (see ref/paged_varlen_attention.py).
+    same row, however either call is batched and whatever ``num_splits``: both reduce a row's keys
+    (from key 0 of the call: ``cache_leftpad`` with one) in segments of a fixed number of keys, each
+    from a fresh state, and fold the segment states in index order, so a split launch divides the
+    segments among its programs without changing a bit.  This reference computes the same values
+    either way and is not bitwise invariant itself (see ref/paged_varlen_attention.py).
 
 References
     Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference" (2023); Hong et al.,
@@ -144,7 +146,7 @@ def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None
     With ``k_new``/``v_new`` the cache is written in place first.  ``cache_leftpad [B] int32`` (as in
     flash-attn's ``flash_attn_with_kvcache``): sequence b's keys start at that position, the ones
     before it are not attended (0 <= cache_leftpad[b] <= seqused_k[b]).  ``batch_invariant=True``
-    names the fast kernel's bitwise contract (module docstring): one chunk (num_splits None or 1).
+    names the fast kernel's bitwise contract (module docstring), at any ``num_splits``.
     Returns ``out [B, S_q, H_q, D]``, or ``(out, lse [B, H_q, S_q])`` when ``return_lse``; with
     ``out=`` the result is written there.
     """
@@ -469,9 +471,6 @@ def _check_scalars(*, scale, softcap, num_splits, batch_invariant):
         _integer("num_splits", num_splits, 1)
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
-    if batch_invariant and num_splits is not None and operator.index(num_splits) != 1:
-        raise ValueError(f"batch_invariant=True decodes in one split (a split count changes the rounding); "
-                         f"num_splits must be None or 1, got {num_splits}")
 
 
 def _check_values(seqused_k, block_table, *, s_q, page_size, capacity, num_pages):

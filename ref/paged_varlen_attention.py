@@ -46,13 +46,14 @@ Batch invariance (``batch_invariant``, default False)
     bitwise the same however the row is batched (a trainer's packed forward over other sequences,
     a paged prefill chunk starting anywhere, any page size or block table, a decode step of one row
     per sequence, or ``flash_decode(..., batch_invariant=True)``), given the same keys, values,
-    position, window, scale, softcap and sinks, on one device type and dtype.  That takes fixed key
-    blocks from key 0 reduced in one order, masked blocks that are exact no-ops, one fixed tile, no
-    split; see fast/paged_varlen_attention.py for the construction and its cost.  This reference
-    accepts the keyword and computes the same values either way, but is not bitwise invariant
-    itself: its einsums may take other kernels for other row counts (measured on CPU: a row's fp32
-    out differs in the last bits between a packed forward and a decode step).  It specifies the
-    values; the bits are the fast kernels' contract.
+    position, window, scale, softcap and sinks, on one device type and dtype.  That takes one row
+    group shape at a fixed slot per position, row sums as MMAs, a row's keys in segments of a fixed
+    number of keys from key 0 (each from a fresh state, through key blocks from key 0, masked blocks
+    exact no-ops), the segment states folded in index order; see fast/paged_varlen_attention.py for
+    the construction and its cost.  This reference accepts the keyword and computes the same
+    values either way, but is not bitwise invariant itself: its einsums may take other kernels for
+    other row counts (measured on CPU: a row's fp32 out differs in the last bits between a packed
+    forward and a decode step).  It specifies the values; the bits are the fast kernels' contract.
 
 References
     PyTorch 2.13 torch.nn.attention.varlen; Dao, FlashAttention-2 (2023); Kwon et al.,

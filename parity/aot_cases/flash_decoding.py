@@ -77,6 +77,56 @@ def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16,
         tensor_cores=dtype != torch.float32, wgmma=cfg["BLOCK_M"] >= 64)
 
 
+def invariant_decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, family, kv_align=16, batch=4,
+                          seq=8192, page=16, num_splits=9, leftpad=False):
+    """``_decode_invariant_kernel``'s build for one example launch on ``family`` (80 or 90): q [B, S_q, H_q, D],
+    a paged pool of ``page``-key pages (or a contiguous cache of ``seq`` slots), ``num_splits`` splits over
+    the segments of ``seq`` keys (their partials [B, S_q, H_q, segments, D]) or one split; ``leftpad``: keys
+    from cache_leftpad on (the engine's second segment)."""
+    cfg = m._invariant_config(d, dtype, s_q * (h_q // h_kv), h_q // h_kv, kv_align, family)
+    n_seg = -(-seq // cfg["SPLIT"])
+    row = -(-d // kv_align) * kv_align                       # the cache's row stride in elements
+    if paged:
+        pages_per_seq = seq // page + 1
+        k_strides = (page * h_kv * row, h_kv * row, row)     # [num_pages, page_size, H_kv, D]
+    else:
+        pages_per_seq = 0
+        k_strides = (seq * h_kv * row, h_kv * row, row)      # [B, S_max, H_kv, D]
+    q_strides = (s_q * h_q * d, h_q * d, d)
+    if split:
+        p_strides = (s_q * h_q * n_seg * d, h_q * n_seg * d, n_seg * d, d)
+        l_strides = (s_q * h_q * n_seg, h_q * n_seg, n_seg, 1)
+    else:                                                     # (views of out and lse, never read)
+        p_strides = (*q_strides, 0)
+        l_strides = (h_q * s_q, 1, s_q, 0)
+    names = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
+             "stride_vt", "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_pb", "stride_ps", "stride_ph",
+             "stride_pseg", "stride_lb", "stride_ls", "stride_lh", "stride_lseg", "stride_btb", "H_kv", "GROUP",
+             "S_q", "PAGE_SIZE", "NUM_SPLITS")
+    values = (*q_strides, *k_strides, *k_strides, *q_strides, *p_strides, *l_strides, pages_per_seq, h_kv,
+              h_q // h_kv, s_q, page if paged else 1, num_splits if split else 1)
+    signature, constants = _int_types(dict(zip(names, values)))
+    t = _TYPES[dtype]
+    signature.update(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}", seqused_ptr="*i32", bt_ptr="*i32",
+                     sinks_ptr="*fp32", leftpad_ptr="*i32", out_ptr=f"*{t}", lse_ptr="*fp32", po_ptr=f"*{t}",
+                     plse_ptr="*fp32", count_ptr="*i32", qk_scale="fp32", softcap="fp32")
+    layout = ("paged" if paged else "dense") + (",leftpad" if leftpad else "")
+    stages = 2 * cfg["buffers"] + 1 if paged else cfg["buffers"] + 1
+    return dict(
+        kernel=m._decode_invariant_kernel, archs=[family],
+        name=f"decode_invariant[sm{family},{t},D={d},S_q={s_q},G={h_q // h_kv},{layout},"
+             f"{'split' if split else 'one'}{',sinks+softcap' if extras else ''}"
+             f"{f',align{kv_align}' if kv_align < 16 else ''}:N={cfg['BLOCK_N']},SPLIT={cfg['SPLIT']},"
+             f"w{cfg['num_warps']},s{stages}]",
+        signature=signature,
+        constexprs=dict(constants, HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_N=cfg["BLOCK_N"], SPLIT=cfg["SPLIT"],
+                        IS_PAGED=paged, IS_SPLIT=split, HAS_SINKS=extras, HAS_SOFTCAP=extras,
+                        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", KV_ALIGN=cfg["KV_ALIGN"],
+                        BLOCK_IN_PAGE=paged and page % cfg["BLOCK_N"] == 0 and not leftpad, HAS_LEFTPAD=leftpad),
+        num_warps=cfg["num_warps"], num_stages=stages,
+        tensor_cores=dtype != torch.float32, wgmma=False)     # 16-row groups: mma.sync on sm_90 too
+
+
 def _cascade_case(m, dtype, d, h_q, h_kv, s_q, n, extras=False, page=16, kv_align=16, aligned=True):
     """cascade_decode's one kernel for groups of up to n sequences (n * S_q * G rows in the prefix's row
     tiles, the suffix's rows in the same tile shape), as ``_cascade_decode`` launches it: ``_cascade_config``
@@ -152,22 +202,26 @@ def cases(m) -> list[dict]:
         (fp32, 32, 8, 2, 1, False, False, True),
     ]
     cases = [_decode_case(m, *launch) for launch in launches]
-    # batch_invariant=True: the varlen kernel's invariant tile on each family, one split.  Decoding
-    # (G = 4 / 8, paged and contiguous, D = 64 / 128 / 256, sinks + softcap), speculative rows, fp16,
-    # fp32, and rows aligned to 4 elements.
+    # batch_invariant=True: _decode_invariant_kernel on each family, split (the fused merge over segment
+    # partials) and not.  Decoding (G = 4 / 8, paged and contiguous, D = 64 / 128 / 256, sinks + softcap),
+    # speculative rows, fp16, fp32, and rows aligned to 4 elements.
     for family in (80, 90):
-        cases += [_decode_case(m, *launch, invariant_family=family) for launch in [
+        cases += [invariant_decode_case(m, *launch, family) for launch in [
+            (fp16, 128, 8, 2, 1, True, True, False),       # the roofline shape
+            (fp16, 128, 8, 2, 1, False, True, False),
             (bf16, 128, 32, 8, 1, True, False, True),
+            (bf16, 128, 32, 8, 1, True, True, True),
             (bf16, 128, 64, 8, 1, False, False, False),
-            (bf16, 64, 8, 2, 1, True, False, True),
+            (bf16, 64, 8, 2, 1, True, True, True),
             (bf16, 256, 8, 2, 1, True, False, True),
+            (bf16, 256, 8, 2, 1, True, True, False),
             (fp16, 128, 16, 2, 4, True, False, False),
-            (fp32, 128, 8, 2, 1, True, False, True),
+            (fp32, 128, 8, 2, 1, True, True, True),
             (fp32, 64, 8, 2, 1, False, False, False)]]
-        cases.append(_decode_case(m, bf16, 100, 8, 2, 1, True, False, True, kv_align=4, invariant_family=family))
-        # The mode's second segment (keys from the prompt's end: cache_leftpad), decoding and recomputing.
-        cases += [_decode_case(m, bf16, 128, 32, 8, 1, True, False, False, invariant_family=family, leftpad=True),
-                  _decode_case(m, fp32, 64, 8, 2, 3, True, False, False, invariant_family=family, leftpad=True)]
+        cases.append(invariant_decode_case(m, bf16, 100, 8, 2, 1, True, True, True, family, kv_align=4))
+        # The engine's second segment (keys from the prompt's end: cache_leftpad), decoding and recomputing.
+        cases += [invariant_decode_case(m, bf16, 128, 32, 8, 1, True, True, False, family, leftpad=True),
+                  invariant_decode_case(m, fp32, 64, 8, 2, 3, True, False, False, family, leftpad=True)]
     # cascade_decode's one kernel: the GRPO shape (8 samples x GQA 8/2 = 32 rows per prefix tile, fp16, the
     # roofline case), a group of 16 verifying 4 rows (256 rows: 4 prefix tiles, 2 query tiles a row), head
     # dims 64 / 256 / 100 (rows aligned to 4), fp32, sinks + softcap, a page size that BLOCK_N does not divide.

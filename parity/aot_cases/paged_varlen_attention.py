@@ -8,8 +8,6 @@ so that what is built is what the launcher launches.  CI builds each case with i
 """
 from __future__ import annotations
 
-import triton
-
 
 def cases(m) -> list[dict]:
     """Every launch shape, for parity/test_compile.py.  Per GPU family, element type and head-dim
@@ -61,31 +59,42 @@ def _fwd_signature(dtype: str, align: int) -> dict:
 
 
 def _invariant_cases(m, lean: dict, full: dict) -> list[dict]:
-    """The batch-invariant forward (BATCH_INVARIANT, one masked loop) with the one config per family,
-    element size and head-dim class that ``_invariant_config`` launches: the fullest path (paged,
-    two-sided window, softcap, sinks) at head dims 64 / 128 / 256 and 100 (rows aligned to 4) in bf16
-    and 64 / 128 / 256 in fp32; the leanest (packed causal, a trainer's forward) at D = 128 in bf16
-    and fp16."""
+    """The batch-invariant forward (``_attn_fwd_invariant_kernel``) with the one config per family, element
+    size and head-dim class that ``_invariant_config`` gives, in both shapes a launch takes: SUB row groups a
+    program (a prefill, a trainer's forward) and one (a decode step through varlen_attn).  The fullest
+    path (paged, two-sided window, softcap, sinks) at head dims 64 / 128 / 256 and 100 (rows aligned to 4)
+    in bf16 and 64 / 128 / 256 in fp32; the leanest (packed causal, a trainer's forward) at D = 128 in
+    bf16 and fp16."""
     builds = [("bf16", 2, d, "full") for d in (64, 128, 256, 100)] + [("fp32", 4, d, "full") for d in (64, 128, 256)]
     builds += [("bf16", 2, 128, "lean"), ("fp16", 2, 128, "lean")]
-    return [invariant_case(m, family, dtype, head_dim, label, lean if label == "lean" else full)
-            for family in (80, 90) for dtype, elt, head_dim, label in builds]
+    cases = []
+    for family in (80, 90):
+        for dtype, elt, head_dim, label in builds:
+            sub = m._invariant_sub(m._invariant_config(family, head_dim, elt), m._pow2_divisor(head_dim))
+            for s in sorted({sub, 1}, reverse=True):
+                cases.append(invariant_case(m, family, dtype, head_dim, label, lean if label == "lean" else full,
+                                            sub=s))
+    return cases
 
 
-def invariant_case(m, family: int, dtype: str, head_dim: int, label: str, flags: dict) -> dict:
-    """The batch-invariant forward's launch on ``family`` (its one config) with the code-path ``flags``."""
+def invariant_case(m, family: int, dtype: str, head_dim: int, label: str, flags: dict, sub=None) -> dict:
+    """The batch-invariant forward's launch on ``family`` (its one config) with the code-path ``flags``, with
+    ``sub`` row groups a program (default: the config's most, a prefill's)."""
     elt = 4 if dtype == "fp32" else 2
     align = m._pow2_divisor(head_dim)
     cfg = m._invariant_config(family, head_dim, elt)
-    config = triton.Config({"BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"]},
-                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    sub = m._invariant_sub(cfg, align) if sub is None else sub
+    sig = {k: v for k, v in _fwd_signature(dtype, align).items() if k != "rows_bucket"}
     return dict(
-        kernel=m._attn_fwd_kernel, archs=[family], configs=[config],
-        name=f"attn_fwd_invariant[sm{family},{dtype},D={head_dim},{label}]",
-        signature=_fwd_signature(dtype, align),
+        kernel=m._attn_fwd_invariant_kernel, archs=[family],
+        name=f"attn_fwd_invariant[sm{family},{dtype},D={head_dim},{label},SUB={sub}]",
+        signature=sig,
         constexprs=dict(flags, DOT_PRECISION="ieee" if elt == 4 else None, HEAD_DIM=head_dim,
-                        BLOCK_D=m._block_d(head_dim), ALIGN=align, BATCH_INVARIANT=True),
-        tensor_cores=elt == 2, wgmma=cfg["BLOCK_M"] >= 64)
+                        BLOCK_D=m._block_d(head_dim), ALIGN=align, BLOCK_N=cfg["BLOCK_N"], SPLIT=cfg["SPLIT"],
+                        SUB=sub),
+        num_warps=sub if sub > 1 else cfg["group_warps"],
+        num_stages=cfg["num_stages"] if sub > 1 else cfg["group_stages"],
+        tensor_cores=elt == 2, wgmma=False)     # the mode's row groups run mma.sync on sm_90 too
 
 
 def _bwd_signature(kernel, dtype: str) -> dict:
