@@ -37,9 +37,11 @@ Batch-invariant mode: bitwise on-policy (``DecoderLM(..., batch_invariant=True, 
                   log-softmax (max exact in any order; the sum of exps a product) are the same
                   expressions in the trainer's packed forward and in the engine's prefill and decode.
       attention   ``varlen_attn(..., batch_invariant=True)`` for the prefill and the trainer, and the
-                  decode through ``flash_decode(..., batch_invariant=True)``: one tile shape for every
-                  phase, tiles aligned to absolute positions, keys in blocks from key 0 with the same
-                  online-softmax arithmetic, whatever the page size and block table.  A completion row
+                  decode through ``flash_decode(..., batch_invariant=True)``: rows in 16-row groups at
+                  slot (p G + g) mod 16, a row's keys reduced in segments of a fixed size (120 keys on a
+                  GPU) from the call's first key, each in 16-key blocks, the segments folded in index
+                  order (the decode splits them over programs), whatever the page size, block table,
+                  split count or merging program.  A completion row
                   reduces its keys in two segments, its prompt's and its own, merged: the engine's
                   decode (prompt pages shared by a group) and this file's ``token_logprobs`` alike.
       GDN layers  a "linear" plug-in must have ``set_batch_invariant(linear)`` (gated_deltanet.py's
