@@ -178,6 +178,11 @@ def drill(out_path: str) -> None:
     facts: dict = {}
     t0 = time.monotonic()
     temp_dir = tempfile.mkdtemp(prefix="rayf", dir="/tmp")  # short: Ray's socket paths live under it
+    # Cluster() writes its address to <Ray's temp root>/ray_current_cluster, /tmp/ray by default: on a
+    # machine where Ray never ran that directory is missing (FileNotFoundError), and elsewhere the file
+    # would name this namespace's cluster, gone once the test ends, to every later ray.init() there.
+    os.makedirs(f"{temp_dir}/ray")
+    os.environ["RAY_TMPDIR"] = temp_dir
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=2, include_dashboard=False, temp_dir=temp_dir))
     cluster.add_node(num_cpus=2)
     ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
