@@ -607,6 +607,7 @@ def test_ray_startup_is_bounded_and_the_demo_reads_well(tmp_path):
     f = _run_isolated("startup", tmp_path, 360)
     code, took, _, err = f["explicit"]  # RAY_ADDRESS names a cluster nobody reaches: a clear error, in time
     bound = DEMO_START_S + DEMO_CONNECT_S  # (unbounded, ray.init retries a dead address for many minutes)
+    print(f"demo with RAY_ADDRESS={UNREACHABLE}: gave up after {took:.1f} s (bound {bound:g} s)")
     assert code not in (0, None) and f"RAY_ADDRESS={UNREACHABLE} did not answer" in err, f["explicit"]
     assert took < bound, f"the demo took {took:.1f} s to give up on {UNREACHABLE}, bound {bound:g} s"
     code, took, stdout, err = f["local"]  # no address: a local instance, whatever the session file says
