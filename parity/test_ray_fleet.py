@@ -60,9 +60,9 @@ DRILL_TIMEOUT_S = 420
 # session, but a CI neighbour or a second job need not), the drill's ten-odd processes share one core
 # or less.  SLACK_S is what that may add to an event the design makes immediate or ends at a deadline
 # (a thread woken behind other processes, a Ray round trip, a garbage collection).  Measured on 2 cores
-# beside two CPU hogs (load average 7-12), and with the drill pinned to one core beside one: at most
-# 0.17 s past a deadline (the hung step's requests and sync), 0.004 s for an immediate end (close(),
-# a sync to a dead fleet).  5 s is 30x that, and far below what a defect runs into:
+# beside two CPU hogs (machine load average 7-17), and with the drill pinned to one core beside one:
+# at most 0.17 s past a deadline (the hung step's requests and sync), 0.01 s for an immediate end
+# (close(), a sync to a dead fleet).  5 s is 30x that, and far below what a defect runs into:
 # a deadline of 60 s or none at all (a hung actor never timed out, a drain or a sync that waits for
 # its load's call timeout or forever, a close() that waits for the sync's deadline).
 SLACK_S = 5.0
@@ -557,7 +557,8 @@ def test_ray_fleet_survives_a_killed_and_a_hung_actor(tmp_path):
 UNREACHABLE = "127.0.0.1:9"
 DEMO_FLAGS = ("--size", "--steps", "--ray", "--kill-at", "--batch-invariant")
 DEMO_CONNECT_S = 30.0   # bench/rl_loop.py's connect_timeout_s
-DEMO_START_S = 30.0     # the demo's start before it connects (interpreter, torch, two models): 3-15 s here
+DEMO_START_S = 30.0     # the demo's start before it connects (interpreter, torch, two models): 9-12 s
+                        # measured beside two CPU hogs
 
 
 def _demo(args: list, env: dict, timeout: float) -> list:
