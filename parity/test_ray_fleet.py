@@ -17,9 +17,9 @@ one restart allowed, a small KV pool) behind a second router that never syncs:
     2  SIGKILL one actor's process mid-generation: every request completes exactly once, the
        rest of the fleet keeps serving, a hot-swap sync during the restart succeeds, and the
        restarted actor is re-synced and serves the current version (its tokens checked)
-    3  SIGSTOP another actor (hung, not dead): its requests finish elsewhere within their
-       deadline, a drain sync with a deadline drops it and loads the others; after SIGCONT it
-       is re-synced and serves the newest version
+    3  SIGSTOP another actor (hung, not dead): its requests time out at their deadline and
+       finish elsewhere, a drain sync drops it at the sync's deadline and loads the others; after
+       SIGCONT it is re-synced and serves the newest version
     4  SIGSTOP an actor during a hot-swap sync with a long deadline, then ``close()`` the router:
        the sync returns at once (RouterError), not at its deadline or the handle's call_timeout_s
 After every sync that reports success, every generator in rotation serves the router's version.
