@@ -2,7 +2,8 @@
 over fake generators that fail, hang, die and come back, while weight syncs come and go.
 
 Time is a ``ManualClock`` that one driver thread advances in steps of 10 ms, each once the submitter
-threads have filled their windows: the generators' latencies, the router's deadlines and
+threads have filled their windows, every attempt in flight has reached its generator and a sync that
+is due has started (each wait bounded): the generators' latencies, the router's deadlines and
 back-offs, weight loads and the chaos schedule all run on it, so a run of several simulated
 seconds takes about a second.  Submitter threads, a sync thread and the router's load threads run
 concurrently with it.
@@ -25,6 +26,7 @@ What every run checks
 """
 from __future__ import annotations
 
+import math
 import random
 import re
 import threading
@@ -154,18 +156,21 @@ def chaos_run(rg, seed, *, error_rate, hang_rate=0.0, kills=False, sync_modes=("
             f.add_done_callback(release)
         submitted_all[k] = True
 
+    sync_due = [0.5]  # when the syncer starts its next sync (simulated time; inf from when it has started it)
+
     def syncer():
-        version, next_at = 0, 0.5
+        version = 0
         while not done.is_set():
-            if clock.now() < next_at:
+            if clock.now() < sync_due[0]:
                 time.sleep(0.0005)
                 continue
+            sync_due[0] = math.inf
             version += 1
             try:
                 router.sync_weights({"w": version}, version, mode=rnd.choice(sync_modes))
             except rg.RouterError:
                 pass  # some generator was down or missed it: it is re-synced when it returns
-            next_at = clock.now() + rnd.uniform(0.3, 1.5)
+            sync_due[0] = clock.now() + rnd.uniform(0.3, 1.5)
 
     workers = [threading.Thread(target=submitter, args=(k,), daemon=True) for k in range(threads)]
     sync_thread = threading.Thread(target=syncer, daemon=True)
@@ -192,6 +197,10 @@ def chaos_run(rg, seed, *, error_rate, hang_rate=0.0, kills=False, sync_modes=("
         # router that loses an attempt is caught by the checks, not hidden here.)
         settle_by = time.monotonic() + 2.0
         while time.monotonic() < settle_by and not in_step(router.stats()):
+            time.sleep(0.0002)
+        # ... and once a sync that is due has started: a syncer thread the machine left waiting would
+        # otherwise find the traffic over in simulated time (two syncs in a run under two CPU hogs).
+        while clock.now() >= sync_due[0] and time.monotonic() < settle_by:
             time.sleep(0.0002)
         clock.advance(0.01)
         if kills:
