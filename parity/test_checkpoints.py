@@ -182,10 +182,10 @@ def test_batch_invariant_engine_equals_trainer_bitwise(checkpoints, family):
     trainer = fast_lm.DecoderLM.from_pretrained(path, **kw)
     base = _prompts(13, lengths=(11, 26))
     prompts = [base[0], base[1], base[1][:12] + [3, 4], base[0][:8] + [9] * 9]
-    reqs = [fast_ge.Request(p, fast_ge.SamplingParams(max_new_tokens=9, temperature=1.0, seed=i, n=2 if i == 1 else 1))
+    reqs = [fast_ge.Request(p, fast_ge.SamplingParams(max_new_tokens=6, temperature=1.0, seed=i, n=2 if i == 1 else 1))
             for i, p in enumerate(prompts)]
     with fast_ge.Generator.from_pretrained(path, model_class=fast_lm.DecoderLM, flash_decode=fast_fd.flash_decode,
-                                           page_size=4, num_pages=20, max_prefill_tokens=10, **kw) as g:
+                                           page_size=4, num_pages=14, max_prefill_tokens=10, **kw) as g:
         got = g.generate(reqs)
         stats = g.stats()
     assert stats["preemptions"] >= 1 and stats["prefix_hit_tokens"] > 0, stats

@@ -58,15 +58,15 @@ def requests() -> list:
     """A group of 3, a prompt sharing the group's first pages (a prefix-cache hit), a long prompt cut into
     chunks, short ones; greedy and sampled."""
     base = list(range(3, 22))
-    return [ge.Request(base, ge.SamplingParams(max_new_tokens=7, temperature=1.0, seed=1, n=3)),
-            ge.Request(base[:12] + [40, 41, 42], ge.SamplingParams(max_new_tokens=6)),
-            ge.Request([7] * 30, ge.SamplingParams(max_new_tokens=5, temperature=0.7, seed=9)),
-            ge.Request([1, 2], ge.SamplingParams(max_new_tokens=8))]
+    return [ge.Request(base, ge.SamplingParams(max_new_tokens=5, temperature=1.0, seed=1, n=3)),
+            ge.Request(base[:12] + [40, 41, 42], ge.SamplingParams(max_new_tokens=4)),
+            ge.Request([7] * 30, ge.SamplingParams(max_new_tokens=3, temperature=0.7, seed=9)),
+            ge.Request([1, 2], ge.SamplingParams(max_new_tokens=5))]
 
 
 def engine_kw(mode: str) -> dict:
     """A small pool (preemption), a small prefill budget (chunks), pages of 4 (prefix hits)."""
-    kw = dict(page_size=4, num_pages=22, max_prefill_tokens=12, max_batch_size=8)
+    kw = dict(page_size=4, num_pages=16, max_prefill_tokens=12, max_batch_size=8)
     return dict(kw, flash_decode=fd.flash_decode) if mode == "invariant" else kw
 
 
