@@ -69,10 +69,13 @@ def cases(m) -> list[dict]:
                               signature=dict(db="*fp32", dg="*fp32", g="*fp32", A_log="*fp32", dt_bias="*fp32",
                                              dparams="*fp32", cu="*i32", chunk_idx="*i32", T="i32", NROWS="i32"),
                               constexprs=dict(HV=hv, NB=6, BT=m.CHUNK, BH=hv, IS_VARLEN=True, **options), num_warps=4))
-            cases.append(dict(kernel=m._chunk_cumsum_kernel, name="cumsum" + tag,
-                              signature=dict(g=F32, A_log=F32, dt_bias=F32, gc=F32, gr=I8, gs=F32, ge=F32,
-                                             cu="*i32", chunk_idx="*i32", T="i32"),
-                              constexprs=dict(HV=hv, BT=m.CHUNK, BH=hv, IS_VARLEN=True, **options), num_warps=4))
+            for in_order in (False, True):          # batch_invariant sums the gates in token order
+                cases.append(dict(kernel=m._chunk_cumsum_kernel, name="cumsum" + tag[:-1] + (",in order]" if in_order
+                                                                                             else "]"),
+                                  signature=dict(g=F32, A_log=F32, dt_bias=F32, gc=F32, gr=I8, gs=F32, ge=F32,
+                                                 cu="*i32", chunk_idx="*i32", T="i32"),
+                                  constexprs=dict(HV=hv, BT=m.CHUNK, BH=hv, IS_VARLEN=True, IN_ORDER=in_order,
+                                                  **options), num_warps=4))
     cases += _option_cases(m)
     return cases
 
