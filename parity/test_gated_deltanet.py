@@ -311,15 +311,20 @@ def test_empty_input_passes_the_state_through(kind):
 def test_fast_chunk_gates_and_saved_blocks_match_ref_steps():
     """The chunk kernels' gates, gc (within-chunk cumsum, hard resets left out), gr (the chunk position of
     the latest hard reset, -1 if none) and ge (the exponent of the decay to the chunk's end), and the
-    solved blocks A the chunk op keeps for its backward, against the reference's steps."""
+    solved blocks A the chunk op keeps for its backward, against the reference's steps; the gates summed in
+    token order (batch_invariant's) are the same bits as tl.cumsum's in the interpreter (sequential too)."""
     b, t, h, hv, dk, dv = 1, 100, 1, 2, 16, 16
     q, k, v, g, beta, h0 = make_inputs(b, t, h, hv, dk, dv, seed=14)
     g[0, [3, 70, 71], 0] = float("-inf")                                  # hard resets, two in a row
     with nan_allocations():
-        gates = fast._chunk_cumsum(g.float(), None, None, fast._sequences(b, t, None, None, g.device))
+        seqs = fast._sequences(b, t, None, None, g.device)
+        gates = fast._chunk_cumsum(g.float(), None, None, seqs)
+        in_order = fast._chunk_cumsum(g.float(), None, None, seqs, True)
         _, _, a = torch.ops.twofold.chunk_gated_delta_rule_fwd(
             q.float(), k.float(), v.float(), g.float(), beta.float(), None, None, None, None, None, dk ** -0.5,
-            False, False)
+            False, False, False)
+    for name, x, y in zip(gates._fields, gates, in_order):
+        assert torch.equal(x, y), name
     pad = (-t) % ref.CHUNK
     kp = ref._chunked(F.pad(k.repeat_interleave(hv // h, 2), (0, 0, 0, 0, 0, pad)), 2)   # [B, HV, NC, C, K]
     gp, bp = (ref._chunked(F.pad(x, (0, 0, 0, pad)), 2) for x in (g, beta))
