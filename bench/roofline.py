@@ -325,10 +325,12 @@ class GdnTrainer(Case):
 
 class GdnDecode(Case):
     N, H, K, V = 8, 2, 128, 128
-    kernels = {"fla": "fused_recurrent_gated_delta_rule"}
+    kernels = {"fla": "fused_recurrent_gated_delta_rule",
+               "ours_invariant": "chunk_gated_delta_rule(batch_invariant=True) over each sequence's chunk so far"}
 
     def __init__(self, mods):
         self.mods, self.op = mods, "fwd"
+        self.impls = ("ours", "ours_invariant", "fla")
         self.name = f"gdn_decode N={self.N} H={self.H} K=V={self.K}"
         g = _gen(2)
         n, h, k, v = self.N, self.H, self.K, self.V
@@ -355,6 +357,22 @@ class GdnDecode(Case):
 
     def ours(self, observed):
         return self._run(self.mods["gdn"].fused_recurrent_gated_delta_rule, observed)
+
+    def ours_invariant(self, observed):
+        """The batch-invariant mode's decode step (ref/gated_deltanet.py's _aligned_decode_step): the chunk form
+        over each sequence's current chunk laid out whole, 64 rows from the state at its start.  Here the
+        token ends its chunk, the 63 rows before it zero tokens (no-ops on the state: the same o and state as
+        the recurrent step; the kernels read and write all 64 rows whatever they hold)."""
+        n, c = self.N, GdnChunk.C
+
+        def chunk(x):                                   # [N, 1, ...] -> [1, N 64, ...]: zeros, then the token
+            return torch.cat([x.new_zeros(n, c - 1, *x.shape[2:]), x], 1).flatten(0, 1)[None]
+        cu = torch.arange(n + 1, dtype=torch.int32) * c
+        inputs = [chunk(x) for x in (self.q, self.k, self.v, self.g, self.beta)]   # (the layer's layout: not counted)
+        with observed():
+            o, ht = self.mods["gdn"].chunk_gated_delta_rule(*inputs, initial_state=self.h0, output_final_state=True,
+                                                            cu_seqlens=cu, cu_seqlens_cpu=cu, batch_invariant=True)
+        return [o[0].unflatten(0, (n, c))[:, c - 1:], ht]
 
     def fla(self, observed):
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule

@@ -99,7 +99,9 @@ The layer
     ``GatedDeltaNetCache`` carries the conv tail and the state between calls (prefill, decode).
     ``set_batch_invariant(linear)`` switches it to batch-invariant numerics (a token's output bit
     for bit the same in any batch, packing or prefill/decode split, given a row-invariant matmul
-    ``linear`` and an invariant ``recurrent_fn``): fast/decoder_lm.py's bitwise on-policy mode.
+    ``linear`` and a ``chunk_fn`` that computes a chunk's row alike in any call): the chunk form in
+    every call, chunks at absolute positions, the cache holding the current chunk's start state and
+    tokens (above, "A row inside a partial chunk"): fast/decoder_lm.py's bitwise on-policy mode.
 
 References
     Yang, Kautz, Hatamizadeh, Gated Delta Networks (ICLR 2025); Yang et al., Parallelizing

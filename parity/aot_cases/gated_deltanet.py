@@ -3,7 +3,9 @@
 ``cases(m)`` takes the fast module ``m`` (imported with the Triton compiler, not the interpreter)
 and lists its launches in aot_compile.py's case format, reading the module's private config tables
 so that what is built is what the launcher launches.  CI builds each case with its first config;
-``make compile-check`` builds every config.
+``make compile-check`` builds every config.  ``chunk_gated_delta_rule(batch_invariant=True)`` launches each
+autotuned kernel at the first config its pruning keeps (built by every case) and the gate sums in token
+order (the cumsum cases with IN_ORDER).
 """
 from __future__ import annotations
 
