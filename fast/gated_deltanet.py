@@ -22,24 +22,24 @@ Map: each kernel (and its host driver), in call order, beside the function of re
 it computes and that function's line there (the ref has no backward: its autograd through the same
 functions is the backward's specification; parity/test_gated_deltanet.py checks this map)
     fast                        ref/gated_deltanet.py        line      what
-    _l2norm_kernel              _l2norm                      347       use_qk_l2norm_in_kernel (first)
-    _chunk_forward              _chunk                       237       the five kernels in order
-    _chunk_cumsum_kernel        _GateSums.forward            163       1. gc, gr (+ the in-kernel gate)
-    _chunk_kkt_solve_kernel     _wy_inverse                  193       2. A = (I + tril(..))^-1
-    _chunk_wu_kernel            _wy_w_u                      209       3. w, u
-    _chunk_h_kernel             _chunk_state_pass            216       4. S per chunk, v_new = u - w S
-    _chunk_o_kernel             _chunk_state_pass            216       5. o
-    _chunk_backward             _chunk                       237       recompute, then a. .. e.
-    _chunk_dv_local_kernel      _chunk_state_pass            216       a. dU from the in-chunk scores
-    _chunk_dhu_kernel           _chunk_state_pass            216       b. the reverse pass over chunks
-    _chunk_dqkwg_kernel         _chunk_state_pass            216       c. dQ, dK, dW, db
-    _chunk_wy_bwd_kernel        _wy_w_u, _wy_inverse         209, 193  d. through w, u and the solve
-    _chunk_dg_kernel            _GateSums.backward           175       e. dg from db
-    _l2norm_bwd_kernel          _l2norm                      347       through the l2norm
-    _recurrent_forward          _recurrent                   130       decode: one kernel
-    _recurrent_kernel           _recurrent                   130       the recurrence, state in registers
-    _recurrent_backward         _recurrent                   130
-    _recurrent_bwd_kernel       _recurrent                   130       reverse pass over the tokens
+    _l2norm_kernel              _l2norm                      348       use_qk_l2norm_in_kernel (first)
+    _chunk_forward              _chunk                       238       the five kernels in order
+    _chunk_cumsum_kernel        _GateSums.forward            164       1. gc, gr (+ the in-kernel gate)
+    _chunk_kkt_solve_kernel     _wy_inverse                  194       2. A = (I + tril(..))^-1
+    _chunk_wu_kernel            _wy_w_u                      210       3. w, u
+    _chunk_h_kernel             _chunk_state_pass            217       4. S per chunk, v_new = u - w S
+    _chunk_o_kernel             _chunk_state_pass            217       5. o
+    _chunk_backward             _chunk                       238       recompute, then a. .. e.
+    _chunk_dv_local_kernel      _chunk_state_pass            217       a. dU from the in-chunk scores
+    _chunk_dhu_kernel           _chunk_state_pass            217       b. the reverse pass over chunks
+    _chunk_dqkwg_kernel         _chunk_state_pass            217       c. dQ, dK, dW, db
+    _chunk_wy_bwd_kernel        _wy_w_u, _wy_inverse         210, 194  d. through w, u and the solve
+    _chunk_dg_kernel            _GateSums.backward           176       e. dg from db
+    _l2norm_bwd_kernel          _l2norm                      348       through the l2norm
+    _recurrent_forward          _recurrent                   131       decode: one kernel
+    _recurrent_kernel           _recurrent                   131       the recurrence, state in registers
+    _recurrent_backward         _recurrent                   131
+    _recurrent_bwd_kernel       _recurrent                   131       reverse pass over the tokens
 
 Batch and split invariance (``fused_recurrent_gated_delta_rule``, guaranteed)
     For each sequence, o and the final state are the same bits whichever other sequences share the
@@ -55,7 +55,8 @@ Batch and split invariance of the chunk form (``chunk_gated_delta_rule(..., batc
     share the call, whether the chunk is whole or ends right after the row (the rest absent), and
     whether the start state was carried from the previous chunk inside the call or passed as
     initial_state (the fp32 final state of a call that ended at that chunk boundary: the kernels carry
-    the state in fp32).  A chunk's end state (the next chunk's start) likewise.  The math is
+    the state in fp32; only an exact zero's sign can differ, a -0.0 loading as +0.0).  A chunk's end
+    state (the next chunk's start) likewise.  The math is
     ref/gated_deltanet.py's "A row inside a partial chunk" (an absent token's terms are exact zeros);
     GatedDeltaNet's batch-invariant mode builds on it (the layer keeps a chunk's start state and its
     tokens so far, and a decode step runs its chunk so far).  By construction: every kernel has one

@@ -426,11 +426,12 @@ def long_requests(seed):
 def test_bitwise_across_gated_deltanet_chunks(kind):
     """Sequences of up to 149 tokens, so the linear layers' chunks (64 tokens from each sequence's start)
     end inside prompts, inside completions and at prefill cuts: the engine's bits are the same with the
-    prefix cache off and a roomy pool (prefill cut at chunk boundaries: pages of 16, budget 64), with
-    pages of 5 and a budget of 23 tokens (cuts at odd page boundaries, mid-chunk) in a pool that preempts
-    (a recompute resumes from a checkpoint mid-chunk), warm on that engine (prefix-cache hits ending at
-    page boundaries mid-chunk: 65, 70, ...), and alone; and they equal the trainer's token_logprobs.
-    The engine's checkpoint slots hold the chunk buffer: their bytes are the README's per-slot formula."""
+    prefix cache off and a roomy pool (pages of 16, a budget of 64: cuts at multiples of 16, chunk
+    boundaries among them), with pages of 5 and a budget of 23 tokens (cuts at odd page boundaries,
+    mid-chunk) in a pool that preempts (a recompute resumes from a checkpoint mid-chunk), warm on that
+    engine (prefix-cache hits: with pages of 5, every page boundary below 320 is mid-chunk), and alone;
+    and they equal the trainer's token_logprobs.  The engine's checkpoint slots hold the chunk buffer:
+    their bytes are the README's per-slot formula."""
     reqs = long_requests(seed=31)
     runs, stats = {}, {}
     long_model = fast_lm.DecoderLM(long_config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"],

@@ -89,7 +89,8 @@ Supported, and what raises
     through both forms (the spec of the fast backward; the chunk form's dg is summed without
     cancellation, see _GateSums).  gk / gv and cp_context raise NotImplementedError; chunk_size other
     than 64 raises ValueError; bad shapes, dtypes, devices and cu_seqlens raise ValueError / TypeError
-    naming the argument.  The README's "Known limits" lists the rest.
+    naming the argument (batch_invariant not a bool: TypeError); the layer in the batch-invariant mode
+    refuses a cache filled outside it (ValueError).  The README's "Known limits" lists the rest.
 
 The layer
     ``GatedDeltaNet`` is Qwen3.5's linear-attention block with HF transformers' parameter names
