@@ -317,7 +317,10 @@ class GdnTrainer(Case):
         return self._run(self.mods["gdn"].chunk_gated_delta_rule, observed)
 
     def ours_invariant(self, observed):
-        return self._run(self.mods["gdn"].chunk_gated_delta_rule, observed, batch_invariant=True)
+        """As the layer calls it in the mode: a start state (zeros) in, the end state out, in every phase."""
+        h0 = torch.zeros(1, self.H, self.K, self.V)
+        return self._run(self.mods["gdn"].chunk_gated_delta_rule, observed, batch_invariant=True, initial_state=h0,
+                         output_final_state=True)
 
     def ours_recurrent(self, observed):
         return self._run(self.mods["gdn"].fused_recurrent_gated_delta_rule, observed)

@@ -51,24 +51,25 @@ Batch and split invariance (``fused_recurrent_gated_delta_rule``, guaranteed)
 
 Batch and split invariance of the chunk form (``chunk_gated_delta_rule(..., batch_invariant=True)``)
     A token's row of o has the same bits in any call that gives its chunk (chunks of 64 from each
-    sequence's start) the same tokens up to that row and the same start state: whichever sequences
-    share the call, whether the chunk is whole or ends right after the row (the rest absent), and
-    whether the start state was carried from the previous chunk inside the call or passed as
-    initial_state (the fp32 final state of a call that ended at that chunk boundary: the kernels carry
-    the state in fp32; only an exact zero's sign can differ, a -0.0 loading as +0.0).  A chunk's end
-    state (the next chunk's start) likewise.  The math is
-    ref/gated_deltanet.py's "A row inside a partial chunk" (an absent token's terms are exact zeros);
-    GatedDeltaNet's batch-invariant mode builds on it (the layer keeps a chunk's start state and its
-    tokens so far, and a decode step runs its chunk so far).  By construction: every kernel has one
-    launch per shape, the first config its pruning keeps (``_launch(fixed=True)``: the config the
-    interpreter runs and the observatory measures, never the autotuner's timed pick), so a chunk is
-    one program's tiles in every call and a token sits at its position in the chunk; absent rows load
-    as zeros (masks with other=0) and decays are masked to exp(-inf) = 0 before any product, so no
-    inf * 0 or NaN enters; the gate sums run in token order (IN_ORDER: tl.cumsum's parallel scan
-    associates by the [64, heads] block's layout, which the head count sets, and tensor parallelism
-    changes the head count).  Call with cu_seqlens in every phase (the layer does): the dense and
-    varlen builds differ in integer code only, but the claim is made for one build.  The backward gets
-    the same fixed launches (deterministic; its gradients are not promised bitwise across packings).
+    sequence's start) the same tokens up to that row and the same start state: whichever sequences share
+    the call, whether the chunk is whole or ends right after the row (the rest absent), and whether the
+    start state was carried from the previous chunk inside the call or passed as initial_state (the fp32
+    final state of a call that ended at that chunk boundary: the kernels carry the state in fp32; only
+    an exact zero's sign can differ, a -0.0 loading as +0.0).  A chunk's end state (the next chunk's
+    start) likewise.  The math is ref/gated_deltanet.py's "A row inside a partial chunk" (an absent
+    token's terms are exact zeros); GatedDeltaNet's batch-invariant mode builds on it (the layer keeps a
+    chunk's start state and its tokens so far, and a decode step runs its chunk so far).  By
+    construction: every kernel has one launch per shape, the first config its pruning keeps
+    (``_launch(fixed=True)``: the config the interpreter runs and the observatory measures, never the
+    autotuner's timed pick), so a chunk is one program's tiles in every call and a token sits at its
+    position in the chunk; absent rows load as zeros (masks with other=0) and decays are masked to
+    exp(-inf) = 0 before any product, so no inf * 0 or NaN enters; the gate sums run in token order
+    (IN_ORDER: tl.cumsum's parallel scan associates by the [64, heads] block's layout, which the head
+    count sets, and tensor parallelism changes the head count).  Call with cu_seqlens, an initial_state
+    and output_final_state=True in every phase (the layer does): then every phase launches the same
+    builds (the dense and varlen builds, or the state pass with and without a start state, differ in
+    integer code and a 0 + h0 only, but the claim is made for one build).  The backward gets the same
+    fixed launches (deterministic; its gradients are not promised bitwise across packings).
     parity/test_gated_deltanet.py checks the bits in the interpreter.
 
 Tensors: those of ref/gated_deltanet.py, with fla 0.6.0's signature and options (positional order;

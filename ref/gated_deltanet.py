@@ -615,14 +615,19 @@ class GatedDeltaNet(nn.Module):
     def _chunk_rule(self, tokens, lengths, initial_state, output_final_state: bool):
         """``chunk_fn`` over documents of packed token inputs (qkv [T, conv_dim], g / beta [T, HV]), laid
         out as a trainer's forward lays them out (q, k, v views of one row-major qkv; cu_seqlens, with its
-        host copy) -> (o [T, HV, V], the final state or None)."""
+        host copy) -> (o [T, HV, V], the final state or None).  Every call passes a start state (zeros for
+        None) and takes the end state, so that a trainer's call and an engine's launch the same kernel
+        builds (the fast state pass's USE_H0 / STORE_FINAL alike)."""
         qkv, g, beta = tokens
         q, k, v = self._split(qkv[None])
         cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        if initial_state is None:
+            initial_state = qkv.new_zeros(len(lengths), self.num_v_heads, self.head_k_dim, self.head_v_dim,
+                                          dtype=torch.promote_types(qkv.dtype, torch.float32))
         o, final = self.chunk_fn(q, k, v, g=g[None], beta=beta[None], initial_state=initial_state,
-                                 output_final_state=output_final_state, cu_seqlens=cu.to(qkv.device),
-                                 cu_seqlens_cpu=cu, use_qk_l2norm_in_kernel=True, batch_invariant=True)
-        return o[0], final
+                                 output_final_state=True, cu_seqlens=cu.to(qkv.device), cu_seqlens_cpu=cu,
+                                 use_qk_l2norm_in_kernel=True, batch_invariant=True)
+        return o[0], final if output_final_state else None
 
 
 def _aligned_chunks(rule, tokens, lengths, state, buffered, counts):
