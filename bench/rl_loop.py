@@ -255,7 +255,8 @@ def main(argv=None) -> int:
         train_layer = gdn_factory(ref_gdn.fused_recurrent_gated_delta_rule, ref_gdn.fused_recurrent_gated_delta_rule)
 
     mode = {}
-    if invariant:  # the engine's bitwise contract: one attention kernel family, the recurrent GDN form everywhere
+    if invariant:  # the engine's bitwise contract: one attention kernel family, one GDN chunk form everywhere
+        train_layer = gen_layer                     # (the mode runs chunk_fn in every phase, chunks aligned)
         from fast.flash_decoding import flash_decode
         from fast.paged_varlen_attention import varlen_attn
         if not on_gpu:
@@ -264,7 +265,7 @@ def main(argv=None) -> int:
         gen_model_kw.update(mode)
         gen_kw.update(varlen_attn=varlen_attn, flash_decode=flash_decode)
         kernels = "batch-invariant mode: fast varlen_attn + flash_decode (batch_invariant=True)" + (
-            "" if on_gpu else " under the Triton interpreter, reference Gated DeltaNet (recurrent form)")
+            "" if on_gpu else " under the Triton interpreter, reference Gated DeltaNet (chunk form)")
     model = lm.DecoderLM(config, seed=0, linear_layer=train_layer, device=device, **mode).train()
     # The trainer's recompute of the rollouts' logprobs, in the generators' dtype on the weights that served them.
     checker = lm.DecoderLM(config, seed=0, linear_layer=train_layer, device=device, dtype=gen_model_kw["dtype"],
