@@ -20,7 +20,7 @@ What it runs
                  backward; step 0 checks the gradients are bitwise those of a run without it.
                  Its Gated DeltaNet is fast's Triton chunk kernel with its Triton backward on a
                  GPU, and the reference delta rule (recurrent form, cheapest at these lengths)
-                 on a CPU
+                 on a CPU; with ``--batch-invariant`` the generators' chunk form (the mode's)
     task         random prompts; reward = share of generated tokens in the residue class (mod 4) of
                  the token before them (a random policy scores ~1/4); group-relative advantages (G
                  samples per prompt), a PPO-clipped loss on the generators' own logprobs (the
