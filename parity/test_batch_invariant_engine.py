@@ -422,7 +422,8 @@ def long_requests(seed):
     return out
 
 
-@pytest.mark.parametrize("kind", ["hybrid"])
+# (With the fast kernels, slow in the interpreter, only the preempting run against the trainer.)
+@pytest.mark.parametrize("kind", ["hybrid", "hybrid-fast_gdn"])
 def test_bitwise_across_gated_deltanet_chunks(kind):
     """Sequences of up to 149 tokens, so the linear layers' chunks (64 tokens from each sequence's start)
     end inside prompts, inside completions and at prefill cuts: the engine's bits are the same with the
@@ -432,26 +433,32 @@ def test_bitwise_across_gated_deltanet_chunks(kind):
     engine (prefix-cache hits: with pages of 5, every page boundary below 320 is mid-chunk), and alone;
     and they equal the trainer's token_logprobs.  The engine's checkpoint slots hold the chunk buffer:
     their bytes are the README's per-slot formula."""
+    full = kind == "hybrid"
     reqs = long_requests(seed=31)
     runs, stats = {}, {}
     long_model = fast_lm.DecoderLM(long_config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"],
                                    batch_invariant=True, varlen_attn=varlen_attn)
     kw = dict(max_batch_size=8, flash_decode=flash_decode)
-    with fast_ge.Generator(long_model, page_size=16, max_prefill_tokens=64, prefix_caching=False, **kw) as gen:
-        runs["cache off, cuts at chunk boundaries"] = by_sample(gen.generate(reqs))
+    if full:
+        with fast_ge.Generator(long_model, page_size=16, max_prefill_tokens=64, prefix_caching=False, **kw) as gen:
+            runs["cache off, cuts at chunk boundaries"] = by_sample(gen.generate(reqs))
     with fast_ge.Generator(long_model, page_size=5, num_pages=32, max_prefill_tokens=23, **kw) as gen:
         runs["cold, pages of 5, cuts of 23, preempting"] = by_sample(gen.generate(reqs))
         stats["cold"] = gen.stats()
-        runs["warm"] = by_sample(gen.generate(reqs))
-        stats["warm"] = gen.stats()
-        alone = gen.generate([fast_ge.Request(reqs[3].prompt_token_ids, reqs[3].sampling, request_id="L3")])[0]
+        if full:
+            runs["warm"] = by_sample(gen.generate(reqs))
+            stats["warm"] = gen.stats()
+            alone = gen.generate([fast_ge.Request(reqs[3].prompt_token_ids, reqs[3].sampling, request_id="L3")])[0]
         layer = next(b.linear_attn for b in long_model.layers if getattr(b, "linear_attn", None) is not None)
-    assert stats["cold"]["preemptions"] >= 1 and stats["warm"]["prefix_hit_tokens"] > stats["cold"]["prefix_hit_tokens"]
-    base = runs["cache off, cuts at chunk boundaries"]
+    last = stats["warm" if full else "cold"]
+    assert stats["cold"]["preemptions"] >= 1 and stats["cold"]["prefix_hit_tokens"] > 0, stats["cold"]
+    base = next(iter(runs.values()))
     assert len(base) == 7 and max(len(reqs[i].prompt_token_ids) + len(base[(f"L{i}", 0)][0]) for i in range(6)) > 130
     for name, run in runs.items():
         assert run == base, f"{name}: {[k for k in base if run.get(k) != base[k]]}"
-    assert (alone.token_ids, alone.logprobs) == base[("L3", 0)]
+    if full:
+        assert last["prefix_hit_tokens"] > stats["cold"]["prefix_hit_tokens"]
+        assert (alone.token_ids, alone.logprobs) == base[("L3", 0)]
     # checkpoint slots: per linear layer the fp32 state, the conv state and the chunk buffer (63 rows of the
     # conv output, fp32 g and beta, and the row count)
     elt = 4
@@ -459,7 +466,7 @@ def test_bitwise_across_gated_deltanet_chunks(kind):
                 + layer.conv_dim * (layer.conv_kernel_size - 1) * elt
                 + (ref_gdn.CHUNK - 1) * (layer.conv_dim * elt + layer.num_v_heads * (4 + elt)) + 8)
     n_linear = sum(t == "linear" for t in long_model.config.layer_types)
-    assert stats["warm"]["checkpoint_bytes"] == gen.num_checkpoints * n_linear * per_slot, stats["warm"]
+    assert last["checkpoint_bytes"] == gen.num_checkpoints * n_linear * per_slot, last
     keys = list(base)
     prompts = {r.request_id: r for r in reqs}
     with torch.no_grad():
