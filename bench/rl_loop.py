@@ -20,7 +20,7 @@ What it runs
                  backward; step 0 checks the gradients are bitwise those of a run without it.
                  Its Gated DeltaNet is fast's Triton chunk kernel with its Triton backward on a
                  GPU, and the reference delta rule (recurrent form, cheapest at these lengths)
-                 on a CPU
+                 on a CPU; with ``--batch-invariant`` the generators' chunk form (the mode's)
     task         random prompts; reward = share of generated tokens in the residue class (mod 4) of
                  the token before them (a random policy scores ~1/4); group-relative advantages (G
                  samples per prompt), a PPO-clipped loss on the generators' own logprobs (the
@@ -268,7 +268,8 @@ def main(argv=None) -> int:
         train_layer = gdn_factory(ref_gdn.fused_recurrent_gated_delta_rule, ref_gdn.fused_recurrent_gated_delta_rule)
 
     mode = {}
-    if invariant:  # the engine's bitwise contract: one attention kernel family, the recurrent GDN form everywhere
+    if invariant:  # the engine's bitwise contract: one attention kernel family, one GDN chunk form everywhere
+        train_layer = gen_layer                     # (the mode runs chunk_fn in every phase, chunks aligned)
         from fast.flash_decoding import flash_decode
         from fast.paged_varlen_attention import varlen_attn
         if not on_gpu:
@@ -277,7 +278,7 @@ def main(argv=None) -> int:
         gen_model_kw.update(mode)
         gen_kw.update(varlen_attn=varlen_attn, flash_decode=flash_decode)
         kernels = "batch-invariant mode: fast varlen_attn + flash_decode (batch_invariant=True)" + (
-            "" if on_gpu else " under the Triton interpreter, reference Gated DeltaNet (recurrent form)")
+            "" if on_gpu else " under the Triton interpreter, reference Gated DeltaNet (chunk form)")
     if args.model is not None:     # the checkpoint's context capped to the loop's sequences
         gen_model_kw["max_seq_len"] = config.max_seq_len
         mode = dict(mode, max_seq_len=config.max_seq_len)

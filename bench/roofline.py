@@ -135,7 +135,10 @@ def install_shims():
     import fast.flash_decoding as fd
     import fast.gated_deltanet as gdn
     import fast.paged_varlen_attention as pva
-    gdn._launch = lambda tuned, grid, args, meta: tuned[grid](*args, **meta)          # its CUDA branch
+    interpreter_launch = gdn._launch
+    def gdn_launch(tuned, grid, args, meta, fixed=False):   # its CUDA branch; batch_invariant's fixed launch as is
+        return interpreter_launch(tuned, grid, args, meta, fixed=True) if fixed else tuned[grid](*args, **meta)
+    gdn._launch = gdn_launch
     pva._attn_fwd_kernel = _ViaAutotuner(pva._TUNED, pva._attn_fwd_kernel)
     pva._attn_bwd_dkdv_kernel = _ViaAutotuner(pva._TUNED_DKDV, pva._attn_bwd_dkdv_kernel)
     pva._attn_bwd_dq_kernel = _ViaAutotuner(pva._TUNED_DQ, pva._attn_bwd_dq_kernel)
@@ -273,12 +276,69 @@ class GdnChunk(Case):
         return self._run(chunk_gated_delta_rule, observed)
 
 
+class GdnTrainer(Case):
+    """A trainer's Gated DeltaNet op as the Qwen3.5 layer calls it (q / k l2-normalized in the kernels, the
+    document as cu_seqlens), forward and backward in one region: the default chunk path, the batch-invariant
+    mode's (the chunk form with batch_invariant=True: fixed launches, gate sums in token order), and the
+    recurrent form (what the mode ran before issue 34)."""
+    T, H, K, V, C = 512, 2, 128, 128, 64
+
+    def __init__(self, mods):
+        self.mods, self.op = mods, "fwd+bwd"
+        self.impls = ("ours", "ours_invariant", "ours_recurrent")
+        self.name = f"gdn_trainer T={self.T} H={self.H} K=V={self.K}"
+        g = _gen(3)
+        t, h, k, v = self.T, self.H, self.K, self.V
+        self.q = _randn(1, t, h, k, gen=g)
+        self.k = _randn(1, t, h, k, gen=g)
+        self.v = _randn(1, t, h, v, gen=g)
+        self.g = torch.nn.functional.logsigmoid(_randn(1, t, h, gen=g, dtype=torch.float32))
+        self.beta = torch.sigmoid(_randn(1, t, h, gen=g, dtype=torch.float32)).half()
+        self.do = _randn(1, t, h, v, gen=g)
+        self.cu = torch.tensor([0, t], dtype=torch.int32)
+        inputs = (self.q, self.k, self.v, self.g, self.beta)
+        self.bound = 3 * nbytes(*inputs) + nbytes(self.v) + nbytes(self.do)
+        self.formula = ("read q, k, v, g, beta (twice), dO, write o, dq, dk, dv, dg, dbeta: "
+                        "(6 T H K + 5 T HV V) e + 3 T HV (4 + e)")
+        self.short = "GDN trainer\nfwd+bwd"
+        nc = t // self.C
+        self.useful = nc * h * (26 * self.C ** 2 * k + 14 * self.C ** 2 * v + 22 * self.C * k * v + self.C ** 3 // 3)
+        self.useful_formula = ("the chunk form's, per 64-token chunk and head 26C^2K + 14C^2V + 22CKV + C^3/3 "
+                               "(forward and backward, recomputation included)")
+        self.output_names = ["o", "dq", "dk", "dv", "dg", "dbeta"]
+        self.kernels = {"ours_invariant": "chunk_gated_delta_rule(batch_invariant=True)",
+                        "ours_recurrent": "fused_recurrent_gated_delta_rule"}
+        self.rtol = 2e-2
+
+    def _run(self, fn, observed, **kw):
+        leaves = [x.clone().requires_grad_(True) for x in (self.q, self.k, self.v, self.g, self.beta)]
+        with observed():
+            o, _ = fn(*leaves[:3], g=leaves[3], beta=leaves[4], cu_seqlens=self.cu, cu_seqlens_cpu=self.cu,
+                      use_qk_l2norm_in_kernel=True, **kw)
+            grads = torch.autograd.grad(o, leaves, self.do)
+        return [o, *grads]
+
+    def ours(self, observed):
+        return self._run(self.mods["gdn"].chunk_gated_delta_rule, observed)
+
+    def ours_invariant(self, observed):
+        """As the layer calls it in the mode: a start state (zeros) in, the end state out, in every phase."""
+        h0 = torch.zeros(1, self.H, self.K, self.V)
+        return self._run(self.mods["gdn"].chunk_gated_delta_rule, observed, batch_invariant=True, initial_state=h0,
+                         output_final_state=True)
+
+    def ours_recurrent(self, observed):
+        return self._run(self.mods["gdn"].fused_recurrent_gated_delta_rule, observed)
+
+
 class GdnDecode(Case):
     N, H, K, V = 8, 2, 128, 128
-    kernels = {"fla": "fused_recurrent_gated_delta_rule"}
+    kernels = {"fla": "fused_recurrent_gated_delta_rule",
+               "ours_invariant": "chunk_gated_delta_rule(batch_invariant=True) over each sequence's chunk so far"}
 
     def __init__(self, mods):
         self.mods, self.op = mods, "fwd"
+        self.impls = ("ours", "ours_invariant", "fla")
         self.name = f"gdn_decode N={self.N} H={self.H} K=V={self.K}"
         g = _gen(2)
         n, h, k, v = self.N, self.H, self.K, self.V
@@ -305,6 +365,22 @@ class GdnDecode(Case):
 
     def ours(self, observed):
         return self._run(self.mods["gdn"].fused_recurrent_gated_delta_rule, observed)
+
+    def ours_invariant(self, observed):
+        """The batch-invariant mode's decode step (ref/gated_deltanet.py's _aligned_decode_step): the chunk form
+        over each sequence's current chunk laid out whole, 64 rows from the state at its start.  Here the
+        token ends its chunk, the 63 rows before it zero tokens (no-ops on the state: the same o and state as
+        the recurrent step; the kernels read and write all 64 rows whatever they hold)."""
+        n, c = self.N, GdnChunk.C
+
+        def chunk(x):                                   # [N, 1, ...] -> [1, N 64, ...]: zeros, then the token
+            return torch.cat([x.new_zeros(n, c - 1, *x.shape[2:]), x], 1).flatten(0, 1)[None]
+        cu = torch.arange(n + 1, dtype=torch.int32) * c
+        inputs = [chunk(x) for x in (self.q, self.k, self.v, self.g, self.beta)]   # (the layer's layout: not counted)
+        with observed():
+            o, ht = self.mods["gdn"].chunk_gated_delta_rule(*inputs, initial_state=self.h0, output_final_state=True,
+                                                            cu_seqlens=cu, cu_seqlens_cpu=cu, batch_invariant=True)
+        return [o[0].unflatten(0, (n, c))[:, c - 1:], ht]
 
     def fla(self, observed):
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
@@ -606,7 +682,7 @@ class GrpoDecode(Decode):
 
 
 def make_cases(mods, quick: bool) -> list[Case]:
-    cases = [GdnChunk(mods, "fwd"), GdnChunk(mods, "bwd"), GdnDecode(mods),
+    cases = [GdnChunk(mods, "fwd"), GdnChunk(mods, "bwd"), GdnTrainer(mods), GdnDecode(mods),
              Prefill(mods, "fwd"), Prefill(mods, "bwd"), Decode(mods, 1024), Decode(mods, 8192), GrpoDecode(mods)]
     if not quick:
         cases.append(Decode(mods, 8192, paged=False))
@@ -616,10 +692,12 @@ def make_cases(mods, quick: bool) -> list[Case]:
 # ----------------------------------------------------------------------------- measuring
 
 IMPLS = {"ours": "twofold", "ours_invariant": "twofold, batch_invariant=True", "ours_plain": "twofold, plain",
+         "ours_recurrent": "twofold, recurrent form",
          "fla": f"fla-core {FLA_VERSION}",
          "vllm_3d": "vLLM 0.33.0", "vllm_2d": "vLLM 0.33.0", "vllm_2stage": "vLLM 0.33.0",
          "sglang_2stage": "SGLang 0.5.23", "sglang_extend": "SGLang 0.5.23"}
 SHORT = {"ours": "twofold", "ours_invariant": "twofold, batch_invariant=True", "ours_plain": "twofold, plain",
+         "ours_recurrent": "twofold, recurrent form",
          "vllm_3d": "vLLM unified_attention 3D", "vllm_2d": "vLLM unified_attention 2D",
          "vllm_2stage": "vLLM decode_attention_fwd 2-stage", "sglang_2stage": "SGLang decode_attention_fwd 2-stage",
          "sglang_extend": "SGLang extend_attention_fwd"}
@@ -933,6 +1011,7 @@ LEGEND = {
     "ours": "twofold",
     "ours_invariant": "twofold, batch_invariant=True",
     "ours_plain": "twofold, plain: n flash_decode rows where the cascade shares the prompt (GRPO decode)",
+    "ours_recurrent": "twofold, recurrent form: fused_recurrent fwd + bwd (GDN trainer)",
     "fla": f"fla-core {FLA_VERSION}: chunk / fused_recurrent (GDN), parallel_attn (prefill), "
            "its naive decoding kernel (decode)",
     "vllm_3d": "vLLM 0.33.0 unified_attention, 3D path (16 segments)",

@@ -66,7 +66,9 @@ interpreter)
                               flash_decode, mode off (``default``) and on (``batch_invariant``), and
                               the mode's ``slowdown`` (default / invariant); ``default[torch-attn]``: the
                               engine's in-file PyTorch attention (what a CPU runs without the mode).
-                              A 2-layer attention model.
+                              A 2-layer attention model; ``hybrid`` rows: Gated DeltaNet + attention
+                              (fast/gated_deltanet.py's kernels; the mode runs their chunk form in every
+                              phase, sequences past a 64-token chunk).
     invariant trainer <dev> n=N forward + backward of ``DecoderLM`` over N packed sequences with the same
                               varlen_attn, mode off (``forward`` + cross-entropy) and on
                               (``token_logprobs``): ms per step and the ``slowdown``; ``default[sdpa]``:
@@ -81,6 +83,7 @@ interpreter)
 """
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import os
@@ -658,6 +661,12 @@ def _restart_time(weights) -> float:
 
 INVARIANT_CPU_MODEL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
                            num_kv_heads=1, head_dim=32, max_seq_len=64, tie_embeddings=False)
+# The hybrid rows: Gated DeltaNet "linear" layers (fast/gated_deltanet.py's kernels) beside attention; sequences
+# past a 64-token chunk, so the mode's decode steps run their chunk so far and its prefill cuts chunks.
+INVARIANT_CPU_HYBRID = dict(INVARIANT_CPU_MODEL, max_seq_len=160, layer_types=("linear", "attention"),
+                            linear_num_k_heads=2, linear_num_v_heads=4, linear_head_k_dim=16, linear_head_v_dim=16)
+INVARIANT_GPU_HYBRID = dict(GPU_MODELS["0.1B"], layer_types=("linear", "linear", "linear", "attention") * 3,
+                            linear_num_k_heads=4, linear_num_v_heads=8, linear_head_k_dim=128, linear_head_v_dim=128)
 
 
 def _time_ms(fn, reps) -> float:
@@ -672,49 +681,66 @@ def _time_ms(fn, reps) -> float:
     return 1e3 * best
 
 
+def _gdn_layer():
+    """The Qwen3.5 layer on fast/gated_deltanet.py's kernels (the interpreter on a CPU), or None."""
+    ref_gdn, fast_gdn = optional_import("ref.gated_deltanet"), optional_import("fast.gated_deltanet")
+    if ref_gdn is None or fast_gdn is None:
+        return None
+    return functools.partial(ref_gdn.GatedDeltaNet, chunk_fn=fast_gdn.chunk_gated_delta_rule,
+                             recurrent_fn=fast_gdn.fused_recurrent_gated_delta_rule)
+
+
 def bench_invariant(rec, quick):
     kernels = _repo_kernels()
     if len(kernels) != 2:
         rec.missing("invariant", "batch_invariant", "fast.flash_decoding or fast.paged_varlen_attention not importable")
         return
-    cfg = GPU_MODELS["0.1B"] if ON_GPU else INVARIANT_CPU_MODEL
     dev, dtype, label = (GPU_DEVICE, GPU_DTYPE, "gpu") if ON_GPU else ("cpu", torch.float32, "cpu")
-    prompt_len, out_len = (128, 128) if ON_GPU else (16, 16)
-    for batch in ([1, 64] if ON_GPU else [1, 8]):
-        case = f"invariant engine {label} b={batch} p={prompt_len} o={out_len}"
-        rates = {}
-        for impl, mode, plug in (("default[torch-attn]", False, {}), ("default", False, kernels),
-                                 ("batch_invariant", True, kernels)):
-            model = fast_lm.DecoderLM(fast_lm.ModelConfig(**cfg), device=dev, dtype=dtype, batch_invariant=mode,
-                                      varlen_attn=plug.get("varlen_attn"))
-            with fast_ge.Generator(model, max_batch_size=max(batch, 4), flash_decode=plug.get("flash_decode"),
-                                   num_pages=-(-(batch * (prompt_len + out_len)) // 16) + 16) as g:
-                rates[impl] = _tokens_per_s(g, fast_ge, batch, prompt_len, out_len, cfg["vocab_size"])
-            rec.add(case, impl, "tokens_per_s", rates[impl], "tok/s")
-        rec.add(case, "batch_invariant", "slowdown", rates["default"] / rates["batch_invariant"], "x")
-    n, length = (16, 256) if ON_GPU else (4, 24)
-    gen = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, cfg["vocab_size"], (length,), generator=gen).tolist() for _ in range(n)]
-    case = f"invariant trainer {label} n={n} t={length}"
-    times = {}
-    for impl, mode, attn in (("default[sdpa]", False, None), ("default", False, kernels["varlen_attn"]),
-                             ("batch_invariant", True, kernels["varlen_attn"])):
-        model = fast_lm.DecoderLM(fast_lm.ModelConfig(**cfg), device=dev, dtype=dtype, batch_invariant=mode,
-                                  varlen_attn=attn)
+    attention = GPU_MODELS["0.1B"] if ON_GPU else INVARIANT_CPU_MODEL
+    # (kind, config, linear layer, engine prompt / completion lengths and batches, trainer sequences and length)
+    kinds = [("", attention, None, (128, 128) if ON_GPU else (16, 16), [1, 64] if ON_GPU else [1, 8],
+              (16, 256) if ON_GPU else (4, 24))]
+    gdn = _gdn_layer()
+    if gdn is None:
+        rec.missing("invariant hybrid", "batch_invariant", "ref/fast gated_deltanet.py not importable")
+    else:
+        kinds.append(("hybrid ", INVARIANT_GPU_HYBRID if ON_GPU else INVARIANT_CPU_HYBRID, gdn,
+                      (128, 128) if ON_GPU else (60, 16), [1, 64] if ON_GPU else [4], (16, 256) if ON_GPU else (4, 80)))
+    for kind, cfg, linear_layer, (prompt_len, out_len), batches, (n, length) in kinds:
+        model_kw = dict(device=dev, dtype=dtype, linear_layer=linear_layer)
+        for batch in batches:
+            case = f"invariant engine {label} {kind}b={batch} p={prompt_len} o={out_len}"
+            rates = {}
+            for impl, mode, plug in (("default[torch-attn]", False, {}), ("default", False, kernels),
+                                     ("batch_invariant", True, kernels)):
+                model = fast_lm.DecoderLM(fast_lm.ModelConfig(**cfg), batch_invariant=mode,
+                                          varlen_attn=plug.get("varlen_attn"), **model_kw)
+                with fast_ge.Generator(model, max_batch_size=max(batch, 4), flash_decode=plug.get("flash_decode"),
+                                       num_pages=-(-(batch * (prompt_len + out_len)) // 16) + 16) as g:
+                    rates[impl] = _tokens_per_s(g, fast_ge, batch, prompt_len, out_len, cfg["vocab_size"])
+                rec.add(case, impl, "tokens_per_s", rates[impl], "tok/s")
+            rec.add(case, "batch_invariant", "slowdown", rates["default"] / rates["batch_invariant"], "x")
+        gen = torch.Generator().manual_seed(0)
+        seqs = [torch.randint(0, cfg["vocab_size"], (length,), generator=gen).tolist() for _ in range(n)]
+        case = f"invariant trainer {label} {kind}n={n} t={length}"
+        times = {}
+        for impl, mode, attn in (("default[sdpa]", False, None), ("default", False, kernels["varlen_attn"]),
+                                 ("batch_invariant", True, kernels["varlen_attn"])):
+            model = fast_lm.DecoderLM(fast_lm.ModelConfig(**cfg), batch_invariant=mode, varlen_attn=attn, **model_kw)
 
-        def step():
-            model.zero_grad(set_to_none=True)
-            if mode:
-                loss = -torch.cat(model.token_logprobs(seqs, [1] * n)).sum()
-            else:
-                ids = torch.tensor([t for s in seqs for t in s[:-1]], device=dev)[None]
-                cu = torch.arange(n + 1, dtype=torch.int32, device=dev) * (length - 1)
-                targets = torch.tensor([t for s in seqs for t in s[1:]], device=dev)
-                loss = torch.nn.functional.cross_entropy(model(ids, cu_seqlens=cu)[0], targets, reduction="sum")
-            loss.backward()
-        times[impl] = _time_ms(step, 2 if quick else 3)
-        rec.add(case, impl, "fwd_bwd_ms", times[impl], "ms")
-    rec.add(case, "batch_invariant", "slowdown", times["batch_invariant"] / times["default"], "x")
+            def step():
+                model.zero_grad(set_to_none=True)
+                if mode:
+                    loss = -torch.cat(model.token_logprobs(seqs, [1] * n)).sum()
+                else:
+                    ids = torch.tensor([t for s in seqs for t in s[:-1]], device=dev)[None]
+                    cu = torch.arange(n + 1, dtype=torch.int32, device=dev) * (length - 1)
+                    targets = torch.tensor([t for s in seqs for t in s[1:]], device=dev)
+                    loss = torch.nn.functional.cross_entropy(model(ids, cu_seqlens=cu)[0], targets, reduction="sum")
+                loss.backward()
+            times[impl] = _time_ms(step, 2 if quick else 3)
+            rec.add(case, impl, "fwd_bwd_ms", times[impl], "ms")
+        rec.add(case, "batch_invariant", "slowdown", times["batch_invariant"] / times["default"], "x")
     k = 4096 if ON_GPU else 256
     w = torch.randn(k, k, device=dev, dtype=dtype)
     for m in ([1, 64, 4096] if ON_GPU else [1, 64, 1024]):

@@ -46,10 +46,17 @@ Batch-invariant mode: bitwise on-policy (``DecoderLM(..., batch_invariant=True, 
                   decode (prompt pages shared by a group) and this file's ``token_logprobs`` alike.
       GDN layers  a "linear" plug-in must have ``set_batch_invariant(linear)`` (gated_deltanet.py's
                   layer has): its projections go through the invariant matmul and its recurrence runs
-                  in the recurrent form in prefill, decode and the trainer alike (that form has a
-                  backward), so hybrid models are on-policy too; its ``recurrent_fn`` must itself be
-                  batch- and split-invariant (the reference recurrence and fast/gated_deltanet.py's
-                  recurrent kernel are).
+                  in the chunk form in the trainer's forward and backward, the prefill and each decode
+                  step alike, chunks of 64 at absolute positions (multiples of 64 from the sequence's
+                  start, wherever a call starts): the layer's cache holds the state at the current
+                  chunk's start and that chunk's tokens so far, a call runs the chunk form over them and
+                  its new tokens, and a decode step's token is its row of its chunk so far (the rows of a
+                  partial chunk are the whole chunk's, bit for bit: ref/gated_deltanet.py's "A row inside
+                  a partial chunk"), so hybrid models are on-policy too; its ``chunk_fn`` must compute a
+                  chunk's row alike in any call (the reference chunk form does, and
+                  fast/gated_deltanet.py's with the ``batch_invariant=True`` the layer passes).  A
+                  completion in ``token_logprobs`` continues from its prompt's cache (that chunk start
+                  state and buffer), as a decode step does.
     Gradients through ``token_logprobs`` are the default kernels' (they need not be invariant).  Tested
     bitwise under four CPU kernel families (OpenBLAS generic, Sandybridge, Haswell/Zen, SkylakeX; ATen
     and MKL at AVX2 and scalar: parity/test_bitwise_blas.py), on Llama-style, Qwen3 and Qwen3.5

@@ -22,24 +22,24 @@ Map: each kernel (and its host driver), in call order, beside the function of re
 it computes and that function's line there (the ref has no backward: its autograd through the same
 functions is the backward's specification; parity/test_gated_deltanet.py checks this map)
     fast                        ref/gated_deltanet.py        line      what
-    _l2norm_kernel              _l2norm                      312       use_qk_l2norm_in_kernel (first)
-    _chunk_forward              _chunk                       207       the five kernels in order
-    _chunk_cumsum_kernel        _GateSums.forward            133       1. gc, gr (+ the in-kernel gate)
-    _chunk_kkt_solve_kernel     _wy_inverse                  163       2. A = (I + tril(..))^-1
-    _chunk_wu_kernel            _wy_w_u                      179       3. w, u
-    _chunk_h_kernel             _chunk_state_pass            186       4. S per chunk, v_new = u - w S
-    _chunk_o_kernel             _chunk_state_pass            186       5. o
-    _chunk_backward             _chunk                       207       recompute, then a. .. e.
-    _chunk_dv_local_kernel      _chunk_state_pass            186       a. dU from the in-chunk scores
-    _chunk_dhu_kernel           _chunk_state_pass            186       b. the reverse pass over chunks
-    _chunk_dqkwg_kernel         _chunk_state_pass            186       c. dQ, dK, dW, db
-    _chunk_wy_bwd_kernel        _wy_w_u, _wy_inverse         179, 163  d. through w, u and the solve
-    _chunk_dg_kernel            _GateSums.backward           145       e. dg from db
-    _l2norm_bwd_kernel          _l2norm                      312       through the l2norm
-    _recurrent_forward          _recurrent                   100       decode: one kernel
-    _recurrent_kernel           _recurrent                   100       the recurrence, state in registers
-    _recurrent_backward         _recurrent                   100
-    _recurrent_bwd_kernel       _recurrent                   100       reverse pass over the tokens
+    _l2norm_kernel              _l2norm                      348       use_qk_l2norm_in_kernel (first)
+    _chunk_forward              _chunk                       238       the five kernels in order
+    _chunk_cumsum_kernel        _GateSums.forward            164       1. gc, gr (+ the in-kernel gate)
+    _chunk_kkt_solve_kernel     _wy_inverse                  194       2. A = (I + tril(..))^-1
+    _chunk_wu_kernel            _wy_w_u                      210       3. w, u
+    _chunk_h_kernel             _chunk_state_pass            217       4. S per chunk, v_new = u - w S
+    _chunk_o_kernel             _chunk_state_pass            217       5. o
+    _chunk_backward             _chunk                       238       recompute, then a. .. e.
+    _chunk_dv_local_kernel      _chunk_state_pass            217       a. dU from the in-chunk scores
+    _chunk_dhu_kernel           _chunk_state_pass            217       b. the reverse pass over chunks
+    _chunk_dqkwg_kernel         _chunk_state_pass            217       c. dQ, dK, dW, db
+    _chunk_wy_bwd_kernel        _wy_w_u, _wy_inverse         210, 194  d. through w, u and the solve
+    _chunk_dg_kernel            _GateSums.backward           176       e. dg from db
+    _l2norm_bwd_kernel          _l2norm                      348       through the l2norm
+    _recurrent_forward          _recurrent                   131       decode: one kernel
+    _recurrent_kernel           _recurrent                   131       the recurrence, state in registers
+    _recurrent_backward         _recurrent                   131
+    _recurrent_bwd_kernel       _recurrent                   131       reverse pass over the tokens
 
 Batch and split invariance (``fused_recurrent_gated_delta_rule``, guaranteed)
     For each sequence, o and the final state are the same bits whichever other sequences share the
@@ -48,6 +48,29 @@ Batch and split invariance (``fused_recurrent_gated_delta_rule``, guaranteed)
     layout; with or without the in-kernel l2norm, gate and beta sigmoid): a decoding engine's steps
     and a trainer's one-call recompute of the same tokens agree exactly.  By construction (see above
     the recurrent kernel): one tile config per (K, V), fixed, never tuned on T or the batch.
+
+Batch and split invariance of the chunk form (``chunk_gated_delta_rule(..., batch_invariant=True)``)
+    A token's row of o has the same bits in any call that gives its chunk (chunks of 64 from each
+    sequence's start) the same tokens up to that row and the same start state: whichever sequences share
+    the call, whether the chunk is whole or ends right after the row (the rest absent), and whether the
+    start state was carried from the previous chunk inside the call or passed as initial_state (the fp32
+    final state of a call that ended at that chunk boundary: the kernels carry the state in fp32; only
+    an exact zero's sign can differ, a -0.0 loading as +0.0).  A chunk's end state (the next chunk's
+    start) likewise.  The math is ref/gated_deltanet.py's "A row inside a partial chunk" (an absent
+    token's terms are exact zeros); GatedDeltaNet's batch-invariant mode builds on it (the layer keeps a
+    chunk's start state and its tokens so far, and a decode step runs its chunk so far).  By
+    construction: every kernel has one launch per shape, the first config its pruning keeps
+    (``_launch(fixed=True)``: the config the interpreter runs and the observatory measures, never the
+    autotuner's timed pick), so a chunk is one program's tiles in every call and a token sits at its
+    position in the chunk; absent rows load as zeros (masks with other=0) and decays are masked to
+    exp(-inf) = 0 before any product, so no inf * 0 or NaN enters; the gate sums run in token order
+    (IN_ORDER: tl.cumsum's parallel scan associates by the [64, heads] block's layout, which the head
+    count sets, and tensor parallelism changes the head count).  Call with cu_seqlens, an initial_state
+    and output_final_state=True in every phase (the layer does): then every phase launches the same
+    builds (the dense and varlen builds, or the state pass with and without a start state, differ in
+    integer code and a 0 + h0 only, but the claim is made for one build).  The backward gets the same
+    fixed launches (deterministic; its gradients are not promised bitwise across packings).
+    parity/test_gated_deltanet.py checks the bits in the interpreter.
 
 Tensors: those of ref/gated_deltanet.py, with fla 0.6.0's signature and options (positional order;
 use_gate_in_kernel with A_log / dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval,
@@ -99,11 +122,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                            state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
                            cp_context=None, *, use_gate_in_kernel=False, A_log=None, dt_bias=None, chunk_size=64,
-                           **kwargs):
+                           batch_invariant=False, **kwargs):
     """The gated delta rule in chunk form (chunks of 64 tokens), Triton, with fla 0.6.0's signature; see
-    the module docstring.  Returns ``(o [B, T, HV, V], final_state [N, HV, K, V] fp32 or None)``."""
+    the module docstring.  Returns ``(o [B, T, HV, V], final_state [N, HV, K, V] fp32 or None)``.
+    ``batch_invariant``: one fixed launch per kernel and shape (never autotuned) and the gate sums in
+    token order, so a row of a chunk has the same bits in any call (see "Batch and split invariance")."""
     if g is None or beta is None:
         raise TypeError("chunk_gated_delta_rule needs g and beta (only the recurrent form has defaults)")
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
     state_v_first = _fla_extras(kwargs, state_v_first)
     _check_options(gk=None, gv=None, cp_context=cp_context, chunk_size=chunk_size, g=g,
                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
@@ -125,7 +152,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         beta = beta.float().sigmoid() * (2 if allow_neg_eigval else 1)
     A_log, dt_bias = (None if x is None else x.contiguous() for x in (A_log, dt_bias))
     o, final, *_ = _chunk_op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
-                             output_final_state, state_v_first)
+                             output_final_state, state_v_first, batch_invariant)
     return o, (final if output_final_state else None)
 
 
@@ -171,17 +198,18 @@ def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=Non
 # state twice, N HV K V 4 2 bytes, plus q, k, v, o, g, beta.
 
 def _chunk_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale: float,
-                   output_final_state: bool, state_v_first: bool):
-    """The five kernels in order.  Returns (o, final or None, A)."""
+                   output_final_state: bool, state_v_first: bool, invariant: bool):
+    """The five kernels in order (``invariant``: batch_invariant's fixed launches).  Returns (o, final or
+    None, A)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     seqs = _sequences(q.shape[0], q.shape[1], cu_seqlens, cu_seqlens_cpu, q.device)
-    gates = _chunk_cumsum(g, A_log, dt_bias, seqs)
+    gates = _chunk_cumsum(g, A_log, dt_bias, seqs, invariant)
     a = _chunk_kkt_solve(k, gates, beta, v.shape[2], seqs)
     w, u = _chunk_wu(k, v, beta, gates, a, seqs)
-    states, v_new, final = _chunk_h(k, w, u, gates, initial_state, output_final_state, state_v_first, seqs)
-    o = _chunk_o(q, k, v_new, states, gates, scale, seqs)
+    states, v_new, final = _chunk_h(k, w, u, gates, initial_state, output_final_state, state_v_first, seqs, invariant)
+    o = _chunk_o(q, k, v_new, states, gates, scale, seqs, invariant)
     return o, final, a
 
 
@@ -217,7 +245,7 @@ def _chunk_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, 
 
 
 def _chunk_backward(q, k, v, g, beta, A_log, dt_bias, a, initial_state, cu_seqlens, cu_seqlens_cpu, scale: float,
-                    do, dht, state_v_first: bool):
+                    do, dht, state_v_first: bool, invariant: bool):
     """-> (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, d initial_state; empty tensors for what has no
     gradient).  q, k as the chunk op saw them."""
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
@@ -227,11 +255,12 @@ def _chunk_backward(q, k, v, g, beta, A_log, dt_bias, a, initial_state, cu_seqle
         initial_state = initial_state.contiguous()
     if dht is not None:
         dht = dht.contiguous()
-    gates = _chunk_cumsum(g, A_log, dt_bias, seqs)                             # 0. recompute
+    gates = _chunk_cumsum(g, A_log, dt_bias, seqs, invariant)                  # 0. recompute
     w, u = _chunk_wu(k, v, beta, gates, a, seqs)
-    states, v_new, _ = _chunk_h(k, w, u, gates, initial_state, False, state_v_first, seqs)
+    states, v_new, _ = _chunk_h(k, w, u, gates, initial_state, False, state_v_first, seqs, invariant)
     dv_local = _chunk_dv_local(q, k, gates, do, scale, seqs)                   # a.
-    dstates, du, dh0 = _chunk_dhu(q, k, w, gates, do, dv_local, dht, initial_state, scale, state_v_first, seqs)  # b.
+    dstates, du, dh0 = _chunk_dhu(q, k, w, gates, do, dv_local, dht, initial_state, scale, state_v_first, seqs,
+                                  invariant)                                    # b.
     del dv_local
     dq, dk, dw, db = _chunk_dqkwg(q, k, v_new, gates, states, do, dstates, du, scale, seqs)    # c.
     del states, dstates, v_new
@@ -348,12 +377,17 @@ def _l2norm(x: torch.Tensor):
 # the state passes) read one vector, not gc and gr (the mask costs the state passes registers).
 # Rows past a sequence's end load them as 0 (their other operands are zero; a -inf fill costs registers).
 # use_gate_in_kernel: the gate -exp(A_log) softplus(g + dt_bias) is computed here from g's raw input.
-# Cost: a few FLOPs per token (no matmul); minimum bytes: g read (4 T HV), gc, gs, ge written in fp32 and
-# gr in int8 (13 T HV).
+# IN_ORDER (batch_invariant): gc_i = gc_(i-1) + g_i, one addition per token in token order, instead of
+# tl.cumsum's parallel scan, whose association follows the [BT, BH] block's layout (a function of the head
+# count HV: tensor parallelism changes it per rank); each row is picked out by a sum whose other terms are
+# exact zeros, so no layout moves a bit.  (The interpreter's cumsum is sequential: the same bits.)
+# Cost: a few FLOPs per token (no matmul; IN_ORDER: BT passes over the block); minimum bytes: g read
+# (4 T HV), gc, gs, ge written in fp32 and gr in int8 (13 T HV).
 
 @triton.jit(do_not_specialize=["T"])
 def _chunk_cumsum_kernel(g, A_log, dt_bias, gc, gr, gs, ge, cu, chunk_idx, T, HV: tl.constexpr, BT: tl.constexpr,
-                         BH: tl.constexpr, USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr):
+                         BH: tl.constexpr, USE_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, IS_VARLEN: tl.constexpr,
+                         IN_ORDER: tl.constexpr):
     i_t, i_b = tl.program_id(0), tl.program_id(1)
     t0, eos, _ = _chunk_span(cu, chunk_idx, i_t, i_b, T, BT, IS_VARLEN)
     o_t = t0 + tl.arange(0, BT)
@@ -364,8 +398,16 @@ def _chunk_cumsum_kernel(g, A_log, dt_bias, gc, gr, gs, ge, cu, chunk_idx, T, HV
     if USE_GATE:
         b_g, _ = _gdn_gate(b_g, A_log, dt_bias, o_h, o_h < HV, HAS_BIAS)
     b_reset = b_g == float("-inf")
-    b_gc = tl.cumsum(tl.where(b_reset, 0.0, b_g), axis=0)                  # [BT, BH]
+    b_g = tl.where(b_reset, 0.0, b_g)
     o_pos = tl.arange(0, BT)
+    if IN_ORDER:
+        b_gc = tl.zeros([BT, BH], dtype=tl.float32)
+        b_run = tl.zeros([BH], dtype=tl.float32)
+        for i in range(BT):
+            b_run += tl.sum(tl.where(o_pos[:, None] == i, b_g, 0.0), 0)   # + g_i (the other terms: zeros)
+            b_gc = tl.where(o_pos[:, None] == i, b_run[None, :], b_gc)
+    else:
+        b_gc = tl.cumsum(b_g, axis=0)                                      # [BT, BH]
     b_gr = tl.associative_scan(tl.where(b_reset, o_pos[:, None], -1), 0, _maximum)
     is_last = (o_t == tl.minimum(t0 + BT, eos) - 1)[:, None]              # the chunk's last token
     g_last = tl.sum(tl.where(is_last, b_gc, 0.0), 0)                       # [BH]
@@ -384,8 +426,9 @@ class _Gates(NamedTuple):
     ge: torch.Tensor        # fp32: exponent of the decay to the chunk's end
 
 
-def _chunk_cumsum(g: torch.Tensor, A_log, dt_bias, seqs: _Seqs) -> _Gates:
-    """g [B, T, HV] (the gate's raw input when A_log is given) -> the chunk gates."""
+def _chunk_cumsum(g: torch.Tensor, A_log, dt_bias, seqs: _Seqs, invariant: bool = False) -> _Gates:
+    """g [B, T, HV] (the gate's raw input when A_log is given) -> the chunk gates (``invariant``: summed
+    in token order)."""
     b, t, hv = g.shape
     gates = _Gates(*(torch.empty(b, t, hv, dtype=torch.int8 if name == "gr" else torch.float32, device=g.device)
                      for name in _Gates._fields))
@@ -394,7 +437,7 @@ def _chunk_cumsum(g: torch.Tensor, A_log, dt_bias, seqs: _Seqs) -> _Gates:
         _chunk_cumsum_kernel[(seqs.nt, 1 if seqs.varlen else b)](
             g, _or(A_log, dummy), _or(dt_bias, dummy), *gates, seqs.cu, seqs.chunk_idx, t, HV=hv, BT=CHUNK,
             BH=_pow2(hv, 2), USE_GATE=A_log is not None, HAS_BIAS=dt_bias is not None, IS_VARLEN=seqs.varlen,
-            num_warps=4)
+            IN_ORDER=invariant, num_warps=4)
     return gates
 
 
@@ -771,7 +814,8 @@ _chunk_h_tuned = triton.autotune(_STATE_CONFIGS, key=["K", "V", "NHV"],
                                  prune_configs_by={"early_config_prune": _prune_state_configs})(_chunk_h_kernel)
 
 
-def _chunk_h(k, w, u, gates: _Gates, initial_state, output_final_state: bool, state_v_first: bool, seqs: _Seqs):
+def _chunk_h(k, w, u, gates: _Gates, initial_state, output_final_state: bool, state_v_first: bool, seqs: _Seqs,
+             invariant: bool = False):
     """-> (h [rows, HV, K, V] per-chunk start states in k's dtype, v_new [B, T, HV, V], final fp32 or None).
     The initial and final states are [N, HV, K, V], or [N, HV, V, K] with state_v_first."""
     b, t, h, dk = k.shape
@@ -789,7 +833,7 @@ def _chunk_h(k, w, u, gates: _Gates, initial_state, output_final_state: bool, st
     meta = dict(H=h, HV=hv, K=dk, V=dv, BT=CHUNK, **_state_rows(k.dtype, dk), USE_H0=initial_state is not None,
                 STORE_FINAL=final is not None, STATE_V_FIRST=state_v_first, IS_VARLEN=seqs.varlen,
                 PREC=_prec(k.dtype))
-    _launch(_chunk_h_tuned, lambda c: (triton.cdiv(dv, c["BV"]), nhv), args, meta)
+    _launch(_chunk_h_tuned, lambda c: (triton.cdiv(dv, c["BV"]), nhv), args, meta, fixed=invariant)
     return states, v_new, final
 
 
@@ -852,7 +896,7 @@ _chunk_o_tuned = triton.autotune(_OUT_CONFIGS, key=["K", "V"],
                                  prune_configs_by={"early_config_prune": _prune_out_configs})(_chunk_o_kernel)
 
 
-def _chunk_o(q, k, v_new, states, gates: _Gates, scale: float, seqs: _Seqs) -> torch.Tensor:
+def _chunk_o(q, k, v_new, states, gates: _Gates, scale: float, seqs: _Seqs, invariant: bool = False) -> torch.Tensor:
     b, t, h, dk = q.shape
     hv, dv = v_new.shape[2:]
     o = torch.empty_like(v_new)
@@ -862,7 +906,7 @@ def _chunk_o(q, k, v_new, states, gates: _Gates, scale: float, seqs: _Seqs) -> t
     args = (q, k, v_new, states, gates.gc, gates.gr, o, seqs.cu, seqs.chunk_idx, scale, t)
     bk = 32 if q.dtype == torch.float32 else min(64, _pow2(dk))
     meta = dict(H=h, HV=hv, K=dk, V=dv, BT=CHUNK, BK=bk, IS_VARLEN=seqs.varlen, PREC=_prec(q.dtype))
-    _launch(_chunk_o_tuned, lambda c: (triton.cdiv(dv, c["BV"]), seqs.nt, nbh), args, meta)
+    _launch(_chunk_o_tuned, lambda c: (triton.cdiv(dv, c["BV"]), seqs.nt, nbh), args, meta, fixed=invariant)
     return o
 
 
@@ -1175,7 +1219,7 @@ _chunk_dhu_tuned = triton.autotune(_DHU_CONFIGS, key=["K", "V", "NHV"],
 
 
 def _chunk_dhu(q, k, w, gates: _Gates, do, dv_local, dht, initial_state, scale: float, state_v_first: bool,
-               seqs: _Seqs):
+               seqs: _Seqs, invariant: bool = False):
     """-> (dS' per chunk [rows, HV, K, V] in q's dtype, dU [B, T, HV, V], d initial_state in its dtype and
     layout, or an empty tensor without one)."""
     b, t, h, dk = q.shape
@@ -1191,7 +1235,7 @@ def _chunk_dhu(q, k, w, gates: _Gates, do, dv_local, dht, initial_state, scale: 
             seqs.chunk_off, scale, t, triton.next_power_of_2(nhv))
     meta = dict(H=h, HV=hv, K=dk, V=dv, BT=CHUNK, **_dhu_rows(q.dtype, dk), USE_DHT=dht is not None,
                 STORE_DH0=dh0 is not None, STATE_V_FIRST=state_v_first, IS_VARLEN=seqs.varlen, PREC=_prec(q.dtype))
-    _launch(_chunk_dhu_tuned, lambda c: (triton.cdiv(dv, c["BV"]), nhv), args, meta)
+    _launch(_chunk_dhu_tuned, lambda c: (triton.cdiv(dv, c["BV"]), nhv), args, meta, fixed=invariant)
     return dstates, du, dh0
 
 
@@ -1979,13 +2023,14 @@ def _arch(x: torch.Tensor) -> int:
     return 10 * major + minor
 
 
-def _launch(tuned, grid, args: tuple, meta: dict):
+def _launch(tuned, grid, args: tuple, meta: dict, fixed: bool = False):
     """Launch an autotuned kernel.  CUDA: the autotuner (key and pruning documented at each kernel).
-    Interpreter: the same pruning call Triton makes (positional arguments as named_args, the rest
-    as keywords), then the first surviving config launched directly (the one each config list puts
+    Interpreter, or ``fixed`` (batch_invariant: one launch per shape whatever the batch, never a timed
+    choice): the same pruning call Triton makes (positional arguments as named_args, the rest as
+    keywords), then the first surviving config launched directly (the one each config list puts
     first: the observatory's pick, which the report measures too): the autotuner cannot benchmark on
     a CPU, and this way the tests run the pruning and grid code the GPU runs."""
-    if _kernels_compiled():
+    if _kernels_compiled() and not fixed:
         tuned[grid](*args, **meta)
         return
     configs = tuned.early_config_prune(tuned.configs, dict(zip(tuned.arg_names, args)), **meta)
@@ -2046,11 +2091,12 @@ def _l2norm_backward(ctx, dy, _drstd):
 def _chunk_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
               cu_seqlens: Optional[torch.Tensor], cu_seqlens_cpu: Optional[torch.Tensor], scale: float,
-              output_final_state: bool, state_v_first: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              output_final_state: bool, state_v_first: bool,
+              batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (o, final_state or an empty tensor, A [B, T, HV, 64] the solved blocks, kept for the backward)."""
     _check_runnable(q)
     o, final, a = _chunk_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
-                                 output_final_state, state_v_first)
+                                 output_final_state, state_v_first, batch_invariant)
     return o, _or(final, q.new_empty(0, dtype=torch.float32)), a
 
 
@@ -2060,7 +2106,7 @@ def _num_seqs(q, cu_seqlens) -> int:
 
 @_chunk_op.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
-      state_v_first):
+      state_v_first, batch_invariant):
     b, t, _, dk = q.shape
     hv, dv = v.shape[2:]
     final_shape = _state_shape(_num_seqs(q, cu_seqlens), hv, dk, dv, state_v_first) if output_final_state else (0,)
@@ -2072,12 +2118,13 @@ def _chunk_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   A_log: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor], A: torch.Tensor,
                   initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
                   cu_seqlens_cpu: Optional[torch.Tensor], do: torch.Tensor, dht: Optional[torch.Tensor],
-                  scale: float, state_v_first: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                              torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  scale: float, state_v_first: bool, batch_invariant: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                             torch.Tensor, torch.Tensor]:
     """-> (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, d initial_state; empty tensors for absent inputs)."""
     _check_runnable(q)
     return _chunk_backward(q, k, v, g, beta, A_log, dt_bias, A, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
-                           do, dht, state_v_first)
+                           do, dht, state_v_first, batch_invariant)
 
 
 def _grads_fake(q, k, v, g, beta, A_log, dt_bias, initial_state):
@@ -2089,17 +2136,19 @@ def _grads_fake(q, k, v, g, beta, A_log, dt_bias, initial_state):
 
 
 @_chunk_bwd_op.register_fake
-def _(q, k, v, g, beta, A_log, dt_bias, A, initial_state, cu_seqlens, cu_seqlens_cpu, do, dht, scale, state_v_first):
+def _(q, k, v, g, beta, A_log, dt_bias, A, initial_state, cu_seqlens, cu_seqlens_cpu, do, dht, scale, state_v_first,
+      batch_invariant):
     return _grads_fake(q, k, v, g, beta, A_log, dt_bias, initial_state)
 
 
 def _chunk_setup(ctx, inputs, output):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, _, state_v_first = inputs
+    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, _, state_v_first,
+     batch_invariant) = inputs
     _, _, a = output
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(a)
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, a)
-    ctx.scale, ctx.state_v_first = scale, state_v_first
+    ctx.scale, ctx.state_v_first, ctx.batch_invariant = scale, state_v_first, batch_invariant
 
 
 def _output_grads(v, do, dht):
@@ -2117,8 +2166,8 @@ def _chunk_backward_fn(ctx, do, dht, _da):
     q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, cu_seqlens_cpu, a = ctx.saved_tensors
     do, dht = _output_grads(v, do, dht)
     grads = _chunk_bwd_op(q, k, v, g, beta, A_log, dt_bias, a, h0, cu_seqlens, cu_seqlens_cpu, do, dht, ctx.scale,
-                          ctx.state_v_first)
-    return _input_grads(grads, (q, k, v, g, beta, A_log, dt_bias, h0)) + (None,) * 5
+                          ctx.state_v_first, ctx.batch_invariant)
+    return _input_grads(grads, (q, k, v, g, beta, A_log, dt_bias, h0)) + (None,) * 6
 
 
 @torch.library.custom_op("twofold::fused_recurrent_gated_delta_rule_fwd", mutates_args=())

@@ -69,7 +69,10 @@ Groups and the prefix cache (ref/generator_engine.py states the semantics: outpu
                  checkpoints cut those layers' call (the segments run in rounds, the state carried).
                  A page without its checkpoint cannot end a hit.  Memory per slot: per linear layer
                  HV K V 4 + conv_dim (W - 1) elt bytes, beside the KV pool's page_size H_kv D elt 2
-                 per attention layer and page.
+                 per attention layer and page; a model in the batch-invariant mode adds the current
+                 chunk's inputs its linear layers' caches hold (gated_deltanet.py: 63 (conv_dim elt +
+                 HV (4 + elt)) + 8 bytes).  Every tensor of a layer's cache is pooled and checkpointed
+                 alike, whatever the layer keeps.
     chunks       a prompt longer than the iteration's budget is prefilled over several iterations from
                  its written pages and its slot's state; decoding requests step in each of them.
 
@@ -774,8 +777,8 @@ class Generator:
         shared prompt), evictions, cached_pages (keyed pages, held or not), state_checkpoints; the
         memory the cache holds: kv_pool_bytes (the K and V pools of every attention layer) and
         checkpoint_bytes (the checkpoint slots of every linear layer, allocated at the first prefill
-        that writes one: num_checkpoints x, per linear layer, the fp32 recurrent state and the conv
-        state)."""
+        that writes one: num_checkpoints x, per linear layer, every tensor of its cache: the fp32
+        recurrent state and the conv state, and in the batch-invariant mode the chunk buffer)."""
         # (list(...) copies a dict's values in one step: the engine thread may add a store meanwhile.)
         stores = [t for store in list(self._checkpoints.values()) for t in list(store.values())]
         with self._cv:

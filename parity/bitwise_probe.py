@@ -15,6 +15,10 @@ Checks (each reports the rows or requests that were bitwise out of those compare
               interpreter) gives a row the same bits in a call of 1, 7 or 45 rows;
   attention   varlen_attn's packed forward (the trainer's), paged prefill chunks cut at random points
               and decode steps through flash_decode / varlen_attn agree bit for bit, fp32 and fp16;
+  gdn         the Gated DeltaNet chunk form (reference and Triton kernels) gives a row of a chunk the
+              same bits whole, packed, in a partial chunk and before zero tokens, and the layer in
+              the mode gives a token the same bits packed, alone, prefilled in pieces and decoded
+              (chunk boundaries crossed in every way);
   engine      Generator(model) on a DecoderLM(batch_invariant=True) under preemption == the same
               requests alone == DecoderLM.token_logprobs, attention-only and hybrid (Gated DeltaNet)
               models.
@@ -82,6 +86,20 @@ def check_attention(seed: int) -> tuple[int, int]:
     return good, total
 
 
+def check_gdn() -> tuple[int, int]:
+    """The Gated DeltaNet invariance tests (each a case: its asserts compare every row bitwise)."""
+    import test_batch_invariant_engine as e
+    import test_gated_deltanet as g
+    cases = [lambda: g.test_chunk_rows_are_batch_and_split_invariant("ref", torch.float32),
+             lambda: g.test_chunk_rows_are_batch_and_split_invariant("fast", torch.float32),
+             lambda: e.test_gated_deltanet_layer_is_batch_and_split_invariant("ref", [66, 131, 9, 40], [0, 61, 3, 40]),
+             lambda: e.test_gated_deltanet_layer_is_batch_and_split_invariant("fast", [66, 6, 35], [60, 0, 29])]
+    torch.set_num_threads(1)
+    for case in cases:
+        case()
+    return len(cases), len(cases)
+
+
 def check_engine(kind: str, *, requests: int, seed: int, page_size: int) -> tuple[int, int]:
     """Engine == trainer (and alone == busy) for every request; a run without a preemption fails."""
     import test_batch_invariant_engine as t
@@ -108,12 +126,13 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=12, help="requests per engine run (default 12)")
     parser.add_argument("--seed", type=int, default=11, help="workload seed (default 11)")
     parser.add_argument("--page-size", type=int, default=3, help="KV page size of the engines (default 3)")
-    parser.add_argument("--only", choices=["matmul", "attention", "engine"], action="append",
+    parser.add_argument("--only", choices=["matmul", "attention", "gdn", "engine"], action="append",
                         help="run only these checks (repeatable; default all)")
     args = parser.parse_args(argv)
     checks = {
         "matmul": lambda: check_matmul(),
         "attention": lambda: check_attention(args.seed),
+        "gdn": lambda: check_gdn(),
         "engine attention-only": lambda: check_engine(
             "attention", requests=args.requests, seed=args.seed, page_size=args.page_size),
         "engine hybrid": lambda: check_engine(

@@ -9,12 +9,15 @@ attention-only model and a hybrid one (attention + Gated DeltaNet layers) under 
 with a KV pool small enough to preempt, in fp32 on the CPU with the repo's attention kernels under
 the Triton interpreter.  The negative control runs the same workload with the mode off and records
 how far apart the two sides are there (the README quotes it).  The hybrid runs once with the
-reference recurrence and once with fast/gated_deltanet.py's recurrent kernel (batch- and
-split-invariant itself: parity/test_gated_deltanet.py).  The GPU tier runs the contract in bf16 with
-the Triton matmul, attention-only and hybrid with the fast recurrent kernel.
+reference chunk form and once with fast/gated_deltanet.py's chunk kernels (the mode runs the chunk
+form in every phase, chunks at absolute positions; a row's bits in a partial chunk:
+parity/test_gated_deltanet.py), and sequences long enough to cross chunk boundaries run with prefill
+cuts, prefix-cache hits and preemptions mid-chunk.  The GPU tier runs the contract in bf16 with the
+Triton matmul, attention-only and hybrid with the fast chunk kernels.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import random
@@ -40,10 +43,11 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 # The hybrid's "linear" layers: ref/gated_deltanet.py's layer, sized by the config's linear_* fields (the mode
-# runs its recurrent form everywhere, so the engine relies on the batch and split invariance of recurrent_fn),
-# and the same layer with fast/gated_deltanet.py's recurrent kernel (Triton; the interpreter on a CPU).
-gdn_layer = functools.partial(ref_gdn.GatedDeltaNet, recurrent_fn=ref_gdn.fused_recurrent_gated_delta_rule)
-fast_gdn_layer = functools.partial(ref_gdn.GatedDeltaNet, recurrent_fn=fast_gdn.fused_recurrent_gated_delta_rule)
+# runs its chunk form in every phase, so the engine relies on a chunk row's invariance in chunk_fn), and the
+# same layer with fast/gated_deltanet.py's kernels (Triton; the interpreter on a CPU).
+gdn_layer = functools.partial(ref_gdn.GatedDeltaNet, chunk_fn=ref_gdn.chunk_gated_delta_rule)
+fast_gdn_layer = functools.partial(ref_gdn.GatedDeltaNet, chunk_fn=fast_gdn.chunk_gated_delta_rule,
+                                   recurrent_fn=fast_gdn.fused_recurrent_gated_delta_rule)
 
 
 MODELS = {
@@ -183,14 +187,19 @@ def test_invariant_linear_rows_do_not_depend_on_the_row_count():
     torch.testing.assert_close((xg.grad, wg.grad), (x2.grad, w2.grad), rtol=1e-5, atol=1e-4)
 
 
-def test_gated_deltanet_layer_is_batch_and_split_invariant():
-    """ref/gated_deltanet.py's layer after set_batch_invariant: three documents packed in one call, each
-    alone, and a prefill of their first tokens followed by batched one-token decode steps give every
-    token's output bit for bit alike."""
+# Decode steps at positions 0 .. 65 (a chunk's first, middle and last rows, then the next chunk's) and 61 .. 130
+# with the reference kernels; with the fast ones (slow in the interpreter) at 60 .. 65, 0 .. 5 and 29 .. 34.
+@pytest.mark.parametrize("kernels,lengths,prefix", [("ref", [66, 131, 9, 40], [0, 61, 3, 40]),
+                                                    ("fast", [66, 6, 35], [60, 0, 29])], ids=["ref", "fast"])
+def test_gated_deltanet_layer_is_batch_and_split_invariant(kernels, lengths, prefix):
+    """ref/gated_deltanet.py's layer after set_batch_invariant (the chunk form in every call, chunks at
+    absolute positions, the cache holding the current chunk's start state and tokens): documents packed
+    in one call, each alone, and a prefill of their first tokens (cut mid-chunk, at none, at all)
+    followed by batched one-token decode steps give every token's output bit for bit alike; so does a
+    second prefill continuing from the first cut (the cache of a prefill continued by a prefill)."""
     torch.manual_seed(0)
-    layer = gdn_layer(**config("hybrid").linear_layer_sizes())
+    layer = (gdn_layer if kernels == "ref" else fast_gdn_layer)(**config("hybrid").linear_layer_sizes())
     layer.set_batch_invariant(fast_lm._invariant_linear)
-    lengths, prefix = [9, 4, 13], [3, 1, 5]
     docs = [torch.randn(1, n, 32) for n in lengths]
 
     def cu(ns):
@@ -201,16 +210,33 @@ def test_gated_deltanet_layer_is_batch_and_split_invariant():
         alone = [layer(d, cu_seqlens=cu([d.shape[1]]))[0] for d in docs]
         cache = layer.new_cache()
         first = layer(torch.cat([d[:, :p] for d, p in zip(docs, prefix)], 1), cu_seqlens=cu(prefix), cache=cache)
+        rest = layer(torch.cat([d[:, p:] for d, p in zip(docs, prefix)], 1), cu_seqlens=cu([n - p for n, p in
+                                                                                             zip(lengths, prefix)]),
+                     cache=copy.deepcopy(cache))
         steps = [[] for _ in docs]
-        for t in range(max(lengths)):  # every document steps until the longest is done (padding past its end)
+        for t in range(max(n - p for n, p in zip(lengths, prefix))):  # every document steps until the longest
             x = torch.cat([d[:, min(p + t, n - 1)][:, None] for d, p, n in zip(docs, prefix, lengths)])   # [3, 1, 32]
             out = layer(x, cache=cache)
             for i, (p, n) in enumerate(zip(prefix, lengths)):
                 if p + t < n:
                     steps[i].append(out[i, 0])
-    split = [torch.cat([f, torch.stack(s)]) for f, s in zip(first[0].split(prefix), steps)]
-    for a, b, c in zip(packed, alone, split):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    first, rest = first[0].split(prefix), rest[0].split([n - p for n, p in zip(lengths, prefix)])
+    for i, (a, b) in enumerate(zip(packed, alone)):
+        decoded = torch.cat([first[i], torch.stack(steps[i])]) if steps[i] else first[i]
+        assert torch.equal(a, b), f"document {i}: packed vs alone"
+        assert torch.equal(a, decoded), (f"document {i}: decode steps differ at positions "
+                                         f"{[j for j in range(len(a)) if not torch.equal(a[j], decoded[j])]}")
+        assert torch.equal(a, torch.cat([first[i], rest[i]])), f"document {i}: prefill continued by a prefill"
+
+
+def test_gated_deltanet_cache_from_outside_the_mode_raises():
+    layer = gdn_layer(**config("hybrid").linear_layer_sizes())
+    cache = layer.new_cache()
+    with torch.no_grad():
+        layer(torch.randn(1, 5, 32), cache=cache)                       # the default mode: no chunk buffer
+        layer.set_batch_invariant(fast_lm._invariant_linear)
+        with pytest.raises(ValueError, match="outside the batch-invariant mode"):
+            layer(torch.randn(1, 1, 32), cache=cache)
 
 
 def test_ref_token_logprobs_are_its_engines_logprobs():
@@ -370,5 +396,82 @@ def test_bitwise_with_groups_prefix_cache_and_chunks(kind):
         lps = trainer.token_logprobs([prompts[k[0]].prompt_token_ids + base[k][0] for k in keys],
                                      [len(prompts[k[0]].prompt_token_ids) for k in keys],
                                      temperature=[prompts[k[0]].sampling.temperature for k in keys])
+    for k, lp in zip(keys, lps):
+        assert torch.equal(torch.tensor(base[k][1], dtype=torch.float32), lp), k
+
+
+# ----------------------------------------------------------------------------- across Gated DeltaNet chunks
+
+def long_config(kind):
+    """config(kind) with room for sequences past two Gated DeltaNet chunks (64 tokens each)."""
+    return dataclasses.replace(config(kind), max_seq_len=200)
+
+
+def long_requests(seed):
+    """Prompts of 40 .. 125 tokens (a 62-token system prompt shared by most: hits that end mid-chunk),
+    completions of 8 .. 24 tokens that cross positions 64 and 128; one group of n = 2; greedy and
+    tempered."""
+    rng = random.Random(seed)
+    system = [rng.randrange(64) for _ in range(62)]
+    out = []
+    for i, (extra, new) in enumerate([(0, 9), (5, 24), (40, 8), (63, 12), (-22, 24), (2, 16)]):
+        prompt = system[:62 + extra] if extra <= 0 else system + [rng.randrange(64) for _ in range(extra)]
+        sp = fast_ge.SamplingParams(max_new_tokens=new, temperature=(0.0, 1.1)[i % 2], seed=70 + 10 * i,
+                                    n=2 if i == 1 else 1)
+        out.append(fast_ge.Request(prompt, sp, request_id=f"L{i}"))
+    return out
+
+
+# (With the fast kernels, slow in the interpreter, only the preempting run against the trainer.)
+@pytest.mark.parametrize("kind", ["hybrid", "hybrid-fast_gdn"])
+def test_bitwise_across_gated_deltanet_chunks(kind):
+    """Sequences of up to 149 tokens, so the linear layers' chunks (64 tokens from each sequence's start)
+    end inside prompts, inside completions and at prefill cuts: the engine's bits are the same with the
+    prefix cache off and a roomy pool (pages of 16, a budget of 64: cuts at multiples of 16, chunk
+    boundaries among them), with pages of 5 and a budget of 23 tokens (cuts at odd page boundaries,
+    mid-chunk) in a pool that preempts (a recompute resumes from a checkpoint mid-chunk), warm on that
+    engine (prefix-cache hits: with pages of 5, every page boundary below 320 is mid-chunk), and alone;
+    and they equal the trainer's token_logprobs.  The engine's checkpoint slots hold the chunk buffer:
+    their bytes are the README's per-slot formula."""
+    full = kind == "hybrid"
+    reqs = long_requests(seed=31)
+    runs, stats = {}, {}
+    long_model = fast_lm.DecoderLM(long_config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"],
+                                   batch_invariant=True, varlen_attn=varlen_attn)
+    kw = dict(max_batch_size=8, flash_decode=flash_decode)
+    if full:
+        with fast_ge.Generator(long_model, page_size=16, max_prefill_tokens=64, prefix_caching=False, **kw) as gen:
+            runs["cache off, cuts at chunk boundaries"] = by_sample(gen.generate(reqs))
+    with fast_ge.Generator(long_model, page_size=5, num_pages=32, max_prefill_tokens=23, **kw) as gen:
+        runs["cold, pages of 5, cuts of 23, preempting"] = by_sample(gen.generate(reqs))
+        stats["cold"] = gen.stats()
+        if full:
+            runs["warm"] = by_sample(gen.generate(reqs))
+            stats["warm"] = gen.stats()
+            alone = gen.generate([fast_ge.Request(reqs[3].prompt_token_ids, reqs[3].sampling, request_id="L3")])[0]
+        layer = next(b.linear_attn for b in long_model.layers if getattr(b, "linear_attn", None) is not None)
+    last = stats["warm" if full else "cold"]
+    assert stats["cold"]["preemptions"] >= 1 and stats["cold"]["prefix_hit_tokens"] > 0, stats["cold"]
+    base = next(iter(runs.values()))
+    assert len(base) == 7 and max(len(reqs[i].prompt_token_ids) + len(base[(f"L{i}", 0)][0]) for i in range(6)) > 130
+    for name, run in runs.items():
+        assert run == base, f"{name}: {[k for k in base if run.get(k) != base[k]]}"
+    if full:
+        assert last["prefix_hit_tokens"] > stats["cold"]["prefix_hit_tokens"]
+        assert (alone.token_ids, alone.logprobs) == base[("L3", 0)]
+    # checkpoint slots: per linear layer the fp32 state, the conv state and the chunk buffer (63 rows of the
+    # conv output, fp32 g and beta, and the row count)
+    elt = 4
+    per_slot = (layer.num_v_heads * layer.head_k_dim * layer.head_v_dim * 4
+                + layer.conv_dim * (layer.conv_kernel_size - 1) * elt
+                + (ref_gdn.CHUNK - 1) * (layer.conv_dim * elt + layer.num_v_heads * (4 + elt)) + 8)
+    n_linear = sum(t == "linear" for t in long_model.config.layer_types)
+    assert last["checkpoint_bytes"] == gen.num_checkpoints * n_linear * per_slot, last
+    keys = list(base)
+    prompts = {r.request_id: r for r in reqs}
+    with torch.no_grad():
+        lps = long_model.token_logprobs([prompts[k[0]].prompt_token_ids + base[k][0] for k in keys],
+                                        [len(prompts[k[0]].prompt_token_ids) for k in keys],
+                                        temperature=[prompts[k[0]].sampling.temperature for k in keys])
     for k, lp in zip(keys, lps):
         assert torch.equal(torch.tensor(base[k][1], dtype=torch.float32), lp), k

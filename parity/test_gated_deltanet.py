@@ -311,15 +311,20 @@ def test_empty_input_passes_the_state_through(kind):
 def test_fast_chunk_gates_and_saved_blocks_match_ref_steps():
     """The chunk kernels' gates, gc (within-chunk cumsum, hard resets left out), gr (the chunk position of
     the latest hard reset, -1 if none) and ge (the exponent of the decay to the chunk's end), and the
-    solved blocks A the chunk op keeps for its backward, against the reference's steps."""
+    solved blocks A the chunk op keeps for its backward, against the reference's steps; the gates summed in
+    token order (batch_invariant's) are the same bits as tl.cumsum's in the interpreter (sequential too)."""
     b, t, h, hv, dk, dv = 1, 100, 1, 2, 16, 16
     q, k, v, g, beta, h0 = make_inputs(b, t, h, hv, dk, dv, seed=14)
     g[0, [3, 70, 71], 0] = float("-inf")                                  # hard resets, two in a row
     with nan_allocations():
-        gates = fast._chunk_cumsum(g.float(), None, None, fast._sequences(b, t, None, None, g.device))
+        seqs = fast._sequences(b, t, None, None, g.device)
+        gates = fast._chunk_cumsum(g.float(), None, None, seqs)
+        in_order = fast._chunk_cumsum(g.float(), None, None, seqs, True)
         _, _, a = torch.ops.twofold.chunk_gated_delta_rule_fwd(
             q.float(), k.float(), v.float(), g.float(), beta.float(), None, None, None, None, None, dk ** -0.5,
-            False, False)
+            False, False, False)
+    for name, x, y in zip(gates._fields, gates, in_order):
+        assert torch.equal(x, y), name
     pad = (-t) % ref.CHUNK
     kp = ref._chunked(F.pad(k.repeat_interleave(hv // h, 2), (0, 0, 0, 0, 0, pad)), 2)   # [B, HV, NC, C, K]
     gp, bp = (ref._chunked(F.pad(x, (0, 0, 0, pad)), 2) for x in (g, beta))
@@ -365,6 +370,7 @@ def _bad_cases():
     yield "chunk_indices_rows", one, dict(cu_seqlens=cu_tensor([3, 5]), chunk_indices=cu_tensor([0]).new_zeros(3, 2)), \
         ValueError, "one row per chunk", chunk
     yield "chunk_size", ok, dict(chunk_size=32), ValueError, "chunk_size must be 64", chunk
+    yield "batch_invariant_type", ok, dict(batch_invariant=1), TypeError, "batch_invariant must be a bool", chunk
     yield "cp_context", ok, dict(cp_context=object()), NotImplementedError, "cp_context", chunk
     yield "gk", ok, dict(gk=g[..., None].expand(*g.shape, 16)), NotImplementedError, "gk / gv", recurrent
     yield "neg_eigval_alone", ok, dict(allow_neg_eigval=True), ValueError, "requires use_beta_sigmoid_in_kernel", both
@@ -864,3 +870,118 @@ def test_recurrent_backward_is_batch_invariant(options):
     assert all(torch.isfinite(x).all() for x in alone)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), alone, packed):
         same_bits(name, b, a)
+
+
+# ----------------------------------------------------------------------------- 7. the chunk form's invariance
+
+# Positions of the sequence under test whose rows are computed inside a partial chunk: the first rows of
+# a chunk, the middle, the last ones, and the next chunk's first rows (a state carried over its boundary).
+ROW_POSITIONS = (0, 1, 31, 62, 63, 64, 65, 128)
+
+
+@pytest.mark.parametrize("kind,dtype", [("ref", torch.float32), ("fast", torch.float32), ("fast", torch.float16)],
+                         ids=["ref-fp32", "fast-fp32", "fast-fp16"])
+def test_chunk_rows_are_batch_and_split_invariant(kind, dtype):
+    """chunk_gated_delta_rule(..., batch_invariant=True)'s guarantee (issue 34: the batch-invariant mode
+    runs the chunk form in every phase): a token's row of o holds the same bits (i) in one call over its
+    whole sequence (130 tokens: chunks of 64, 64, 2), (ii) packed among other documents, and (iii) in a
+    call over its chunk's tokens up to itself only (a partial chunk, the rest absent), from the state at
+    the chunk's start carried by an earlier call; (iv) the same with the rest present as zero tokens
+    (q = k = v = beta = g = 0: the layer's decode step lays a chunk out so); (v) a chunk's end state is
+    the same bits carried inside one call or across calls cut at chunk boundaries.  In-kernel l2norm
+    (as the layer calls it), a hard reset in the second chunk, K = V = 16."""
+    fn = {"ref": ref.chunk_gated_delta_rule, "fast": fast.chunk_gated_delta_rule}[kind]
+    h, hv, dk, dv, t = 1, 2, 16, 16, 130
+    x = cast(dtype, *make_inputs(1, t, h, hv, dk, dv, seed=101))[:5]
+    g = x[3].clone()
+    g[0, 70, 1] = float("-inf")                             # a hard reset: head 1 forgets at token 70
+    x = (*x[:3], g, x[4])
+    others = [cast(dtype, *make_inputs(1, n, h, hv, dk, dv, seed=102 + n))[:5] for n in (37, 0, 64)]
+    kw = dict(use_qk_l2norm_in_kernel=True, batch_invariant=True)
+
+    def run(docs, states=None, final=False):
+        """docs (each a tuple q, k, v, g, beta [1, n, ...]) packed in one call -> (o per doc, final)."""
+        lengths = [d[0].shape[1] for d in docs]
+        cu = cu_tensor(lengths)
+        with nan_allocations():
+            o, ht = fn(*(torch.cat([d[i] for d in docs], 1) for i in range(5)), initial_state=states,
+                       output_final_state=final, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(), **kw)
+        return o[0].split(lengths), ht
+
+    def part(a, b):
+        return tuple(y[:, a:b] for y in x)
+
+    (whole,), _ = run([x])
+    assert torch.isfinite(whole).all()
+    packed, _ = run([others[0], x, others[1], others[2]])
+    same_bits("(ii) packed", packed[1], whole)
+    # the states at the chunk starts, by calls cut at chunk boundaries (v): [0, 64), then [64, 128)
+    _, s64 = run([part(0, 64)], final=True)
+    _, s128 = run([part(64, 128)], states=s64, final=True)
+    _, s128_whole = run([part(0, 128)], final=True)
+    same_bits("(v) the state at 128", s128, s128_whole)
+    starts = {0: torch.zeros_like(s64), 64: s64, 128: s128}
+    # (iii) each position's chunk so far, all in one call (one document per position)
+    chunk0 = [p - p % 64 for p in ROW_POSITIONS]
+    rows, _ = run([part(c, p + 1) for c, p in zip(chunk0, ROW_POSITIONS)],
+                  states=torch.cat([starts[c] for c in chunk0]))
+    # (iv) the same chunks laid out whole, zero tokens after the row
+    padded = [tuple(torch.cat([y, y.new_zeros(1, c + 64 - p - 1, *y.shape[2:])], 1) for y in part(c, p + 1))
+              for c, p in zip(chunk0, ROW_POSITIONS)]
+    rows_padded, _ = run(padded, states=torch.cat([starts[c] for c in chunk0]))
+    for p, c, r, rp in zip(ROW_POSITIONS, chunk0, rows, rows_padded):
+        same_bits(f"(iii) row {p} in its partial chunk", r[-1], whole[p])
+        same_bits(f"(iv) row {p} before zero tokens", rp[p - c], whole[p])
+    # Negative control: chunks aligned elsewhere (a call cut at token 2, the next one's chunks from there)
+    # round the later rows differently, so the checks above can fail.
+    _, s2 = run([part(0, 2)], final=True)
+    (shifted,), _ = run([part(2, t)], states=s2)
+    assert not torch.equal(shifted[63:], whole[65:]), "rows computed in shifted chunks gave the same bits"
+    torch.testing.assert_close(shifted[63:].float(), whole[65:].float(), rtol=0.05, atol=0.05)
+
+
+def test_aligned_chunks_equal_the_recurrence():
+    """The reference's statement of the mode's continuation (ref._aligned_chunks, ref._aligned_decode_step:
+    the chunk form over [the current chunk's buffered tokens, the new ones], whole chunks first, the
+    state kept at the current chunk's start) against the recurrence in fp64: one sequence of 150 tokens
+    fed as a prefill of 37, decode steps up to 70 (over the boundary at 64), then a continuation of 80
+    (over 128): every output within fp32 rounding of the recurrence, and the kept state is the
+    recurrence's state at 128, the buffer the tokens 128..149."""
+    h, hv, dk, dv, t = 1, 2, 16, 16, 150
+    inputs = make_inputs(1, t, h, hv, dk, dv, seed=111)[:5]
+    o64, _ = ref.fused_recurrent_gated_delta_rule(*inputs[:3], g=inputs[3], beta=inputs[4],
+                                                  use_qk_l2norm_in_kernel=True)
+    _, h128 = ref.fused_recurrent_gated_delta_rule(*(y[:, :128] for y in inputs[:3]), g=inputs[3][:, :128],
+                                                   beta=inputs[4][:, :128], use_qk_l2norm_in_kernel=True,
+                                                   output_final_state=True)
+    x = cast(torch.float32, *inputs, None)[:5]
+    tokens = tuple(y[0] for y in x)                          # [T, ...] per input
+
+    def rule(pieces, lengths, state, final):
+        cu = cu_tensor(lengths)
+        o, ht = ref.chunk_gated_delta_rule(*(y[None] for y in pieces), initial_state=state, output_final_state=final,
+                                           cu_seqlens=cu, use_qk_l2norm_in_kernel=True, batch_invariant=True)
+        return o[0], ht
+
+    buffered = tuple(y.new_zeros(1, ref.CHUNK - 1, *y.shape[1:]) for y in tokens)
+    outs = []
+    o, state, buffered, counts = ref._aligned_chunks(rule, tuple(y[:37] for y in tokens), [37], None, buffered, [0])
+    outs.append(o)
+    assert state is None and counts == [37]
+    count = torch.tensor(counts)
+    state = torch.zeros(1, hv, dk, dv)
+    for p in range(37, 70):
+        o, state, buffered, count = ref._aligned_decode_step(rule, tuple(y[p:p + 1] for y in tokens), state, buffered,
+                                                             count)
+        outs.append(o)
+    assert count.tolist() == [70 - 64]
+    o, state, buffered, counts = ref._aligned_chunks(rule, tuple(y[70:] for y in tokens), [80], state, buffered,
+                                                     count.tolist())
+    outs.append(o)
+    assert counts == [150 - 128]
+    o = torch.cat(outs)
+    err = ((o.double() - o64[0]).abs().max() / o64.abs().max()).item()
+    assert err < 1e-5, err
+    torch.testing.assert_close(state.double(), h128, rtol=1e-5, atol=1e-5)
+    for y, b in zip(tokens, buffered):
+        assert torch.equal(b[0, :22], y[128:]) and not b[0, 22:].any()

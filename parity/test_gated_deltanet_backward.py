@@ -297,6 +297,41 @@ def test_layer_trains_the_same_with_fast_kernels():
         torch.testing.assert_close(p_fast, p_ref, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("kernels", ["ref", "fast"])
+def test_layer_in_the_mode_has_the_default_gradients(kernels):
+    """The batch-invariant mode (the chunk form with chunks at absolute positions; a continuation runs the
+    chunk form over its cache's buffered tokens and its own, the trainer's shared-prompt path) computes
+    the default layer's function: two prompts (70 and 5 tokens) as documents with a cache, then two
+    completions continued from the forked caches (a copy of each prompt's chunk-start state and chunk
+    buffer, as DecoderLM.token_logprobs hands them on), against the default layer on prompt + completion
+    whole: outputs and the gradients of every parameter (through the buffered tokens and the kept state
+    into the prompt) agree to fp32 rounding."""
+    torch.manual_seed(0)
+    cfg = dict(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16, dtype=torch.float32, device=DEVICE)
+    kw = dict(chunk_fn=fast.chunk_gated_delta_rule) if kernels == "fast" else {}
+    plain = ref.GatedDeltaNet(32, **cfg, **kw)
+    mode = ref.GatedDeltaNet(32, **cfg, **kw)
+    mode.load_state_dict(plain.state_dict())
+    mode.set_batch_invariant(lambda x, w: x @ w.t())
+    prompts, completions = [70, 5], [61, 66]
+    x = [randn(1, p + c, 32, gen=make_generator(60 + i)) for i, (p, c) in enumerate(zip(prompts, completions))]
+    w = randn(1, sum(prompts) + sum(completions), 32, gen=make_generator(62))
+    y_plain = plain(torch.cat(x, 1), cu_seqlens=cu_tensor([p + c for p, c in zip(prompts, completions)]))
+    (y_plain * w).sum().backward()
+    cache = mode.new_cache()
+    y_p = mode(torch.cat([xi[:, :p] for xi, p in zip(x, prompts)], 1), cu_seqlens=cu_tensor(prompts), cache=cache)
+    forked = ref.GatedDeltaNetCache(**{name: t[torch.tensor([0, 1])] for name, t in vars(cache).items()})
+    y_c = mode(torch.cat([xi[:, p:] for xi, p in zip(x, prompts)], 1), cu_seqlens=cu_tensor(completions),
+               cache=forked)
+    assert forked.chunk_len.tolist() == [(70 + 61) % 64, (5 + 66) % 64]
+    p_out, c_out = y_p[0].split(prompts), y_c[0].split(completions)
+    y_mode = torch.cat([t for pair in zip(p_out, c_out) for t in pair])[None]
+    (y_mode * w).sum().backward()
+    torch.testing.assert_close(y_mode, y_plain, rtol=1e-4, atol=1e-5)
+    for (name, a), b in zip(mode.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-3, atol=1e-4, msg=name)
+
+
 # ----------------------------------------------------------------------------- 6. fla's options, edge numerics
 
 @pytest.mark.parametrize("kind", ["chunk", "recurrent"])

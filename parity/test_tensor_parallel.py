@@ -13,6 +13,7 @@ heads (and 2 Gated DeltaNet key heads) replicates them on two ranks each.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -152,6 +153,29 @@ def test_reference_tensor_parallel_equals_tp1(kind, invariant):
                 want, want64 = m.shard_tensor(n, want_grads[n]), m.shard_tensor(n, exact[n])
                 bound = 3 * (want - want64).abs().max() + 1e-6 * want64.abs().max()
                 assert (g - want64).abs().max() <= bound, (tp, n, (g - want64).abs().max().item(), bound.item())
+
+
+def test_reference_tensor_parallel_invariant_across_gdn_chunks():
+    """The batch-invariant mode at tp = 2 and 4 with sequences past two Gated DeltaNet chunks (the chunk form
+    with chunks at absolute positions; each rank holds half or a quarter of the value heads): logits of a
+    packed forward and token_logprobs (a completion continuing its prompt's chunk mid-way) bitwise tp = 1's."""
+    c = dataclasses.replace(_config("hybrid"), max_seq_len=160)
+    gen = torch.Generator().manual_seed(1)
+    ids, cu = torch.randint(0, 61, (1, 200), generator=gen), torch.tensor([0, 130, 200], dtype=torch.int32)
+    seqs = [torch.randint(0, 61, (n,), generator=gen).tolist() for n in (140, 75)]
+    prompts = [100, 70]
+    kw = dict(seed=1, linear_layer=ref_gdn.GatedDeltaNet, batch_invariant=True)
+
+    def run(model):
+        with torch.no_grad():
+            return model(ids, cu_seqlens=cu), model.token_logprobs(seqs, prompts)
+
+    want_logits, want_lps = run(ref_lm.DecoderLM(c, **kw))
+    for tp in (2, 4):
+        shards = [ref_lm.DecoderLM(c, tp_group=g, **kw) for g in ref_lm.LocalGroup(tp).ranks()]
+        for logits, lps in _on_threads([functools.partial(run, m) for m in shards]):
+            assert torch.equal(logits, want_logits), tp
+            assert all(torch.equal(a, b) for a, b in zip(lps, want_lps)), tp
 
 
 # ----------------------------------------------------------------------------- the fast files, real processes

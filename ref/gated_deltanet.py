@@ -30,6 +30,32 @@ The math (per value head; q, k already scaled / normalized as asked)
     (no inf * 0); a hard reset g_t = -inf (the state forgets) makes every exponent across t -inf.
     Within a chunk everything is batched matmuls; only the state S passes from chunk to chunk.
 
+A row inside a partial chunk (what the batch-invariant mode builds on)
+    Row i of T, w, u, U and o depends only on tokens 0..i of its chunk: A is strictly lower
+    triangular, so T = (I + A)^-1 is unit lower triangular and its row i (forward substitution,
+    rows in order) reads rows 0..i-1 of itself and row i of A; w_i, u_i read T_i and tokens j <= i;
+    U_i = u_i - w_i S; o_i reads U_j for j <= i (pair decays are 0 above the diagonal).  So the chunk
+    form run on the chunk's first m tokens, S the state at the chunk's start, gives rows 0..m-1 what
+    the whole chunk gives them; with the rest *absent* (padded with q = k = v = 0, beta = 0, g = 0, or
+    masked to those values), every term an absent token adds to a present row is an exact zero
+    (0 * finite: A's entries, decays <= 1, normalized keys are finite), so in floating point the rows
+    keep the same bits too, provided every product and sum runs over the same tile shape with the row
+    at the same slot (the position in its chunk) and the same order (for a CPU BLAS or an MMA, an
+    added exact zero moves no bits; only an exact-zero result's sign can differ).  The state
+    advances only at a chunk's end, by S' above, which the whole chunk's tokens determine.  Hence the
+    batch-invariant mode (``GatedDeltaNet.set_batch_invariant``): chunks start at absolute positions
+    (multiples of 64 from a sequence's start) in every phase, and a call continuing a sequence runs
+    the chunk form over [the current chunk's tokens so far, from the cache; the new tokens] from the
+    state at that chunk's start:
+        a decode step at position p (chunk p // 64, row i = p % 64)
+            o_p = row i of the chunk form on the chunk's tokens 0..i, from S_(p // 64)
+            S_(p // 64 + 1) = S' of that chunk when i = 63 (else S is kept, the token buffered)
+        a prefill / trainer call    whole chunks from the state at the first one's start; the last,
+                                    partial chunk's tokens stay buffered with its start state.
+    A trainer's one call over a document, a prefill cut anywhere (pages, chunk budgets, prefix-cache
+    hits) and decode steps then give a token the same bits (``_aligned_chunks`` states it; the
+    decode step is ``_aligned_decode_step``).
+
 fla's options (fla 0.6.0's signature, positional order included)
     use_gate_in_kernel     g is the gate's raw input a:  g = -exp(A_log) * softplus(a + dt_bias)
     use_beta_sigmoid_in_kernel   beta is a logit:  beta = sigmoid(beta);  with allow_neg_eigval
@@ -40,6 +66,7 @@ fla's options (fla 0.6.0's signature, positional order included)
     cu_seqlens_cpu         cu_seqlens' values on the host: no device-to-host copy to read them
     The recurrent form's g = None is no decay and beta = None is beta = 1.  Extra keyword
     arguments are ignored, as fla ignores them (HF's layers pass max_length_q, position_ids, ...).
+    Ours: ``batch_invariant`` (chunk form; the fast kernels' fixed tiles, see the fast file).
 
 Tensors (B batch, T tokens, H query/key heads, HV value heads, N sequences)
     q, k            [B, T, H, K]      fp16 / bf16 / fp32 / fp64          value head i reads head i // (HV // H)
@@ -62,7 +89,8 @@ Supported, and what raises
     through both forms (the spec of the fast backward; the chunk form's dg is summed without
     cancellation, see _GateSums).  gk / gv and cp_context raise NotImplementedError; chunk_size other
     than 64 raises ValueError; bad shapes, dtypes, devices and cu_seqlens raise ValueError / TypeError
-    naming the argument.  The README's "Known limits" lists the rest.
+    naming the argument (batch_invariant not a bool: TypeError); the layer in the batch-invariant mode
+    refuses a cache filled outside it (ValueError).  The README's "Known limits" lists the rest.
 
 The layer
     ``GatedDeltaNet`` is Qwen3.5's linear-attention block with HF transformers' parameter names
@@ -72,7 +100,9 @@ The layer
     ``GatedDeltaNetCache`` carries the conv tail and the state between calls (prefill, decode).
     ``set_batch_invariant(linear)`` switches it to batch-invariant numerics (a token's output bit
     for bit the same in any batch, packing or prefill/decode split, given a row-invariant matmul
-    ``linear`` and an invariant ``recurrent_fn``): fast/decoder_lm.py's bitwise on-policy mode.
+    ``linear`` and a ``chunk_fn`` that computes a chunk's row alike in any call): the chunk form in
+    every call, chunks at absolute positions, the cache holding the current chunk's start state and
+    tokens (above, "A row inside a partial chunk"): fast/decoder_lm.py's bitwise on-policy mode.
 
 References
     Yang, Kautz, Hatamizadeh, Gated Delta Networks (ICLR 2025); Yang et al., Parallelizing
@@ -82,6 +112,7 @@ References
 """
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import torch
@@ -229,9 +260,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                            state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
                            cp_context=None, *, use_gate_in_kernel=False, A_log=None, dt_bias=None, chunk_size=64,
-                           upcast=True, **kwargs):
+                           batch_invariant=False, upcast=True, **kwargs):
     """The gated delta rule in chunk form (chunks of 64 tokens), with fla 0.6.0's signature; see the
-    module docstring.  Returns ``(o [B, T, HV, V], final_state [N, HV, K, V] or None)``."""
+    module docstring.  Returns ``(o [B, T, HV, V], final_state [N, HV, K, V] or None)``.
+    ``batch_invariant`` (the fast file's keyword, checked here): this form is batch invariant as
+    written (every chunk padded to 64 rows: each product has one shape, a row one slot, whatever the
+    call), so it computes the same either way."""
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
     if g is None or beta is None:
         raise TypeError("chunk_gated_delta_rule needs g and beta (only the recurrent form has defaults)")
     state_v_first = _fla_extras(kwargs, state_v_first)
@@ -332,12 +368,20 @@ class GatedDeltaNetCache:
     """What one ``GatedDeltaNet`` layer carries between calls for N sequences.
 
     ``conv_state [N, conv_dim, W - 1]``: the last W - 1 conv inputs of each sequence (zeros
-    before its start), in the layer's dtype.  ``recurrent_state [N, HV, K, V]`` fp32.  A fresh
-    cache is empty (both None); a call with it starts from zero state and fills it."""
+    before its start), in the layer's dtype.  ``recurrent_state [N, HV, K, V]`` fp32 (fp64 for an fp64
+    layer): the state after the sequence's last token; in the batch-invariant mode, the state at the
+    start of its current chunk (the last multiple of 64 tokens), with that chunk's tokens so far in
+    ``chunk_qkv [N, 63, conv_dim]`` (the conv output, the layer's dtype), ``chunk_g [N, 63, HV]`` (fp32)
+    and ``chunk_beta [N, 63, HV]`` (the layer's dtype): ``chunk_len [N]`` int64 rows of each, the rest
+    zeros (a fixed capacity of 63 rows, so an engine pools and checkpoints them per slot like the
+    state).  A fresh cache is empty (all None); a call with it starts from zero state and fills it;
+    an all-zero cache (an engine's fresh slot) is a sequence at position 0 too."""
 
-    def __init__(self, conv_state=None, recurrent_state=None):
+    def __init__(self, conv_state=None, recurrent_state=None, chunk_qkv=None, chunk_g=None, chunk_beta=None,
+                 chunk_len=None):
         self.conv_state = conv_state
         self.recurrent_state = recurrent_state
+        self.chunk_qkv, self.chunk_g, self.chunk_beta, self.chunk_len = chunk_qkv, chunk_g, chunk_beta, chunk_len
 
     @property
     def is_empty(self) -> bool:
@@ -396,7 +440,8 @@ class GatedDeltaNet(nn.Module):
     With ``cu_seqlens`` (B == 1), the conv and the recurrence restart at every document.
     With a ``cache``, the call continues from its state (if any) and leaves the new state in it
     (``new_cache()`` gives an empty one).  ``set_batch_invariant(linear)`` switches the layer to
-    batch-invariant numerics (see there).
+    batch-invariant numerics (see there): then every call runs the chunk form, chunks aligned to
+    absolute positions, and the cache carries the current chunk's start state and tokens.
     """
 
     def __init__(self, hidden_size, *, num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128,
@@ -431,16 +476,20 @@ class GatedDeltaNet(nn.Module):
     def set_batch_invariant(self, linear, out_linear=None) -> None:
         """Batch-invariant mode (fast/decoder_lm.py's ``DecoderLM(batch_invariant=True)`` calls it):
         from then on a token's output is bit for bit the same whichever sequences share the call, however
-        they are packed, and whether its sequence runs in one call or is split across calls (a prefill,
-        then decode steps with the cache), provided ``linear(x [..., K], weight [N, K]) -> [..., N]``
-        rounds each row independently of the other rows and ``recurrent_fn`` is batch- and
-        split-invariant (fast/gated_deltanet.py's).  What changes: the projections go through ``linear``
-        (``out_proj`` through ``out_linear`` when given: decoder_lm.py's tensor-parallel reduction tree);
-        the short conv is an explicit tap-by-tap multiply-add in fp32, the same expression in a prefill
-        and in a decode step (``F.conv1d`` over a sequence and a decode step's sum round differently);
-        every call runs ``recurrent_fn`` (prefill, decode and training: it has a backward); SiLU,
-        sigmoid and softplus are composed from exp / log1p; the gated RMSNorm's mean of squares is a
-        product with a ones vector through ``linear``."""
+        they are packed, and whether its sequence runs in one call or is split across calls anywhere (a
+        prefill cut at any token, then decode steps with the cache), provided ``linear(x [..., K], weight
+        [N, K]) -> [..., N]`` rounds each row independently of the other rows and ``chunk_fn`` computes a
+        row of a chunk with the same arithmetic in any call (this file's, and fast/gated_deltanet.py's
+        with the ``batch_invariant=True`` it is called with).  What changes: the projections go through
+        ``linear`` (``out_proj`` through ``out_linear`` when given: decoder_lm.py's tensor-parallel
+        reduction tree); the short conv is an explicit tap-by-tap multiply-add in fp32, the same
+        expression in a prefill and in a decode step (``F.conv1d`` over a sequence and a decode step's sum
+        round differently); every call runs ``chunk_fn`` (prefill, decode and training, whose backward is
+        the chunk form's) with chunks at absolute positions, the cache holding the state at the current
+        chunk's start and that chunk's tokens so far (the module docstring's "A row inside a partial
+        chunk": a decode step is row count of its chunk, computed over the chunk so far); SiLU, sigmoid
+        and softplus are composed from exp / log1p; the gated RMSNorm's mean of squares is a product
+        with a ones vector through ``linear``."""
         if not callable(linear) or not (out_linear is None or callable(out_linear)):
             raise TypeError(f"linear and out_linear must be functions (x, weight) -> x @ weight.T, got "
                             f"{type(linear).__name__} and {type(out_linear).__name__}")
@@ -496,25 +545,144 @@ class GatedDeltaNet(nn.Module):
                                cache.conv_state if has_state else None, lengths)
         if invariant:   # row-major [B, T, C]: the kernel's sums over a head (q/k l2-norm) round by stride
             qkv = qkv.contiguous()
-        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(b, t, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(b, t, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(b, t, self.num_v_heads, self.head_v_dim)
         z = self._project(hidden_states, self.in_proj_z).reshape(b, t, self.num_v_heads, self.head_v_dim)
         wide = torch.promote_types(hidden_states.dtype, torch.float32)
         b_in = self._project(hidden_states, self.in_proj_b)
         beta = _sigmoid(b_in.to(wide)).to(b_in.dtype) if invariant else b_in.sigmoid()
         a = self._project(hidden_states, self.in_proj_a).to(wide) + self.dt_bias.to(wide)
         g = -self.A_log.to(wide).exp() * (_softplus(a) if invariant else F.softplus(a))   # [B, T, HV], <= 0
-        decode = has_state and t == 1 and cu_seqlens is None
-        fn = self.recurrent_fn if decode or invariant else self.chunk_fn
-        o, final = fn(q, k, v, g=g, beta=beta, initial_state=cache.recurrent_state if has_state else None,
-                      output_final_state=cache is not None, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+        if invariant:
+            o = self._invariant_rule(qkv, g, beta, lengths, cache, decode=has_state and t == 1 and lengths is None)
+        else:
+            q, k, v = self._split(qkv)
+            decode = has_state and t == 1 and cu_seqlens is None
+            fn = self.recurrent_fn if decode else self.chunk_fn
+            o, final = fn(q, k, v, g=g, beta=beta, initial_state=cache.recurrent_state if has_state else None,
+                          output_final_state=cache is not None, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+            if cache is not None:
+                cache.recurrent_state = final
         if cache is not None:
-            cache.conv_state, cache.recurrent_state = tail, final
+            cache.conv_state = tail
         o = self.norm(o, z, self.invariant_linear)                      # [B, T, HV, V]
         o = o.reshape(b, t, self.value_dim)
         return self.out_proj(o) if self.invariant_linear is None else self.invariant_out_linear(o, self.out_proj.weight)
+
+    def _split(self, qkv):
+        """The conv output [B, T, conv_dim] -> q, k [B, T, H, K], v [B, T, HV, V] (views)."""
+        b, t = qkv.shape[:2]
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.reshape(b, t, self.num_k_heads, self.head_k_dim), k.reshape(b, t, self.num_k_heads, self.head_k_dim),
+                v.reshape(b, t, self.num_v_heads, self.head_v_dim))
+
+    # The batch-invariant mode's rule: the chunk form over token inputs (qkv, g, beta) with chunks at
+    # absolute positions; the cache's chunk_* tensors hold the current chunk's inputs.
+
+    def _invariant_rule(self, qkv, g, beta, lengths, cache, *, decode: bool):
+        """qkv [B, T, conv_dim], g / beta [B, T, HV] (B == 1 with ``lengths``, the documents' sizes) ->
+        o [B, T, HV, V]; the cache (if any) continued.  A dense batch runs as B documents of T tokens
+        (one kernel path for every phase).  No cache: each document whole, chunks from its start (a
+        trainer).  A cache: ``_aligned_decode_step`` for one token per sequence (decode), else
+        ``_aligned_chunks``."""
+        b, t = qkv.shape[:2]
+        tokens = tuple(x.flatten(0, 1) for x in (qkv, g, beta))            # [B T, ...]: documents packed
+        lengths = [t] * b if lengths is None else lengths
+        if cache is None:
+            o, _ = self._chunk_rule(tokens, lengths, None, False)
+            return o.unflatten(0, (b, t))
+        n = len(lengths)
+        if cache.is_empty:
+            state, count = None, torch.zeros(n, dtype=torch.int64, device=qkv.device)
+            buffered = tuple(x.new_zeros(n, CHUNK - 1, *x.shape[1:]) for x in tokens)
+        elif cache.chunk_len is None:
+            raise ValueError("this cache was filled outside the batch-invariant mode (it has no chunk_* tensors): "
+                             "continue it with the mode off, or start from an empty cache")
+        else:
+            state, count = cache.recurrent_state, cache.chunk_len
+            buffered = (cache.chunk_qkv, cache.chunk_g, cache.chunk_beta)
+        if decode:
+            o, state, buffered, count = _aligned_decode_step(self._chunk_rule, tokens, state, buffered, count)
+        else:
+            o, state, buffered, counts = _aligned_chunks(self._chunk_rule, tokens, lengths, state, buffered,
+                                                         count.tolist())
+            count = torch.tensor(counts, dtype=torch.int64, device=qkv.device)
+        if state is None:                   # no chunk completed yet: the state at position 0
+            state = qkv.new_zeros(n, self.num_v_heads, self.head_k_dim, self.head_v_dim,
+                                  dtype=torch.promote_types(qkv.dtype, torch.float32))
+        cache.recurrent_state, cache.chunk_len = state, count
+        cache.chunk_qkv, cache.chunk_g, cache.chunk_beta = buffered
+        return o.unflatten(0, (b, t))
+
+    def _chunk_rule(self, tokens, lengths, initial_state, output_final_state: bool):
+        """``chunk_fn`` over documents of packed token inputs (qkv [T, conv_dim], g / beta [T, HV]), laid
+        out as a trainer's forward lays them out (q, k, v views of one row-major qkv; cu_seqlens, with its
+        host copy) -> (o [T, HV, V], the final state or None).  Every call passes a start state (zeros for
+        None) and takes the end state, so that a trainer's call and an engine's launch the same kernel
+        builds (the fast state pass's USE_H0 / STORE_FINAL alike)."""
+        qkv, g, beta = tokens
+        q, k, v = self._split(qkv[None])
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        if initial_state is None:
+            initial_state = qkv.new_zeros(len(lengths), self.num_v_heads, self.head_k_dim, self.head_v_dim,
+                                          dtype=torch.promote_types(qkv.dtype, torch.float32))
+        o, final = self.chunk_fn(q, k, v, g=g[None], beta=beta[None], initial_state=initial_state,
+                                 output_final_state=True, cu_seqlens=cu.to(qkv.device), cu_seqlens_cpu=cu,
+                                 use_qk_l2norm_in_kernel=True, batch_invariant=True)
+        return o[0], final if output_final_state else None
+
+
+def _aligned_chunks(rule, tokens, lengths, state, buffered, counts):
+    """The batch-invariant mode's continuation of N sequences (the module docstring's "A row inside a
+    partial chunk"): sequence n has counts[n] tokens of its current chunk buffered and lengths[n] new
+    ones.  ``tokens``: the new tokens' inputs, a tuple of [T, ...] tensors packed by ``lengths``;
+    ``buffered``: the same inputs [N, C - 1, ...], each sequence's buffered rows first (zeros after);
+    ``state`` [N, HV, K, V] at each current chunk's start, None for zeros.  ``rule(tokens, lengths,
+    initial_state, output_final_state) -> (o [T, ...], final)`` runs the chunk form over documents.
+    Each sequence's buffered + new tokens are cut at their last chunk boundary: the whole chunks run
+    first, from ``state`` (their end state starts the next chunk), then the partial rest from that
+    state, its tokens kept.  Returns (o [T, ...] of the new tokens, the new state (None if still
+    none), the new buffered inputs, the new counts)."""
+    n = len(lengths)
+    new = [x.split(lengths) for x in tokens]                                # per input: per sequence
+    rows = [[torch.cat([b[i, :counts[i]], x[i]]) for i in range(n)] for b, x in zip(buffered, new)]
+    total = [c + m for c, m in zip(counts, lengths)]
+    whole = [m - m % CHUNK for m in total]                                  # tokens in complete chunks
+    rest = [m - w for m, w in zip(total, whole)]
+    outs = [[] for _ in range(n)]
+    for complete, sizes in ((True, whole), (False, rest)):
+        if not any(sizes) and (complete or any(whole)):    # (the second call runs when nothing else does)
+            continue
+        pieces = tuple(torch.cat([r[i][:whole[i]] if complete else r[i][whole[i]:] for i in range(n)]) for r in rows)
+        o, final = rule(pieces, sizes, state, complete)
+        if complete:
+            state = final
+        for i, o_i in enumerate(o.split(sizes)):
+            outs[i].append(o_i)
+    o = torch.cat([torch.cat(o_n)[c:] for o_n, c in zip(outs, counts)])   # the new tokens' rows, in order
+    buffered = tuple(torch.stack([torch.cat([r[i][whole[i]:], b.new_zeros(CHUNK - 1 - rest[i], *b.shape[2:])])
+                                  for i in range(n)]) for r, b in zip(rows, buffered))
+    return o, state, buffered, rest
+
+
+def _aligned_decode_step(rule, tokens, state, buffered, count):
+    """One new token per sequence (``tokens``: a tuple of [N, ...]; ``count`` [N] int64 on the device),
+    the rows ``_aligned_chunks`` gives it, without reading the counts on the host: each sequence's
+    current chunk is laid out whole, [its buffered rows, the new token at row count, absent tokens
+    (zeros) after it], and the chunk form runs once over the N chunks of 64 rows.  The new token's row
+    is its output; where it ends its chunk (count = 63) the chunk's end state becomes the state and the
+    buffer empties, else the token joins the buffer.  Returns what ``_aligned_chunks`` returns (counts
+    as a tensor)."""
+    n = count.shape[0]
+    at = torch.arange(CHUNK, device=count.device) == count[:, None]        # [N, C]: the new token's row
+    chunks = tuple(torch.where(at.view(n, CHUNK, *[1] * (x.dim() - 1)), x[:, None],
+                               torch.cat([b, b.new_zeros(n, 1, *b.shape[2:])], 1))
+                   for x, b in zip(tokens, buffered))                      # [N, C, ...]
+    o, end = rule(tuple(c.flatten(0, 1) for c in chunks), [CHUNK] * n, state, True)
+    o = o.unflatten(0, (n, CHUNK))[at]                                      # [N, ...]: row count of each
+    done = count == CHUNK - 1
+    state = torch.where(done.view(n, 1, 1, 1), end, end.new_zeros(()) if state is None else state)
+    buffered = tuple(torch.where(done.view(n, 1, *[1] * (c.dim() - 2)), c.new_zeros(()), c[:, :CHUNK - 1])
+                     for c in chunks)
+    return o, state, buffered, torch.where(done, 0, count + 1)
 
 
 # ----------------------------------------------------------------------------- input checks

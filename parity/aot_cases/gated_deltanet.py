@@ -3,7 +3,9 @@
 ``cases(m)`` takes the fast module ``m`` (imported with the Triton compiler, not the interpreter)
 and lists its launches in aot_compile.py's case format, reading the module's private config tables
 so that what is built is what the launcher launches.  CI builds each case with its first config;
-``make compile-check`` builds every config.
+``make compile-check`` builds every config.  ``chunk_gated_delta_rule(batch_invariant=True)`` launches each
+autotuned kernel at the first config its pruning keeps (built by every case) and the gate sums in token
+order (the cumsum cases with IN_ORDER).
 """
 from __future__ import annotations
 
@@ -69,10 +71,13 @@ def cases(m) -> list[dict]:
                               signature=dict(db="*fp32", dg="*fp32", g="*fp32", A_log="*fp32", dt_bias="*fp32",
                                              dparams="*fp32", cu="*i32", chunk_idx="*i32", T="i32", NROWS="i32"),
                               constexprs=dict(HV=hv, NB=6, BT=m.CHUNK, BH=hv, IS_VARLEN=True, **options), num_warps=4))
-            cases.append(dict(kernel=m._chunk_cumsum_kernel, name="cumsum" + tag,
-                              signature=dict(g=F32, A_log=F32, dt_bias=F32, gc=F32, gr=I8, gs=F32, ge=F32,
-                                             cu="*i32", chunk_idx="*i32", T="i32"),
-                              constexprs=dict(HV=hv, BT=m.CHUNK, BH=hv, IS_VARLEN=True, **options), num_warps=4))
+            for in_order in (False, True):          # batch_invariant sums the gates in token order
+                cases.append(dict(kernel=m._chunk_cumsum_kernel, name="cumsum" + tag[:-1] + (",in order]" if in_order
+                                                                                             else "]"),
+                                  signature=dict(g=F32, A_log=F32, dt_bias=F32, gc=F32, gr=I8, gs=F32, ge=F32,
+                                                 cu="*i32", chunk_idx="*i32", T="i32"),
+                                  constexprs=dict(HV=hv, BT=m.CHUNK, BH=hv, IS_VARLEN=True, IN_ORDER=in_order,
+                                                  **options), num_warps=4))
     cases += _option_cases(m)
     return cases
 
