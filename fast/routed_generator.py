@@ -1478,6 +1478,12 @@ class _RayGenerator:
             raise TypeError(f"version must be an int, got {type(version).__name__}")
         deadline = time.monotonic() + self._call_timeout_s
         while True:
+            if self.weights_path == "collective" and self._version == -1:   # restarting: nobody to stream to yet
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name}: its actor was still restarting after "
+                                       f"{self._call_timeout_s:g} s") from None
+                time.sleep(0.2)
+                continue
             try:
                 left = max(0.0, deadline - time.monotonic())
                 if self.weights_path == "collective":
@@ -1519,8 +1525,10 @@ class _RayGenerator:
                 box["error"] = exc
         pusher = threading.Thread(target=push, name=f"send-{self.name}", daemon=True)
         pusher.start()
-        result = ray.get(ref, timeout=left)        # (the actor failing first: the sender ends by its timeout)
-        pusher.join(left)
+        try:
+            result = ray.get(ref, timeout=left)
+        finally:     # one stream per handle at a time: a failed call still waits for it (it ends by its timeout)
+            pusher.join()
         if "error" in box:
             raise RuntimeError(f"{self.name}: the weight transport failed: {box['error']}")
         return result

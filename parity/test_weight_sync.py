@@ -10,7 +10,8 @@ router re-syncs it; a sync streamed while requests decode never mixes versions i
 or stopped mid-sync costs the other destination nothing and fails within the timeout; a trainer killed
 mid-sync leaves the generator on its last version; groups that cannot form raise within the timeout;
 memory stays within two buckets per side; a Ray fleet of tensor-parallel generators syncs through the
-collective, refuses a bad bucket, and is re-synced after an actor restart.
+collective (an actor that cannot reach it through the object store), refuses a bad bucket, and is re-synced
+after an actor restart.
 """
 from __future__ import annotations
 
@@ -218,8 +219,10 @@ def test_sender_and_receiver_check_their_inputs():
 def _probe(command: str, timeout: float = 300) -> dict:
     if unavailable():
         pytest.skip(unavailable())
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
     proc = run_isolated([sys.executable, str(ROOT / "parity" / "ws_probe.py"), command], timeout=timeout, cwd=ROOT,
-                        env={**os.environ, "OMP_NUM_THREADS": "1"})
+                        env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FACTS ")]
     assert proc.returncode == 0 and lines, f"ws_probe {command} failed:\n{proc.stdout[-6000:]}"
     facts = json.loads(lines[-1][6:])
@@ -300,3 +303,24 @@ def test_memory_is_bounded_by_the_bucket_size():
     assert f["sender_buffers"] <= 2 * (bucket + 32) and f["receiver_buffers"] <= 2 * (bucket + 32), f
     assert f["sender_rss_growth"] < 6 * bucket and f["receiver_rss_growth"] < 6 * bucket, f
     assert f["model_bytes"] > 40 * bucket
+
+
+def test_a_ray_fleet_of_tensor_parallel_generators_syncs_through_the_collective():
+    """ray_generators(..., weight_transport=sender): two actors with tp = 2 engines join the trainer's channels at
+    start-up (weights_path "collective"); an actor whose receiver cannot reach the store loads through the object
+    store; syncs give the oracle's tokens everywhere; a corrupted bucket is refused by that actor alone and the
+    router re-syncs it; an actor SIGKILLed comes back (Ray restarts it, its ranks connect again) and is re-synced
+    over new channels before it serves."""
+    pytest.importorskip("ray")
+    f = _probe("ray", timeout=420)
+    assert f["paths"] == ["collective", "collective", "object_store"], f
+    assert "could not be reached within timeout_s=2" in f["solo_error"], f["solo_error"]
+    everyone = ["ray-gen0", "ray-gen1", "solo0"]
+    assert f["v1"] == [[name, 1, True] for name in everyone], f["v1"]
+    assert f["corrupt"] == ["ray-gen0"] and f["after_corrupt"] == [1, 2, 2], f
+    assert f["resynced"] == ["closed", 2], f
+    state, version, new_pid, path, _ = f["restart"]
+    assert (state, version, new_pid, path) == ("closed", 2, True, "collective"), f["restart"]
+    events = [e for _, e, _ in f["restart_events"]]
+    assert events.index("opened") < events.index("resynced") < events.index("closed"), f["restart_events"]
+    assert f["v3"] == [[name, 3, True] for name in everyone], f["v3"]

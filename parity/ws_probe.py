@@ -519,10 +519,112 @@ def memory() -> dict:
                 receiver_rss_growth=receiver_rss, receiver_buffers=receiver_buffers, seconds=stats["seconds"])
 
 
+# ----------------------------------------------------------------------------- a Ray fleet
+
+def _ray_engine(tp: int):
+    """What each actor builds: a tensor-parallel engine on the attention model (one thread per rank)."""
+    torch.set_num_threads(1)
+    return ge.Generator(lm.DecoderLM(config("attention"), seed=0), tensor_parallel_size=tp, tp_timeout_s=60,
+                        page_size=4)
+
+
+class _Unreachable:
+    """A transport whose receivers point at a port nobody listens on: the actors fall back to the object store."""
+
+    def __init__(self, sender):
+        self.sender = sender
+
+    def receiver(self, name):
+        import dataclasses
+        full = self.sender.default_destination
+        one = {n: ws.TensorLayout(tl.shape, tl.dtype, ((tuple((0, d) for d in tl.shape),),)) for n, tl in full.items()}
+        return dataclasses.replace(self.sender.receiver(name, one), port=_free_port(), timeout_s=2.0)
+
+    def header(self, name, version):
+        return self.sender.header(name, version)
+
+    def send(self, name, state_dict, version):
+        return self.sender.send(name, state_dict, version)
+
+
+def ray_fleet() -> dict:
+    import tempfile
+    torch.set_num_threads(1)
+    cfg = config("attention")
+    weights = {v: {n: t.detach().clone() for n, t in lm.DecoderLM(cfg, seed=30 + v).state_dict().items()}
+               for v in (1, 2, 3)}
+    src, dst = layouts("attention", weights[1], 1, 2, torch.float32)
+    sender = ws.WeightSender(src, destination=dst, bucket_bytes=4096, timeout_s=20)
+    requests = [rg.Request([5, 17, 3, 44, 2, 9], rg.SamplingParams(max_new_tokens=8), request_id=f"r{i}")
+                for i in range(4)]
+
+    def oracle(version):
+        with ge.Generator(lm.DecoderLM(cfg, seed=0), page_size=4) as g:
+            g.load_weights(weights[version], version)
+            return g.generate(requests[:1])[0].token_ids
+
+    facts, t0 = {}, time.monotonic()
+    temp_dir = tempfile.mkdtemp(prefix="rayw", dir="/tmp")
+    options = dict(num_cpus=4, include_dashboard=False, _temp_dir=temp_dir, logging_level="ERROR", log_to_driver=False)
+    gens = rg.ray_generators(functools.partial(_ray_engine, 2), 2, num_cpus=1, max_restarts=1, call_timeout_s=90,
+                             weight_transport=sender, ray_init_options=options)
+    solo = rg.ray_generators(functools.partial(_ray_engine, 1), 1, name_prefix="solo", num_cpus=1,
+                             call_timeout_s=90, weight_transport=_Unreachable(sender))
+    facts["up_s"] = time.monotonic() - t0
+    facts["paths"] = [g.weights_path for g in gens + solo]
+    facts["solo_error"] = (solo[0].transport_error or "")[:300]
+    router = rg.GeneratorRouter(gens + solo, request_timeout_s=60, sync_timeout_s=90, backoff_s=(0.3, 1.0))
+
+    def serves(version):
+        """Every generator in rotation serves ``version`` with the oracle's tokens (a request pinned to each)."""
+        outs = [router.generate([rg.Request(requests[0].prompt_token_ids, requests[0].sampling,
+                                            session_id=g.name)])[0] for g in gens + solo for _ in range(2)]
+        return sorted({(c.generator_id, c.max_policy_version, c.token_ids == oracle(version)) for c in outs})
+
+    try:
+        router.sync_weights(weights[1], 1)
+        facts["v1"] = serves(1)
+        # A corrupted bucket to ray-gen0's rank 1: refused whole, the others load; re-admission re-syncs it.
+        sender._corrupt = lambda name, bucket, data: _flipped(data) if (name, bucket.dest_rank, bucket.index) == \
+            ("ray-gen0", 1, 2) else None
+        try:
+            router.sync_weights(weights[2], 2)
+            facts["corrupt"] = None
+        except rg.RouterError as exc:
+            facts["corrupt"] = [name for name, _ in exc.causes]
+        sender._corrupt = None
+        facts["after_corrupt"] = [g.policy_version for g in gens + solo]
+        deadline = time.monotonic() + 60
+        while router.stats()["ray-gen0"]["state"] != "closed" and time.monotonic() < deadline:
+            router.generate(requests)
+        facts["resynced"] = [router.stats()["ray-gen0"]["state"], gens[0].policy_version]
+        # SIGKILL ray-gen1's process: Ray restarts it, its ranks connect again, the router re-syncs it.
+        killed = gens[1].pid
+        os.kill(killed, signal.SIGKILL)
+        t_kill = time.monotonic()
+        while (router.stats()["ray-gen1"]["state"] != "closed" or gens[1].pid == killed) and \
+                time.monotonic() < t_kill + 120:
+            router.generate(requests)
+        facts["restart"] = [router.stats()["ray-gen1"]["state"], gens[1].policy_version, gens[1].pid != killed,
+                            gens[1].weights_path, round(time.monotonic() - t_kill, 1)]
+        facts["restart_events"] = [(round(t - t_kill, 1), e, d[:300]) for t, name, e, d in router.health_events()
+                                   if name == "ray-gen1"]
+        router.sync_weights(weights[3], 3)
+        facts["v3"] = serves(3)
+    finally:
+        router.close()
+        for g in gens + solo:
+            g.close()
+        import ray
+        ray.shutdown()
+    facts["total_s"] = time.monotonic() - t0
+    return facts
+
+
 if __name__ == "__main__":
     command = sys.argv[1]
     result = dict(equivalence=equivalence, engine=engine, receivers=receivers, trainer=trainer, nogroup=nogroup,
-                  memory=memory)[command]()
+                  memory=memory, ray=ray_fleet)[command]()
     print("FACTS " + json.dumps(result, default=str))
     sys.stdout.flush()
     os._exit(0)          # without tearing process groups down from under their threads
