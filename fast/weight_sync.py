@@ -28,7 +28,7 @@ The transport
     pipeline     the sender packs bucket i + 1 (slice, cast, checksum) while bucket i is on the wire, in
                  two staging buffers; the receiver posts the receive of bucket i + 1 before checking and
                  copying bucket i into the shadow weights, in two buffers.  Extra memory per side: two
-                 buckets (plus a checksum's temporaries: 2 MiB on a CPU), never the model.  The
+                 buckets (plus 65521 words for a checksum), never the model.  The
                  buckets of a destination's ranks are interleaved, so its ranks finish together.  ``send``
                  given several destinations with the same layout packs each bucket once for all of them.
     verify       every receiver checks every bucket's trailer and checksum before copying it; a bad
@@ -86,10 +86,8 @@ __all__ = ["TensorLayout", "Item", "Bucket", "Plan", "layout", "plan", "pack", "
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 ALIGN = 16                    # every region starts at a multiple of this many bytes; buckets are padded to it
-_P = 2 ** 31 - 1              # the checksum's modulus
 _W = 65521                    # the position weights' period
-_ROWS = {"cpu": 4, "cuda": 64}  # a checksum slice is rows x 65521 words: its int64 column sums are the temporaries
-TRAILER_WORDS = 4             # int64 after each bucket on the wire: checksum, version, index, digest
+TRAILER_WORDS = 4             # int64 sent after each bucket: checksum, version, index, digest
 
 
 def _is_int(x) -> bool:
@@ -313,22 +311,37 @@ def _split(region: tuple, itemsize: int, limit: int) -> list:
 
 
 def _pack_regions(q: int, r: int, regions: list, destination: Mapping, bucket_bytes: int) -> list:
-    """A channel's regions laid out in buckets: 16-byte aligned offsets, a new bucket where the next region
-    would not fit."""
+    """A channel's regions laid out in buckets: a large region (at least ``_alone(bucket_bytes)``) is a bucket of
+    its own; smaller ones share buckets at 16-byte aligned offsets, a new bucket where the next would not fit."""
     buckets, items, end = [], [], 0
+
+    def close():
+        if items:
+            buckets.append(Bucket(q, r, len(buckets), -(-end // ALIGN) * ALIGN, tuple(items)))
     for region in regions:
         dtype = destination[region[0]].dtype
         for name, box, sbox, dbox in _split(region, dtype.itemsize, bucket_bytes):
             nbytes = _volume(box) * dtype.itemsize
+            if nbytes >= _alone(bucket_bytes):
+                close()
+                items, end = [Item(name, box, sbox, dbox, 0, dtype)], nbytes
+                close()
+                items, end = [], 0
+                continue
             offset = -(-end // ALIGN) * ALIGN
             if items and offset + nbytes > bucket_bytes:
-                buckets.append(Bucket(q, r, len(buckets), -(-end // ALIGN) * ALIGN, tuple(items)))
+                close()
                 items, offset = [], 0
             items.append(Item(name, box, sbox, dbox, offset, dtype))
             end = offset + nbytes
-    if items:
-        buckets.append(Bucket(q, r, len(buckets), -(-end // ALIGN) * ALIGN, tuple(items)))
+    close()
     return buckets
+
+
+def _alone(bucket_bytes: int) -> int:
+    """Regions of at least this many bytes travel in a bucket of their own: packing them with others would
+    only add a copy (a side that holds one contiguously sends or receives it in place)."""
+    return min(1 << 20, bucket_bytes // 4)
 
 
 def _digest(buckets: list, bucket_bytes: int, ns: int, nd: int) -> int:
@@ -368,28 +381,22 @@ def _pack_into(bucket: Bucket, tensors: Mapping, out: torch.Tensor) -> None:
 
 
 def checksum(data: torch.Tensor) -> int:
-    """A*2^31 + B over the bytes' int32 words s_i: A = sum s_i, B = sum (1 + i mod 65521) s_i, both mod
-    2^31 - 1 (the reference's formula).  In slices of R x 65521 words, each viewed [R, 65521]: one pass of
-    column sums c_j (int64, |c_j| < R 2^31), then A += sum c_j and B += sum (1 + j) (c_j mod P): the
-    weights repeat every 65521 words, so a slice needs 65521 of them, never n.  The temporaries are one
-    slice in int64: 2 MiB on a CPU (R = 4), 32 MiB on a GPU (R = 64, fewer launches).  Exact integer
-    arithmetic on the data's own device: CPU and GPU give the same value."""
+    """A*2^32 + B over the bytes' int32 words s_i: A = sum s_i, B = sum (1 + i mod 65521) s_i, both mod 2^32
+    (the reference's formula).  One pass: the words viewed [n // 65521, 65521] are summed down the columns
+    in int32 (c_j, wrapping: exact mod 2^32, and no widened copy of the data), then A = sum c_j and
+    B = sum (1 + j) c_j over 65521 columns (the weights repeat every 65521 words), plus the last partial
+    row.  Temporaries: 65521 words.  On the data's own device; CPU and GPU give the same value."""
     if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1 or data.numel() % 4:
         raise ValueError(f"checksum takes a 1-D uint8 tensor of a multiple of 4 bytes, got "
                          f"{getattr(data, 'dtype', type(data).__name__)} of shape {tuple(getattr(data, 'shape', ()))}")
     words = data.view(torch.int32)
-    n, step = words.numel(), _ROWS.get(data.device.type, 4) * _W
+    full = words.numel() // _W * _W
     w = _position_weights(data.device)
-    a = torch.zeros((), dtype=torch.int64, device=data.device)
-    b = torch.zeros((), dtype=torch.int64, device=data.device)
-    for start in range(0, n, step):                                    # start is a multiple of 65521
-        part = words[start:start + step]
-        full = part.numel() // _W * _W
-        cols = part[:full].view(-1, _W).sum(0)                         # [65521] int64, |c| < R 2^31
-        tail = part[full:].to(torch.int64)                             # [< 65521]: weights 1 .. len
-        a = (a + cols.sum() + tail.sum()) % _P
-        b = (b + ((cols % _P) * w).sum() % _P + ((tail % _P) * w[:tail.numel()]).sum() % _P) % _P
-    return int(a) * 2 ** 31 + int(b)
+    cols = words[:full].view(-1, _W).sum(0, dtype=torch.int32).to(torch.int64)        # [65521], wrapped
+    tail = words[full:].to(torch.int64)                                                  # [< 65521]
+    a = int(cols.sum() + tail.sum()) % 2 ** 32                       # |.| < 2^47: exact in int64
+    b = int((cols * w).sum() + (tail * w[:tail.numel()]).sum()) % 2 ** 32   # |each sum| < 2^63
+    return a * 2 ** 32 + b
 
 
 @functools.lru_cache(maxsize=8)
@@ -690,32 +697,34 @@ class WeightSender:
             _bump(self._store, name, have[0])
 
     def _pipeline(self, streams: list, tensors: dict, version: int, failed: dict, moved: dict) -> None:
-        """Bucket i + 1 packed while bucket i is on the wire; the streams' buckets interleaved."""
+        """Bucket i + 1 packed while bucket i is on the wire; the streams' buckets interleaved.  Each bucket
+        is two messages: its bytes (straight from the source tensor when it holds them contiguously in the
+        wire's dtype and place, else packed into one of two staging buffers) and its trailer."""
         order = [(targets, buckets[i]) for i in range(max((len(s[0]) for s in streams), default=0))
                  for buckets, targets in streams if i < len(buckets)]
-        if not order:
-            return
-        size = max(b.nbytes for _, b in order) + TRAILER_WORDS * 8
-        buffers = [self._buffer(size) for _ in range(min(2, len(order)))]
+        packed = [b.nbytes for _, b in order if _in_place(b, tensors, self._device, "source") is None]
+        buffers = [self._buffer(max(packed)) for _ in range(min(2, len(packed)))]
         pending: list = [[], []]
         try:
             for step, (targets, bucket) in enumerate(order):
                 slot = step % 2
-                self._settle(pending[slot], failed)
+                self._settle(pending[slot], failed)     # (the sends two steps back: their buffer is free again)
                 pending[slot] = []
                 live = [(name, pg) for name, pg in targets if name not in failed]
                 if not live:
                     continue
-                data = buffers[slot][:bucket.nbytes + TRAILER_WORDS * 8]
-                _pack_into(bucket, tensors, data[:bucket.nbytes])
-                trailer = [checksum(data[:bucket.nbytes]), version, bucket.index, self._plan_of(live[0][0]).digest]
-                data[bucket.nbytes:].view(torch.int64).copy_(torch.tensor(trailer, dtype=torch.int64))
+                data = _in_place(bucket, tensors, self._device, "source")
+                if data is None:
+                    data = buffers[step % len(buffers)][:bucket.nbytes]
+                    _pack_into(bucket, tensors, data)
+                trailer = torch.tensor([_signed(checksum(data)), version, bucket.index,
+                                        self._plan_of(live[0][0]).digest], dtype=torch.int64, device=self._device)
                 for name, pg in live:
                     payload = self._corrupt(name, bucket, data) if self._corrupt is not None else None
                     try:
-                        work = pg.send([data if payload is None else payload], 1, 0)
-                        pending[slot].append((name, bucket.dest_rank, work))
-                        moved["bytes"] += data.numel()
+                        works = [pg.send([data if payload is None else payload], 1, 0), pg.send([trailer], 1, 0)]
+                        pending[slot].append((name, bucket.dest_rank, works, trailer))
+                        moved["bytes"] += data.numel() + trailer.numel() * 8
                         moved["buckets"] += 1
                     except Exception as exc:  # noqa: BLE001 - a channel that broke: its destination fails
                         failed.setdefault(name, f"rank {bucket.dest_rank}: {_brief(exc)}")
@@ -726,11 +735,12 @@ class WeightSender:
                 self._buffer_bytes -= sum(b.numel() for b in buffers)
 
     def _settle(self, pending: list, failed: dict) -> None:
-        for name, r, work in pending:
+        for name, r, works, _ in pending:
             if name in failed:
                 continue
             try:
-                work.wait(_delta(self.timeout_s))
+                for work in works:
+                    work.wait(_delta(self.timeout_s))
             except Exception as exc:  # noqa: BLE001 - timed out, or the receiver is gone
                 failed[name] = f"rank {r}: {_brief(exc)}"
 
@@ -824,41 +834,50 @@ class _Endpoint:
         self._gen = gen
 
     def _drain(self, q: int, version: int, tensors: Mapping) -> str | None:
-        """Every bucket from source rank q: receive i + 1 while i is checked and unpacked.  After a bad
-        bucket the rest are still received (the channel stays in step) but not unpacked; returns what was
-        bad, or None.  A wait past timeout_s or a trailer out of step raises."""
+        """Every bucket from source rank q: receive i + 1 while i is checked and unpacked.  A bucket that this
+        rank holds contiguously lands in the shadow weights themselves; the others in one of two staging
+        buffers.  After a bad bucket the rest are still received (the channel stays in step) but not
+        unpacked; returns what was bad, or None.  A wait past timeout_s or a trailer out of step raises."""
         buckets, pg = self.plan.channel(q, self.rank), self._pgs[q]
-        size = max(b.nbytes for b in buckets) + TRAILER_WORDS * 8
-        buffers = [torch.empty(size, dtype=torch.uint8, device=self._wire) for _ in range(min(2, len(buckets)))]
+        packed = [b.nbytes for b in buckets if _in_place(b, tensors, self._wire, "dest") is None]
+        buffers = [torch.empty(max(packed), dtype=torch.uint8, device=self._wire) for _ in range(min(2, len(packed)))]
         with self._lock:                  # (one thread per source rank: their buffers add up)
             self._live += sum(b.numel() for b in buffers)
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._live)
         try:
-            return self._drain_into(q, version, tensors, buckets, pg, buffers)
+            return self._drain_into(version, tensors, buckets, pg, buffers)
         finally:
             with self._lock:
                 self._live -= sum(b.numel() for b in buffers)
 
-    def _drain_into(self, q: int, version: int, tensors: Mapping, buckets: tuple, pg, buffers: list) -> str | None:
+    def _drain_into(self, version: int, tensors: Mapping, buckets: tuple, pg, buffers: list) -> str | None:
+        staged = iter(range(len(buckets) * 2))
+
         def post(i):
-            data = buffers[i % 2][:buckets[i].nbytes + TRAILER_WORDS * 8]
-            return data, pg.recv([data], 0, 0)
+            bucket = buckets[i]
+            data = _in_place(bucket, tensors, self._wire, "dest")
+            direct = data is not None
+            if not direct:
+                data = buffers[next(staged) % len(buffers)][:bucket.nbytes]
+            trailer = torch.empty(TRAILER_WORDS, dtype=torch.int64, device=self._wire)
+            return data, direct, trailer, [pg.recv([data], 0, 0), pg.recv([trailer], 0, 0)]
 
         bad, current = None, post(0)
         for i, bucket in enumerate(buckets):
             following = post(i + 1) if i + 1 < len(buckets) else None
-            data, work = current
-            work.wait(_delta(self.timeout_s))
-            total, got_version, index, digest = data[bucket.nbytes:].view(torch.int64).tolist()
+            data, direct, trailer, works = current
+            for work in works:
+                work.wait(_delta(self.timeout_s))
+            total, got_version, index, digest = trailer.tolist()
             if (got_version, index, digest) != (version, bucket.index, self.plan.digest):
                 raise RuntimeError(f"bucket {i} arrived as version {got_version}, bucket {index}, plan {digest}: "
                                    f"out of step with this sync (version {version}, plan {self.plan.digest})")
             if bad is None:
-                got = checksum(data[:bucket.nbytes])
+                got = _signed(checksum(data))
                 if got != total:
                     bad = f"bucket {i} fails its checksum ({got} != {total})"
-                else:
-                    unpack(bucket, data[:bucket.nbytes], tensors)
+                elif not direct:
+                    unpack(bucket, data, tensors)
             current = following
         return bad
 
@@ -960,6 +979,24 @@ def _route_to(address: str, port: int) -> str:
             return s.getsockname()[0]
         except OSError:
             return address
+
+
+def _signed(x: int) -> int:
+    """A checksum in [0, 2^64) as the int64 the trailer holds (two's complement)."""
+    return x - 2 ** 64 if x >= 2 ** 63 else x
+
+
+def _in_place(bucket: Bucket, tensors: Mapping, device: torch.device, side: str) -> torch.Tensor | None:
+    """The bucket's bytes as a view of the tensor that holds them, when the bucket is one region filling it
+    exactly that this side holds contiguously, in the wire's dtype and on its device; else None (packed)."""
+    if len(bucket.items) != 1 or bucket.items[0].nbytes != bucket.nbytes:
+        return None
+    item = bucket.items[0]
+    t = tensors.get(item.name) if isinstance(tensors, Mapping) else None
+    if not isinstance(t, torch.Tensor) or t.dtype != item.dtype or t.device != device:
+        return None
+    view = _region(t, item.source if side == "source" else item.dest)
+    return view.reshape(-1).view(torch.uint8) if view.is_contiguous() else None
 
 
 def _in_threads(fns: list) -> list:

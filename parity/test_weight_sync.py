@@ -125,18 +125,20 @@ def test_fast_plan_and_bytes_equal_the_reference(kind):
 
 
 def test_checksum_formula_and_what_it_catches():
-    """A*2^31 + B over int32 words (A = sum s_i, B = sum (1 + i mod 65521) s_i, mod 2^31 - 1), as plain Python
-    integers say; fast's slices agree with ref across slice boundaries; a flipped bit, two swapped words and a
-    zeroed word each change it."""
+    """A*2^32 + B over int32 words (A = sum s_i, B = sum (1 + i mod 65521) s_i, both mod 2^32), as plain Python
+    integers say; fast's one-pass column sums agree with ref around its 65521-word rows; a flipped bit, two
+    swapped words and a zeroed word each change it."""
     g = torch.Generator().manual_seed(0)
     small = torch.randint(0, 256, (4 * 70000,), dtype=torch.uint8, generator=g)
     words = small.view(torch.int32).tolist()
-    p = 2 ** 31 - 1
-    want = (sum(words) % p) * 2 ** 31 + sum((1 + i % 65521) * s for i, s in enumerate(words)) % p
+    want = (sum(words) % 2 ** 32) * 2 ** 32 + sum((1 + i % 65521) * s for i, s in enumerate(words)) % 2 ** 32
     assert ref_ws.checksum(small) == fast_ws.checksum(small) == want
-    for n in (4, 16, 4 * 65521, 4 * (4 * 65521 + 3), 4 * (9 * 65521 + 17)):          # around fast's slices
+    for n in (4, 16, 4 * 65520, 4 * 65521, 4 * (4 * 65521 + 3), 4 * (9 * 65521 + 17)):
         data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
         assert fast_ws.checksum(data) == ref_ws.checksum(data), n
+    extreme = torch.full((4 * 3 * 65521,), 0xFF, dtype=torch.uint8)
+    extreme[3::4] = 0x7F                                             # every word 2^31 - 1: the int32 sums wrap
+    assert fast_ws.checksum(extreme) == ref_ws.checksum(extreme)
     base = fast_ws.checksum(small)
     flipped = small.clone()
     flipped[1234] ^= 4

@@ -26,14 +26,18 @@ The math (a box is a region of the full tensor: one half-open range [start, stop
     order       per channel (source rank q -> destination rank r): tensors by sorted name, then the
                 destination's pieces in order, then the source's ranks and pieces in order
     buckets     a region larger than ``bucket_bytes`` is cut along dim 0 (a single row too large: along
-                dim 1, and so on); regions are laid out at 16-byte aligned offsets and a new bucket starts
-                where the next would not fit; a bucket's size is rounded up to 16 bytes (zero padding)
+                dim 1, and so on); a region (or part) of at least min(1 MiB, bucket_bytes / 4) is a bucket of
+                its own (packing it would only add a copy: fast sends and receives such a region in place
+                where a side holds it contiguously); smaller ones are laid out at 16-byte aligned offsets, a
+                new bucket starting where the next would not fit; a bucket's size is rounded up to 16 bytes
+                (zero padding)
     cast        a region travels in the destination's dtype: torch's round-to-nearest-even cast, done by
                 the sender (so the wire carries the destination's bytes)
-    checksum    s_i = the bucket's bytes as native (little-endian) int32 words, i = 0 .. n/4 - 1,
-                P = 2^31 - 1;  A = sum s_i mod P,  B = sum (1 + i mod 65521) s_i mod P  (mod: in [0, P)),
-                checksum = A * 2^31 + B  (an int < 2^62; exact integer sums, so any order, CPU or GPU,
-                agrees; a changed word changes A, two swapped words change B)
+    checksum    s_i = the bucket's bytes as native (little-endian) int32 words, i = 0 .. n/4 - 1;
+                A = sum s_i mod 2^32,  B = sum (1 + i mod 65521) s_i mod 2^32,  checksum = A * 2^32 + B
+                (an int in [0, 2^64)).  Sums modulo 2^32 are what 32-bit integer adds give in any order,
+                wrapping or not, so a GPU's reduction and a CPU's agree; a changed word changes A, two
+                swapped words change B.
     digest      a 63-bit hash of the whole plan: two sides that computed different plans (other layouts,
                 another bucket size) find out before a byte is unpacked
 
@@ -77,7 +81,6 @@ __all__ = ["TensorLayout", "Item", "Bucket", "Plan", "layout", "plan", "pack", "
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 ALIGN = 16                    # every region starts at a multiple of this many bytes; buckets are padded to it
-_P = 2 ** 31 - 1              # the checksum's modulus
 _W = 65521                    # the position weights' period
 
 
@@ -302,22 +305,37 @@ def _split(region: tuple, itemsize: int, limit: int) -> list:
 
 
 def _pack_regions(q: int, r: int, regions: list, destination: Mapping, bucket_bytes: int) -> list:
-    """A channel's regions laid out in buckets: 16-byte aligned offsets, a new bucket where the next region
-    would not fit."""
+    """A channel's regions laid out in buckets: a large region (at least ``_alone(bucket_bytes)``) is a bucket of
+    its own; smaller ones share buckets at 16-byte aligned offsets, a new bucket where the next would not fit."""
     buckets, items, end = [], [], 0
+
+    def close():
+        if items:
+            buckets.append(Bucket(q, r, len(buckets), -(-end // ALIGN) * ALIGN, tuple(items)))
     for region in regions:
         dtype = destination[region[0]].dtype
         for name, box, sbox, dbox in _split(region, dtype.itemsize, bucket_bytes):
             nbytes = _volume(box) * dtype.itemsize
+            if nbytes >= _alone(bucket_bytes):
+                close()
+                items, end = [Item(name, box, sbox, dbox, 0, dtype)], nbytes
+                close()
+                items, end = [], 0
+                continue
             offset = -(-end // ALIGN) * ALIGN
             if items and offset + nbytes > bucket_bytes:
-                buckets.append(Bucket(q, r, len(buckets), -(-end // ALIGN) * ALIGN, tuple(items)))
+                close()
                 items, offset = [], 0
             items.append(Item(name, box, sbox, dbox, offset, dtype))
             end = offset + nbytes
-    if items:
-        buckets.append(Bucket(q, r, len(buckets), -(-end // ALIGN) * ALIGN, tuple(items)))
+    close()
     return buckets
+
+
+def _alone(bucket_bytes: int) -> int:
+    """Regions of at least this many bytes travel in a bucket of their own: packing them with others would
+    only add a copy (a side that holds one contiguously sends or receives it in place)."""
+    return min(1 << 20, bucket_bytes // 4)
 
 
 def _digest(buckets: list, bucket_bytes: int, ns: int, nd: int) -> int:
@@ -347,24 +365,22 @@ def pack(bucket: Bucket, tensors: Mapping) -> torch.Tensor:
 
 
 def checksum(data: torch.Tensor) -> int:
-    """A*2^31 + B over the bytes' int32 words s_i: A = sum s_i, B = sum (1 + i mod 65521) s_i, both mod
-    2^31 - 1 (module docstring)."""
+    """A*2^32 + B over the bytes' int32 words s_i: A = sum s_i, B = sum (1 + i mod 65521) s_i, both mod 2^32
+    (module docstring)."""
     if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1 or data.numel() % 4:
         raise ValueError(f"checksum takes a 1-D uint8 tensor of a multiple of 4 bytes, got "
                          f"{getattr(data, 'dtype', type(data).__name__)} of shape {tuple(getattr(data, 'shape', ()))}")
     s = data.view(torch.int32).to(torch.int64)                        # [n / 4], each in [-2^31, 2^31)
     w = torch.arange(s.numel(), dtype=torch.int64, device=s.device) % _W + 1
-    a = _sum_mod(s)
-    b = _sum_mod(s * w)                                               # each |product| < 2^47
-    return a * 2 ** 31 + b
+    return _sum_mod(s) * 2 ** 32 + _sum_mod(s * w)                     # each |product| < 2^47
 
 
 def _sum_mod(x: torch.Tensor) -> int:
-    """sum(x) mod P for int64 values of magnitude < 2^48, exactly: rows of 4096 sum to < 2^60, reduced mod P
-    (torch's % is floor division's: into [0, P)), and again until one value is left."""
+    """sum(x) mod 2^32 for int64 values of magnitude < 2^48, exactly: rows of 4096 sum to < 2^60, reduced mod
+    2^32 (torch's % is floor division's: into [0, 2^32)), and again until one value is left."""
     while x.numel() > 1:
-        x = torch.nn.functional.pad(x, (0, -x.numel() % 4096)).view(-1, 4096).sum(1) % _P
-    return int(x.sum()) % _P
+        x = torch.nn.functional.pad(x, (0, -x.numel() % 4096)).view(-1, 4096).sum(1) % 2 ** 32
+    return int(x.sum()) % 2 ** 32
 
 
 def unpack(bucket: Bucket, data: torch.Tensor, tensors: Mapping) -> None:
