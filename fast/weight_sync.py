@@ -23,14 +23,18 @@ The transport
                  a replicated tensor once per destination that needs it (a broadcast tree would not).
     control      one message per sync per generator: ``header(name, version)`` (the version and the
                  plan's digest), which the caller delivers (a Ray call, a thread); both sides compute the
-                 plan from the layouts, so no tensor name, shape or offset is ever sent.  Each bucket
-                 carries a 32-byte trailer: its checksum, the version, its index and the digest.
+                 plan from the layouts, so no tensor name, shape or offset is ever sent.  Each bucket is
+                 followed by a 32-byte trailer: its checksum, the version, its index and the digest.
     pipeline     the sender packs bucket i + 1 (slice, cast, checksum) while bucket i is on the wire, in
                  two staging buffers; the receiver posts the receive of bucket i + 1 before checking and
-                 copying bucket i into the shadow weights, in two buffers.  Extra memory per side: two
-                 buckets (plus 65521 words for a checksum), never the model.  The
-                 buckets of a destination's ranks are interleaved, so its ranks finish together.  ``send``
-                 given several destinations with the same layout packs each bucket once for all of them.
+                 copying bucket i into the shadow weights, in two buffers.  A bucket holding one large
+                 region (the plan gives those a bucket each) moves in place where a side holds it
+                 contiguously in the wire's dtype: sent from the trainer's tensor, received into the shadow
+                 weights themselves (then checked there).  Extra memory per side: at most two buckets
+                 (plus 65521 words for a checksum), never the model.  The buckets of a destination's ranks
+                 are interleaved, so its ranks finish together.  ``send`` given several destinations with
+                 the same layout packs each bucket once for all of them; the trainer's tensors must not
+                 change until ``send`` returns.
     verify       every receiver checks every bucket's trailer and checksum before copying it; a bad
                  bucket refuses the sync whole (the receiver drains the rest, so the channel stays
                  usable, and raises: the generator keeps its old weights and version; the router's fault
