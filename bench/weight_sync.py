@@ -395,11 +395,11 @@ def run_decode_gap(quick: bool) -> dict:
 
 # ----------------------------------------------------------------------------- main
 
-def record(rec: Recorder, case: str, impl: str, r: dict, note: str, raw: dict | None = None) -> None:
+def record(rec: Recorder, case: str, impl: str, r: dict, raw: dict | None = None) -> None:
     rec.add(case, impl, "seconds", r["seconds"], "s")
-    rec.add(case, impl, "GB/s", r["delivered"] / r["seconds"] / 1e9, f"GB/s delivered ({note})")
+    rec.add(case, impl, "GB/s", r["delivered"] / r["seconds"] / 1e9, "GB/s")      # delivered to all receivers
     if raw is not None:
-        rec.add(case, impl, "x_raw_broadcast", r["seconds"] / raw["seconds"], "x (lower is better; target <= 1.5)")
+        rec.add(case, impl, "x_raw_broadcast", r["seconds"] / raw["seconds"], "x")   # lower is better; target <= 1.5
     rec.add(case, impl, "peak_extra_bytes", max(r.get("peak_extra_bytes_sender", 0),
                                                 r.get("peak_extra_bytes_receiver", 0)), "bytes")
     for key in ("peak_extra_bytes_sender", "peak_extra_bytes_receiver", "rss_growth_sender", "rss_growth_receiver",
@@ -427,17 +427,17 @@ def main(argv=None) -> int:
             for n in (2, 4):
                 case = f"sync {label} -> {n} x tp1"
                 raw = _isolated(run_raw_broadcast, kind, quick, n, reps)
-                record(rec, case, "raw_broadcast", raw, where)
-                record(rec, case, "collective", _isolated(run_collective, kind, quick, n, 1, reps, False), where, raw)
+                record(rec, case, "raw_broadcast", raw)
+                record(rec, case, "collective", _isolated(run_collective, kind, quick, n, 1, reps, False), raw)
                 record(rec, case, "collective_per_destination",
-                       _isolated(run_collective, kind, quick, n, 1, reps, True), where, raw)
+                       _isolated(run_collective, kind, quick, n, 1, reps, True), raw)
                 if ray_ok:
-                    record(rec, case, "object_store", _isolated(run_object_store, kind, quick, n, reps), where, raw)
+                    record(rec, case, "object_store", _isolated(run_object_store, kind, quick, n, reps), raw)
                 else:
                     rec.missing(case, "object_store", "ray is not installed")
             if kind == "qwen":
                 case = f"sync {label} -> 2 x tp2"
-                record(rec, case, "collective", _isolated(run_collective, kind, quick, 2, 2, reps, False), where)
+                record(rec, case, "collective", _isolated(run_collective, kind, quick, 2, 2, reps, False))
         if args.part in ("all", "gap"):
             r = _isolated(run_decode_gap, quick)
             case = "sync decode gap"
