@@ -36,8 +36,9 @@ The math (a box is a region of the full tensor: one half-open range [start, stop
     checksum    s_i = the bucket's bytes as native (little-endian) int32 words, i = 0 .. n/4 - 1;
                 A = sum s_i mod 2^32,  B = sum (1 + i mod 65521) s_i mod 2^32,  checksum = A * 2^32 + B
                 (an int in [0, 2^64)).  Sums modulo 2^32 are what 32-bit integer adds give in any order,
-                wrapping or not, so a GPU's reduction and a CPU's agree; a changed word changes A, two
-                swapped words change B.
+                wrapping or not, so a GPU's reduction and a CPU's agree.  A changed word always changes A;
+                two swapped words change B unless (w_i - w_j)(s_j - s_i) is a multiple of 2^32 (w: the
+                weights).  It catches corruption, not an adversary.
     digest      a 63-bit hash of the whole plan: two sides that computed different plans (other layouts,
                 another bucket size) find out before a byte is unpacked
 
