@@ -125,6 +125,24 @@ FAMILIES: dict[str, list[Family]] = {
                "steps of running requests while a prompt of 8x the token budget arrives, chunked vs whole; "
                "lower is better."),
     ],
+    "weight_sync": [
+        Family("sync", "Weight sync", "A state dict from a trainer process to N generator processes on one "
+               "machine (gloo over loopback; the object store through shared memory, not a network): seconds "
+               "(lower is better), GB/s delivered, x_raw_broadcast (targets: <= 1.5), extra memory per side "
+               "(target: <= two buckets) and the bytes each rank receives."),
+        Family("sync 1GB", "Weight sync: 1 GB to N generators", "1 GiB of bf16 (64 tensors of 16 MiB) from a trainer "
+               "process to N generator processes on one machine: gloo over loopback (collective, raw_broadcast), "
+               "the object store through shared memory (one node: no network).  seconds (lower is better), GB/s "
+               "delivered to all, x_raw_broadcast (target <= 1.5), extra memory per side (target <= two buckets)."),
+        Family("sync qwen3.5-0.8b", "Weight sync: Qwen3.5-0.8B-shaped", "The text model's tensors as an fp32 "
+               "master, cast to bf16 on the way (1.5 GB per generator), to N generators of one rank or two of two "
+               "tensor-parallel ranks (bytes_per_rank: each rank's shard, beside full_bytes; the tied embedding is "
+               "replicated on every rank).  Same machine and metrics as above."),
+        Family("sync decode gap", "Weight sync while decoding", "A generator process decoding 8 requests while a "
+               "sync of its 0.5 GB of weights streams in: the largest gap between two decode steps during the "
+               "sync, beside the median step and the largest before it (ms; 2 cores shared by trainer, "
+               "receiver and engine)."),
+    ],
 }
 
 

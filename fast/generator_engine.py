@@ -44,6 +44,16 @@ The engine (Generator): continuous batching over a paged KV cache
                  request running across the swap continues on the new weights (its
                  max_policy_version says so; the KV cache it built keeps the old weights' keys,
                  as in PipelineRL's in-flight updates).  Memory: two weight sets.
+    receiving    ``connect_weights(receiver)`` (or ``Generator(..., weight_receiver=receiver)``) connects
+                 a weight transport on every rank (fast/weight_sync.py's ``WeightReceiver``, or any
+                 object with this protocol: ``receiver.connect(rank, size, tensors) -> endpoint``, called
+                 on each rank with its weights by name (``state_dict()``); ``endpoint.receive(version,
+                 header, tensors)`` writes that rank's shard of ``version`` into ``tensors``, the shadow
+                 weights, and raises on any failure; ``endpoint.timeout_s`` bounds each of its waits;
+                 ``endpoint.close()``).  ``receive_weights(version, header=...)`` then runs every rank's
+                 receive while decoding goes on (workers get the header over their weights pipe: one
+                 message each) and swaps between two steps only when every rank received everything:
+                 a refused or failed receive leaves every rank on the old weights and version.
 
 Groups and the prefix cache (ref/generator_engine.py states the semantics: outputs do not change)
     pages        a block allocator (``_Pages``): a page is free, held (refcounts: shared pages are
@@ -109,7 +119,8 @@ Supported, and what raises
     As the reference (ValueError for an empty prompt, unknown token ids, a prompt of max_seq_len
     tokens or more, a state dict with missing, unexpected or mis-shaped tensors, rejected whole
     with the weights and version unchanged; TypeError for non-tensors; RuntimeError after
-    ``close()``), plus ValueError for a request (or a group of n samples) that can never fit the
+    ``close()``), plus RuntimeError from ``receive_weights`` when any rank's receive failed (weights and
+    version unchanged), ValueError for a request (or a group of n samples) that can never fit the
     KV pool, a group larger than ``max_batch_size``, engine knobs < 1, a batch-invariant model without
     ``varlen_attn`` or ``flash_decode``.  Inference only.  Limits: preemption
     recomputes (no swapping to host; cached pages make most of it a hit); the plug-in layers'
@@ -123,6 +134,7 @@ References
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -130,6 +142,7 @@ import operator
 import os
 import sys
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Mapping
 from concurrent.futures import Future
@@ -592,6 +605,8 @@ class Generator:
     A model in the batch-invariant mode (``model.batch_invariant``) makes the engine batch-invariant (the
     module docstring): it then needs ``varlen_attn`` (default: the model's) and ``flash_decode``.
     ``Generator.from_pretrained(path, model_class=DecoderLM, ...)`` serves a checkpoint.
+    ``weight_receiver``                 a weight transport connected on every rank (``connect_weights``;
+                                        the module docstring's "receiving")
     """
 
     def __init__(self, model: nn.Module, *, name: str = "generator", policy_version: int = 0, varlen_attn=None,
@@ -599,7 +614,7 @@ class Generator:
                  max_batch_size: int = 256, max_prefill_tokens: int = 8192, prefix_caching: bool = True,
                  checkpoint_interval: int = 1, num_checkpoints: int | None = None, kv_on_swap: str = "keep",
                  tensor_parallel_size: int = 1, tp_timeout_s: float = 60.0, tp_address: str = "127.0.0.1",
-                 _tp_worker=None):
+                 weight_receiver=None, _tp_worker=None):
         engine_kw = dict(name=name, policy_version=policy_version, varlen_attn=varlen_attn, flash_decode=flash_decode,
                          cascade_decode=cascade_decode, page_size=page_size, num_pages=num_pages,
                          max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
@@ -609,7 +624,7 @@ class Generator:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
         if not isinstance(tp_timeout_s, (int, float)) or isinstance(tp_timeout_s, bool) or not tp_timeout_s > 0:
             raise ValueError(f"tp_timeout_s must be a number of seconds > 0, got {tp_timeout_s!r}")
-        self._tp, self._broken = _tp_worker, None
+        self._tp, self._broken, self._tp_timeout_s = _tp_worker, None, float(tp_timeout_s)
         if tensor_parallel_size > 1:      # this object is rank 0: it starts the workers and keeps its own shard
             self._tp = _TensorParallel(tensor_parallel_size, tp_timeout_s, tp_address)
             model = self._tp.start(model, engine_kw)
@@ -695,6 +710,13 @@ class Generator:
             self._thread.start()
         if isinstance(self._tp, _TensorParallel):
             self._tp.watch(self._tp_failed)
+        self._endpoint = None               # this rank's weight receiver (connect_weights)
+        if weight_receiver is not None:
+            try:
+                self.connect_weights(weight_receiver)
+            except BaseException:
+                self.close()
+                raise
 
     @classmethod
     def from_pretrained(cls, path, *, model_class, linear_layer=None, **kwargs) -> Generator:
@@ -769,6 +791,70 @@ class Generator:
                 self._cv.notify()
             swapped.result()
 
+    def connect_weights(self, receiver) -> None:
+        """Connect a weight transport's receiver on every rank (module docstring, "receiving"): later
+        versions come through ``receive_weights``.  Raises what a rank's connect raised (rank 0's own
+        error as it is, a worker's as RuntimeError); no receiver is connected then, until a connect
+        succeeds."""
+        if not callable(getattr(receiver, "connect", None)):
+            raise TypeError(f"receiver must have connect(rank, size, tensors) (fast/weight_sync.py's WeightReceiver), "
+                            f"got {type(receiver).__name__}")
+        with self._load_lock:
+            if self._tp is not None:
+                self._tp.tell_workers(("connect", receiver))
+            try:
+                endpoint, error = self._connect_endpoint(receiver), None
+            except Exception as exc:  # noqa: BLE001 - raised below, once the workers answered
+                endpoint, error = None, exc
+            bound = self._tp_timeout_s + float(getattr(receiver, "timeout_s", 0.0))
+            errors = self._tp_answers(bound) if self._tp is not None else []
+            if error is None and not errors:
+                return
+            self._endpoint = None         # receive_weights refuses until a connect succeeds on every rank
+            if endpoint is not None:
+                endpoint.close()
+            if error is not None:
+                raise error
+            raise RuntimeError(f"generator {self.name}: connect_weights failed on " + "; ".join(errors))
+
+    def receive_weights(self, version: int | None, *, header=None) -> None:
+        """Take weights ``version`` from the connected receiver on every rank, into the shadow weights
+        while decoding goes on, and swap between two steps once every rank received all of it; raises
+        RuntimeError when any rank's receive failed (a bucket refused, a timeout, a dead trainer): every
+        rank then keeps the weights and version it serves.  ``header`` is the sender's control message
+        for this sync (fast/weight_sync.py's ``WeightSender.header``).  ``version`` None: only (re)form
+        the transport's channels."""
+        if self._endpoint is None:
+            raise RuntimeError(f"generator {self.name} has no weight receiver: connect_weights(receiver) first")
+        if version is not None and not _is_int(version):
+            raise TypeError(f"version must be an int or None, got {type(version).__name__}")
+        with self._load_lock:
+            if self._closed:
+                raise RuntimeError(f"generator {self.name} is closed")
+            if version is not None and version < self._version:
+                raise ValueError(f"version must not decrease: got {version}, serving {self._version}")
+            if self._tp is not None:  # every worker receives its own shard meanwhile
+                self._tp.tell_workers(("receive", version, header))
+            errors = []
+            try:
+                self._receive_shard(version, header)
+            except Exception as exc:  # noqa: BLE001 - the sync is refused below, once the workers answered
+                errors.append(f"rank 0: {type(exc).__name__}: {exc}")
+            if self._tp is not None:
+                errors += self._tp_answers(self._tp_timeout_s + float(getattr(self._endpoint, "timeout_s", 0.0)))
+            if errors:
+                raise RuntimeError(f"generator {self.name}: weights version {version} refused whole (still serving "
+                                   f"version {self._version}): " + "; ".join(errors))
+            if version is None:
+                return
+            swapped = Future()
+            with self._cv:
+                if self._closed:
+                    raise RuntimeError(f"generator {self.name} is closed")
+                self._staged = (self._shadow, version, swapped)
+                self._cv.notify()
+            swapped.result()
+
     def stats(self) -> dict:
         """waiting, running (prefilling or decoding), completed, policy_version; free_pages (free or
         evictable), num_pages, page_size, steps, preemptions, generated_tokens, weights_staged;
@@ -802,6 +888,8 @@ class Generator:
             self._thread.join()
         if self._tp is not None:
             self._tp.close()
+        if getattr(self, "_endpoint", None) is not None:
+            self._endpoint.close()
 
     def __enter__(self):
         return self
@@ -870,22 +958,57 @@ class Generator:
     @torch.no_grad()
     def _copy_into(self, model: nn.Module, tensors: dict) -> None:
         params = model.state_dict()
-        if self.device.type != "cuda":
+        with self._shadow_writes():
             for n, t in tensors.items():
-                params[n].copy_(t)
+                params[n].copy_(t, non_blocking=self.device.type == "cuda")
+
+    @contextlib.contextmanager
+    def _shadow_writes(self):
+        """Where writes into the shadow weights run.  On CUDA a side stream, so decoding on the compute
+        stream goes on; it first waits for the caller's stream (whatever produced the new tensors: an
+        optimizer step, a broadcast) and for the last step that read these buffers (they held the
+        previous weights); the writer waits for it at the end, not the engine."""
+        if self.device.type != "cuda":
+            yield
             return
-        # On a side stream, so decoding on the compute stream goes on.  It first waits for the
-        # caller's stream (whatever produced the new tensors: an optimizer step, a broadcast) and
-        # for the last step that read these buffers (they held the previous weights).
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         if self._retired is not None:
             self._copy_stream.wait_event(self._retired)
         with torch.cuda.stream(self._copy_stream):
-            for n, t in tensors.items():
-                params[n].copy_(t, non_blocking=True)
-        self._copy_stream.synchronize()  # the loader waits, not the engine
+            yield
+        self._copy_stream.synchronize()
+
+
+    def _connect_endpoint(self, receiver):
+        """This rank's side of connect_weights."""
+        rank, size = (0, 1) if self._tp is None else (self._tp.rank, self._tp.size)
+        endpoint = receiver.connect(rank, size, self.model.state_dict())
+        old, self._endpoint = self._endpoint, endpoint
+        if old is not None:
+            old.close()
+        return endpoint
+
+    @torch.no_grad()
+    def _receive_shard(self, version, header) -> None:
+        """This rank's side of receive_weights: its shard into its shadow weights (version None: connect)."""
+        if version is None:
+            self._endpoint.receive(None, header, None)
+            return
+        if self._shadow is None:  # allocated once, by the first load (no random init)
+            self._shadow = _shadow_of(self.model)
+        with self._shadow_writes():
+            self._endpoint.receive(version, header, self._shadow.state_dict())
+
+    def _tp_answers(self, bound_s: float) -> list:
+        """The workers' answers to a weights message (errors, [] when all went well).  A worker silent
+        for bound_s after rank 0's part ended breaks the generator: its ranks may no longer agree."""
+        try:
+            return self._tp.answers(bound_s)
+        except RuntimeError as exc:
+            self._tp_failed(exc)
+            raise
 
     def _swap(self, model: nn.Module, version: int, swapped: Future) -> None:
         """Between two steps: the staged weights become the live ones, the old ones the shadow.  No
@@ -1648,6 +1771,29 @@ class _TensorParallel(_Ranks):
         for rank, pipe in enumerate(self.weights, start=1):
             self._expect(pipe, rank, "loaded")
 
+    def tell_workers(self, message: tuple) -> None:
+        """A weight transport's message (connect, receive) to every worker, over its weights pipe."""
+        for pipe in self.weights:
+            pipe.send(message)
+
+    def answers(self, bound_s: float) -> list:
+        """Each worker's answer to tell_workers: its error, or nothing when it is "done".  A worker that
+        died is an error; one silent past bound_s raises RuntimeError."""
+        errors, deadline = [], time.monotonic() + bound_s
+        for rank, (pipe, proc) in enumerate(zip(self.weights, self.procs), start=1):
+            while not pipe.poll(0.2):
+                if not proc.is_alive():
+                    errors.append(f"rank {rank}: the worker died (exit code {proc.exitcode})")
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel worker {rank} did not answer a weight transfer within "
+                                       f"{bound_s:g} s")
+            else:
+                kind, detail = pipe.recv()
+                if kind != "done":
+                    errors.append(f"rank {rank}: {detail}")
+        return errors
+
     def close(self) -> None:
         """Tell every worker to stop, wait up to tp_timeout_s, then end what is left."""
         self._stop.set()
@@ -1704,6 +1850,16 @@ def _tp_worker_main(rank, size, address, port, timeout_s, recipe, device, engine
             message = weights.recv()
             if isinstance(message, tuple) and message[0] == "close":
                 return
+            if isinstance(message, tuple):   # a weight transport's ("connect", receiver) / ("receive", version, header)
+                try:
+                    if message[0] == "connect":
+                        gen._connect_endpoint(message[1])
+                    else:
+                        gen._receive_shard(message[1], message[2])
+                    weights.send(("done", None))
+                except Exception as exc:
+                    weights.send(("error", f"{type(exc).__name__}: {exc}"))
+                continue
             try:
                 gen._load_shard(message)
                 weights.send(("loaded", None))

@@ -57,6 +57,17 @@ The fleet on Ray (``ray_generators``)
                  never breaks the others, and a restarted actor is re-synced from the same
                  object.  The trainer is any process holding a state dict: no process group,
                  no world size, membership may change.
+    collective   ``weight_transport=sender`` (fast/weight_sync.py's ``WeightSender`` in the trainer's
+                 process, or an object with its ``receiver(name)`` / ``header(name, version)`` /
+                 ``send(name, state_dict, version)``): each actor connects ``sender.receiver(name)`` on
+                 every rank of its engine at start-up (and again after a restart: Ray re-runs the
+                 actor's constructor, and a new receiver makes both sides form new channels), and a
+                 load is one call to the actor (the header) while this process streams the buckets
+                 straight into each rank's shadow weights (shard to shard, verified).  An actor whose
+                 receiver could not connect (the trainer's address unreachable from its node, an
+                 engine without ``connect_weights``) loads through the object store, the fallback; a
+                 failed collective load is a failed load (the router opens the generator and re-syncs
+                 it at re-admission, over new channels).
     placement    actors spread over the cluster's nodes (scheduling strategy "SPREAD" unless
                  ``actor_options`` say otherwise); ``num_cpus`` / ``num_gpus`` per actor.
 
@@ -67,10 +78,10 @@ Supported, and what raises
     As the reference.  ``ray_generators``: ImportError naming ray when it is not installed;
     ValueError for n < 1 or bad options; the modules ``make_generator`` needs must be importable
     on every node (Ray puts the driver's working directory on the workers' path; on a real
-    cluster pass ``actor_options={"runtime_env": {...}}``).  Limits: CPU tensors travel through
-    the object store (GPU weights are copied to host once per version; a collective broadcast
-    among the actors would avoid that, and is not built); a handle's ``submit`` costs a Ray
-    task round trip (~1 ms), so batches of requests belong in one router, not in one call.
+    cluster pass ``actor_options={"runtime_env": {...}}``).  Limits: without ``weight_transport``,
+    CPU tensors travel through the object store (GPU weights are copied to host once per version);
+    a handle's ``submit`` costs a Ray task round trip (~1 ms), so batches of requests belong in one
+    router, not in one call.
 
 References
     As the reference; Ray (Moritz et al., OSDI 2018): actors, fault tolerance (max_restarts),
@@ -1220,7 +1231,8 @@ def _seconds(name: str, value, zero: bool = False) -> float:
 def ray_generators(make_generator, n: int, *, name_prefix: str = "ray-gen", max_restarts: int = 8,
                    num_cpus: float = 1.0, num_gpus: float = 0.0, actor_options: dict | None = None,
                    call_timeout_s: float = 300.0, startup_timeout_s: float = 600.0,
-                   connect_timeout_s: float = 30.0, ray_init_options: dict | None = None) -> list:
+                   connect_timeout_s: float = 30.0, ray_init_options: dict | None = None,
+                   weight_transport=None) -> list:
     """Start ``n`` Ray actors, each serving ``make_generator()``; return n protocol handles.
 
     ``make_generator`` is a picklable zero-argument callable that builds an engine (anything with
@@ -1236,9 +1248,12 @@ def ray_generators(make_generator, n: int, *, name_prefix: str = "ray-gen", max_
     ``RAY_ADDRESS=auto`` goes to ``ray.init`` unchecked); else a
     new local instance (``address="local"``: never one a stale session file of Ray's temp directory
     names).  ``ray_init_options`` go to that ``ray.init`` call.
+    ``weight_transport``: a trainer-side sender (fast/weight_sync.py's ``WeightSender``): loads go through
+    its process groups instead of the object store (module docstring, "collective").
     Each handle has ``name``, ``policy_version``, ``submit``, ``load_weights``, ``dead`` (true once
     Ray reports the actor dead for good: out of restarts, or killed), ``pid`` and ``node_id`` of its
-    actor's process (after a restart: refreshed on the first reply) and ``close()`` (kills it).
+    actor's process (after a restart: refreshed on the first reply), ``weights_path`` ("collective" or
+    "object_store", with ``transport_error`` saying why not collective) and ``close()`` (kills it).
     """
     ray = _ray()
     if not _is_int(n) or n < 1:
@@ -1250,6 +1265,10 @@ def ray_generators(make_generator, n: int, *, name_prefix: str = "ray-gen", max_
     call_timeout_s = _seconds("call_timeout_s", call_timeout_s)
     startup_timeout_s = _seconds("startup_timeout_s", startup_timeout_s)
     connect_timeout_s = _seconds("connect_timeout_s", connect_timeout_s)
+    for method in ("receiver", "header", "send"):
+        if weight_transport is not None and not callable(getattr(weight_transport, method, None)):
+            raise TypeError(f"weight_transport must have {method}() (fast/weight_sync.py's WeightSender), got "
+                            f"{type(weight_transport).__name__}")
     if not ray.is_initialized():
         _start_ray(connect_timeout_s, ray_init_options or {})
     options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=max_restarts, max_task_retries=0,
@@ -1257,7 +1276,8 @@ def ray_generators(make_generator, n: int, *, name_prefix: str = "ray-gen", max_
     options.update(actor_options or {})
     actor_class = ray.remote(_EngineActor)
     names = [f"{name_prefix}{i}" for i in range(n)]
-    actors = [actor_class.options(**options).remote(make_generator) for _ in names]
+    receivers = [None if weight_transport is None else weight_transport.receiver(name) for name in names]
+    actors = [actor_class.options(**options).remote(make_generator, r) for r in receivers]
     try:
         infos = ray.get([a.describe.remote() for a in actors], timeout=startup_timeout_s)
     except Exception:
@@ -1265,7 +1285,8 @@ def ray_generators(make_generator, n: int, *, name_prefix: str = "ray-gen", max_
             ray.kill(a, no_restart=True)
         raise
     store = _WeightStore()
-    return [_RayGenerator(name, actor, info, store, call_timeout_s) for name, actor, info in zip(names, actors, infos)]
+    return [_RayGenerator(name, actor, info, store, call_timeout_s, weight_transport)
+            for name, actor, info in zip(names, actors, infos)]
 
 
 def _ray():
@@ -1304,10 +1325,16 @@ def _start_ray(timeout_s: float, options: dict) -> None:
 class _EngineActor:
     """What runs inside each Ray actor (an async actor: one event loop awaits many requests)."""
 
-    def __init__(self, make_generator):
+    def __init__(self, make_generator, weight_receiver=None):
         import os
         self.engine = make_generator()
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"  # a new one after every restart
+        self.transport_error = None if weight_receiver is not None else "no weight_transport"
+        if weight_receiver is not None:    # every rank joins the trainer's channels (again, after a restart)
+            try:
+                self.engine.connect_weights(weight_receiver)
+            except Exception as exc:  # noqa: BLE001 - the object store is the fallback; describe says why
+                self.transport_error = f"{type(exc).__name__}: {exc}"
 
     async def describe(self) -> dict:
         import os
@@ -1315,7 +1342,8 @@ class _EngineActor:
         config = getattr(self.engine, "config", None)
         return dict(incarnation=self.incarnation, version=self.engine.policy_version, pid=os.getpid(),
                     node_id=ray.get_runtime_context().get_node_id(),
-                    vocab_size=getattr(config, "vocab_size", None), max_seq_len=getattr(config, "max_seq_len", None))
+                    vocab_size=getattr(config, "vocab_size", None), max_seq_len=getattr(config, "max_seq_len", None),
+                    transport_error=self.transport_error)
 
     async def generate(self, request) -> tuple:
         """(incarnation, the completion's fields), or for a group (sampling.n > 1) a list of them."""
@@ -1330,6 +1358,16 @@ class _EngineActor:
         import asyncio
         tensors = _unpack_weights(packed)
         await asyncio.get_running_loop().run_in_executor(None, self.engine.load_weights, tensors, version)
+        return self.incarnation, self.engine.policy_version
+
+    async def receive(self, version: int, header: dict) -> tuple:
+        """A collective load: every rank of the engine receives its shard from the trainer's sender."""
+        import asyncio
+        import functools
+        if self.transport_error is not None:
+            raise RuntimeError(f"this actor has no weight receiver: {self.transport_error}")
+        receive = functools.partial(self.engine.receive_weights, version, header=header)
+        await asyncio.get_running_loop().run_in_executor(None, receive)
         return self.incarnation, self.engine.policy_version
 
 
@@ -1393,13 +1431,20 @@ class _RayGenerator:
 
     _ASK_AGAIN_S = 0.5  # while Ray restarts the actor, ask what it is this often
 
-    def __init__(self, name: str, actor, info: dict, store: _WeightStore, call_timeout_s: float):
+    def __init__(self, name: str, actor, info: dict, store: _WeightStore, call_timeout_s: float, transport=None):
         self.name, self._actor, self._store, self._call_timeout_s = name, actor, store, call_timeout_s
+        self._transport = transport
         self._lock = threading.Lock()
         self._incarnation, self._version = info["incarnation"], info["version"]
         self.pid, self.node_id = info["pid"], info["node_id"]
         self._vocab, self._max_seq_len = info["vocab_size"], info["max_seq_len"]
+        self.transport_error = info["transport_error"]
         self._dead = False
+
+    @property
+    def weights_path(self) -> str:
+        """How the actor's process (as last heard) loads weights: "collective" or "object_store"."""
+        return "collective" if self.transport_error is None else "object_store"
 
     @property
     def policy_version(self) -> int:
@@ -1431,12 +1476,21 @@ class _RayGenerator:
         ray = _ray()
         if not _is_int(version):
             raise TypeError(f"version must be an int, got {type(version).__name__}")
-        ref = self._store.ref(state_dict, version)
         deadline = time.monotonic() + self._call_timeout_s
         while True:
+            if self.weights_path == "collective" and self._version == -1:   # restarting: nobody to stream to yet
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name}: its actor was still restarting after "
+                                       f"{self._call_timeout_s:g} s") from None
+                time.sleep(0.2)
+                continue
             try:
                 left = max(0.0, deadline - time.monotonic())
-                incarnation, loaded = ray.get(self._actor.load.remote(ref, version), timeout=left)
+                if self.weights_path == "collective":
+                    incarnation, loaded = self._load_collective(state_dict, version, left)
+                else:
+                    ref = self._store.ref(state_dict, version)
+                    incarnation, loaded = ray.get(self._actor.load.remote(ref, version), timeout=left)
                 break
             except ray.exceptions.GetTimeoutError:
                 raise TimeoutError(f"{self.name}: load_weights(version={version}) took over "
@@ -1455,6 +1509,29 @@ class _RayGenerator:
                 raise RuntimeError(f"{self.name}: load_weights failed in the actor: {type(cause).__name__}: "
                                    f"{cause}") from None
         self._heard(incarnation, loaded)
+
+    def _load_collective(self, state_dict, version: int, left: float) -> tuple:
+        """One call to the actor (the header) while this thread streams the buckets; the actor's answer
+        decides (it verified every bucket), the sender's failure is raised after it."""
+        ray = _ray()
+        header = self._transport.header(self.name, version)
+        ref = self._actor.receive.remote(version, header)
+        box: dict = {}
+
+        def push():
+            try:
+                self._transport.send(self.name, state_dict, version)
+            except Exception as exc:  # noqa: BLE001 - reported below, after the actor's answer
+                box["error"] = exc
+        pusher = threading.Thread(target=push, name=f"send-{self.name}", daemon=True)
+        pusher.start()
+        try:
+            result = ray.get(ref, timeout=left)
+        finally:     # one stream per handle at a time: a failed call still waits for it (it ends by its timeout)
+            pusher.join()
+        if "error" in box:
+            raise RuntimeError(f"{self.name}: the weight transport failed: {box['error']}")
+        return result
 
     def close(self) -> None:
         """Kill the actor (no restart); its requests fail, the router retries them elsewhere."""
@@ -1534,11 +1611,13 @@ class _RayGenerator:
             with self._lock:
                 if info["incarnation"] == self._incarnation:   # a reply or a load was heard first
                     self.pid, self.node_id = info["pid"], info["node_id"]
+                    self.transport_error = info["transport_error"]
                     if self._version == -1:
                         self._version = info["version"]
                 elif self._version == -1:                       # the first news of the new process
                     self._incarnation, self._version = info["incarnation"], info["version"]
                     self.pid, self.node_id = info["pid"], info["node_id"]
+                    self.transport_error = info["transport_error"]
         ref.future().add_done_callback(on_info)
 
     def _ask_again(self) -> None:

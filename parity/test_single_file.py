@@ -43,6 +43,9 @@ ALLOWED_ONE_SIDED: dict[tuple[str, str], str] = {
     ("gated_deltanet", "GatedDeltaNetCache"): "the layer's decode cache lives beside the layer in ref only",
     ("routed_generator", "ray_generators"): "the Ray fleet is a deployment of the fast router's protocol; the "
                                             "reference specifies routing, not process management",
+    ("weight_sync", "WeightSender"): "the transport between processes (torch.distributed); the reference "
+                                     "specifies the plan and runs it in one process (transfer)",
+    ("weight_sync", "WeightReceiver"): "the generator's side of that transport",
 }
 
 # (folder, public name or "*", parameter name) -> why the parameter exists on one side only.
@@ -71,6 +74,8 @@ ALLOWED_EXTRA = {
     ("fast", "Generator", "tp_timeout_s"): "tensor parallelism: a dead or hung worker fails the generator after it",
     ("fast", "Generator", "tp_address"): "tensor parallelism: the process group's address (loopback by default)",
     ("fast", "Generator", "_tp_worker"): "private: the engine a tensor-parallel worker process runs",
+    ("fast", "Generator", "weight_receiver"): "fast/weight_sync.py's transport, connected on every rank (the "
+                                              "reference engine loads state dicts only)",
 }
 
 _IMPORT_PROBE = r"""
