@@ -178,7 +178,9 @@ def test_batch_invariant_engine_equals_trainer_bitwise(checkpoints, family):
     norms, Gated DeltaNet): every engine logprob equals token_logprobs bit for bit, with groups, prefix-cache
     hits, chunked prefill and preemption (a pool too small for the batch) in the run."""
     _, path = checkpoints[family]
-    kw = dict(linear_layer=FAST_GDN, batch_invariant=True, varlen_attn=fast_pva.varlen_attn)
+    # (ref's chunk form as the linear layer's kernel: the fast Gated DeltaNet kernels' bits in the mode, slow
+    # in the interpreter, are test_batch_invariant_engine.py's; this test is about the attention blocks.)
+    kw = dict(linear_layer=ref_gdn.GatedDeltaNet, batch_invariant=True, varlen_attn=fast_pva.varlen_attn)
     trainer = fast_lm.DecoderLM.from_pretrained(path, **kw)
     base = _prompts(13, lengths=(11, 26))
     prompts = [base[0], base[1], base[1][:12] + [3, 4], base[0][:8] + [9] * 9]
