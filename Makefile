@@ -18,7 +18,7 @@ help:
 	@echo "  make parity         every parity test: the full grid on CUDA, else the Triton            ~12 min"
 	@echo "                      interpreter on small shapes, plus the sm_80/sm_90 build check"
 	@echo "  make compile-check  ahead-of-time build of every kernel and every config (no GPU needed) ~10 min"
-	@echo "  make bench          every benchmark (FEATURE=name for one); prints its tables and writes  ~5 min"
+	@echo "  make bench          every benchmark (FEATURE=name for one); prints its tables and writes ~21 min"
 	@echo "                      bench/results/latest/; RECORD=1 also appends to the committed CSVs"
 	@echo "                      and regenerates bench/README.md's tables and plots"
 	@echo "  make report         regenerate bench/README.md's tables and plots from the CSVs           ~1 s"
