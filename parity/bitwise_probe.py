@@ -20,8 +20,10 @@ Checks (each reports the rows or requests that were bitwise out of those compare
               the mode gives a token the same bits packed, alone, prefilled in pieces and decoded
               (chunk boundaries crossed in every way);
   engine      Generator(model) on a DecoderLM(batch_invariant=True) under preemption == the same
-              requests alone == DecoderLM.token_logprobs, attention-only and hybrid (Gated DeltaNet)
-              models.
+              requests alone == DecoderLM.token_logprobs, on the real architectures' numerics: an
+              attention-only model with Qwen2's q/k/v bias, Qwen3's q/k norms and Llama 3's rope
+              scaling, and a Qwen3.5-style hybrid (Gated DeltaNet, the attention output gate, partial
+              rotary, zero-centred norms).
 Prints one JSON line: {"corename", "aten", "checks": {name: {"bitwise", "total", "error"}}}.
 """
 from __future__ import annotations
@@ -100,17 +102,39 @@ def check_gdn() -> tuple[int, int]:
     return len(cases), len(cases)
 
 
+# The architectures' flags on the test models (their random init perturbs every norm weight and bias):
+# each is a formula the mode must write in its invariant form.
+ARCHITECTURES = {
+    "attention": dict(qkv_bias=True, qk_norm=True, rope_type="llama3", rope_factor=4.0,
+                      rope_original_max_position=16),
+    "hybrid": dict(qk_norm=True, attn_output_gate=True, partial_rotary_factor=0.5, zero_centered_norm=True),
+}
+
+
 def check_engine(kind: str, *, requests: int, seed: int, page_size: int) -> tuple[int, int]:
     """Engine == trainer (and alone == busy) for every request; a run without a preemption fails."""
+    import dataclasses
+
+    import fast.decoder_lm as fast_lm
+    import fast.generator_engine as fast_ge
     import test_batch_invariant_engine as t
+    from fast.flash_decoding import flash_decode
+    from fast.paged_varlen_attention import varlen_attn
+
+    def make_model():
+        config = dataclasses.replace(t.config(kind), **ARCHITECTURES[kind])
+        return fast_lm.DecoderLM(config, seed=3, linear_layer=t.MODELS[kind]["linear_layer"], batch_invariant=True,
+                                 varlen_attn=varlen_attn)
+
     reqs = t.requests(seed=seed, n=requests)
     torch.set_num_threads(1)
-    with t.generator(kind, True, page_size=page_size) as gen:
+    with fast_ge.Generator(make_model(), page_size=page_size, num_pages=-(-56 // page_size), max_batch_size=8,
+                           flash_decode=flash_decode) as gen:
         busy = t.serve_busy(gen, reqs, seed=seed + 1)
         if gen.stats()["preemptions"] < 1:
             raise AssertionError(f"no preemption in the busy run: {gen.stats()}")
         alone = {i: gen.generate([reqs[i]])[0] for i in (0, requests - 1)}
-    trainer = t.make_model(kind)
+    trainer = make_model()
     trainer.load_state_dict(gen.model.state_dict())
     with torch.no_grad():
         recomputed = t.trainer_logprobs(trainer, reqs, busy)
