@@ -110,7 +110,7 @@ FAMILIES: dict[str, list[Family]] = {
         Family("invariant trainer", "Batch-invariant mode: trainer", "Forward + backward of DecoderLM over packed "
                "sequences, mode off and on (same attention kernels), ms, and the slowdown."),
         Family("invariant linear", "Batch-invariant mode: the matmul", "x [M, K] @ W^T: F.linear vs the "
-               "invariant product (one row at a time on a CPU), us per call, and the slowdown."),
+               "invariant product (one row and 8 columns at a time on a CPU), us per call, and the slowdown."),
         Family("grpo engine", "GRPO groups and the prefix cache: engine", "32 prompts x n = 8 samples behind a "
                "shared 128-token system prompt (prompts 256-1,024 tokens, completions 32-128), the 4-layer model on "
                "a CPU with torch attention: prompt tokens requested and actually computed (lower computed_frac is "
@@ -124,6 +124,17 @@ FAMILIES: dict[str, list[Family]] = {
         Family("chunked prefill", "Chunked prefill", "The largest and the median gap (ms) between two decode "
                "steps of running requests while a prompt of 8x the token budget arrives, chunked vs whole; "
                "lower is better."),
+    ],
+    "decoder_lm": [
+        Family("checkpoint", "Real checkpoint sizes on a CPU", "Hugging Face checkpoints of Qwen3-0.6B's and "
+               "Qwen3.5-0.8B's shapes (random weights, bf16 on disk, loaded in fp32): load seconds in a fresh "
+               "process, the weights' bytes beside the process's anonymous memory after the load (the checkpoint "
+               "is memory-mapped) and its peak, decode tokens/s of the fast engine at 1 and 16 requests, and the "
+               "KV pool and linear-state checkpoint bytes."),
+        Family("tp", "Tensor parallelism on a CPU", "Generator(model, tensor_parallel_size=N) decoding over gloo "
+               "on loopback: mean step ms, the bytes on the wire per token (counted) beside the prediction, and "
+               "what one rank contributes per layer and step; invariant = the batch-invariant mode's reduction "
+               "tree (its step time is the Triton interpreter's on a CPU)."),
     ],
     "weight_sync": [
         Family("sync", "Weight sync", "A state dict from a trainer process to N generator processes on one "

@@ -1,8 +1,9 @@
 """The batch-invariant mode is bitwise under every CPU kernel family, not only this machine's.
 
 Each case runs parity/bitwise_probe.py (the invariant matmul, the attention routes, the Gated DeltaNet
-chunk form's rows and layer, engine == alone == trainer under preemption for an attention-only model with Qwen2 / Qwen3 / Llama 3's
-flags and a Qwen3.5-style hybrid) in a subprocess whose environment forces other CPU kernels: numpy's OpenBLAS
+chunk form's rows and layer, engine == alone == trainer under preemption for an attention-only model
+with Qwen2 / Qwen3 / Llama 3's flags and a Qwen3.5-style hybrid) in a subprocess whose environment
+forces other CPU kernels: numpy's OpenBLAS
 (``OPENBLAS_CORETYPE``: it runs the Triton interpreter's ``tl.dot``), and torch's ATen and MKL kernels
 (``ATEN_CPU_CAPABILITY``, ``MKL_ENABLE_INSTRUCTIONS``).  The kernel families differ in how they round
 the slots of a tile (OpenBLAS's Haswell sgemm rounds rows 6-11 of 16 apart from the others; the
