@@ -260,7 +260,8 @@ def ceil_div(a: int, b: int) -> int:
 # ----------------------------------------------------------------------------- test order
 
 # Tests that run several processes at once (each mostly one core): they go after the others, when the
-# background builds are done and a core would otherwise idle beside the single-threaded interpreter.
+# background builds are done and a core would otherwise idle beside the single-threaded interpreter
+# (test_bitwise_blas.py's probes start in the background at collection: its tests, late, read their reports).
 LATE = ("test_bitwise_blas.py", "test_gpu_builds_run_the_same_arithmetic")
 
 
@@ -276,10 +277,14 @@ def pytest_collection_modifyitems(session, config, items):
 
 def pytest_collection_finish(session):
     """... and its builds start now (after -k / -m deselection), in background processes: compiling
-    uses the cores the single-threaded interpreter tests leave idle."""
+    uses the cores the single-threaded interpreter tests leave idle (and so do the BLAS-family probes of
+    test_bitwise_blas.py, whose tests then read their reports)."""
     builds = [item for item in session.items if item.path.name == "test_compile.py"]
     if builds and not session.config.option.collectonly:
         builds[0].module.start_builds()
+    probes = [item for item in session.items if item.path.name == "test_bitwise_blas.py"]
+    if probes and not session.config.option.collectonly:
+        probes[0].module.start_probes()       # the BLAS-family probes, likewise in the background
     _start_progress(session)
 
 
