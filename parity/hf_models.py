@@ -70,9 +70,11 @@ def use_torch_delta_rule() -> None:
 
 
 def hf_logprobs(model, sequence: list, prompt_len: int) -> torch.Tensor:
-    """transformers' logprobs of a sequence's completion tokens, one forward over the sequence alone."""
+    """transformers' logprobs of a sequence's completion tokens, one forward over the sequence alone (on the
+    model's device; returned on the CPU)."""
+    device = next(model.parameters()).device
     with torch.no_grad():
-        logits = model(torch.tensor([sequence])).logits[0].float()
+        logits = model(torch.tensor([sequence], device=device)).logits[0].float().cpu()
     logp = torch.log_softmax(logits[prompt_len - 1:-1], dim=-1)
     return logp.gather(1, torch.tensor(sequence[prompt_len:])[:, None])[:, 0]
 

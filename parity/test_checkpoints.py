@@ -8,7 +8,9 @@ repo's own safetensors reader.  In fp32 on a CPU: ``token_logprobs`` and every e
 ``generate(do_sample=False)``, for every family, both files, the fast engine with its default attention and
 with this repo's kernels plugged in (Triton interpreter).  With ``batch_invariant=True`` the fast engine's
 logprobs equal the model's ``token_logprobs`` bit for bit on Qwen3 and Qwen3.5 checkpoints through the
-prefix cache, groups, chunked prefill and preemption.  A checkpoint is untrusted input: truncated or
+prefix cache, groups, chunked prefill and preemption.  In bf16 on a GPU (the GPU tier): the fast model on
+this repo's kernels within the repo's tolerance rule against transformers' fp64 forward, with transformers'
+own bf16 run on the same GPU as the yardstick.  A checkpoint is untrusted input: truncated or
 corrupted safetensors files raise ValueError naming the file and tensor.
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ import fast.paged_varlen_attention as fast_pva
 import ref.decoder_lm as ref_lm
 import ref.gated_deltanet as ref_gdn
 import ref.generator_engine as ref_ge
+from conftest import DEVICE, check_close, requires_gpu
 from hf_models import FAMILIES, VOCAB, hf_greedy, hf_logprobs, hf_model
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -168,6 +171,28 @@ def test_max_seq_len_caps_the_context(checkpoints):
     assert model.config.max_seq_len == 40
     with fast_ge.Generator(model) as g, pytest.raises(ValueError, match="max_seq_len=40"):
         g.submit(fast_ge.Request(list(range(1, 41))))
+
+
+@requires_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_bf16_token_logprobs_within_the_tolerance_rule(checkpoints, family):
+    """bf16 on a GPU: the fast model with this repo's kernels against transformers' fp64 forward, within twice
+    transformers' own bf16 error on the same GPU (the repo's tolerance rule), every family."""
+    hf, path = checkpoints[family]
+    model = fast_lm.DecoderLM.from_pretrained(path, linear_layer=FAST_GDN, dtype=torch.bfloat16, device=DEVICE,
+                                              varlen_attn=fast_pva.varlen_attn)
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(1, VOCAB, (37,), generator=gen).tolist()
+    seqs = [prompt + torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (3, 40, 150)]
+    prompts = [37, 37, 37]
+    with torch.no_grad():
+        got = torch.cat(model.token_logprobs(seqs, prompts, temperature=0.0))
+    hf64 = copy.deepcopy(hf).double()
+    hf_bf16 = copy.deepcopy(hf).to(device=DEVICE, dtype=torch.bfloat16)
+    ref64 = torch.cat([hf_logprobs(hf64, s, p) for s, p in zip(seqs, prompts)])
+    lowp = torch.cat([hf_logprobs(hf_bf16, s, p) for s, p in zip(seqs, prompts)])
+    check_close(f"{family} bf16 token_logprobs", got, ref64, lowp)
 
 
 # ----------------------------------------------------------------------------- bitwise on real architectures
