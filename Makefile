@@ -15,7 +15,7 @@ DRY_RUN ?= 0
 help:
 	@echo "Targets (durations measured on a 2-core CPU machine without a GPU; parity/make_durations.py):"
 	@echo "  make install        dependencies into the active Python (keeps an installed torch)        ~1 min"
-	@echo "  make parity         every parity test: the full grid on CUDA, else the Triton            ~12 min"
+	@echo "  make parity         every parity test: the full grid on CUDA, else the Triton            ~14 min"
 	@echo "                      interpreter on small shapes, plus the sm_80/sm_90 build check"
 	@echo "  make compile-check  ahead-of-time build of every kernel and every config (no GPU needed) ~10 min"
 	@echo "  make bench          every benchmark (FEATURE=name for one); prints its tables and writes ~21 min"
