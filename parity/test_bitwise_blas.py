@@ -14,6 +14,7 @@ a GPU.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -67,6 +68,7 @@ def start_probes() -> dict:
         return _PROBES
     out = Path(tempfile.mkdtemp(prefix="twofold-blas-probes-"))
     _PROBES["_dir"] = out
+    atexit.register(_stop_probes)
     for name, env, _, needs in KERNELS:
         if needs <= cpu_flags():
             stdout, stderr = open(out / f"{name}.out", "w+"), open(out / f"{name}.err", "w+")
@@ -77,10 +79,9 @@ def start_probes() -> dict:
     return _PROBES
 
 
-@pytest.fixture(scope="module")
-def probes():
-    runs = start_probes()
-    yield runs
+def _stop_probes(runs: dict = _PROBES):
+    """Kill what still runs (a session that ends early, interrupted or deselected after the start), close the
+    output files, remove their folder."""
     for name, run in list(runs.items()):
         if name == "_dir":
             continue
@@ -93,6 +94,12 @@ def probes():
     if "_dir" in runs:
         shutil.rmtree(runs["_dir"], ignore_errors=True)
     runs.clear()
+
+
+@pytest.fixture(scope="module")
+def probes():
+    yield start_probes()
+    _stop_probes()
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU kernel families; the GPU tier checks the mode on a GPU")
