@@ -25,19 +25,14 @@ import torch
 
 import ref.decoder_lm as ref_lm
 import ref.gated_deltanet as ref_gdn
+import tp_models
 from netns import run_isolated, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _config(kind: str) -> ref_lm.ModelConfig:
-    kw = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-              head_dim=8, max_seq_len=64, tie_embeddings=False, qk_norm=True, attn_output_gate=True,
-              zero_centered_norm=True, partial_rotary_factor=0.5)
-    if kind == "hybrid":
-        kw.update(layer_types=("linear", "attention"), linear_num_k_heads=2, linear_num_v_heads=4,
-                  linear_head_k_dim=8, linear_head_v_dim=8)
-    return ref_lm.ModelConfig(**kw)
+    return tp_models.config(kind, ref_lm)
 
 
 def _on_threads(fns: list) -> list:

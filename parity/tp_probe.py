@@ -36,16 +36,11 @@ import fast.flash_decoding as fd  # noqa: E402
 import fast.generator_engine as ge  # noqa: E402
 import fast.paged_varlen_attention as pva  # noqa: E402
 import ref.gated_deltanet as gdn  # noqa: E402
+import tp_models  # noqa: E402
 
 
 def config(kind: str) -> lm.ModelConfig:
-    kw = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-              head_dim=8, max_seq_len=64, tie_embeddings=False, qk_norm=True, attn_output_gate=True,
-              zero_centered_norm=True, partial_rotary_factor=0.5)
-    if kind == "hybrid":
-        kw.update(layer_types=("linear", "attention"), linear_num_k_heads=2, linear_num_v_heads=4,
-                  linear_head_k_dim=8, linear_head_v_dim=8)
-    return lm.ModelConfig(**kw)
+    return tp_models.config(kind, lm)
 
 
 def model_kw(mode: str) -> dict:

@@ -46,16 +46,11 @@ import fast.weight_sync as ws  # noqa: E402
 import ref.decoder_lm as ref_lm  # noqa: E402
 import ref.gated_deltanet as gdn  # noqa: E402
 import ref.weight_sync as ref_ws  # noqa: E402
+import tp_models  # noqa: E402
 
 
 def config(kind: str, mod=lm):
-    kw = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-              head_dim=8, max_seq_len=64, tie_embeddings=False, qk_norm=True, attn_output_gate=True,
-              zero_centered_norm=True, partial_rotary_factor=0.5)
-    if kind == "hybrid":
-        kw.update(layer_types=("linear", "attention"), linear_num_k_heads=2, linear_num_v_heads=4,
-                  linear_head_k_dim=8, linear_head_v_dim=8)
-    return mod.ModelConfig(**kw)
+    return tp_models.config(kind, mod)
 
 
 def full_weights(kind: str, seed: int) -> dict:

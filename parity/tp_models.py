@@ -1,0 +1,17 @@
+"""The tiny models of the tensor-parallel and weight-sync tests (parity/test_tensor_parallel.py,
+parity/tp_probe.py, parity/ws_probe.py): every head count small enough for tp = 4 to replicate KV heads and
+Gated DeltaNet key heads, with Qwen3.5's numerics switched on (q/k norms, the attention output gate,
+zero-centred norms, partial rotary) so a shard cut at the wrong boundary changes the result."""
+from __future__ import annotations
+
+
+def config(kind: str, mod):
+    """``mod.ModelConfig`` (mod: ref/ or fast/ decoder_lm) of the attention-only model (4 query heads, 2 KV
+    heads) or, for kind "hybrid", a Gated DeltaNet layer (Hk = 2, Hv = 4) then a gated attention layer."""
+    kw = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+              head_dim=8, max_seq_len=64, tie_embeddings=False, qk_norm=True, attn_output_gate=True,
+              zero_centered_norm=True, partial_rotary_factor=0.5)
+    if kind == "hybrid":
+        kw.update(layer_types=("linear", "attention"), linear_num_k_heads=2, linear_num_v_heads=4,
+                  linear_head_k_dim=8, linear_head_v_dim=8)
+    return mod.ModelConfig(**kw)
