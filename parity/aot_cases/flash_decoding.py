@@ -17,6 +17,28 @@ from aot_compile import POINTER_TYPES as _TYPES  # parity/ is on sys.path wherev
 from aot_compile import int_signature as _int_types
 
 
+def _example_strides(d, h_q, h_kv, s_q, paged, split, parts, kv_align, seq, page):
+    """An example decode launch's block-table width and strides: q [B, S_q, H_q, D]; the cache, a pool of
+    ``page``-key pages or ``seq`` contiguous slots, rows padded to ``kv_align``; the partials
+    [B, S_q, H_q, parts, D] and their lse [B, S_q, H_q, parts] of a split launch, else views of out and of the
+    lse [B, H_q, S_q] (read as (b, i, h))."""
+    row = -(-d // kv_align) * kv_align                       # the cache's row stride in elements
+    if paged:
+        pages_per_seq = seq // page + 1
+        k_strides = (page * h_kv * row, h_kv * row, row)     # [num_pages, page_size, H_kv, D]
+    else:
+        pages_per_seq = 0
+        k_strides = (seq * h_kv * row, h_kv * row, row)      # [B, S_max, H_kv, D]
+    q_strides = (s_q * h_q * d, h_q * d, d)
+    if split:
+        part_strides = (s_q * h_q * parts * d, h_q * parts * d, parts * d, d)
+        l_strides = (s_q * h_q * parts, h_q * parts, parts, 1)
+    else:
+        part_strides = (*q_strides, 0)
+        l_strides = (h_q * s_q, 1, s_q, 0)
+    return pages_per_seq, q_strides, k_strides, part_strides, l_strides
+
+
 def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16, batch=4, seq=8192, page=16,
                  num_splits=7, invariant_family=None, leftpad=False, fused=None):
     """The decode kernel's build for one example launch: q [B, S_q, H_q, D], a paged pool of ``page``-key
@@ -32,20 +54,8 @@ def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16,
     else:
         cfg = m._invariant_config(d, dtype, s_q * (h_q // h_kv), h_q // h_kv, kv_align, invariant_family)
     warps = cfg["fused_warps"] if fused else cfg["num_warps"]      # a fused split launch runs more warps
-    row = -(-d // kv_align) * kv_align                       # the cache's row stride in elements
-    if paged:
-        pages_per_seq = seq // page + 1
-        k_strides = (page * h_kv * row, h_kv * row, row)     # [num_pages, page_size, H_kv, D]
-    else:
-        pages_per_seq = 0
-        k_strides = (seq * h_kv * row, h_kv * row, row)      # [B, S_max, H_kv, D]
-    q_strides = (s_q * h_q * d, h_q * d, d)
-    if split:
-        o_strides = (s_q * h_q * num_splits * d, h_q * num_splits * d, num_splits * d, d)
-        l_strides = (s_q * h_q * num_splits, h_q * num_splits, num_splits, 1)
-    else:
-        o_strides = (*q_strides, 0)
-        l_strides = (h_q * s_q, 1, s_q, 0)                   # lse [B, H_q, S_q], read as (b, i, h)
+    pages_per_seq, q_strides, k_strides, o_strides, l_strides = _example_strides(
+        d, h_q, h_kv, s_q, paged, split, num_splits, kv_align, seq, page)
     names = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
              "stride_vt", "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_osplit", "stride_lb",
              "stride_ls", "stride_lh", "stride_lsplit", "stride_btb", "H_kv", "GROUP", "S_q", "PAGE_SIZE",
@@ -85,20 +95,8 @@ def invariant_decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, fam
     from cache_leftpad on (the engine's second segment)."""
     cfg = m._invariant_config(d, dtype, s_q * (h_q // h_kv), h_q // h_kv, kv_align, family)
     n_seg = -(-seq // cfg["SPLIT"])
-    row = -(-d // kv_align) * kv_align                       # the cache's row stride in elements
-    if paged:
-        pages_per_seq = seq // page + 1
-        k_strides = (page * h_kv * row, h_kv * row, row)     # [num_pages, page_size, H_kv, D]
-    else:
-        pages_per_seq = 0
-        k_strides = (seq * h_kv * row, h_kv * row, row)      # [B, S_max, H_kv, D]
-    q_strides = (s_q * h_q * d, h_q * d, d)
-    if split:
-        p_strides = (s_q * h_q * n_seg * d, h_q * n_seg * d, n_seg * d, d)
-        l_strides = (s_q * h_q * n_seg, h_q * n_seg, n_seg, 1)
-    else:                                                     # (views of out and lse, never read)
-        p_strides = (*q_strides, 0)
-        l_strides = (h_q * s_q, 1, s_q, 0)
+    pages_per_seq, q_strides, k_strides, p_strides, l_strides = _example_strides(
+        d, h_q, h_kv, s_q, paged, split, n_seg, kv_align, seq, page)
     names = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
              "stride_vt", "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_pb", "stride_ps", "stride_ph",
              "stride_pseg", "stride_lb", "stride_ls", "stride_lh", "stride_lseg", "stride_btb", "H_kv", "GROUP",
