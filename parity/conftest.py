@@ -42,6 +42,11 @@ import pytest  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# TWOFOLD_EMULATE_OPENBLAS=SkylakeX: the interpreter's tl.dot rounds as OpenBLAS's AVX-512 kernels do, on
+# a CPU that cannot run them (parity/openblas_emulation.py; the sweep of CONTRIBUTING.md uses it).
+if INTERPRET and os.environ.get("TWOFOLD_EMULATE_OPENBLAS"):
+    from openblas_emulation import install as _emulate_openblas
+    _emulate_openblas(os.environ["TWOFOLD_EMULATE_OPENBLAS"])
 
 requires_gpu = pytest.mark.skipif(not ON_GPU, reason="GPU tier: needs CUDA")
 needs_bf16_compute = pytest.mark.skipif(
@@ -262,7 +267,7 @@ def ceil_div(a: int, b: int) -> int:
 # Tests that run several processes at once (each mostly one core): they go after the others, when the
 # background builds are done and a core would otherwise idle beside the single-threaded interpreter
 # (test_bitwise_blas.py's probes start in the background at collection: its tests, late, read their reports).
-LATE = ("test_bitwise_blas.py", "test_gpu_builds_run_the_same_arithmetic")
+LATE = ("test_bitwise_blas.py", "test_numerics_blas.py", "test_gpu_builds_run_the_same_arithmetic")
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -282,9 +287,10 @@ def pytest_collection_finish(session):
     builds = [item for item in session.items if item.path.name == "test_compile.py"]
     if builds and not session.config.option.collectonly:
         builds[0].module.start_builds()
-    probes = [item for item in session.items if item.path.name == "test_bitwise_blas.py"]
-    if probes and not session.config.option.collectonly:
-        probes[0].module.start_probes()       # the BLAS-family probes, likewise in the background
+    for name, start in (("test_bitwise_blas.py", "start_probes"), ("test_numerics_blas.py", "start_runs")):
+        items = [item for item in session.items if item.path.name == name]
+        if items and not session.config.option.collectonly:
+            getattr(items[0].module, start)()   # the BLAS-family runs, likewise in the background
     _start_progress(session)
 
 
