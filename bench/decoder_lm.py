@@ -9,7 +9,10 @@ Cases (CPU-meaningful: this measures loading, memory, the engine's batching and 
                               counted) and ``peak_rss_bytes`` (the high-water mark, mapped pages included),
                               decode ``tokens/s`` of the fast engine at 1 and 16 requests (prompt 32, 16 new
                               tokens, greedy, in-file attention), its ``kv_pool_bytes`` and
-                              ``checkpoint_bytes`` (the hybrid's linear-state slots).
+                              ``checkpoint_bytes`` (the hybrid's linear-state slots); and what the memory
+                              budget gives a Generator with default arguments at the released context
+                              (``default_*``: the budget, the KV pool and its tokens, the state slots and
+                              checkpoints, max_seq_len, max_batch_size).
     tp <model> tp=N <mode>    fast/generator_engine.py's Generator(model, tensor_parallel_size=N) decoding B
                               requests, inside a private network namespace (so the loopback counters see
                               only this run): ``step_ms`` (mean iteration), ``wire_bytes_per_token``
@@ -21,10 +24,13 @@ Cases (CPU-meaningful: this measures loading, memory, the engine's batching and 
                               one rank contributes per layer and decode step: two sums of B x hidden).
                               Mode ``default`` or ``invariant`` (the reduction tree: on a CPU its kernels
                               run under the Triton interpreter, so its step time is the interpreter's).
+    pool <n> requests, <p> pages   what a pool too small for the load costs (bench_pool): ``preemptions``,
+                              ``recomputed_tokens`` (prompt tokens computed beyond those asked) and
+                              ``wall_s``, on pools that hold all, 8 or 3 of the sequences.
 
     python bench/decoder_lm.py                 # both parts; rows to bench/results/latest/ (untracked)
     python bench/decoder_lm.py --record        # ... and appended to bench/results/decoder_lm.csv
-    python bench/decoder_lm.py --part tp       # checkpoint | tp
+    python bench/decoder_lm.py --part tp       # checkpoint | tp | pool
 """
 from __future__ import annotations
 
@@ -44,19 +50,8 @@ sys.path.insert(0, str(ROOT / "parity"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from harness import run_bench  # noqa: E402
+from hf_models import REAL_SIZES as SHAPES, write_real_size_checkpoint as write_checkpoint  # noqa: E402
 
-SHAPES = {   # the released configs' sizes (random weights; vocab and head layout as released)
-    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                       rope_theta=1000000.0, torch_dtype="bfloat16"),
-    "qwen3.5-0.8b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, intermediate_size=3584,
-                         num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
-                         linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-                         linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
-                         rms_norm_eps=1e-6, tie_word_embeddings=True, torch_dtype="bfloat16",
-                         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25)),
-}
 TP_MODEL = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8, num_kv_heads=2,
                 head_dim=64, max_seq_len=256, tie_embeddings=False)
 
@@ -70,21 +65,6 @@ def _child_facts(proc, what: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- checkpoints at real sizes
-
-def write_checkpoint(shape: str, path: Path) -> None:
-    """config.json and model.safetensors (bf16) of a random model with the shape's sizes."""
-    import fast.decoder_lm as lm
-    import ref.gated_deltanet as gdn
-    from safetensors.torch import save_file
-    raw = SHAPES[shape]
-    config = lm.ModelConfig.from_hf(raw, max_seq_len=64)
-    model = lm.DecoderLM(config, seed=0, linear_layer=gdn.GatedDeltaNet, dtype=torch.bfloat16)
-    tensors = {n: t.contiguous() for n, t in model.state_dict().items() if not (n == "lm_head.weight" and
-                                                                               config.tie_embeddings)}
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(raw))
-
 
 def _memory() -> tuple[int, int]:
     """(RssAnon, VmHWM) of this process in bytes, from /proc/self/status."""
@@ -104,13 +84,18 @@ def checkpoint_child(path: str) -> dict:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     anon_before, _ = _memory()
     start = time.perf_counter()
-    model = lm.DecoderLM.from_pretrained(path, linear_layer=gdn.GatedDeltaNet, dtype=torch.float32, max_seq_len=64)
+    model = lm.DecoderLM.from_pretrained(path, linear_layer=gdn.GatedDeltaNet, dtype=torch.float32)
     load_s = time.perf_counter() - start
     anon_after, peak = _memory()
     out = dict(load_s=load_s, weights_bytes=sum(p.numel() * p.element_size() for p in
                                                 {id(p): p for p in model.parameters()}.values()),
                rss_anon_bytes=anon_after - anon_before, peak_rss_bytes=peak)
-    with ge.Generator(model, page_size=16, max_batch_size=16) as g:
+    with ge.Generator(model) as g:                     # default arguments: the memory budget decides
+        stats = g.stats()
+        out.update({f"default_{k}": stats[k] for k in ("memory_budget_bytes", "kv_pool_bytes", "kv_tokens",
+                                                       "state_slot_bytes", "checkpoint_capacity_bytes",
+                                                       "max_seq_len")}, default_max_batch_size=g.max_batch_size)
+    with ge.Generator(model, page_size=16, max_batch_size=16, max_seq_len=64) as g:
         gen = torch.Generator().manual_seed(0)
         for batch in (1, 16):
             reqs = [ge.Request(torch.randint(0, model.config.vocab_size, (32,), generator=gen).tolist(),
@@ -134,8 +119,12 @@ def bench_checkpoints(rec, quick: bool) -> None:
         facts = _child_facts(proc, f"checkpoint {shape}")
         case = f"checkpoint {shape}"
         rec.add(case, "fast", "load_s", facts["load_s"], "s")
-        for metric in ("weights_bytes", "rss_anon_bytes", "peak_rss_bytes", "kv_pool_bytes", "checkpoint_bytes"):
+        for metric in ("weights_bytes", "rss_anon_bytes", "peak_rss_bytes", "kv_pool_bytes", "checkpoint_bytes",
+                       "default_memory_budget_bytes", "default_kv_pool_bytes", "default_state_slot_bytes",
+                       "default_checkpoint_capacity_bytes"):
             rec.add(case, "fast", metric, facts[metric], "B")
+        for metric in ("default_kv_tokens", "default_max_seq_len", "default_max_batch_size"):
+            rec.add(case, "fast", metric, facts[metric], "tokens" if "batch" not in metric else "sequences")
         for batch in (1, 16):
             rec.add(case, "fast", f"tokens/s b={batch}", facts[f"tokens_per_s_b{batch}"], "tok/s")
 
@@ -202,11 +191,42 @@ def bench_tp(rec, quick: bool) -> None:
             rec.add(case, "fast", metric, facts[metric], "B")
 
 
+# ----------------------------------------------------------------------------- a pool too small for the load
+
+POOL_MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4, num_kv_heads=2,
+                  head_dim=64, max_seq_len=256)
+
+
+def bench_pool(rec, quick: bool) -> None:
+    """What a pool too small for the load costs: 32 requests (prompt 64, 64 new tokens, distinct prompts, greedy)
+    on pools of 256 pages (all at once), 64 (8 sequences' worth) and 24 (3): preemptions, tokens recomputed
+    (prompt tokens run through the model beyond the 32 x 64 asked) and the wall time."""
+    import fast.decoder_lm as lm
+    import fast.generator_engine as ge
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    model = lm.DecoderLM(lm.ModelConfig(**POOL_MODEL), seed=0)
+    gen = torch.Generator().manual_seed(1)
+    reqs = [ge.Request(torch.randint(0, 512, (64,), generator=gen).tolist(), ge.SamplingParams(max_new_tokens=64))
+            for _ in range(8 if quick else 32)]
+    for pages in (256, 64, 24):
+        with ge.Generator(model, page_size=16, num_pages=pages, max_seq_len=256) as g:
+            start = time.perf_counter()
+            g.generate(reqs)
+            wall = time.perf_counter() - start
+            st = g.stats()
+        case = f"pool {len(reqs)} requests, {pages} pages of 16"
+        rec.add(case, "fast", "preemptions", st["preemptions"], "")
+        rec.add(case, "fast", "recomputed_tokens", st["computed_prompt_tokens"] - st["prompt_tokens"], "tokens")
+        rec.add(case, "fast", "wall_s", wall, "s")
+
+
 def cpu(rec, args) -> None:
     if args.part in ("all", "checkpoint"):
         bench_checkpoints(rec, args.quick)
     if args.part in ("all", "tp"):
         bench_tp(rec, args.quick)
+    if args.part in ("all", "pool"):
+        bench_pool(rec, args.quick)
 
 
 def main(argv=None) -> int:
@@ -219,7 +239,7 @@ def main(argv=None) -> int:
         return 0
 
     def configure(ap):
-        ap.add_argument("--part", choices=["all", "checkpoint", "tp"], default="all")
+        ap.add_argument("--part", choices=["all", "checkpoint", "tp", "pool"], default="all")
     return run_bench("decoder_lm", __doc__, gpu=cpu, cpu=cpu, configure=configure, argv=argv)
 
 

@@ -138,6 +138,7 @@ import contextlib
 import copy
 import dataclasses
 import itertools
+import math
 import operator
 import os
 import sys
@@ -412,6 +413,223 @@ def _sample_batch(logits: torch.Tensor, params: list, rngs: list, log_softmax=No
             tokens[i], logprobs[i] = t, lp_i
     return tokens, logprobs
 
+# ----------------------------------------------------------------------------- memory budget
+# The KV pages, the linear layers' state slots and their checkpoints share one budget (vLLM's
+# gpu_memory_utilization / kv_cache_memory_bytes, SGLang's mem_fraction_static):
+#   kv_cache_memory given            that many bytes;
+#   CUDA                             memory_utilization x the device's memory, less what this process holds
+#                                    already (the weights), the shadow weights of a hot swap, and the
+#                                    activation peak of a profiling step at the largest prefill;
+#   CPU                              memory_utilization x CPU_SHARE of the memory available when the engine
+#                                    starts (/proc/meminfo's MemAvailable, a cgroup limit or RLIMIT_AS,
+#                                    whichever is least), less the shadow weights: the other half is left
+#                                    for activations, the OS and other processes.
+# Within the budget: the state slots (one per decoding sequence, max_batch_size of them) and, for a hybrid
+# model with prefix caching, the checkpoints take at most a quarter each (fewer slots than the default 256
+# when the state is large); the KV pages take the rest, up to what max_batch_size sequences of the model's
+# max_seq_len can hold (a pool beyond that would only cache prefixes).  One sequence of max_seq_len must fit:
+# max_seq_len defaults to the model's, capped by the pages; an explicit one that does not fit is a
+# ValueError before anything is allocated.  A pool too small for the load preempts (recomputation).
+
+CPU_SHARE = 0.5
+DEFAULT_MAX_BATCH_SIZE = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """How the budget is spent (bytes for this rank's shard).  ``stats()`` reports it."""
+
+    budget: int                     # what the KV pages, state slots and checkpoints may take together
+    source: str                     # where the budget comes from
+    kv_bytes_per_token: int         # K and V of one token in every attention layer
+    state_bytes_per_sequence: int   # every linear layer's cache of one sequence (0: attention only)
+    page_size: int
+    num_pages: int
+    max_batch_size: int             # state slots = block-table rows = sequences decoding at once
+    num_checkpoints: int
+    max_seq_len: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_pages * self.page_size * self.kv_bytes_per_token
+
+    @property
+    def state_bytes(self) -> int:
+        return self.max_batch_size * self.state_bytes_per_sequence
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return self.num_checkpoints * self.state_bytes_per_sequence
+
+    def report(self) -> dict:
+        return dict(memory_budget_bytes=self.budget, memory_budget_source=self.source,
+                    kv_pool_bytes=self.kv_bytes, state_slot_bytes=self.state_bytes,
+                    checkpoint_capacity_bytes=self.checkpoint_bytes, kv_tokens=self.num_pages * self.page_size,
+                    kv_bytes_per_token=self.kv_bytes_per_token, max_seq_len=self.max_seq_len)
+
+
+def _size(n: float) -> str:
+    """Bytes for a message: '1.50 GiB', '25.0 KiB'."""
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{int(n)} B"
+
+
+def _available_host_memory() -> tuple[int, str]:
+    """(bytes this process may still allocate on the host, what bounds it): the least of MemAvailable, the
+    cgroup's memory.max - memory.current and RLIMIT_AS - the address space in use."""
+    import resource
+    found = []
+
+    def read(path):
+        try:
+            with open(path) as f:
+                return f.read()
+        except OSError:
+            return None
+
+    meminfo = read("/proc/meminfo")
+    if meminfo:
+        fields = dict(line.split(":", 1) for line in meminfo.splitlines() if ":" in line)
+        if "MemAvailable" in fields:
+            found.append((int(fields["MemAvailable"].split()[0]) * 1024, "MemAvailable"))
+    limit, current = read("/sys/fs/cgroup/memory.max"), read("/sys/fs/cgroup/memory.current")
+    if limit and current and limit.strip() != "max":
+        found.append((int(limit) - int(current), "the cgroup's memory.max"))
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    status = read("/proc/self/status")
+    if soft != resource.RLIM_INFINITY and status:
+        vm = next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmSize:")), 0)
+        found.append((soft - vm, "RLIMIT_AS"))
+    if not found:
+        raise ValueError("cannot tell how much host memory is available (no /proc/meminfo): pass kv_cache_memory")
+    return min(found)
+
+
+def _memory_budget(device: torch.device, *, kv_cache_memory, memory_utilization: float, weight_bytes: int,
+                   activation_bytes: int, device_memory=None) -> tuple[int, str]:
+    """(bytes for the pools, where they come from): the section above.  ``device_memory``: a CUDA device's
+    (free, total, bytes this process holds: torch's reserved memory, the weights in it), or a CPU's
+    (available, what bounds it); measured when None (a parameter so that the arithmetic can be checked for
+    a GPU on any machine)."""
+    gib = 2 ** 30
+    if kv_cache_memory is not None:
+        return int(kv_cache_memory), f"kv_cache_memory={int(kv_cache_memory)}"
+    if device.type == "cuda":
+        free, total, held = device_memory if device_memory is not None else (
+            *torch.cuda.mem_get_info(device), torch.cuda.memory_reserved(device))
+        asked = memory_utilization * total
+        if asked > free + held:
+            raise ValueError(f"memory_utilization={memory_utilization} asks for {asked / gib:.2f} GiB of the GPU's "
+                             f"{total / gib:.2f} GiB, but only {(free + held) / gib:.2f} GiB are free or held by this "
+                             f"process (other processes hold the rest): lower memory_utilization or pass "
+                             f"kv_cache_memory")
+        budget = asked - held - weight_bytes - activation_bytes
+        source = (f"{memory_utilization} x {total / gib:.2f} GiB ({device}) - {held / gib:.2f} GiB held "
+                  f"(weights) - {weight_bytes / gib:.2f} GiB shadow weights - {activation_bytes / gib:.2f} GiB "
+                  f"activation peak")
+    else:
+        available, bound = device_memory[:2] if device_memory is not None else _available_host_memory()
+        budget = memory_utilization * CPU_SHARE * available - weight_bytes
+        source = (f"{memory_utilization} x {CPU_SHARE} x {available / gib:.2f} GiB available ({bound}) - "
+                  f"{weight_bytes / gib:.2f} GiB shadow weights")
+    if budget <= 0:
+        raise ValueError(f"no memory is left for the KV cache ({source} = {_size(budget)}): raise "
+                         f"memory_utilization or pass kv_cache_memory")
+    return int(budget), source
+
+
+def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A pool of zeros.  On a CPU, a large one lives in an anonymous memory map: the OS hands out zeroed pages
+    as they are first written, so a pool sized for the budget costs neither time nor resident memory
+    until the engine fills it (torch.zeros writes every byte: 25 s for Qwen3-0.6B's 8 GiB on two cores)."""
+    import mmap
+    count = math.prod(shape)
+    if device.type != "cpu" or count * dtype.itemsize < 2 ** 20:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype=dtype, count=count).view(shape)
+
+
+@torch.no_grad()
+def _linear_state_shapes(model) -> dict:
+    """Each "linear" layer's cache of one sequence, {layer: {name: (shape, dtype)}}: the layer run as a prefill
+    runs it, on one token of zeros with a fresh cache (the plug-in's cache is opaque to the engine; this
+    rank's shard of it)."""
+    shapes, probed = {}, {}
+    for i, kind in enumerate(model.config.kinds):
+        if kind == "linear":
+            module = model.layers[i].linear_attn
+            same = (type(module), tuple((n, t.shape, t.dtype) for n, t in module.state_dict().items()))
+            if same not in probed:                      # (layers of one class and sizes are probed once)
+                p = next(module.parameters())
+                cache = module.new_cache()
+                module(torch.zeros(1, 1, model.config.hidden_size, dtype=p.dtype, device=p.device),
+                       cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=p.device), cache=cache)
+                probed[same] = {name: (tuple(t.shape[1:]), t.dtype) for name, t in vars(cache).items()
+                                if isinstance(t, torch.Tensor)}
+            shapes[i] = probed[same]
+    return shapes
+
+
+def plan_memory(budget: int, source: str, *, kv_bytes_per_token: int, state_bytes_per_sequence: int,
+                page_size: int, model_max_seq_len: int, max_seq_len=None, max_batch_size=None, num_pages=None,
+                num_checkpoints=None, checkpoints_wanted: bool = False) -> MemoryPlan:
+    """Split ``budget`` between the state slots, the checkpoints and the KV pages (the section above), or
+    raise ValueError (naming the budget, the bytes per token and the largest context that fits) when one
+    sequence of ``max_seq_len`` tokens cannot fit.  Explicit counts are taken as given, and must fit."""
+    per_seq, page_bytes = state_bytes_per_sequence, page_size * kv_bytes_per_token
+    if max_batch_size is not None:
+        slots = max_batch_size
+    else:                                        # the default 256, fewer when their state passes a quarter
+        slots = DEFAULT_MAX_BATCH_SIZE if not per_seq else max(1, min(DEFAULT_MAX_BATCH_SIZE, budget // 4 // per_seq))
+    left = budget - slots * per_seq
+    if num_checkpoints is not None or not checkpoints_wanted:
+        checkpoints = num_checkpoints or 0
+        left -= checkpoints * per_seq
+        pages = num_pages if num_pages is not None else (
+            max(0, left // page_bytes) if page_bytes else slots * -(-model_max_seq_len // page_size))
+    elif num_pages is not None:                  # checkpoints: a quarter of the budget, at most one per page
+        pages = num_pages
+        checkpoints = min(pages, max(0, min(budget // 4, left - pages * page_bytes) // per_seq))
+    else:
+        checkpoints = budget // 4 // per_seq
+        pages = max(0, (left - checkpoints * per_seq) // page_bytes) if page_bytes else checkpoints
+        if checkpoints > pages:                  # more than one per page: share the rest alike
+            pages = checkpoints = max(0, left // (page_bytes + per_seq))
+    if num_pages is None:                        # more pages than the slots' sequences can hold only cache
+        pages = min(pages, slots * -(-model_max_seq_len // page_size))
+        checkpoints = min(checkpoints, pages) if num_checkpoints is None else checkpoints
+    pages, checkpoints = int(pages), int(checkpoints)
+    needed = (slots + checkpoints) * per_seq + pages * page_bytes
+    context = pages * page_size
+    largest = min(context, model_max_seq_len)
+    what = (f"the KV cache budget of {_size(budget)} ({source}) holds {context} tokens at "
+            f"{kv_bytes_per_token} bytes per token"
+            + (f", beside {slots} state slots and {checkpoints} checkpoints of {per_seq} bytes each"
+               if per_seq else ""))
+    if needed > budget:
+        raise ValueError(f"{what}: the explicit num_pages / max_batch_size / num_checkpoints need {needed} bytes, "
+                         f"more than the budget; pass smaller ones or a larger kv_cache_memory / memory_utilization")
+    if max_seq_len is not None:
+        if max_seq_len > model_max_seq_len:
+            raise ValueError(f"max_seq_len={max_seq_len} is longer than the model's ({model_max_seq_len}: its rotary "
+                             f"tables); load the model with a longer max_seq_len")
+        if max_seq_len > context:
+            raise ValueError(f"{what}: fewer than max_seq_len={max_seq_len} tokens of one sequence; the largest "
+                             f"context that fits is {largest}: pass max_seq_len <= {largest}, or a larger "
+                             f"kv_cache_memory / memory_utilization")
+        length = max_seq_len
+    else:
+        length = largest
+    if length < 2:
+        raise ValueError(f"{what}: not even one sequence of 2 tokens fits; pass a larger kv_cache_memory or "
+                         f"memory_utilization (or fewer state slots: max_batch_size)")
+    return MemoryPlan(budget=int(budget), source=source, kv_bytes_per_token=kv_bytes_per_token,
+                      state_bytes_per_sequence=per_seq, page_size=page_size, num_pages=pages, max_batch_size=slots,
+                      num_checkpoints=checkpoints, max_seq_len=length)
+
+
 # ----------------------------------------------------------------------------- the engine
 
 class _Pages:
@@ -588,9 +806,24 @@ class Generator:
 
     ``varlen_attn`` / ``flash_decode``  prefill / decode attention with those functions' signatures
                                         (default: plain PyTorch in this file)
-    ``page_size``, ``num_pages``        the KV pool (default: room for min(max_batch_size, 32)
-                                        sequences of max_seq_len tokens)
-    ``max_batch_size``                  requests decoding at once (rows of the block table)
+    ``kv_cache_memory``,                the memory budget of the KV pages, the linear layers' state slots
+    ``memory_utilization``              and checkpoints: ``kv_cache_memory`` bytes, else (CUDA) that
+                                        fraction of the GPU less the weights, the shadow weights and a
+                                        measured activation peak, or (CPU) that fraction of half the
+                                        available memory less the shadow weights (the section "memory
+                                        budget"); ``stats()`` reports how it is spent
+    ``page_size``, ``num_pages``        the KV pool (default: what the budget leaves, see above)
+    ``max_batch_size``                  requests decoding at once (rows of the block table, state slots;
+                                        default 256, fewer for a hybrid model whose states would take
+                                        more than a quarter of the budget)
+    ``max_seq_len``                     the longest sequence (default: the model's, capped by what the
+                                        pool holds; one that does not fit raises ValueError before
+                                        anything is allocated).  A pool too small for the load is not an
+                                        error: admission waits and running requests are preempted
+                                        (recomputed later, mostly from the prefix cache).  Measured: 32
+                                        requests of 64 + 64 tokens on a pool of 8 sequences' pages made
+                                        20 preemptions, recomputed 1317 tokens and took 2.5x the time
+                                        of a pool for all 32 (bench/decoder_lm.py --part pool)
     ``max_prefill_tokens``              prompt tokens computed per iteration: a longer prompt is
                                         prefilled over several iterations (cut at page boundaries)
                                         while the running requests keep decoding
@@ -611,15 +844,17 @@ class Generator:
 
     def __init__(self, model: nn.Module, *, name: str = "generator", policy_version: int = 0, varlen_attn=None,
                  flash_decode=None, cascade_decode=None, page_size: int = 16, num_pages: int | None = None,
-                 max_batch_size: int = 256, max_prefill_tokens: int = 8192, prefix_caching: bool = True,
+                 max_batch_size: int | None = None, max_prefill_tokens: int = 8192, prefix_caching: bool = True,
                  checkpoint_interval: int = 1, num_checkpoints: int | None = None, kv_on_swap: str = "keep",
+                 kv_cache_memory: int | None = None, memory_utilization: float = 0.9, max_seq_len: int | None = None,
                  tensor_parallel_size: int = 1, tp_timeout_s: float = 60.0, tp_address: str = "127.0.0.1",
                  weight_receiver=None, _tp_worker=None):
         engine_kw = dict(name=name, policy_version=policy_version, varlen_attn=varlen_attn, flash_decode=flash_decode,
                          cascade_decode=cascade_decode, page_size=page_size, num_pages=num_pages,
                          max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
                          prefix_caching=prefix_caching, checkpoint_interval=checkpoint_interval,
-                         num_checkpoints=num_checkpoints, kv_on_swap=kv_on_swap)
+                         num_checkpoints=num_checkpoints, kv_on_swap=kv_on_swap, kv_cache_memory=kv_cache_memory,
+                         memory_utilization=memory_utilization, max_seq_len=max_seq_len)
         if not _is_int(tensor_parallel_size) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
         if not isinstance(tp_timeout_s, (int, float)) or isinstance(tp_timeout_s, bool) or not tp_timeout_s > 0:
@@ -628,88 +863,118 @@ class Generator:
         if tensor_parallel_size > 1:      # this object is rank 0: it starts the workers and keeps its own shard
             self._tp = _TensorParallel(tensor_parallel_size, tp_timeout_s, tp_address)
             model = self._tp.start(model, engine_kw)
-        _check_model(model)
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"name must be a non-empty str, got {name!r}")
-        if not _is_int(policy_version):
-            raise TypeError(f"policy_version must be an int, got {type(policy_version).__name__}")
-        for arg, value in (("page_size", page_size), ("max_batch_size", max_batch_size),
-                           ("max_prefill_tokens", max_prefill_tokens), ("num_pages", num_pages),
-                           ("checkpoint_interval", checkpoint_interval)):
-            if value is not None and (not _is_int(value) or value < 1):
-                raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
-        if num_checkpoints is not None and (not _is_int(num_checkpoints) or num_checkpoints < 0):
-            raise ValueError(f"num_checkpoints must be an int >= 0, got {num_checkpoints!r}")
-        if not isinstance(prefix_caching, bool):
-            raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
-        if kv_on_swap not in ("keep", "recompute"):
-            raise ValueError(f"kv_on_swap must be 'keep' or 'recompute', got {kv_on_swap!r}")
-        batch_invariant = bool(getattr(model, "batch_invariant", False))
-        varlen_attn = varlen_attn if varlen_attn is not None else getattr(model, "varlen_attn", None)
-        for name_, fn in (("varlen_attn", varlen_attn), ("flash_decode", flash_decode),
-                          ("cascade_decode", cascade_decode)):
-            if fn is not None and not callable(fn):
-                raise TypeError(f"{name_} must be None or a function with that signature, got {type(fn).__name__}")
-        if batch_invariant and (varlen_attn is None or flash_decode is None):
-            raise ValueError("a batch-invariant model needs varlen_attn (fast/paged_varlen_attention.varlen_attn) and "
-                             "flash_decode (fast/flash_decoding.flash_decode): a prefill and a decode step then round "
-                             "a row as the trainer's token_logprobs does; the in-file default attention does not")
-        self.name = name
-        self.model = model.eval()
-        self.device = next(model.parameters()).device
-        self.batch_invariant = batch_invariant
-        self.config = c = model.config
-        self.dtype = next(model.parameters()).dtype
-        full_shape = getattr(model, "full_shape", lambda name, shape: tuple(shape))
-        self._shapes = {n: tuple(full_shape(n, t.shape)) for n, t in model.state_dict().items()}   # what loads take
-        self._optional = _tied_aliases(model)
-        self._ignored = tuple(getattr(model, "ignored_weight_prefixes", ()))
-        self._shadow = None                 # the second weight set, allocated by the first load
-        self._version = policy_version
-        self._varlen_attn = varlen_attn or _torch_varlen_attn
-        self._flash_decode = flash_decode or _torch_flash_decode
-        self._cascade_decode = cascade_decode
-        self._attn_kw = dict(batch_invariant=True) if batch_invariant else {}
-        self.page_size, self.max_batch_size, self.max_prefill_tokens = page_size, max_batch_size, max_prefill_tokens
-        self.prefix_caching, self.checkpoint_interval, self.kv_on_swap = prefix_caching, checkpoint_interval, kv_on_swap
-        self._pages_per_seq = -(-c.max_seq_len // page_size)
-        self.num_pages = num_pages or self._pages_per_seq * min(max_batch_size, 32)
-        self._hybrid = "linear" in c.kinds
-        self.num_checkpoints = (num_checkpoints if num_checkpoints is not None
-                                else self.num_pages if self._hybrid and prefix_caching else 0)
-        # The KV pool of every attention layer: [layers, num_pages, page_size, H_kv, D], zeros (finite).
-        attn = [i for i, kind in enumerate(c.kinds) if kind == "attention"]
-        self._pool_index = {layer: j for j, layer in enumerate(attn)}
-        local = getattr(model, "local_config", c)     # this rank's heads under tensor parallelism
-        kv_shape = (len(attn), self.num_pages, page_size, local.num_kv_heads, local.head_dim)
-        self._k = torch.zeros(kv_shape, device=self.device, dtype=self.dtype)
-        self._v = torch.zeros(kv_shape, device=self.device, dtype=self.dtype)
-        self._table = torch.zeros(max_batch_size, self._pages_per_seq, dtype=torch.int32, device=self.device)
-        self._table_updates: list[tuple[int, int, int]] = []   # (slot, column, page) not yet in _table
-        self._states: dict[int, dict[str, torch.Tensor]] = {}   # linear layer -> state pools [max_batch_size, ...]
-        self._checkpoints: dict[int, dict[str, torch.Tensor]] = {}   # linear layer -> [num_checkpoints, ...]
-        self._pages = _Pages(self.num_pages, self.num_checkpoints)
-        self._free_slots = list(range(max_batch_size - 1, -1, -1))
-        self._waiting: deque[_Seq] = deque()  # under _cv; the rest of the engine state is the engine thread's
-        self._prefilling: list[_Seq] = []     # admitted, prompt not all computed yet (chunked prefill)
-        self._running: list[_Seq] = []        # decoding
-        self._cv = threading.Condition()
-        self._load_lock = threading.Lock()
-        self._staged = None                 # (model, version, future): swapped in before the next step
-        self._closed = False
-        self._retired = None                # CUDA event after the last step on the weights now in the shadow
-        self._copy_stream = None
-        self._admissions = itertools.count()
-        self._counts = dict(completed=0, steps=0, preemptions=0, generated_tokens=0, prompt_tokens=0,
-                            computed_prompt_tokens=0, prefix_hit_tokens=0)
-        self._incoming: list[_Seq] = []        # submitted, taken by the engine at its next iteration
-        self._samples = self._tp is None or self._tp.rank == 0   # tensor-parallel: rank 0 samples, workers follow
-        self._thread = None
-        if _tp_worker is None:                  # a tensor-parallel worker runs its loop in its main thread
-            self._thread = threading.Thread(target=self._loop, name=f"{name}-engine", daemon=True)
-            self._thread.start()
-        if isinstance(self._tp, _TensorParallel):
-            self._tp.watch(self._tp_failed)
+        try:
+            _check_model(model)
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"name must be a non-empty str, got {name!r}")
+            if not _is_int(policy_version):
+                raise TypeError(f"policy_version must be an int, got {type(policy_version).__name__}")
+            for arg, value in (("page_size", page_size), ("max_batch_size", max_batch_size),
+                               ("max_prefill_tokens", max_prefill_tokens), ("num_pages", num_pages),
+                               ("checkpoint_interval", checkpoint_interval), ("kv_cache_memory", kv_cache_memory),
+                               ("max_seq_len", max_seq_len)):
+                if value is not None and (not _is_int(value) or value < 1):
+                    raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
+            if (not isinstance(memory_utilization, (int, float)) or isinstance(memory_utilization, bool)
+                    or not 0 < memory_utilization <= 1):
+                raise ValueError(f"memory_utilization must be a fraction in (0, 1], got {memory_utilization!r}")
+            if num_checkpoints is not None and (not _is_int(num_checkpoints) or num_checkpoints < 0):
+                raise ValueError(f"num_checkpoints must be an int >= 0, got {num_checkpoints!r}")
+            if not isinstance(prefix_caching, bool):
+                raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
+            if kv_on_swap not in ("keep", "recompute"):
+                raise ValueError(f"kv_on_swap must be 'keep' or 'recompute', got {kv_on_swap!r}")
+            batch_invariant = bool(getattr(model, "batch_invariant", False))
+            varlen_attn = varlen_attn if varlen_attn is not None else getattr(model, "varlen_attn", None)
+            for name_, fn in (("varlen_attn", varlen_attn), ("flash_decode", flash_decode),
+                              ("cascade_decode", cascade_decode)):
+                if fn is not None and not callable(fn):
+                    raise TypeError(f"{name_} must be None or a function with that signature, got {type(fn).__name__}")
+            if batch_invariant and (varlen_attn is None or flash_decode is None):
+                raise ValueError("a batch-invariant model needs varlen_attn (fast/paged_varlen_attention.varlen_attn) "
+                                 "and flash_decode (fast/flash_decoding.flash_decode): a prefill and a decode step "
+                                 "then round a row as the trainer's token_logprobs does; the in-file default "
+                                 "attention does not")
+            self.name = name
+            self.model = model.eval()
+            self.device = next(model.parameters()).device
+            self.batch_invariant = batch_invariant
+            self.config = c = model.config
+            self.dtype = next(model.parameters()).dtype
+            full_shape = getattr(model, "full_shape", lambda name, shape: tuple(shape))
+            self._shapes = {n: tuple(full_shape(n, t.shape)) for n, t in model.state_dict().items()}   # what loads take
+            self._optional = _tied_aliases(model)
+            self._ignored = tuple(getattr(model, "ignored_weight_prefixes", ()))
+            self._shadow = None                 # the second weight set, allocated by the first load
+            self._version = policy_version
+            self._varlen_attn = varlen_attn or _torch_varlen_attn
+            self._flash_decode = flash_decode or _torch_flash_decode
+            self._cascade_decode = cascade_decode
+            self._attn_kw = dict(batch_invariant=True) if batch_invariant else {}
+            self.max_prefill_tokens, self.page_size = max_prefill_tokens, page_size
+            self.prefix_caching, self.kv_on_swap = prefix_caching, kv_on_swap
+            self.checkpoint_interval = checkpoint_interval
+            self._hybrid = "linear" in c.kinds
+            # The pools' sizes from the memory budget (the section "memory budget" above).
+            attn = [i for i, kind in enumerate(c.kinds) if kind == "attention"]
+            self._pool_index = {layer: j for j, layer in enumerate(attn)}
+            local = getattr(model, "local_config", c)     # this rank's heads under tensor parallelism
+            state_shapes = _linear_state_shapes(model)    # linear layer -> {name: (shape of one sequence, dtype)}
+            weight_bytes = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))   # (tied: once)
+            budget, source = _memory_budget(self.device, kv_cache_memory=kv_cache_memory,
+                                            memory_utilization=memory_utilization, weight_bytes=weight_bytes,
+                                            activation_bytes=self._activation_peak(model, max_prefill_tokens))
+            if self._tp is not None:                      # every rank plans from the least budget: one page count
+                budget = self._tp.least(budget)
+            self.memory = plan_memory(
+                budget, source, page_size=page_size, model_max_seq_len=c.max_seq_len, max_seq_len=max_seq_len,
+                kv_bytes_per_token=2 * len(attn) * local.num_kv_heads * local.head_dim * self.dtype.itemsize,
+                state_bytes_per_sequence=sum(math.prod(shape) * dtype.itemsize for shapes in state_shapes.values()
+                                             for shape, dtype in shapes.values()),
+                max_batch_size=max_batch_size, num_pages=num_pages, num_checkpoints=num_checkpoints,
+                checkpoints_wanted=self._hybrid and prefix_caching)
+            self.max_seq_len, self.num_pages = self.memory.max_seq_len, self.memory.num_pages
+            self.max_batch_size, self.num_checkpoints = self.memory.max_batch_size, self.memory.num_checkpoints
+            self._pages_per_seq = -(-self.max_seq_len // page_size)
+            # The KV pool of every attention layer: [layers, num_pages, page_size, H_kv, D], zeros (finite).
+            kv_shape = (len(attn), self.num_pages, page_size, local.num_kv_heads, local.head_dim)
+            self._k = _zeros(kv_shape, self.dtype, self.device)
+            self._v = _zeros(kv_shape, self.dtype, self.device)
+            self._table = torch.zeros(self.max_batch_size, self._pages_per_seq, dtype=torch.int32, device=self.device)
+            self._table_updates: list[tuple[int, int, int]] = []   # (slot, column, page) not yet in _table
+            # linear layer -> state pools [max_batch_size, ...] (zeros: a fresh slot is a sequence at position 0)
+            self._states = {layer: {name: _zeros((self.max_batch_size, *shape), dtype, self.device)
+                                    for name, (shape, dtype) in shapes.items()}
+                            for layer, shapes in state_shapes.items()}
+            self._checkpoints: dict[int, dict[str, torch.Tensor]] = {}   # linear layer -> [num_checkpoints, ...]
+            self._pages = _Pages(self.num_pages, self.num_checkpoints)
+            if isinstance(self._tp, _TensorParallel):
+                self._tp.ready()
+            self._free_slots = list(range(self.max_batch_size - 1, -1, -1))
+            self._waiting: deque[_Seq] = deque()  # under _cv; the rest of the engine state is the engine thread's
+            self._prefilling: list[_Seq] = []     # admitted, prompt not all computed yet (chunked prefill)
+            self._running: list[_Seq] = []        # decoding
+            self._cv = threading.Condition()
+            self._load_lock = threading.Lock()
+            self._staged = None                 # (model, version, future): swapped in before the next step
+            self._closed = False
+            self._retired = None                # CUDA event after the last step on the weights now in the shadow
+            self._copy_stream = None
+            self._admissions = itertools.count()
+            self._counts = dict(completed=0, steps=0, preemptions=0, generated_tokens=0, prompt_tokens=0,
+                                computed_prompt_tokens=0, prefix_hit_tokens=0)
+            self._incoming: list[_Seq] = []        # submitted, taken by the engine at its next iteration
+            self._samples = self._tp is None or self._tp.rank == 0   # tensor-parallel: rank 0 samples, workers follow
+            self._thread = None
+            if _tp_worker is None:                  # a tensor-parallel worker runs its loop in its main thread
+                self._thread = threading.Thread(target=self._loop, name=f"{name}-engine", daemon=True)
+                self._thread.start()
+            if isinstance(self._tp, _TensorParallel):
+                self._tp.watch(self._tp_failed)
+        except BaseException:                # (tensor-parallel: the workers end too)
+            if isinstance(self._tp, _TensorParallel):
+                self._tp.kill()
+            raise
         self._endpoint = None               # this rank's weight receiver (connect_weights)
         if weight_receiver is not None:
             try:
@@ -722,14 +987,16 @@ class Generator:
     def from_pretrained(cls, path, *, model_class, linear_layer=None, **kwargs) -> Generator:
         """A generator serving the Hugging Face checkpoint at ``path``: ``model_class.from_pretrained(path,
         linear_layer=..., dtype=..., device=..., max_seq_len=..., batch_invariant=..., varlen_attn=...)``
-        (fast/decoder_lm.py's ``DecoderLM``; those keywords go to it when given, ``varlen_attn`` to both),
-        the other keywords to ``Generator``."""
+        (fast/decoder_lm.py's ``DecoderLM``; those keywords go to it when given, ``varlen_attn`` and
+        ``max_seq_len`` to both: an explicit max_seq_len must fit the memory budget), the other keywords to
+        ``Generator``."""
         if not callable(getattr(model_class, "from_pretrained", None)):
             raise TypeError(f"model_class must have a from_pretrained(path, ...) classmethod (decoder_lm.py's "
                             f"DecoderLM), got {model_class!r}")
         model_kw = {k: kwargs.pop(k) for k in _MODEL_KEYWORDS if k in kwargs}
-        if "varlen_attn" in kwargs:
-            model_kw["varlen_attn"] = kwargs["varlen_attn"]
+        for shared in ("varlen_attn", "max_seq_len"):  # the model's and the engine's
+            if shared in model_kw or shared in kwargs:
+                model_kw[shared] = kwargs[shared] = model_kw.get(shared, kwargs.get(shared))
         if kwargs.get("tensor_parallel_size", 1) != 1:   # each rank reads its own shard of the checkpoint
             return cls(_Checkpoint(model_class, path, dict(model_kw, linear_layer=linear_layer)), **kwargs)
         return cls(model_class.from_pretrained(path, linear_layer=linear_layer, **model_kw), **kwargs)
@@ -757,8 +1024,8 @@ class Generator:
 
     def _leader(self, request, future: Future) -> _Seq:
         group = _Group(request, future)
-        leader = _Seq(group, 0, self.config.max_seq_len)
-        leader.followers = [_Seq(group, i, self.config.max_seq_len) for i in range(1, request.sampling.n)]
+        leader = _Seq(group, 0, self.max_seq_len)
+        leader.followers = [_Seq(group, i, self.max_seq_len) for i in range(1, request.sampling.n)]
         return leader
 
     def generate(self, requests) -> list:
@@ -861,10 +1128,12 @@ class Generator:
         prompt_tokens (requested, per sample), computed_prompt_tokens (run through the model,
         recomputation after preemption included), prefix_hit_tokens (skipped: cached or a group's
         shared prompt), evictions, cached_pages (keyed pages, held or not), state_checkpoints; the
-        memory the cache holds: kv_pool_bytes (the K and V pools of every attention layer) and
-        checkpoint_bytes (the checkpoint slots of every linear layer, allocated at the first prefill
-        that writes one: num_checkpoints x, per linear layer, every tensor of its cache: the fp32
-        recurrent state and the conv state, and in the batch-invariant mode the chunk buffer)."""
+        memory (``MemoryPlan.report``): memory_budget_bytes and memory_budget_source, kv_pool_bytes (the K
+        and V pools of every attention layer), kv_tokens (the tokens they hold), kv_bytes_per_token,
+        state_slot_bytes (the linear layers' per-slot state pools), checkpoint_capacity_bytes (what the
+        checkpoints may take) and checkpoint_bytes (what they hold: allocated at the first prefill that
+        writes one; num_checkpoints x, per linear layer, every tensor of its cache: the fp32 recurrent
+        state and the conv state, and in the batch-invariant mode the chunk buffer), max_seq_len."""
         # (list(...) copies a dict's values in one step: the engine thread may add a store meanwhile.)
         stores = [t for store in list(self._checkpoints.values()) for t in list(store.values())]
         with self._cv:
@@ -875,7 +1144,7 @@ class Generator:
                        page_size=self.page_size, weights_staged=self._staged is not None, **self._counts,
                        evictions=pages.evictions, cached_pages=len(pages.key_of),
                        state_checkpoints=len(pages.checkpoint_of),
-                       kv_pool_bytes=self._k.nbytes + self._v.nbytes, checkpoint_bytes=sum(t.nbytes for t in stores),
+                       **self.memory.report(), checkpoint_bytes=sum(t.nbytes for t in stores),
                        tensor_parallel_size=1 if self._tp is None else self._tp.size)
         return out
 
@@ -897,6 +1166,35 @@ class Generator:
     def __exit__(self, *exc):
         self.close()
 
+    @torch.no_grad()
+    def _activation_peak(self, model, tokens: int) -> int:
+        """CUDA: the memory a prefill of ``tokens`` tokens (one sequence, the largest step) allocates beyond the
+        weights, measured by running it once (vLLM's profiling run); 0 on a CPU (the budget leaves room)."""
+        if self.device.type != "cuda":
+            return 0
+        dev, c = self.device, self.config
+        tokens = min(tokens, c.max_seq_len)
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        cu = torch.tensor([0, tokens], dtype=torch.int32, device=dev)
+
+        def attend(i, q, k, v):
+            return self._varlen_attn(q, k, v, cu, cu, tokens, tokens, scale=c.head_dim ** -0.5, window_size=(-1, 0),
+                                     enable_gqa=True, **self._attn_kw)
+
+        def mix(i, module, h):
+            return module(h[None], cu_seqlens=cu, cache=module.new_cache())[0]
+
+        h = model.layers_forward(torch.zeros(tokens, dtype=torch.long, device=dev),
+                                 torch.arange(tokens, device=dev), attend, mix)
+        model.logits(h[-min(tokens, 256):])
+        del h
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        torch.cuda.empty_cache()                # what the step cached is not held: the budget counts its peak
+        return peak
+
     # ------------------------------------------------------------------ input checks
 
     def _check_servable(self, request) -> None:
@@ -913,8 +1211,8 @@ class Generator:
             problem = "at least one token, got an empty prompt"
         elif max(prompt) >= c.vocab_size or min(prompt) < 0:
             problem = f"token ids in [0, {c.vocab_size}), got {max(prompt)}"
-        elif n >= c.max_seq_len:
-            problem = f"a prompt shorter than max_seq_len={c.max_seq_len}, got {n} tokens (no room to generate)"
+        elif n >= self.max_seq_len:
+            problem = f"a prompt shorter than max_seq_len={self.max_seq_len}, got {n} tokens (no room to generate)"
         else:
             problem = None
         if problem:
@@ -922,7 +1220,7 @@ class Generator:
         if sp.n > self.max_batch_size:
             raise ValueError(f"request {request.request_id}: a group of n={sp.n} samples decodes at once, and "
                              f"max_batch_size is {self.max_batch_size}")
-        kv_tokens = n + min(sp.max_new_tokens, c.max_seq_len - n) - 1   # the last token's K/V is never needed
+        kv_tokens = n + min(sp.max_new_tokens, self.max_seq_len - n) - 1   # the last token's K/V is never needed
         shared = n // self.page_size                                     # the prompt's full pages, shared
         need = shared + sp.n * (-(-kv_tokens // self.page_size) - shared)
         if need > self.num_pages:
@@ -1604,6 +1902,11 @@ class Generator:
 # collective that fails) or hangs (a collective past tp_timeout_s) stops the generator for good: what it held
 # fails, later submits raise, the workers are ended; close() ends them too, within tp_timeout_s.
 
+# How long a worker may take to start, join the group and build its shard (a loaded machine imports torch and
+# reads a checkpoint slowly); tp_timeout_s bounds every later wait.
+TP_STARTUP_TIMEOUT_S = 180.0
+
+
 class _Checkpoint(NamedTuple):
     """What each rank loads its shard from: ``model_class.from_pretrained(path, tp_group=..., **kwargs)``."""
     model_class: type
@@ -1657,6 +1960,15 @@ class _Ranks:
     def __init__(self, rank: int, size: int, group, device: torch.device):
         self.rank, self.size, self.group, self.device = rank, size, group, device
 
+    def least(self, value: int) -> int:
+        """The least of every rank's ``value`` (an all-reduce with MIN): the ranks' memory budgets."""
+        import torch.distributed as dist
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self.group.allreduce([t], options).wait()
+        return int(t.item())
+
     def share_tokens(self, tokens: list) -> list:
         """Rank 0's sampled tokens, on every rank (a broadcast of len(tokens) int64)."""
         t = torch.tensor(tokens, dtype=torch.int64, device=self.device)
@@ -1691,7 +2003,8 @@ class _TensorParallel(_Ranks):
             p = next(model.parameters())
             self.device = p.device
             recipe = _Instance(type(model), model.config, dict(model.init_kwargs), p.dtype, p.device)
-        store = dist.TCPStore(self.address, 0, self.size, True, datetime.timedelta(seconds=self.timeout_s),
+        store = dist.TCPStore(self.address, 0, self.size, True,
+                              datetime.timedelta(seconds=max(self.timeout_s, TP_STARTUP_TIMEOUT_S)),
                               wait_for_workers=False)
         ctx = mp.get_context("spawn")
         try:
@@ -1707,6 +2020,8 @@ class _TensorParallel(_Ranks):
                 self.procs.append(proc)
                 self.control.append(control)
                 self.weights.append(weights)
+            for rank, pipe in enumerate(self.control, start=1):       # a busy machine starts them slowly: the
+                self._expect(pipe, rank, "joining", TP_STARTUP_TIMEOUT_S)   # group's timeout is for steps
             self.group = _process_group(store, 0, self.size, self.address, self.device, self.timeout_s)
             if isinstance(recipe, _Checkpoint):
                 shard = _build_shard(recipe, self.group, self.device)
@@ -1718,16 +2033,36 @@ class _TensorParallel(_Ranks):
                     pipe.send(_to_host(empty.shard_state_dict(full, rank=rank)))
                 shard = _build_shard(recipe, self.group, self.device, empty.shard_state_dict(full))
             for rank, pipe in enumerate(self.control, start=1):
-                self._expect(pipe, rank, "ready")
+                self._expect(pipe, rank, "built", TP_STARTUP_TIMEOUT_S)
         except BaseException:
             self.kill()
             raise
         self._store = store
         return shard
 
-    def _expect(self, pipe, rank: int, what: str) -> None:
-        if not pipe.poll(self.timeout_s):
-            raise RuntimeError(f"tensor-parallel worker {rank} sent no {what!r} within tp_timeout_s={self.timeout_s}")
+    def ready(self) -> None:
+        """Wait for every worker's engine (each sized its pools with rank 0: ``least``)."""
+        for rank, pipe in enumerate(self.control, start=1):
+            self._expect(pipe, rank, "ready", TP_STARTUP_TIMEOUT_S)
+
+    def least(self, value: int) -> int:
+        """_Ranks.least, naming a worker that failed before it (its build, its engine) instead of timing out."""
+        try:
+            return super().least(value)
+        except Exception as exc:
+            errors = [pipe.recv()[1] for pipe in self.control if pipe.poll(0)]
+            raise RuntimeError(f"tensor-parallel workers failed before sizing their pools: {errors or exc}") from exc
+
+    def _expect(self, pipe, rank: int, what: str, timeout_s: float | None = None) -> None:
+        """The worker's next message must be ``what``, within ``timeout_s`` (tp_timeout_s by default) and while
+        it lives."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline, proc = time.monotonic() + timeout_s, self.procs[rank - 1]
+        while not pipe.poll(0.2):
+            if not proc.is_alive() and not pipe.poll(0):
+                raise RuntimeError(f"tensor-parallel worker {rank} died (exit code {proc.exitcode}) before {what!r}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel worker {rank} sent no {what!r} within {timeout_s:g} s")
         kind, detail = pipe.recv()
         if kind != what:
             raise RuntimeError(f"tensor-parallel worker {rank} failed: {detail}")
@@ -1834,10 +2169,13 @@ def _tp_worker_main(rank, size, address, port, timeout_s, recipe, device, engine
 
     import torch.distributed as dist
     try:
-        store = dist.TCPStore(address, port, size, False, datetime.timedelta(seconds=timeout_s))
+        store = dist.TCPStore(address, port, size, False, datetime.timedelta(seconds=max(timeout_s,
+                                                                                          TP_STARTUP_TIMEOUT_S)))
+        control.send(("joining", None))
         group = _process_group(store, rank, size, address, device, timeout_s)
         initial = None if isinstance(recipe, _Checkpoint) else weights.recv()
         model = _build_shard(recipe, group, device, initial)
+        control.send(("built", None))
         ranks = _Ranks(rank, size, group, device)
         ranks.control = control
         gen = Generator(model, **engine_kw, _tp_worker=ranks)

@@ -13,6 +13,53 @@ FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5")
 VOCAB = 97
 
 
+# The released configs' sizes (vocab and head layout as released, max_position_embeddings too): real-size
+# checkpoints with random weights, for the memory-budget tests and bench/decoder_lm.py.
+REAL_SIZES = {
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       rope_theta=1000000.0, torch_dtype="bfloat16"),
+    "qwen3.5-0.8b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, intermediate_size=3584,
+                         num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                         linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                         linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True, torch_dtype="bfloat16",
+                         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25)),
+}
+def write_real_size_checkpoint(shape: str, path, *, max_position_embeddings: int | None = None) -> None:
+    """config.json and model.safetensors (bf16, as released) of a random model of REAL_SIZES[shape], the config
+    as released unless ``max_position_embeddings`` overrides it.  The weights are small (std 0.02) and cheap:
+    each tensor a stretch of one bank of 10^6 + 3 random numbers repeated (drawing 0.6B numbers takes half
+    a minute on two cores; what the tests and benches measure here does not depend on the values)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    import fast.decoder_lm as lm
+    import ref.gated_deltanet as gdn
+    raw = dict(REAL_SIZES[shape])
+    if max_position_embeddings is not None:
+        raw["max_position_embeddings"] = max_position_embeddings
+    config = lm.ModelConfig.from_hf(raw, max_seq_len=64)
+    model = lm.DecoderLM(config, linear_layer=gdn.GatedDeltaNet, device="meta", dtype=torch.bfloat16)
+    bank = (torch.randn(10 ** 6 + 3, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    tensors, offset = {}, 0
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_embeddings:
+            continue
+        n = t.numel()
+        tensors[name] = bank.roll(-offset % bank.numel()).repeat(n // bank.numel() + 1)[:n].view(t.shape).clone()
+        offset += n
+        if name.endswith("norm.weight"):
+            tensors[name] += 1 if not config.zero_centered_norm else 0
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(raw))
+
+
 def hf_config(family: str, *, tie: bool | None = None, layers: int = 4, max_positions: int = 256):
     """A transformers config of ``family`` at test size (odd sizes; GQA 4/2; llama3 rope scaling for
     llama; Qwen3.5: 3 Gated DeltaNet layers + 1 gated attention layer, GVA 2/4, partial rotary)."""

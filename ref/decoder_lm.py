@@ -446,7 +446,8 @@ class TextModel(nn.Module):
 
     def __init__(self, c: ModelConfig, linear_layer, seed: int):
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        # (initialised by DecoderLM; nn.Embedding's own normal_ takes seconds at a real vocab under a meta device)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size))
         blocks = []
         for i, kind in enumerate(c.kinds):
             with torch.random.fork_rng(devices=[]):  # a plug-in's own init, reproducible from the seed

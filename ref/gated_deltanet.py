@@ -512,10 +512,17 @@ class GatedDeltaNet(nn.Module):
             full = torch.cat([left.to(p.dtype), p], dim=-1)             # [b, C, W-1+L]
             if p.shape[-1]:                                             # (an empty document has no output)
                 outs.append(self._conv_taps(full) if self.invariant_linear is not None
-                            else F.silu(F.conv1d(full, self.conv1d.weight, groups=self.conv_dim)))   # [b, C, L]
+                            else self._conv_fp32(full))                 # [b, C, L]
             tails.append(full[..., full.shape[-1] - (self.conv_kernel_size - 1):])
         out = (torch.cat(outs, dim=-1) if outs else x.new_zeros(x.shape[0], x.shape[2], 0)).transpose(1, 2)
         return out, torch.cat(tails, dim=0)
+
+    def _conv_fp32(self, full):
+        """silu(conv1d(full)) in fp32 (fp64 for an fp64 layer), cast back: [b, C, W-1+L] -> [b, C, L].  (Not in
+        16-bit: torch's CPU depthwise conv1d takes ~80 s per call in bf16 at Qwen3.5-0.8B's 6144 channels.)"""
+        wide = torch.promote_types(full.dtype, torch.float32)
+        out = F.conv1d(full.to(wide), self.conv1d.weight.to(wide), groups=self.conv_dim)
+        return F.silu(out).to(full.dtype)
 
     def _conv_taps(self, full):
         """silu(sum_j w_j * x_{t - W + 1 + j}) tap by tap, j = 0 .. W-1 in order, fp32: [b, C, W-1+L] ->

@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import operator
 import threading
 from collections import OrderedDict, deque
@@ -258,6 +259,147 @@ def request_rng(seed: int | None) -> torch.Generator:
     return gen
 
 
+# ----------------------------------------------------------------------------- memory budget
+# What the caches may take (fast/generator_engine.py's section "memory budget" states the same budget):
+# ``kv_cache_memory`` bytes, else on CUDA memory_utilization x the device's memory less what this process
+# holds (the weights) and a second copy of the weights (the reference does not profile activations), on a
+# CPU memory_utilization x CPU_SHARE of the available memory less that copy.  The reference holds one
+# request's contiguous cache (its K/V and the linear layers' state) and the prefix cache's pages (their
+# K/V and, for hybrid models, a checkpoint each): max_seq_len defaults to the model's, capped by what one
+# sequence can hold, and cache_pages to what the rest of the budget holds.
+
+CPU_SHARE = 0.5
+
+
+def _size(n: float) -> str:
+    """Bytes for a message: '1.50 GiB', '25.0 KiB'."""
+    for unit, scale in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{int(n)} B"
+
+
+def _available_host_memory() -> tuple[int, str]:
+    """(bytes this process may still allocate on the host, what bounds it): the least of MemAvailable, the
+    cgroup's memory.max - memory.current and RLIMIT_AS - the address space in use."""
+    import resource
+    found = []
+
+    def read(path):
+        try:
+            with open(path) as f:
+                return f.read()
+        except OSError:
+            return None
+
+    meminfo = read("/proc/meminfo")
+    if meminfo:
+        fields = dict(line.split(":", 1) for line in meminfo.splitlines() if ":" in line)
+        if "MemAvailable" in fields:
+            found.append((int(fields["MemAvailable"].split()[0]) * 1024, "MemAvailable"))
+    limit, current = read("/sys/fs/cgroup/memory.max"), read("/sys/fs/cgroup/memory.current")
+    if limit and current and limit.strip() != "max":
+        found.append((int(limit) - int(current), "the cgroup's memory.max"))
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    status = read("/proc/self/status")
+    if soft != resource.RLIM_INFINITY and status:
+        vm = next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmSize:")), 0)
+        found.append((soft - vm, "RLIMIT_AS"))
+    if not found:
+        raise ValueError("cannot tell how much host memory is available (no /proc/meminfo): pass kv_cache_memory")
+    return min(found)
+
+
+def _memory_budget(device: torch.device, *, kv_cache_memory, memory_utilization: float, weight_bytes: int,
+                   activation_bytes: int, device_memory=None) -> tuple[int, str]:
+    """(bytes for the pools, where they come from): the section above.  ``device_memory``: a CUDA device's
+    (free, total, bytes this process holds: torch's reserved memory, the weights in it), or a CPU's
+    (available, what bounds it); measured when None (a parameter so that the arithmetic can be checked for
+    a GPU on any machine)."""
+    gib = 2 ** 30
+    if kv_cache_memory is not None:
+        return int(kv_cache_memory), f"kv_cache_memory={int(kv_cache_memory)}"
+    if device.type == "cuda":
+        free, total, held = device_memory if device_memory is not None else (
+            *torch.cuda.mem_get_info(device), torch.cuda.memory_reserved(device))
+        asked = memory_utilization * total
+        if asked > free + held:
+            raise ValueError(f"memory_utilization={memory_utilization} asks for {asked / gib:.2f} GiB of the GPU's "
+                             f"{total / gib:.2f} GiB, but only {(free + held) / gib:.2f} GiB are free or held by this "
+                             f"process (other processes hold the rest): lower memory_utilization or pass "
+                             f"kv_cache_memory")
+        budget = asked - held - weight_bytes - activation_bytes
+        source = (f"{memory_utilization} x {total / gib:.2f} GiB ({device}) - {held / gib:.2f} GiB held "
+                  f"(weights) - {weight_bytes / gib:.2f} GiB shadow weights - {activation_bytes / gib:.2f} GiB "
+                  f"activation peak")
+    else:
+        available, bound = device_memory[:2] if device_memory is not None else _available_host_memory()
+        budget = memory_utilization * CPU_SHARE * available - weight_bytes
+        source = (f"{memory_utilization} x {CPU_SHARE} x {available / gib:.2f} GiB available ({bound}) - "
+                  f"{weight_bytes / gib:.2f} GiB shadow weights")
+    if budget <= 0:
+        raise ValueError(f"no memory is left for the KV cache ({source} = {_size(budget)}): raise "
+                         f"memory_utilization or pass kv_cache_memory")
+    return int(budget), source
+
+
+@torch.no_grad()
+def _linear_state_shapes(model) -> dict:
+    """Each "linear" layer's cache of one sequence, {layer: {name: (shape, dtype)}}: the layer run as a prefill
+    runs it, on one token of zeros with a fresh cache (the plug-in's cache is opaque to the engine; this
+    rank's shard of it)."""
+    shapes, probed = {}, {}
+    for i, kind in enumerate(model.config.kinds):
+        if kind == "linear":
+            module = model.layers[i].linear_attn
+            same = (type(module), tuple((n, t.shape, t.dtype) for n, t in module.state_dict().items()))
+            if same not in probed:                      # (layers of one class and sizes are probed once)
+                p = next(module.parameters())
+                cache = module.new_cache()
+                module(torch.zeros(1, 1, model.config.hidden_size, dtype=p.dtype, device=p.device),
+                       cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=p.device), cache=cache)
+                probed[same] = {name: (tuple(t.shape[1:]), t.dtype) for name, t in vars(cache).items()
+                                if isinstance(t, torch.Tensor)}
+            shapes[i] = probed[same]
+    return shapes
+
+
+def _reference_plan(model, *, page_size: int, prefix_caching: bool, cache_pages, kv_cache_memory,
+                    memory_utilization: float, max_seq_len) -> tuple[int, int, dict]:
+    """(max_seq_len, cache_pages, the plan for stats()) from the budget (the section above): one sequence's
+    contiguous cache, then the prefix cache's pages; ValueError naming the budget, the bytes per token and
+    the largest context that fits when the sequence does not fit, or explicit cache_pages do not."""
+    c = model.config
+    params = next(model.parameters())
+    per_token = 2 * c.kinds.count("attention") * c.num_kv_heads * c.head_dim * params.dtype.itemsize
+    per_seq = sum(math.prod(shape) * dtype.itemsize for shapes in _linear_state_shapes(model).values()
+                  for shape, dtype in shapes.values())
+    weight_bytes = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))
+    budget, source = _memory_budget(params.device, kv_cache_memory=kv_cache_memory,
+                                    memory_utilization=memory_utilization, weight_bytes=weight_bytes,
+                                    activation_bytes=0)
+    fits = (budget - per_seq) // per_token if per_token else c.max_seq_len
+    largest = min(fits, c.max_seq_len)
+    what = f"the KV cache budget of {_size(budget)} ({source}) holds {max(fits, 0)} tokens at {per_token} " \
+           f"bytes per token (beside {per_seq} bytes of linear-layer state)"
+    if max_seq_len is not None and max_seq_len > c.max_seq_len:
+        raise ValueError(f"max_seq_len={max_seq_len} is longer than the model's ({c.max_seq_len}: its rotary "
+                         f"tables); load the model with a longer max_seq_len")
+    if max_seq_len is not None and max_seq_len > fits or largest < 2:
+        raise ValueError(f"{what}: fewer than max_seq_len={max_seq_len or c.max_seq_len} tokens of one sequence; "
+                         f"the largest context that fits is {largest}: pass max_seq_len <= {largest}, or a larger "
+                         f"kv_cache_memory / memory_utilization")
+    length = max_seq_len or largest
+    page_bytes = page_size * per_token + per_seq        # a cached page: its K/V and (hybrid) a checkpoint
+    left = budget - length * per_token - per_seq
+    pages = cache_pages if cache_pages is not None else max(0, int(left // page_bytes)) if page_bytes else 1024
+    if prefix_caching and pages * page_bytes > left:
+        raise ValueError(f"{what}: one sequence of {length} tokens and {pages} cached pages of {page_bytes} bytes "
+                         f"do not fit; pass fewer cache_pages or a larger kv_cache_memory / memory_utilization")
+    return length, pages, dict(memory_budget_bytes=int(budget), memory_budget_source=source,
+                               kv_bytes_per_token=per_token, cache_pages=pages, max_seq_len=length)
+
+
 # ----------------------------------------------------------------------------- the engine
 
 class KVCache:
@@ -356,16 +498,17 @@ class PrefixCache:
 
 @torch.no_grad()
 def generate(model: nn.Module, prompt: list[int], sp: SamplingParams, rng: torch.Generator,
-             cache: PrefixCache | None = None, version: int = 0, counts: dict | None = None):
+             cache: PrefixCache | None = None, version: int = 0, counts: dict | None = None, max_seq_len=None):
     """gpt-fast's loop: prefill the prompt, then one forward pass per token.  -> (tokens, logprobs, reason).
 
     With a prefix ``cache``: the longest cached run of the prompt's full pages is restored (its K/V,
     and the linear layers' checkpoint after it), the rest is prefilled a page at a time, and every
     page that fills (prompt or generated tokens) is added to the cache with the linear layers' state
     after it.  At least the prompt's last token is always computed: its logits give the first token.
-    ``counts`` (prompt_tokens, computed_prompt_tokens, prefix_hit_tokens) is updated."""
+    ``counts`` (prompt_tokens, computed_prompt_tokens, prefix_hit_tokens) is updated; ``max_seq_len`` (default:
+    the model's) caps prompt + generated tokens."""
     dev = next(model.parameters()).device
-    limit = min(sp.max_new_tokens, model.config.max_seq_len - len(prompt))
+    limit = min(sp.max_new_tokens, (max_seq_len or model.config.max_seq_len) - len(prompt))
     kv = KVCache(model, len(prompt) + limit - 1)   # the last token's K/V is never needed
     tokens, generated, logprobs = list(prompt), [], []
     parent = 0                                      # the cache id of the last full page (0: none yet)
@@ -432,13 +575,15 @@ class Generator:
     """
 
     def __init__(self, model: nn.Module, *, name: str = "generator", policy_version: int = 0, page_size: int = 16,
-                 prefix_caching: bool = True, cache_pages: int = 1024, kv_on_swap: str = "keep"):
+                 prefix_caching: bool = True, cache_pages: int | None = None, kv_on_swap: str = "keep",
+                 kv_cache_memory: int | None = None, memory_utilization: float = 0.9, max_seq_len: int | None = None):
         _check_model(model)
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         if not _is_int(policy_version):
             raise TypeError(f"policy_version must be an int, got {type(policy_version).__name__}")
-        _check_cache_options(prefix_caching, page_size, cache_pages, kv_on_swap)
+        _check_cache_options(prefix_caching, page_size, cache_pages, kv_on_swap, kv_cache_memory, memory_utilization,
+                             max_seq_len)
         self.name = name
         self.model = model.eval()
         self.config = model.config
@@ -448,6 +593,9 @@ class Generator:
         self._ignored = tuple(getattr(model, "ignored_weight_prefixes", ()))
         self._version = policy_version
         self.page_size, self.kv_on_swap = page_size, kv_on_swap
+        self.max_seq_len, cache_pages, self.memory = _reference_plan(
+            model, page_size=page_size, prefix_caching=prefix_caching, cache_pages=cache_pages,
+            kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization, max_seq_len=max_seq_len)
         self._cache = PrefixCache(page_size, cache_pages) if prefix_caching else None
         self._counts = dict(prompt_tokens=0, computed_prompt_tokens=0, prefix_hit_tokens=0)
         self._cv = threading.Condition()
@@ -462,11 +610,14 @@ class Generator:
     def from_pretrained(cls, path, *, model_class, linear_layer=None, **kwargs) -> Generator:
         """A generator serving the Hugging Face checkpoint at ``path``: ``model_class.from_pretrained(path,
         linear_layer=..., dtype=..., device=..., max_seq_len=..., batch_invariant=...)`` (decoder_lm.py's
-        ``DecoderLM``; those keywords go to it when given), the other keywords to ``Generator``."""
+        ``DecoderLM``; those keywords go to it when given, ``max_seq_len`` to the engine too: it must fit the
+        memory budget), the other keywords to ``Generator``."""
         if not callable(getattr(model_class, "from_pretrained", None)):
             raise TypeError(f"model_class must have a from_pretrained(path, ...) classmethod (decoder_lm.py's "
                             f"DecoderLM), got {model_class!r}")
         model_kw = {k: kwargs.pop(k) for k in _MODEL_KEYWORDS if k in kwargs}
+        if "max_seq_len" in model_kw:                   # the model's and the engine's
+            kwargs["max_seq_len"] = model_kw["max_seq_len"]
         return cls(model_class.from_pretrained(path, linear_layer=linear_layer, **model_kw), **kwargs)
 
     @property
@@ -476,7 +627,7 @@ class Generator:
     def submit(self, request) -> Future:
         """Queue one request; the future resolves to its ``Completion`` (a list of n with
         ``sampling.n > 1``).  Never blocks."""
-        _check_request(request, self.config)
+        _check_request(request, self.config, self.max_seq_len)
         future = Future()
         with self._cv:
             if self._closed:
@@ -509,14 +660,17 @@ class Generator:
     def stats(self) -> dict:
         """waiting, running, completed, policy_version; prompt_tokens (requested, per sample),
         computed_prompt_tokens (run through the model), prefix_hit_tokens, evictions, cached_pages,
-        state_checkpoints (cached pages that carry the linear layers' state)."""
+        state_checkpoints (cached pages that carry the linear layers' state); the memory budget:
+        memory_budget_bytes, memory_budget_source, kv_bytes_per_token, cache_pages (the prefix cache's
+        capacity), max_seq_len."""
         with self._cv:
             waiting = sum(r is not None for r, _ in self._queue)
             cache = self._cache
             return dict(waiting=waiting, running=self._running, completed=self._completed,
                         policy_version=self._version, **self._counts,
                         evictions=cache.evictions if cache else 0, cached_pages=len(cache.entries) if cache else 0,
-                        state_checkpoints=sum(e[2] is not None for e in cache.entries.values()) if cache else 0)
+                        state_checkpoints=sum(e[2] is not None for e in cache.entries.values()) if cache else 0,
+                        **self.memory)
 
     def close(self) -> None:
         with self._cv:
@@ -546,7 +700,7 @@ class Generator:
             counts = {}
             rng = request_rng(sample_seed(sp.seed, index))
             tokens, logprobs, reason = generate(self.model, request.prompt_token_ids, sp, rng, self._cache,
-                                                version, counts)
+                                                version, counts, self.max_seq_len)
             with self._cv:
                 for name, n in counts.items():
                     self._counts[name] += n
@@ -597,7 +751,7 @@ class Generator:
 
 # ----------------------------------------------------------------------------- input checks
 
-def _check_request(request, config) -> None:
+def _check_request(request, config, max_seq_len: int) -> None:
     """What makes a request unservable: ValueError / TypeError (a router keeps the generator)."""
     prompt = getattr(request, "prompt_token_ids", None)
     if not isinstance(prompt, list) or not hasattr(getattr(request, "sampling", None), "max_new_tokens"):
@@ -610,17 +764,22 @@ def _check_request(request, config) -> None:
         raise ValueError("prompt_token_ids must hold at least one token, got an empty prompt")
     if max(prompt) >= config.vocab_size or min(prompt) < 0:
         raise ValueError(f"prompt_token_ids must be token ids in [0, {config.vocab_size}), got {max(prompt)}")
-    if len(prompt) >= config.max_seq_len:
+    if len(prompt) >= max_seq_len:
         raise ValueError(f"prompt_token_ids: a prompt of {len(prompt)} tokens leaves no room to generate "
-                         f"in a context of max_seq_len={config.max_seq_len}")
+                         f"in a context of max_seq_len={max_seq_len}")
 
 
-def _check_cache_options(prefix_caching, page_size, cache_pages, kv_on_swap) -> None:
+def _check_cache_options(prefix_caching, page_size, cache_pages, kv_on_swap, kv_cache_memory, memory_utilization,
+                         max_seq_len) -> None:
     if not isinstance(prefix_caching, bool):
         raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
-    for name, value in (("page_size", page_size), ("cache_pages", cache_pages)):
-        if not _is_int(value) or value < 1:
+    for name, value in (("page_size", page_size), ("cache_pages", cache_pages), ("kv_cache_memory", kv_cache_memory),
+                        ("max_seq_len", max_seq_len)):
+        if (name == "page_size" or value is not None) and (not _is_int(value) or value < 1):
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if (not isinstance(memory_utilization, (int, float)) or isinstance(memory_utilization, bool)
+            or not 0 < memory_utilization <= 1):
+        raise ValueError(f"memory_utilization must be a fraction in (0, 1], got {memory_utilization!r}")
     if kv_on_swap not in ("keep", "recompute"):
         raise ValueError(f"kv_on_swap must be 'keep' or 'recompute', got {kv_on_swap!r}")
 
