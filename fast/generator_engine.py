@@ -1,142 +1,135 @@
 """Generator engine: the fast version.  A serving engine built like vLLM's: continuous batching over
 a paged KV cache, weights hot-swapped from a shadow copy, kernel plug-ins.
 
+Example::
+
+    # generator_engine.py and decoder_lm.py, copied next to this script
+    from decoder_lm import DecoderLM, ModelConfig
+    from generator_engine import Generator, Request, SamplingParams
+
+    model = DecoderLM(ModelConfig(vocab_size=128, max_seq_len=64), seed=0)
+    with Generator(model, kv_cache_memory=2 ** 24) as gen:                   # a 16 MiB cache
+        group = gen.generate([Request([1, 2, 3], SamplingParams(max_new_tokens=5, temperature=1.0, seed=0, n=2))])[0]
+        print([c.token_ids for c in group], gen.stats()["max_seq_len"])
+
 What it computes
     The same sampling rule and engine contract as ``ref/generator_engine.py``, the specification (read
     its docstring for the sampling math, the data types and the model protocol): ``Generator(model,
-    ...)`` serves the caller's model (decoder_lm.py's ``DecoderLM``, fast/decoder_lm.py's for fused
-    projections and the bitwise mode; ``Generator.from_pretrained(path, model_class=DecoderLM)`` a
-    Hugging Face checkpoint).  On the same weights both engines give the same tokens and logprobs
-    (fp32: tokens equal, logprobs to fp32 rounding; parity/ compares them).  What this file changes is
-    how the work is done.
+    ...)`` serves the caller's model (decoder_lm.py's ``DecoderLM``; ``Generator.from_pretrained(path,
+    model_class=DecoderLM)`` a Hugging Face checkpoint).  On the same weights both engines give the same
+    tokens and logprobs (fp32: tokens equal, logprobs to fp32 rounding; parity/ compares them).  What
+    this file changes is how the work is done.
 
-The engine (Generator): continuous batching over a paged KV cache
-    thread       one engine thread runs the loop; ``submit`` validates and enqueues (never blocks);
-                 futures are settled by the engine thread after each iteration, outside every lock.
-    iteration    (1) give each decoding request the page its next token's KV goes to (allocate on
-                 demand, evicting a cached page nobody holds; when none is left, preempt the newest
-                 request: its pages are released and it goes back to the head of the queue, keeping
-                 its tokens and its generator, to be recomputed by a later prefill, mostly from the
-                 cache); (2) the prefill work within ``max_prefill_tokens``: prompts being prefilled
-                 resume, then waiting requests are admitted in arrival order while a slot per sample,
-                 their pages and the budget allow (a long prompt is cut at a page boundary and
-                 continues next iteration); (3) one prefill pass over that work (K/V scattered into
-                 the pages, then ``varlen_attn`` over the paged cache with a block table); (4) one
-                 batched decode step over the requests that were decoding (``flash_decode`` with
-                 k_new/v_new writes the new K/V into the pages and attends); (5) batched sampling,
-                 finished requests release their pages and slots.
-    pool         K and V [attention layers, num_pages, page_size, H_kv, D]; a block table
-                 [max_batch_size, ceil(max_seq_len / page_size)] int32 with one row per running
-                 request (a slot); "linear" plug-in layers keep their cache tensors in per-slot
-                 pools [max_batch_size, ...] (gathered and scattered around each decode step).
-                 A request that could never fit the pool alone raises ValueError at submit.
-    attention    ``varlen_attn`` and ``flash_decode`` are constructor arguments with the
-                 signatures of fast/paged_varlen_attention.varlen_attn and
-                 fast/flash_decoding.flash_decode (drop those in); the defaults are plain
-                 PyTorch in this file (causal only: no lse, softcap, sinks).
-    sampling     one set of tensor ops per group of rows (greedy, temperature, top-k/top-p); each
-                 sampled row draws its uniform from its request's own generator, so a request
-                 gets the same token alone or in any batch.  One device-to-host copy per group.
-    weights      ``load_weights`` validates the whole state dict, copies it into a second set of
-                 weights (the shadow; on a side CUDA stream that first waits for the last step
-                 that read those buffers), then hands it to the engine thread, which swaps the
-                 two sets between two iterations: decoding never stops for the copy, and a
-                 request running across the swap continues on the new weights (its
-                 max_policy_version says so; the KV cache it built keeps the old weights' keys,
-                 as in PipelineRL's in-flight updates).  Memory: two weight sets.
-    receiving    ``connect_weights(receiver)`` (or ``Generator(..., weight_receiver=receiver)``) connects
-                 a weight transport on every rank (fast/weight_sync.py's ``WeightReceiver``, or any
-                 object with this protocol: ``receiver.connect(rank, size, tensors) -> endpoint``, called
-                 on each rank with its weights by name (``state_dict()``); ``endpoint.receive(version,
-                 header, tensors)`` writes that rank's shard of ``version`` into ``tensors``, the shadow
-                 weights, and raises on any failure; ``endpoint.timeout_s`` bounds each of its waits;
-                 ``endpoint.close()``).  ``receive_weights(version, header=...)`` then runs every rank's
-                 receive while decoding goes on (workers get the header over their weights pipe: one
-                 message each) and swaps between two steps only when every rank received everything:
-                 a refused or failed receive leaves every rank on the old weights and version.
+One iteration, and the method that does each phase (the engine thread's ``Generator._step``)
+    1. pages          every decoding sample gets the page its next token's KV goes to; when no page is
+                      free or evictable the newest admitted sample is preempted (its pages freed, back to
+                      the head of the queue, recomputed later, mostly from the prefix cache)
+                                                                      Scheduler.schedule, _grow_pages
+    2. admission      prompts being prefilled resume, then waiting requests are admitted in arrival order
+                      while a row per sample, their pages and ``max_prefill_tokens`` allow (a long prompt
+                      is cut at a page boundary and goes on next iteration)     Scheduler._admit, _chunk
+    3. prefill        one packed pass over that work: K/V scattered into the pages, ``varlen_attn`` over
+                      the paged cache, the linear layers continued from their state rows
+                                                                      ModelRunner.prefill
+       prompts done   a group's first sample forks its followers; the finished prompts sample their first
+                      token                                           Scheduler.prompts_done, ModelRunner.sample
+    4. decode         one batched step over the samples that were decoding (``flash_decode`` writes the
+                      new K/V into the pages and attends), inputs in buffers filled in place
+                                                                      ModelRunner.decode, Scheduler.decoded
+    5. advance        each sample takes its token; finished ones settle their futures (outside every
+                      lock) and free their pages and rows             ModelRunner.sample, Scheduler.advance
+
+The parts
+    Generator     the front: the engine thread, submit / generate, weights (load, receive, swap), tensor
+                  parallelism, stats
+    Scheduler     decides: queues, admission, pages (``_Pages``: the block allocator and prefix cache),
+                  preemption, groups, prefix keys
+    StatePools    holds: the KV pools, the block table, the linear layers' state rows and checkpoints,
+                  sized by the memory plan (``plan_pools``)
+    ModelRunner   computes: each pass's inputs, the forward with ``attend`` / ``mix`` over the pools,
+                  sampling
+    Indices: a sample's ``row`` (block table and state pools), a ``page``, a ``checkpoint``, a token's
+    ``kv_index`` in the pool.  Options are one frozen ``EngineOptions``; what rank 0 tells its workers is
+    typed records (``_Iteration``, ``_LoadShard``, ...).
 
 Groups and the prefix cache (ref/generator_engine.py states the semantics: outputs do not change)
-    pages        a block allocator (``_Pages``): a page is free, held (refcounts: shared pages are
-                 held by every request that reads them) or cached (nobody holds it, it keeps its key,
-                 evicted least recently released first, a chain's tail before its start: before anyone
-                 is preempted).  A full page's key is (parent node, its token ids, the weights'
-                 version), with node ids never reused (exact keys, no hash collisions).
-    hits         at admission, the longest cached run of a request's full pages from position 0 (never
-                 the page of its last token, whose logits are needed) is held instead of computed; its
-                 prefill starts after it.  Keys are registered at admission, pending until computed, so
-                 a request that would hit a page being computed waits an iteration instead of
-                 computing it twice: n ordinary requests with the same prompt share one prefill.  A
-                 weight swap makes every older key unreachable; running requests keep their KV
-                 (``kv_on_swap="keep"``; their later pages are not keyed) or re-prefill under the new
-                 weights (``"recompute"``).
-    groups       ``SamplingParams(n=k)``: the first sample prefills the prompt; the others then share
-                 its full pages, copy its partial last page and its linear layers' state (a fork), and
-                 sample their first token from the same logits with their own generators (seed + i).
+    pages        a page is free, held (refcounts: shared pages are held by every sample that reads them)
+                 or cached (nobody holds it, it keeps its key, evicted least recently released first, a
+                 chain's tail before its start: before anyone is preempted).  A full page's key is (parent
+                 node, its token ids, the weights' version), with node ids never reused (exact keys).
+    hits         at admission, the longest cached run of a request's full pages from position 0 (never the
+                 page of its last token, whose logits are needed) is held instead of computed.  Keys are
+                 registered at admission, pending until computed, so a request that would hit a page being
+                 computed waits an iteration instead of computing it twice.  A weight swap makes every
+                 older key unreachable; running requests keep their KV (``kv_on_swap="keep"``; their later
+                 pages are not keyed) or re-prefill under the new weights (``"recompute"``).
+    groups       ``SamplingParams(n=k)``: the first sample prefills the prompt; the others then share its
+                 full pages, copy its partial last page and its linear layers' state (a fork), and sample
+                 their first token from the same logits with their own generators (seed + i).
     hybrid       "linear" layers (Gated DeltaNet) need their state at the hit's last token: a prefill
-                 checkpoints it (fp32 recurrent state, conv state) at page boundaries, every
-                 ``checkpoint_interval`` pages and at the pass's last full page, into
-                 ``num_checkpoints`` slots (a decode step does when it fills such a page); interior
-                 checkpoints cut those layers' call (the segments run in rounds, the state carried).
-                 A page without its checkpoint cannot end a hit.  Memory per slot: per linear layer
-                 HV K V 4 + conv_dim (W - 1) elt bytes, beside the KV pool's page_size H_kv D elt 2
-                 per attention layer and page; a model in the batch-invariant mode adds the current
-                 chunk's inputs its linear layers' caches hold (gated_deltanet.py: 63 (conv_dim elt +
-                 HV (4 + elt)) + 8 bytes).  Every tensor of a layer's cache is pooled and checkpointed
-                 alike, whatever the layer keeps.
-    chunks       a prompt longer than the iteration's budget is prefilled over several iterations from
-                 its written pages and its slot's state; decoding requests step in each of them.
+                 checkpoints it (every tensor of the layer's cache) at page boundaries, every
+                 ``checkpoint_interval`` pages and at the pass's last full page (a decode step does when
+                 it fills such a page); interior checkpoints cut those layers' call (the segments run in
+                 rounds, the state carried).  A page without its checkpoint cannot end a hit.
+    chunks       a prompt longer than the iteration's budget is prefilled over several iterations from its
+                 written pages and its row's state; decoding requests step in each of them.
+
+Weights
+    ``load_weights`` validates the whole state dict, copies it into a second set of weights (the shadow; on
+    a side CUDA stream that first waits for the last step that read those buffers), then hands it to the
+    engine thread, which swaps the two sets between two iterations: decoding never stops for the copy,
+    and a request running across the swap continues on the new weights (its max_policy_version says so;
+    its KV keeps the old weights' keys, as in PipelineRL's in-flight updates).  ``connect_weights(receiver)``
+    (or ``weight_receiver=``) connects a transport on every rank (fast/weight_sync.py's ``WeightReceiver``,
+    or any object with ``receiver.connect(rank, size, tensors) -> endpoint``, ``endpoint.receive(version,
+    header, tensors)`` raising on any failure, ``endpoint.timeout_s``, ``endpoint.close()``);
+    ``receive_weights(version, header=...)`` then runs every rank's receive while decoding goes on and swaps
+    only when every rank received everything: a refused or failed receive leaves every rank on the old
+    weights and version.
 
 Batch-invariant mode: bitwise on-policy (a model with ``batch_invariant=True``)
-    Given a model in fast/decoder_lm.py's batch-invariant mode (its docstring states the contract: every
-    phase computes a row's dots with the same tile shape, instruction and slot, and reduces in the same
-    order), a request's tokens and per-token logprobs do not depend on which requests share its batch,
-    when it joined, how its prompt was packed or chunked, whether it hit the prefix cache or was
-    preempted and recomputed; and the model's ``token_logprobs`` gives them bit for bit
-    (``torch.equal``).  The engine's side of the contract: the prefill attends through ``varlen_attn(...,
-    batch_invariant=True)`` (the model's own ``varlen_attn`` by default), a completion row (a decode
-    step, or a recomputed one after preemption) reduces its keys in two segments, its prompt's and its
-    own from the prompt's end on (``flash_decode(..., batch_invariant=True)`` twice, with
-    ``cache_leftpad``), merged as the trainer merges them; sampling takes the model's ``log_softmax``
-    (its invariant sum of exps) and each request draws from its own generator, so equal logits give
-    equal tokens.  What it costs is measured by bench/routed_generator.py (bench/README.md, its
-    tables).  Tested bitwise under four CPU kernel families (parity/test_bitwise_blas.py) and on the
-    sm_80/sm_90 builds; a GPU run is owed (the GPU tier of parity/test_batch_invariant_engine.py).
+    Given a model in fast/decoder_lm.py's batch-invariant mode (its docstring states the contract), a
+    request's tokens and per-token logprobs do not depend on which requests share its batch, when it
+    joined, how its prompt was packed or chunked, whether it hit the prefix cache or was preempted; and
+    the model's ``token_logprobs`` gives them bit for bit (``torch.equal``).  The engine's side: the prefill
+    attends through ``varlen_attn(..., batch_invariant=True)``, a completion row (a decode step, or a
+    recomputed one) reduces its keys in two segments, its prompt's and its own (``flash_decode(...,
+    batch_invariant=True)`` twice, ``cache_leftpad``), merged as the trainer merges them; sampling takes the
+    model's ``log_softmax``.  Tested bitwise under four CPU kernel families (parity/test_bitwise_blas.py)
+    and on the sm_80/sm_90 builds; a GPU run is owed.
 
-Cost (what bench/routed_generator.py measures against)
-    Per generated token, FLOPs ~ 2 * (non-embedding parameters + hidden * vocab) + 4 * L_ctx *
-    H_q * D per attention layer (L_ctx = keys it attends to).  A decode step over B requests moves
-    at least the weights once plus each request's KV: bytes >= weight bytes + sum_b 2 * L_b *
-    H_kv * D * elt * attention layers; at small B it is weight-bound, which is why batching wins.
+Memory, cost
+    The pools share a budget (the section "memory budget"; ``stats()`` reports it).  Per generated token,
+    FLOPs ~ 2 * (non-embedding parameters + hidden * vocab) + 4 * L_ctx * H_q * D per attention layer; a
+    decode step over B requests moves at least the weights once plus each request's KV (bytes >= weight
+    bytes + sum_b 2 L_b H_kv D elt per attention layer): weight-bound at small B, which is why batching wins.
 
 Tensors and types
-    As the reference: SamplingParams, Request, Completion (repeated in routed_generator.py so each
-    file works alone; ``submit`` reads a request by its fields, so either file's is served), the model
-    protocol (plus ``model.batch_invariant``, ``model.varlen_attn`` and ``model.log_softmax`` when the
-    model has them).  KV pool [attention layers, num_pages, page_size, H_kv,
-    D] in the model's dtype; block table [max_batch_size, pages per sequence] int32.
+    As the reference: SamplingParams, Request, Completion (repeated in routed_generator.py so each file
+    works alone; parity/test_copies.py keeps the copies equal), the model protocol (plus
+    ``model.batch_invariant``, ``model.varlen_attn`` and ``model.log_softmax`` when the model has them).
 
 Supported, and what raises
-    As the reference (ValueError for an empty prompt, unknown token ids, a prompt of max_seq_len
-    tokens or more, a state dict with missing, unexpected or mis-shaped tensors, rejected whole
-    with the weights and version unchanged; TypeError for non-tensors; RuntimeError after
-    ``close()``), plus RuntimeError from ``receive_weights`` when any rank's receive failed (weights and
-    version unchanged), ValueError for a request (or a group of n samples) that can never fit the
-    KV pool, a group larger than ``max_batch_size``, engine knobs < 1, a batch-invariant model without
-    ``varlen_attn`` or ``flash_decode``.  Inference only.  Limits: preemption
-    recomputes (no swapping to host; cached pages make most of it a hit); the plug-in layers'
-    state is gathered per step (a kernel that reads the slot pools in place would not copy); a
-    group's samples are admitted together (n free slots).
+    As the reference (ValueError for an empty prompt, unknown token ids, a prompt of max_seq_len tokens or
+    more, a state dict with missing, unexpected or mis-shaped tensors, rejected whole; TypeError for
+    non-tensors; RuntimeError after ``close()``), plus RuntimeError from ``receive_weights`` when any rank's
+    receive failed (weights and version unchanged), ValueError for a request (or a group of n samples) that
+    can never fit the KV pool, a group larger than ``max_batch_size``, a memory budget too small for one
+    sequence, engine knobs out of range, a batch-invariant model without ``varlen_attn`` or
+    ``flash_decode``.  Inference only.  Limits: preemption recomputes (no swapping to host); a group's
+    samples are admitted together (n free rows).
 
 References
     vLLM (Kwon et al., PagedAttention, 2023) and its scheduler (continuous batching, recompute
-    preemption); Orca (Yu et al., 2022, iteration-level scheduling);
-    PipelineRL (Piche et al., 2025) in-flight weight updates; gpt-fast.
+    preemption); nano-vllm (scheduler / block manager / model runner); Orca (Yu et al., 2022,
+    iteration-level scheduling); PipelineRL (Piche et al., 2025) in-flight weight updates; gpt-fast.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import dataclasses
+import enum
 import itertools
 import math
 import operator
@@ -161,7 +154,48 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_index(t) -> bool:
+    try:
+        operator.index(t)
+    except TypeError:
+        return False
+    return True
+
+
 # ----------------------------------------------------------------------------- data types
+
+# (field, rule, what it must be, error): SamplingParams applies them at construction, the router's
+# submit to every request it routes (whoever built it, and whatever was changed after).
+_SAMPLING_RULES = (
+    ("max_new_tokens", lambda v: _is_int(v) and v >= 1, "an int >= 1", ValueError),
+    ("temperature", lambda v: _is_real(v) and v >= 0, "a float >= 0 (0 = greedy)", ValueError),
+    ("top_k", lambda v: _is_int(v) and v >= 0, "an int >= 0 (0 = off)", ValueError),
+    ("top_p", lambda v: _is_real(v) and 0 < v <= 1, "in (0, 1] (1 = off)", ValueError),
+    ("stop_token_ids", lambda v: isinstance(v, (tuple, list)) and all(map(_is_index, v)), "a sequence of ints",
+     TypeError),
+    ("stop_token_ids", lambda v: all(operator.index(t) >= 0 for t in v), "token ids >= 0", ValueError),
+    ("seed", lambda v: v is None or _is_int(v), "an int or None", TypeError),
+    ("n", lambda v: _is_int(v) and v >= 1, "an int >= 1", ValueError),
+)
+
+
+def _check_sampling(sp, what: str = "") -> None:
+    for field, rule, expected, error in _SAMPLING_RULES:
+        if not hasattr(sp, field):
+            raise TypeError(f"{what.rstrip('.') or 'sampling'} must be a SamplingParams, got {type(sp).__name__} "
+                            f"(no {field})")
+        value = getattr(sp, field)
+        if not rule(value):
+            label = "n (samples of the prompt)" if field == "n" else field
+            raise error(f"{what}{label} must be {expected}, got {value!r}")
+    if sp.seed is not None and not -2 ** 63 <= sp.seed <= 2 ** 64 - sp.n:   # sample i draws from seed + i
+        raise ValueError(f"{what}seed must be in [-2**63, 2**64 - n] (sample i is seeded with seed + i), "
+                         f"got {sp.seed}")
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -176,33 +210,11 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self):
-        try:
-            stops = tuple(operator.index(t) for t in self.stop_token_ids)
-        except TypeError:
-            raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}") from None
-        object.__setattr__(self, "stop_token_ids", stops)
-        _check_sampling(self)
-
-
-def _check_sampling(sp) -> None:
-    """Every field a generator reads, whoever built the object (ValueError / TypeError)."""
-    if not _is_int(sp.n) or sp.n < 1:
-        raise ValueError(f"n (samples of the prompt) must be an int >= 1, got {sp.n!r}")
-    if not _is_int(sp.max_new_tokens) or sp.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {sp.max_new_tokens!r}")
-    if not isinstance(sp.temperature, (int, float)) or isinstance(sp.temperature, bool) or not sp.temperature >= 0:
-        raise ValueError(f"temperature must be a float >= 0 (0 = greedy), got {sp.temperature!r}")
-    if not _is_int(sp.top_k) or sp.top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {sp.top_k!r}")
-    if not isinstance(sp.top_p, (int, float)) or isinstance(sp.top_p, bool) or not 0.0 < sp.top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {sp.top_p!r}")
-    if not isinstance(sp.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in sp.stop_token_ids):
-        raise ValueError(f"stop_token_ids must be a tuple of token ids >= 0, got {sp.stop_token_ids!r}")
-    if sp.seed is not None:
-        if not _is_int(sp.seed):
-            raise TypeError(f"seed must be an int or None, got {type(sp.seed).__name__}")
-        if not -2 ** 63 <= sp.seed <= 2 ** 64 - sp.n:     # sample i draws from seed + i: a 64-bit seed each
-            raise ValueError(f"seed must be in [-2**63, 2**64 - n] (sample i is seeded with seed + i), got {sp.seed}")
+        stops = self.stop_token_ids
+        if isinstance(stops, Iterable) and not isinstance(stops, (str, bytes)):
+            object.__setattr__(self, "stop_token_ids", tuple(stops))
+        _check_sampling(self)  # the rules the router's submit also applies to every request
+        object.__setattr__(self, "stop_token_ids", tuple(operator.index(t) for t in self.stop_token_ids))
 
 
 _request_ids = itertools.count()  # next() on a count is atomic under the GIL: ids stay unique across threads
@@ -261,6 +273,1457 @@ class Completion:
     max_policy_version: int
     sample_index: int = 0
 
+
+
+# ----------------------------------------------------------------------------- options
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Every knob of a ``Generator`` (its docstring says what each does), checked once here; a
+    tensor-parallel worker is sent this record as it is."""
+
+    name: str = "generator"
+    policy_version: int = 0
+    varlen_attn: object = None
+    flash_decode: object = None
+    cascade_decode: object = None
+    page_size: int = 16
+    num_pages: int | None = None
+    max_batch_size: int | None = None
+    max_prefill_tokens: int = 8192
+    prefix_caching: bool = True
+    checkpoint_interval: int = 1
+    num_checkpoints: int | None = None
+    kv_on_swap: str = "keep"
+    kv_cache_memory: int | None = None
+    memory_utilization: float = 0.9
+    max_seq_len: int | None = None
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 60.0
+    tp_address: str = "127.0.0.1"
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"name must be a non-empty str, got {self.name!r}")
+        if not _is_int(self.policy_version):
+            raise TypeError(f"policy_version must be an int, got {type(self.policy_version).__name__}")
+        for field, least, optional in _COUNT_OPTIONS:
+            value = getattr(self, field)
+            if not (optional and value is None) and (not _is_int(value) or value < least):
+                raise ValueError(f"{field} must be an int >= {least}, got {value!r}")
+        for field in ("varlen_attn", "flash_decode", "cascade_decode"):
+            fn = getattr(self, field)
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{field} must be None or a function with that signature, got {type(fn).__name__}")
+        if not isinstance(self.prefix_caching, bool):
+            raise TypeError(f"prefix_caching must be a bool, got {type(self.prefix_caching).__name__}")
+        if self.kv_on_swap not in ("keep", "recompute"):
+            raise ValueError(f"kv_on_swap must be 'keep' or 'recompute', got {self.kv_on_swap!r}")
+        if not _is_number(self.memory_utilization) or not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must be a fraction in (0, 1], got {self.memory_utilization!r}")
+        if not _is_number(self.tp_timeout_s) or not self.tp_timeout_s > 0:
+            raise ValueError(f"tp_timeout_s must be a number of seconds > 0, got {self.tp_timeout_s!r}")
+
+
+# (field, least value, None allowed): the integer knobs
+_COUNT_OPTIONS = (("page_size", 1, False), ("max_prefill_tokens", 1, False), ("checkpoint_interval", 1, False),
+                  ("tensor_parallel_size", 1, False), ("num_pages", 1, True), ("max_batch_size", 1, True),
+                  ("num_checkpoints", 0, True), ("kv_cache_memory", 1, True), ("max_seq_len", 1, True))
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# ----------------------------------------------------------------------------- the engine's front
+
+class Generator:
+    """The fast engine (module docstring): continuous batching over a paged KV cache with prefix
+    caching, groups, chunked prefill, hot-swapped weights.  Same contract as the reference's, plus
+    the engine's knobs (``EngineOptions``):
+
+    ``varlen_attn`` / ``flash_decode``  prefill / decode attention with those functions' signatures
+                                        (default: plain PyTorch in this file); ``cascade_decode``: a
+                                        group's samples decode side by side, their prompt read once
+    ``kv_cache_memory``,                the memory budget of the KV pages, the linear layers' state rows
+    ``memory_utilization``              and checkpoints: ``kv_cache_memory`` bytes, else (CUDA) that
+                                        fraction of the GPU less the weights, the shadow weights and a
+                                        measured activation peak, or (CPU) that fraction of half the
+                                        available memory less the shadow weights (the section "memory
+                                        budget"); ``stats()`` reports how it is spent
+    ``page_size``, ``num_pages``        the KV pool (default: what the budget leaves, see above)
+    ``max_batch_size``                  requests decoding at once (rows of the block table and of the
+                                        state pools; default 256, fewer for a hybrid model whose states
+                                        would take more than a quarter of the budget)
+    ``max_seq_len``                     the longest sequence (default: the model's, capped by what the
+                                        pool holds; one that does not fit raises ValueError before
+                                        anything is allocated).  A pool too small for the load is not an
+                                        error: admission waits and running requests are preempted
+                                        (recomputed later, mostly from the prefix cache).  Measured: 32
+                                        requests of 64 + 64 tokens on a pool of 8 sequences' pages made
+                                        20 preemptions, recomputed 1317 tokens and took 2.5x the time
+                                        of a pool for all 32 (bench/decoder_lm.py --part pool)
+    ``max_prefill_tokens``              prompt tokens computed per iteration: a longer prompt is
+                                        prefilled over several iterations (cut at page boundaries)
+                                        while the running requests keep decoding
+    ``prefix_caching``                  reuse cached pages (and checkpoints) across requests; off: no
+                                        page outlives its request (groups still share their prompt)
+    ``checkpoint_interval``             hybrid models: a prefill checkpoints the linear layers' state
+                                        every this many pages (and at its last full page); each
+                                        interior checkpoint splits those layers' prefill call
+    ``num_checkpoints``                 checkpoint slots (default: a quarter of the budget, at most one
+                                        per page, for a hybrid model with prefix caching)
+    ``kv_on_swap``                      "keep" (running requests keep the KV of the old weights) or
+                                        "recompute" (they re-prefill under the new ones)
+    ``tensor_parallel_size``,           N processes, one shard each (the section "tensor parallelism");
+    ``tp_timeout_s``, ``tp_address``    a worker dead or silent for tp_timeout_s fails the generator
+    ``weight_receiver``                 a weight transport connected on every rank (``connect_weights``)
+    A model in the batch-invariant mode (``model.batch_invariant``) makes the engine batch-invariant (the
+    module docstring): it then needs ``varlen_attn`` (default: the model's) and ``flash_decode``.
+    ``Generator.from_pretrained(path, model_class=DecoderLM, ...)`` serves a checkpoint.
+    """
+
+    def __init__(self, model: nn.Module, *, name: str = "generator", policy_version: int = 0, varlen_attn=None,
+                 flash_decode=None, cascade_decode=None, page_size: int = 16, num_pages: int | None = None,
+                 max_batch_size: int | None = None, max_prefill_tokens: int = 8192, prefix_caching: bool = True,
+                 checkpoint_interval: int = 1, num_checkpoints: int | None = None, kv_on_swap: str = "keep",
+                 kv_cache_memory: int | None = None, memory_utilization: float = 0.9, max_seq_len: int | None = None,
+                 tensor_parallel_size: int = 1, tp_timeout_s: float = 60.0, tp_address: str = "127.0.0.1",
+                 weight_receiver=None, _tp_worker=None):
+        opts = EngineOptions(
+            name=name, policy_version=policy_version, varlen_attn=varlen_attn, flash_decode=flash_decode,
+            cascade_decode=cascade_decode, page_size=page_size, num_pages=num_pages, max_batch_size=max_batch_size,
+            max_prefill_tokens=max_prefill_tokens, prefix_caching=prefix_caching,
+            checkpoint_interval=checkpoint_interval, num_checkpoints=num_checkpoints, kv_on_swap=kv_on_swap,
+            kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization, max_seq_len=max_seq_len,
+            tensor_parallel_size=tensor_parallel_size, tp_timeout_s=tp_timeout_s, tp_address=tp_address)
+        self.options, self.name, self._tp, self._broken = opts, opts.name, _tp_worker, None
+        if opts.tensor_parallel_size > 1 and _tp_worker is None:   # rank 0: starts the workers, keeps its shard
+            self._tp = _TensorParallel(opts)
+            model = self._tp.start(model)
+        try:
+            self._build(model, opts)
+        except BaseException:                            # (tensor-parallel: the workers end too)
+            if isinstance(self._tp, _TensorParallel):
+                self._tp.kill()
+            raise
+        self._thread = None
+        if _tp_worker is None:                           # a worker runs its loop in its main thread
+            self._thread = threading.Thread(target=self._loop, name=f"{self.name}-engine", daemon=True)
+            self._thread.start()
+        if isinstance(self._tp, _TensorParallel):
+            self._tp.watch(self._tp_failed)
+        self._endpoint = None                            # this rank's weight receiver (connect_weights)
+        if weight_receiver is not None:
+            try:
+                self.connect_weights(weight_receiver)
+            except BaseException:
+                self.close()
+                raise
+
+    def _build(self, model: nn.Module, opts: EngineOptions) -> None:
+        """The model's checks, the memory plan, the three parts, the weights' bookkeeping."""
+        _check_model(model)
+        self.batch_invariant = bool(getattr(model, "batch_invariant", False))
+        varlen_attn = opts.varlen_attn if opts.varlen_attn is not None else getattr(model, "varlen_attn", None)
+        if self.batch_invariant and (varlen_attn is None or opts.flash_decode is None):
+            raise ValueError("a batch-invariant model needs varlen_attn (fast/paged_varlen_attention.varlen_attn) and "
+                             "flash_decode (fast/flash_decoding.flash_decode): a prefill and a decode step then round "
+                             "a row as the trainer's token_logprobs does; the in-file default attention does not")
+        self.model, self.config = model.eval(), model.config
+        self.device, self.dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        full_shape = getattr(model, "full_shape", lambda name, shape: tuple(shape))
+        self._shapes = {n: tuple(full_shape(n, t.shape)) for n, t in model.state_dict().items()}   # what loads take
+        self._optional = _tied_aliases(model)
+        self._ignored = tuple(getattr(model, "ignored_weight_prefixes", ()))
+        self._version = opts.policy_version
+        attention = _AttentionFns(varlen_attn or _torch_varlen_attn, opts.flash_decode or _torch_flash_decode,
+                               opts.cascade_decode, dict(batch_invariant=True) if self.batch_invariant else {})
+        self.memory, state_shapes = plan_pools(model, opts, attention, self._tp)
+        self.max_seq_len, self.num_pages = self.memory.max_seq_len, self.memory.num_pages
+        self.max_batch_size, self.num_checkpoints = self.memory.max_batch_size, self.memory.num_checkpoints
+        self.page_size, self.max_prefill_tokens = opts.page_size, opts.max_prefill_tokens
+        self.prefix_caching, self.checkpoint_interval, self.kv_on_swap = (opts.prefix_caching, opts.checkpoint_interval,
+                                                                          opts.kv_on_swap)
+        self._cv = threading.Condition()
+        self.pools = StatePools(model, self.memory, state_shapes)
+        self.scheduler = Scheduler(opts, self.memory, self.pools, hybrid="linear" in self.config.kinds, lock=self._cv,
+                                   group_decode=opts.cascade_decode is not None and not self.batch_invariant,
+                                   version=self._version)
+        self.runner = ModelRunner(model, self.pools, attention, self.memory, self.batch_invariant, self._tp)
+        if isinstance(self._tp, _TensorParallel):
+            self._tp.ready()                              # every worker sized its pools alike
+        self._load_lock = threading.Lock()
+        self._staged = None                 # (version, future): the shadow weights, swapped in before the next step
+        self._closed = False
+        self._weights = _ShadowWeights(self.device)
+        self._incoming: list[_Seq] = []     # submitted (under _cv), taken by the engine at its next iteration
+
+    @classmethod
+    def from_pretrained(cls, path, *, model_class, linear_layer=None, **kwargs) -> Generator:
+        """A generator serving the Hugging Face checkpoint at ``path``: ``model_class.from_pretrained(path,
+        linear_layer=..., dtype=..., device=..., max_seq_len=..., batch_invariant=..., varlen_attn=...)``
+        (fast/decoder_lm.py's ``DecoderLM``; those keywords go to it when given, ``varlen_attn`` and
+        ``max_seq_len`` to both: an explicit max_seq_len must fit the memory budget), the other keywords to
+        ``Generator``."""
+        if not callable(getattr(model_class, "from_pretrained", None)):
+            raise TypeError(f"model_class must have a from_pretrained(path, ...) classmethod (decoder_lm.py's "
+                            f"DecoderLM), got {model_class!r}")
+        model_kw = {k: kwargs.pop(k) for k in _MODEL_KEYWORDS if k in kwargs}
+        for shared in ("varlen_attn", "max_seq_len"):  # the model's and the engine's
+            if shared in model_kw or shared in kwargs:
+                model_kw[shared] = kwargs[shared] = model_kw.get(shared, kwargs.get(shared))
+        if kwargs.get("tensor_parallel_size", 1) != 1:   # each rank reads its own shard of the checkpoint
+            return cls(_Checkpoint(model_class, path, dict(model_kw, linear_layer=linear_layer)), **kwargs)
+        return cls(model_class.from_pretrained(path, linear_layer=linear_layer, **model_kw), **kwargs)
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def submit(self, request) -> Future:
+        """Queue one request; the future resolves to its ``Completion`` (a list of n with
+        ``sampling.n > 1``).  Never blocks."""
+        self.scheduler.check_servable(request, self.config)
+        if self._tp is not None:   # every rank must draw alike: a random seed is drawn once, here
+            request = self._tp.with_seed(request)
+        future = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"generator {self.name} is closed"
+                                   + (f" ({self._broken})" if self._broken is not None else ""))
+            if self._tp is not None and not future.set_running_or_notify_cancel():
+                return future
+            self._incoming.append(_Seq.leader(request, future, self.max_seq_len))
+            self._cv.notify()
+        return future
+
+    def generate(self, requests) -> list:
+        """Submit every request, wait, return the completions in order (raises the first failure)."""
+        futures = [self.submit(r) for r in list(requests)]
+        return [f.result() for f in futures]
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Validate, copy into the shadow weights while decoding goes on, swap between two steps."""
+        if not _is_int(version):
+            raise TypeError(f"version must be an int, got {type(version).__name__}")
+        with self._load_lock:
+            if version < self._version:
+                raise ValueError(f"version must not decrease: got {version}, serving {self._version}")
+            tensors = _checked_state_dict(state_dict, self._shapes, self._optional, self._ignored)
+            if self._tp is not None:  # each worker copies its shard into its shadow meanwhile
+                self._tp.send_weights(self.model, tensors)
+                tensors = self.model.shard_state_dict(tensors)
+            self._weights.copy(self.model, tensors)
+            if self._tp is not None:
+                self._tp.wait_weights()
+            self._stage_and_wait(version)
+
+    def connect_weights(self, receiver) -> None:
+        """Connect a weight transport's receiver on every rank (module docstring, "receiving"): later
+        versions come through ``receive_weights``.  Raises what a rank's connect raised (rank 0's own
+        error as it is, a worker's as RuntimeError); no receiver is connected then, until a connect
+        succeeds."""
+        if not callable(getattr(receiver, "connect", None)):
+            raise TypeError(f"receiver must have connect(rank, size, tensors) (fast/weight_sync.py's WeightReceiver), "
+                            f"got {type(receiver).__name__}")
+        with self._load_lock:
+            if self._tp is not None:
+                self._tp.tell_workers(_Connect(receiver))
+            try:
+                endpoint, error = self._connect_endpoint(receiver), None
+            except Exception as exc:  # noqa: BLE001 - raised below, once the workers answered
+                endpoint, error = None, exc
+            bound = self.options.tp_timeout_s + float(getattr(receiver, "timeout_s", 0.0))
+            errors = self._tp_answers(bound) if self._tp is not None else []
+            if error is None and not errors:
+                return
+            self._endpoint = None         # receive_weights refuses until a connect succeeds on every rank
+            if endpoint is not None:
+                endpoint.close()
+            if error is not None:
+                raise error
+            raise RuntimeError(f"generator {self.name}: connect_weights failed on " + "; ".join(errors))
+
+    def receive_weights(self, version: int | None, *, header=None) -> None:
+        """Take weights ``version`` from the connected receiver on every rank, into the shadow weights
+        while decoding goes on, and swap between two steps once every rank received all of it; raises
+        RuntimeError when any rank's receive failed (a bucket refused, a timeout, a dead trainer): every
+        rank then keeps the weights and version it serves.  ``header`` is the sender's control message
+        for this sync (fast/weight_sync.py's ``WeightSender.header``).  ``version`` None: only (re)form
+        the transport's channels."""
+        if self._endpoint is None:
+            raise RuntimeError(f"generator {self.name} has no weight receiver: connect_weights(receiver) first")
+        if version is not None and not _is_int(version):
+            raise TypeError(f"version must be an int or None, got {type(version).__name__}")
+        with self._load_lock:
+            if self._closed:
+                raise RuntimeError(f"generator {self.name} is closed")
+            if version is not None and version < self._version:
+                raise ValueError(f"version must not decrease: got {version}, serving {self._version}")
+            if self._tp is not None:  # every worker receives its own shard meanwhile
+                self._tp.tell_workers(_Receive(version, header))
+            errors = []
+            try:
+                self._receive_shard(version, header)
+            except Exception as exc:  # noqa: BLE001 - the sync is refused below, once the workers answered
+                errors.append(f"rank 0: {type(exc).__name__}: {exc}")
+            if self._tp is not None:
+                errors += self._tp_answers(self.options.tp_timeout_s + float(getattr(self._endpoint, "timeout_s", 0)))
+            if errors:
+                raise RuntimeError(f"generator {self.name}: weights version {version} refused whole (still serving "
+                                   f"version {self._version}): " + "; ".join(errors))
+            if version is not None:
+                self._stage_and_wait(version)
+
+    def stats(self) -> dict:
+        """waiting, running (prefilling or decoding), completed, policy_version; free_pages (free or
+        evictable), num_pages, page_size, steps, preemptions, generated_tokens, weights_staged;
+        prompt_tokens (requested, per sample), computed_prompt_tokens (run through the model,
+        recomputation after preemption included), prefix_hit_tokens (skipped: cached or a group's
+        shared prompt), evictions, cached_pages (keyed pages, held or not), state_checkpoints; the
+        memory (``MemoryPlan.report``): memory_budget_bytes and memory_budget_source, kv_pool_bytes (the K
+        and V pools of every attention layer), kv_tokens (the tokens they hold), kv_bytes_per_token,
+        state_slot_bytes (the linear layers' state rows), checkpoint_capacity_bytes (what the checkpoints
+        may take) and checkpoint_bytes (what they hold: allocated at the first prefill that writes one;
+        num_checkpoints x, per linear layer, every tensor of its cache: the fp32 recurrent state and the
+        conv state, and in the batch-invariant mode the chunk buffer), max_seq_len."""
+        with self._cv:
+            sched = self.scheduler
+            return dict(waiting=sched.waiting_samples(self._incoming), running=sched.running_samples(),
+                        policy_version=self._version, num_pages=self.num_pages, page_size=self.page_size,
+                        weights_staged=self._staged is not None, **sched.counts, **sched.pages.report(),
+                        **self.memory.report(), checkpoint_bytes=self.pools.checkpoint_bytes(),
+                        tensor_parallel_size=1 if self._tp is None else self._tp.size)
+
+    def close(self) -> None:
+        """Stop the engine (what is queued or running fails) and, tensor-parallel, every worker process."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        if self._tp is not None:
+            self._tp.close()
+        if getattr(self, "_endpoint", None) is not None:
+            self._endpoint.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ the loop
+
+    @torch.no_grad()
+    def _step(self, settle: list) -> None:
+        """One iteration (the module docstring's table): schedule, run, advance."""
+        plan = self.scheduler.schedule()                   # pages for the decoders (or preemption), admission
+        if plan.prefill:                                   # one packed pass; prompts done fork and sample
+            logits = self.runner.prefill(self.model, plan.prefill)
+            started, rows = self.scheduler.prompts_done(plan.prefill)
+            if started:
+                self.scheduler.advance(started, *self.runner.sample(self.model, started, logits, rows), settle)
+        if plan.decode:                                    # one token for every decoding sample
+            logits = self.runner.decode(self.model, plan.decode)
+            self.scheduler.decoded(plan.decode)
+            self.scheduler.advance(plan.decode, *self.runner.sample(self.model, plan.decode, logits), settle)
+        self.scheduler.counts["steps"] += 1
+
+    def _loop(self) -> None:
+        """The engine thread: take what was submitted and any staged weights, run an iteration, settle the
+        futures outside every lock; a failed iteration fails the requests it held (tensor-parallel: the
+        generator stops, its ranks may no longer agree)."""
+        while True:
+            with self._cv:
+                while not (self._incoming or self.scheduler.busy() or self._staged or self._closed):
+                    self._cv.wait()
+                if self._closed:
+                    break
+                incoming, self._incoming = self._incoming, []
+                staged, self._staged = self._staged, None
+            settle: list = []
+            try:
+                if self._tp is not None:      # the workers take the same iteration: its requests and swap
+                    self._tp.send_iteration(incoming, None if staged is None else staged[0])
+                self.scheduler.enqueue(incoming)
+                if staged is not None:
+                    self._swap(*staged)
+                self._step(settle)
+            except Exception as exc:  # fail the requests that hit it; the engine goes on (tensor-parallel: it stops)
+                if self._tp is not None:
+                    self._break(exc)
+                self.scheduler.fail_admitted(exc if self._broken is None else
+                                             RuntimeError(f"generator {self.name} failed: {exc}"), settle)
+            for fn, value in settle:  # outside every lock: callbacks may submit again
+                fn(value)
+            if self._broken is not None:
+                break
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        """After the loop: what is staged, queued or running fails (closed, or broken)."""
+        with self._cv:
+            staged, self._staged = self._staged, None
+            leftover = self._incoming + self.scheduler.drain()
+            self._incoming = []
+        if staged is not None:
+            staged[1].set_exception(RuntimeError(f"generator {self.name} closed before the weights were swapped in"))
+        closed, settle = RuntimeError(f"generator {self.name} closed before finishing the request"
+                                      + (f": {self._broken}" if self._broken is not None else "")), []
+        for seq in leftover:
+            group = seq.group
+            if not group.failed and (group.future.running() or group.future.set_running_or_notify_cancel()):
+                group.fail(closed, settle)
+        for fn, value in settle:
+            fn(value)
+
+    # ------------------------------------------------------------------ weights
+
+    def _stage_and_wait(self, version: int) -> None:
+        """Hand the shadow weights to the engine thread, which swaps them in between two iterations."""
+        swapped = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"generator {self.name} is closed")
+            self._staged = (version, swapped)
+            self._cv.notify()
+        swapped.result()
+
+    def _swap(self, version: int, swapped: Future) -> None:
+        """Between two steps: the shadow weights become the live ones, the old ones the shadow (the scheduler
+        makes older pages unreachable, or recomputes every request with kv_on_swap="recompute")."""
+        self.model = self._weights.swap(self.model)
+        self._version = version
+        self.scheduler.swap(version, recompute=self.kv_on_swap == "recompute")
+        swapped.set_result(None)
+
+    def _connect_endpoint(self, receiver):
+        """This rank's side of connect_weights."""
+        rank, size = (0, 1) if self._tp is None else (self._tp.rank, self._tp.size)
+        endpoint = receiver.connect(rank, size, self.model.state_dict())
+        old, self._endpoint = self._endpoint, endpoint
+        if old is not None:
+            old.close()
+        return endpoint
+
+    @torch.no_grad()
+    def _receive_shard(self, version, header) -> None:
+        """This rank's side of receive_weights: its shard into its shadow weights (version None: connect)."""
+        if version is None:
+            self._endpoint.receive(None, header, None)
+            return
+        shadow = self._weights.of(self.model)
+        with self._weights.writes():
+            self._endpoint.receive(version, header, shadow.state_dict())
+
+    # ------------------------------------------------------------------ tensor parallelism, faults
+
+    def _tp_answers(self, bound_s: float) -> list:
+        """The workers' answers to a weights message (errors, [] when all went well).  A worker silent
+        for bound_s after rank 0's part ended breaks the generator: its ranks may no longer agree."""
+        try:
+            return self._tp.answers(bound_s)
+        except RuntimeError as exc:
+            self._tp_failed(exc)
+            raise
+
+    def _break(self, exc: BaseException) -> None:
+        """Tensor-parallel: a step failed on some rank (a worker died, hung past tp_timeout_s, or raised), so
+        the ranks may no longer agree: the generator stops for good (a router's fault policy takes over)
+        and its workers are ended."""
+        self._broken = exc
+        with self._cv:
+            self._closed = True
+        self._tp.kill()
+
+    def _tp_failed(self, exc: BaseException) -> None:
+        """The workers' watchdog: a worker died while the engine waited (no collective to notice it)."""
+        with self._cv:
+            if self._closed:
+                return
+            self._broken, self._closed = exc, True
+            self._cv.notify()
+
+    def _serve_as_worker(self) -> None:
+        """A tensor-parallel worker's loop: rank 0's iterations, one by one (its requests, its swap), each
+        run with this rank's shard; rank 0 samples, this rank takes its tokens."""
+        while True:
+            message = self._tp.control.recv()
+            if isinstance(message, _Close):
+                return
+            self.scheduler.enqueue([_Seq.leader(Request(prompt, SamplingParams(**sampling), request_id), Future(),
+                                                self.max_seq_len) for request_id, prompt, sampling in message.requests])
+            if message.swap_version is not None:
+                self._swap(message.swap_version, Future())
+            self._step([])
+
+    def _load_shard(self, tensors: dict) -> None:
+        """A worker's share of a weight load: its shard into its shadow weights (swapped at rank 0's word)."""
+        self._weights.copy(self.model, tensors)
+
+class _ShadowWeights:
+    """The second weight set a load fills while decoding goes on (module docstring, "Weights").  On CUDA its
+    writes run on a side stream that first waits for the caller's stream (whatever produced the new tensors)
+    and for the last step that read these buffers (they held the previous weights)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.model, self.retired, self.stream = device, None, None, None
+
+    def of(self, live: nn.Module) -> nn.Module:
+        if self.model is None:                         # allocated once, by the first load (no random init)
+            self.model = _shadow_of(live)
+        return self.model
+
+    @torch.no_grad()
+    def copy(self, live: nn.Module, tensors: dict) -> None:
+        params = self.of(live).state_dict()
+        with self.writes():
+            for n, t in tensors.items():
+                params[n].copy_(t, non_blocking=self.device.type == "cuda")
+
+    @contextlib.contextmanager
+    def writes(self):
+        if self.device.type != "cuda":
+            yield
+            return
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self.retired is not None:
+            self.stream.wait_event(self.retired)
+        with torch.cuda.stream(self.stream):
+            yield
+        self.stream.synchronize()
+
+    def swap(self, live: nn.Module) -> nn.Module:
+        """The shadow becomes the live weights; the live ones become the shadow, retired after the last step
+        that read them.  Returns the new live model."""
+        self.model, live = live, self.model
+        if self.device.type == "cuda":
+            self.retired = torch.cuda.Event()
+            self.retired.record()
+        return live
+
+
+# ----------------------------------------------------------------------------- the scheduler: decides
+
+class _Pages:
+    """The KV pool's block allocator, with prefix caching (module docstring: "Groups and the prefix cache").
+
+    A physical page is free, held (refcount > 0: in running requests' block tables) or cached
+    (refcount 0 but keyed: evictable, least recently released first, and released tail first so a
+    chain loses its end before its start).  A full page's key is (its parent's node id, its token
+    ids, the weights' version); node ids are never reused, so a key is exact and a chain whose parent
+    was evicted is unreachable.  A key registered before its page is computed is pending: a request
+    that would hit it waits an iteration.  Checkpoints (models with "linear" layers): slots holding
+    those layers' state after a page's last token, attached to the page, the least recently used
+    given up when none is free."""
+
+    def __init__(self, num_pages: int, num_checkpoints: int):
+        self.free = list(range(num_pages - 1, -1, -1))
+        self.refs = [0] * num_pages
+        self.cached: OrderedDict = OrderedDict()        # page -> None: nobody holds it, it keeps its key
+        self.page_of: dict = {}                         # key -> page
+        self.key_of: dict = {}                          # page -> (key, node id)
+        self.pending: set = set()                       # keyed pages whose KV is not computed yet
+        self.checkpoint_of: OrderedDict = OrderedDict()  # page -> checkpoint, least recently used first
+        self.free_checkpoints = list(range(num_checkpoints - 1, -1, -1))
+        self.next_node = 1
+        self.evictions = 0
+
+    def available(self, hits=()) -> int:
+        """Pages an allocation can take (free or evictable), leaving ``hits`` (about to be held) alone."""
+        return len(self.free) + len(self.cached) - sum(p in self.cached for p in hits)
+
+    def allocate(self) -> int:
+        if self.free:
+            page = self.free.pop()
+        else:
+            page, _ = self.cached.popitem(last=False)
+            self._forget(page)
+            self.evictions += 1
+        self.refs[page] = 1
+        return page
+
+    def hold(self, page: int) -> None:
+        self.cached.pop(page, None)
+        self.refs[page] += 1
+
+    def release(self, pages: list) -> None:
+        for page in reversed(pages):
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                if page in self.key_of and page not in self.pending:
+                    self.cached[page] = None
+                else:
+                    self._forget(page)
+                    self.free.append(page)
+
+    def match(self, chunks: list, version: int, need_checkpoint: bool) -> tuple[list, bool]:
+        """(the pages of the longest cached run of these full-page token chunks from position 0, whether
+        a pending page cut it).  With ``need_checkpoint`` the run ends on a page that has one."""
+        node, pages, blocked = 0, [], False
+        for chunk in chunks:
+            page = self.page_of.get((node, chunk, version))
+            if page is None:
+                break
+            if page in self.pending:
+                blocked = True
+                break
+            pages.append(page)
+            node = self.key_of[page][1]
+        while need_checkpoint and pages and pages[-1] not in self.checkpoint_of:
+            pages.pop()
+        if pages and need_checkpoint:
+            self.checkpoint_of.move_to_end(pages[-1])
+        return pages, blocked
+
+    def register(self, page: int, node: int, chunk: tuple, version: int, pending: bool) -> int:
+        """Key ``page`` as the full page ``chunk`` after chain node ``node``; returns its node id.  When
+        that key is registered already (the same tokens computed twice), this page stays unkeyed and
+        the chain goes on through the other one."""
+        key = (node, chunk, version)
+        if key in self.page_of:
+            return self.key_of[self.page_of[key]][1]
+        self.page_of[key] = page
+        self.key_of[page] = (key, self.next_node)
+        if pending:
+            self.pending.add(page)
+        self.next_node += 1
+        return self.next_node - 1
+
+    def checkpoint_for(self, page: int) -> int | None:
+        """A checkpoint for ``page`` (keyed, without one): a free one or the least recently used."""
+        if page not in self.key_of or page in self.checkpoint_of:
+            return None
+        if self.free_checkpoints:
+            slot = self.free_checkpoints.pop()
+        elif self.checkpoint_of:
+            _, slot = self.checkpoint_of.popitem(last=False)
+        else:
+            return None
+        self.checkpoint_of[page] = slot
+        return slot
+
+    def drop_older(self, version: int) -> None:
+        """New weights: pages keyed under an older version are never hit again (cached ones are freed)."""
+        for page in [p for p, (key, _) in self.key_of.items() if key[2] < version]:
+            self._forget(page)
+            if page in self.cached:                     # nobody holds it: free now (held ones when released)
+                del self.cached[page]
+                self.free.append(page)
+
+    def report(self) -> dict:
+        return dict(free_pages=self.available(), evictions=self.evictions, cached_pages=len(self.key_of),
+                    state_checkpoints=len(self.checkpoint_of))
+
+    def _forget(self, page: int) -> None:
+        entry = self.key_of.pop(page, None)
+        if entry is not None:
+            del self.page_of[entry[0]]
+        self.pending.discard(page)
+        slot = self.checkpoint_of.pop(page, None)
+        if slot is not None:
+            self.free_checkpoints.append(slot)
+
+
+class _Group:
+    """The n samples of one submitted request: one future, settled when the last sample is done."""
+
+    __slots__ = ("request", "future", "completions", "left", "failed", "admitted")
+
+    def __init__(self, request: Request, future: Future):
+        self.request, self.future = request, future
+        self.completions = [None] * request.sampling.n
+        self.left = request.sampling.n
+        self.failed = self.admitted = False
+
+    def done(self, completion: Completion, settle: list) -> None:
+        self.completions[completion.sample_index] = completion
+        self.left -= 1
+        if self.left == 0 and not self.failed:
+            result = self.completions if self.request.sampling.n > 1 else completion
+            settle.append((self.future.set_result, result))
+
+    def fail(self, exc: BaseException, settle: list) -> None:
+        if not self.failed and self.left > 0:
+            self.failed = True
+            settle.append((self.future.set_exception, exc))
+
+
+class _Seq:
+    """One sample inside the engine.  ``tokens`` = prompt + generated; ``pages`` hold the KV of the
+    first ``computed`` tokens (every token but the last, once decoding: the next step feeds it).
+    ``row``: its row of the block table and of the linear layers' state pools while admitted.
+    ``node`` / ``keyed``: the prefix-cache chain through its first ``keyed`` full pages (None once a
+    weight swap makes its KV unkeyable).  A group's first sample carries the others (``followers``)
+    until its prompt is prefilled; then they fork from it."""
+
+    __slots__ = ("group", "index", "tokens", "n_prompt", "logprobs", "rng", "limit", "pages", "row",
+                 "computed", "node", "keyed", "kv_version", "min_version", "followers", "spare", "admitted")
+
+    def __init__(self, group: _Group, index: int, max_seq_len: int):
+        sp = group.request.sampling
+        self.group, self.index = group, index
+        self.tokens = list(group.request.prompt_token_ids)
+        self.n_prompt = len(self.tokens)
+        self.limit = min(sp.max_new_tokens, max_seq_len - self.n_prompt)
+        self.logprobs: list[float] = []
+        self.rng = _request_rng(None if sp.seed is None else sp.seed + index)
+        self.pages: list[int] = []
+        self.row = None
+        self.computed, self.node, self.keyed, self.kv_version = 0, 0, 0, None
+        self.min_version = None
+        self.followers: list = []
+        self.spare: list = []               # (row, partial page or None) reserved for each follower
+        self.admitted = 0                   # admission order (preemption takes the newest)
+
+    @classmethod
+    def leader(cls, request, future: Future, max_seq_len: int) -> _Seq:
+        """A request's first sample, carrying the others of its group."""
+        group = _Group(request, future)
+        seq = cls(group, 0, max_seq_len)
+        seq.followers = [cls(group, i, max_seq_len) for i in range(1, request.sampling.n)]
+        return seq
+
+
+class PrefillChunk(NamedTuple):
+    """A sample's prefill work in one iteration: its tokens start .. end - 1, and the checkpoints of its
+    linear layers' state taken in the pass, [(boundary token, checkpoint)] (interior ones cut those layers'
+    call there)."""
+    seq: _Seq
+    start: int
+    end: int
+    cuts: tuple
+
+
+class StepPlan(NamedTuple):
+    """What an iteration runs: one decode step for ``decode`` (each has the page its next KV goes to), one
+    packed prefill pass over ``prefill``."""
+    decode: list
+    prefill: list
+
+
+class Admission(enum.Enum):
+    ADMITTED = "admitted"
+    WAIT = "wait"               # its row, pages or a page being computed: next iteration
+    CANCELLED = "cancelled"     # the caller cancelled the future before it started
+
+
+class Scheduler:
+    """Decides (the module docstring's table, phases 1, 2 and 5): which requests run, their pages and rows,
+    preemption, groups, the prefix cache's keys.  ``waiting`` (arrival order; preempted samples go back to
+    its head) is shared with ``stats()`` under ``lock``; the rest is the engine thread's."""
+
+    def __init__(self, opts: EngineOptions, plan: MemoryPlan, pools: StatePools, *, hybrid: bool, group_decode: bool,
+                 lock, version: int):
+        self.name, self.page_size, self.budget = opts.name, opts.page_size, opts.max_prefill_tokens
+        self.group_decode, self.max_seq_len, self.max_batch_size = group_decode, plan.max_seq_len, plan.max_batch_size
+        self.num_pages = plan.num_pages
+        self.prefix_caching, self.checkpoint_interval = opts.prefix_caching, opts.checkpoint_interval
+        self.hybrid, self.lock, self.version, self.pools = hybrid, lock, version, pools
+        self.checkpointing = hybrid and opts.prefix_caching and plan.num_checkpoints > 0
+        self.pages = _Pages(plan.num_pages, plan.num_checkpoints)
+        self.free_rows = list(range(plan.max_batch_size - 1, -1, -1))
+        self.waiting: deque[_Seq] = deque()
+        self.prefilling: list[_Seq] = []    # admitted, prompt not all computed yet (chunked prefill)
+        self.running: list[_Seq] = []       # decoding
+        self.admissions = itertools.count()
+        self.counts = dict(completed=0, steps=0, preemptions=0, generated_tokens=0, prompt_tokens=0,
+                           computed_prompt_tokens=0, prefix_hit_tokens=0)
+
+    # ------------------------------------------------------------------ phases 1 and 2: the plan
+
+    def schedule(self) -> StepPlan:
+        """Pages for the decoders' next tokens (preempting the newest request when none is left), then the
+        prefill work: prompts being prefilled resume, waiting requests are admitted in arrival order while
+        a row per sample, their pages and the token budget allow.  Cuts fall on page boundaries."""
+        decode = self._grow_pages()
+        with self.lock:
+            work, budget = [], self.budget
+            for seq in self.prefilling:
+                if budget <= 0:
+                    break
+                work.append(self._chunk(seq, budget))
+                budget -= work[-1].end - work[-1].start
+            while self.waiting and budget > 0:
+                admission = self._admit(self.waiting[0])
+                if admission is Admission.WAIT:
+                    break
+                seq = self.waiting.popleft()
+                if admission is Admission.ADMITTED:
+                    work.append(self._chunk(seq, budget))
+                    budget -= work[-1].end - work[-1].start
+        return StepPlan(decode, work)
+
+    def _grow_pages(self) -> list:
+        """Give every decoding sample the page its next token's KV goes to; when the pool has no free or
+        evictable page, preempt the newest admitted sample (prefilling ones first: they are newer)."""
+        running, ps, k = self.running, self.page_size, 0
+        while k < len(running):
+            seq = running[k]
+            if len(seq.pages) >= -(-len(seq.tokens) // ps):
+                k += 1
+            elif self.pages.available():
+                page = self.pages.allocate()
+                self.pools.set_pages(seq.row, len(seq.pages), [page])
+                seq.pages.append(page)
+            else:
+                self.preempt(self.prefilling.pop() if self.prefilling else running.pop())
+        if self.group_decode:       # a group's samples side by side (cascade decode reads their prompt once)
+            by_group: dict = {}
+            for s in running:
+                by_group.setdefault(id(s.group), []).append(s)
+            self.running = running = [s for members in by_group.values() for s in members]
+        return list(running)
+
+    def _chunk(self, seq: _Seq, budget: int) -> PrefillChunk:
+        """The next piece of ``seq``'s prompt within ``budget`` tokens, cut at a page boundary when it can be,
+        with its checkpoints: every checkpoint_interval pages and at the pass's last full page."""
+        start, end, ps = seq.computed, len(seq.tokens), self.page_size
+        if end - start > budget:
+            aligned = (start + budget) // ps * ps
+            end = aligned if aligned > start else start + budget
+        stride = self.checkpoint_interval * ps
+        marks = set(range(start - start % stride + stride, end + 1, stride)) | {end - end % ps}
+        cuts = tuple(sorted((b, cp) for b in marks if start < b <= end for cp in [self.checkpoint_for(seq, b)]
+                            if cp is not None))
+        return PrefillChunk(seq, start, end, cuts)
+
+    def _admit(self, seq: _Seq) -> Admission:
+        """Take a row per sample and the pages ``seq``'s tokens need beyond its cached prefix (plus a page
+        per follower for the prompt's partial last page); nothing is taken unless all of it is."""
+        ps, pages, n = self.page_size, self.pages, 1 + len(seq.followers)
+        if len(self.free_rows) < n:
+            return Admission.WAIT
+        chunks = [tuple(seq.tokens[j * ps:(j + 1) * ps]) for j in range(len(seq.tokens) // ps)]
+        hits = []
+        if self.prefix_caching:       # never the page of the last token: its logits give the next sample
+            hits, blocked = pages.match(chunks[:(len(seq.tokens) - 1) // ps], self.version, self.hybrid)
+            if blocked:
+                return Admission.WAIT
+        partial = len(seq.tokens) % ps != 0
+        if -(-len(seq.tokens) // ps) - len(hits) + (n - 1) * partial > pages.available(hits):
+            return Admission.WAIT
+        group = seq.group
+        if group.failed:
+            return Admission.CANCELLED
+        if not group.admitted:             # its first admission (a cancelled request leaves here)
+            if not (group.future.running() or group.future.set_running_or_notify_cancel()):
+                return Admission.CANCELLED
+            group.admitted = True
+            self.counts["prompt_tokens"] += n * seq.n_prompt
+        for page in hits:
+            pages.hold(page)
+        seq.pages = hits + [pages.allocate() for _ in range(-(-len(seq.tokens) // ps) - len(hits))]
+        seq.row = self.free_rows.pop()
+        seq.spare = [(self.free_rows.pop(), pages.allocate() if partial else None) for _ in seq.followers]
+        seq.admitted, seq.computed, seq.kv_version = next(self.admissions), len(hits) * ps, self.version
+        self.counts["prefix_hit_tokens"] += seq.computed
+        self.pools.set_pages(seq.row, 0, seq.pages)
+        if self.prefix_caching:   # key the pages it will compute now, so that nobody computes them twice
+            seq.node = 0
+            for j, chunk in enumerate(chunks):
+                seq.node = pages.register(seq.pages[j], seq.node, chunk, self.version, pending=j >= len(hits))
+            seq.keyed = len(chunks)
+        if self.hybrid:
+            self.pools.start_row(seq.row, pages.checkpoint_of.get(hits[-1]) if hits else None)
+        self.prefilling.append(seq)
+        return Admission.ADMITTED
+
+    def checkpoint_for(self, seq: _Seq, boundary: int) -> int | None:
+        """A checkpoint for the page of ``seq`` that ends at token ``boundary`` (None: no checkpoint is
+        wanted there, or the page is not keyed to this sample)."""
+        if not self.checkpointing or boundary % self.page_size:
+            return None
+        j = boundary // self.page_size - 1
+        if j >= seq.keyed or seq.node is None or j >= len(seq.pages):
+            return None
+        return self.pages.checkpoint_for(seq.pages[j])
+
+    # ------------------------------------------------------------------ phase 5: after the passes
+
+    def prompts_done(self, work: list) -> tuple[list, list]:
+        """After a prefill pass over ``work``: its pages are computed (hits from the next iteration on), the
+        state at each pass's end is checkpointed where wanted; a sample whose prompt is done starts
+        decoding, a group's first one with its followers (forked).  Returns (the samples that sample their
+        first token now, the pass's finished-prompt row each samples from)."""
+        ps, started, rows = self.page_size, [], []
+        self.counts["computed_prompt_tokens"] += sum(c.end - c.start for c in work)
+        for chunk in work:
+            s = chunk.seq
+            for page in s.pages[chunk.start // ps:chunk.end // ps]:
+                self.pages.pending.discard(page)
+            for boundary, checkpoint in chunk.cuts:
+                if boundary == chunk.end:                # (interior ones were taken by the linear layers)
+                    self.pools.save_checkpoint(checkpoint, s.row)
+            s.computed = chunk.end
+        done = [c.seq for c in work if c.end == len(c.seq.tokens)]
+        self.prefilling = [s for s in self.prefilling if s not in done]
+        for n, s in enumerate(done):
+            if s.min_version is None:
+                s.min_version = self.version
+            started += [s, *self._fork(s)]
+            rows += [n] * (1 + len(s.followers))
+            s.followers = []
+        self.running = self.running + started           # (what an error in sampling fails)
+        return started, rows
+
+    def _fork(self, seq: _Seq) -> list:
+        """A group's first sample finished its prompt: the others share its full prompt pages, take a
+        copy of its partial last page and of its linear layers' state, and decode from there."""
+        ps, n = self.page_size, len(seq.tokens)
+        full = seq.pages[:n // ps]
+        forks = []
+        for follower, (row, page) in zip(seq.followers, seq.spare):
+            for p in full:
+                self.pages.hold(p)
+            follower.pages = full + ([page] if page is not None else [])
+            if page is not None:                        # the prompt's partial last page: written per sample
+                self.pools.copy_page(seq.pages[n // ps], page)
+            follower.row = row
+            self.pools.copy_row(seq.row, row)
+            follower.computed, follower.node, follower.keyed = seq.computed, seq.node, seq.keyed
+            follower.kv_version, follower.min_version = seq.kv_version, seq.min_version
+            follower.admitted = next(self.admissions)
+            self.pools.set_pages(row, 0, follower.pages)
+            self.counts["prefix_hit_tokens"] += n
+            forks.append(follower)
+        seq.spare = []
+        return forks
+
+    def decoded(self, seqs: list) -> None:
+        """After a decode step: each fed token's KV is written, so a page may be full: key it (with a
+        checkpoint where one is due)."""
+        ps = self.page_size
+        for seq in seqs:
+            seq.computed = len(seq.tokens)
+            if not self.prefix_caching or seq.node is None:
+                continue
+            if seq.kv_version != self.version:          # its KV mixes two weight versions: never a hit
+                seq.node = None
+                continue
+            while (seq.keyed + 1) * ps <= seq.computed:
+                j = seq.keyed
+                seq.node = self.pages.register(seq.pages[j], seq.node, tuple(seq.tokens[j * ps:(j + 1) * ps]),
+                                               self.version, pending=False)
+                seq.keyed += 1
+                if (j + 1) % self.checkpoint_interval == 0:
+                    checkpoint = self.checkpoint_for(seq, (j + 1) * ps)
+                    if checkpoint is not None:
+                        self.pools.save_checkpoint(checkpoint, seq.row)
+
+    def advance(self, seqs: list, tokens: list, logprobs: list, settle: list) -> None:
+        """Each sample takes its token; one that stops (a stop token, its length) settles its completion and
+        frees its pages and row."""
+        finished = set()
+        for s, token, logprob in zip(seqs, tokens, logprobs):
+            s.tokens.append(token)
+            s.logprobs.append(logprob)
+            generated = len(s.tokens) - s.n_prompt
+            if token in s.group.request.sampling.stop_token_ids:
+                reason = "stop"
+            elif generated >= s.limit:
+                reason = "length"
+            else:
+                continue
+            self.release(s)
+            finished.add(id(s))
+            r = s.group.request
+            s.group.done(Completion(r.request_id, list(r.prompt_token_ids), s.tokens[s.n_prompt:], s.logprobs, reason,
+                                    self.name, s.min_version, self.version, s.index), settle)
+            self.counts["completed"] += 1
+            self.counts["generated_tokens"] += generated
+        self.running = [s for s in self.running if id(s) not in finished]
+
+    # ------------------------------------------------------------------ what can never be served
+
+    def check_servable(self, request, config) -> None:
+        """ValueError / TypeError for a request this engine can never serve (a router then keeps it): bad
+        fields, a prompt without room to generate, a group larger than the rows, one that can never fit the
+        pool."""
+        prompt, sp = getattr(request, "prompt_token_ids", None), getattr(request, "sampling", None)
+        if not isinstance(prompt, list) or not hasattr(sp, "max_new_tokens"):
+            raise TypeError(f"request must be a Request (prompt_token_ids, sampling, request_id), "
+                            f"got {type(request).__name__}")
+        _check_sampling(sp)
+        if not all(_is_int(t) for t in prompt):
+            raise TypeError("prompt_token_ids must hold ints (token ids)")
+        c, n = config, len(prompt)
+        if not n:
+            problem = "at least one token, got an empty prompt"
+        elif max(prompt) >= c.vocab_size or min(prompt) < 0:
+            problem = f"token ids in [0, {c.vocab_size}), got {max(prompt)}"
+        elif n >= self.max_seq_len:
+            problem = f"a prompt shorter than max_seq_len={self.max_seq_len}, got {n} tokens (no room to generate)"
+        else:
+            problem = None
+        if problem:
+            raise ValueError(f"prompt_token_ids must hold {problem}")
+        if sp.n > self.max_batch_size:
+            raise ValueError(f"request {request.request_id}: a group of n={sp.n} samples decodes at once, and "
+                             f"max_batch_size is {self.max_batch_size}")
+        kv_tokens = n + min(sp.max_new_tokens, self.max_seq_len - n) - 1   # the last token's K/V is never needed
+        shared = n // self.page_size                                     # the prompt's full pages, shared
+        need = shared + sp.n * (-(-kv_tokens // self.page_size) - shared)
+        if need > self.num_pages:
+            raise ValueError(f"request {request.request_id} needs {need} pages of {self.page_size} KV slots "
+                             f"({sp.n} sample(s) of up to {kv_tokens} tokens); the pool has only {self.num_pages}: "
+                             f"it can never fit")
+
+
+    # ------------------------------------------------------------------ preemption, swaps, failures
+
+    def enqueue(self, leaders: list) -> None:
+        with self.lock:
+            self.waiting.extend(leaders)
+
+    def preempt(self, seq: _Seq, count: bool = True) -> None:
+        """Free what ``seq`` holds and put it first in line; it keeps its tokens and generator (its
+        followers, if its prompt was not prefilled yet, go back with it)."""
+        for s in [seq, *seq.followers]:
+            self.release(s)
+        seq.computed, seq.node, seq.keyed, seq.kv_version = 0, 0, 0, None
+        if count:
+            self.counts["preemptions"] += 1
+        with self.lock:
+            self.waiting.appendleft(seq)
+
+    def release(self, seq: _Seq) -> None:
+        """Give back a sample's pages (cached ones stay cached), its row and its followers' reservations."""
+        self.pages.release(seq.pages)
+        seq.pages = []
+        for row, page in seq.spare:
+            self.free_rows.append(row)
+            if page is not None:
+                self.pages.release([page])
+        seq.spare = []
+        if seq.row is not None:
+            self.free_rows.append(seq.row)
+            seq.row = None
+
+    def swap(self, version: int, recompute: bool) -> None:
+        """New weights: no page of an older version is hit again; ``recompute``: every admitted sample goes
+        back to the queue to be prefilled anew under the new weights."""
+        self.version = version
+        self.pages.drop_older(version)
+        if recompute:
+            for seq in sorted(self.prefilling + self.running, key=lambda s: s.admitted, reverse=True):
+                self.preempt(seq, count=False)
+            self.prefilling, self.running = [], []
+
+    def fail_admitted(self, exc: BaseException, settle: list) -> None:
+        """A failed iteration: every admitted sample fails (one that finished in it keeps its result)."""
+        for seq in self.prefilling + self.running:
+            if seq.row is not None:
+                self.release(seq)
+                seq.group.fail(exc, settle)
+        self.prefilling, self.running = [], []
+
+    def drain(self) -> list:
+        """Everything not finished, taken out (under the lock): the engine is stopping."""
+        out = list(self.waiting) + self.prefilling + self.running
+        self.waiting.clear()
+        self.prefilling, self.running = [], []
+        return out
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running or self.prefilling)
+
+    def waiting_samples(self, incoming: list) -> int:
+        return sum(1 + len(s.followers) for s in [*incoming, *self.waiting])
+
+    def running_samples(self) -> int:
+        return len(self.running) + len(self.prefilling)
+
+
+# ----------------------------------------------------------------------------- the state pools: hold
+
+class StatePools:
+    """Holds the engine's state, sized by the memory plan: the K and V pools of every attention layer
+    [layers, num_pages, page_size, H_kv, D] (zeros: finite), the block table [max_batch_size, pages per
+    sequence] int32 (a row per admitted sample), the linear layers' state rows {layer: {name: [max_batch_size,
+    ...]}} (zeros: a fresh row is a sequence at position 0) and their checkpoints {layer: {name:
+    [num_checkpoints, ...]}} (allocated at the first one taken).  Four indices, four names: a sample's
+    ``row`` (block table and state pools), a ``page`` of the KV pool, a ``checkpoint``, and a token's
+    ``kv_index`` (page * page_size + offset: its place in the pool seen as [pages * page_size, H_kv, D])."""
+
+    def __init__(self, model: nn.Module, plan: MemoryPlan, state_shapes: dict):
+        c = model.config
+        local = getattr(model, "local_config", c)       # this rank's heads under tensor parallelism
+        p = next(model.parameters())
+        self.device, self.page_size, self.num_checkpoints = p.device, plan.page_size, plan.num_checkpoints
+        attention = [i for i, kind in enumerate(c.kinds) if kind == "attention"]
+        self.pool_index = {layer: j for j, layer in enumerate(attention)}
+        self.pages_per_seq = -(-plan.max_seq_len // plan.page_size)
+        kv_shape = (len(attention), plan.num_pages, plan.page_size, local.num_kv_heads, local.head_dim)
+        self.k, self.v = _zeros(kv_shape, p.dtype, p.device), _zeros(kv_shape, p.dtype, p.device)
+        self.table = torch.zeros(plan.max_batch_size, self.pages_per_seq, dtype=torch.int32, device=p.device)
+        self.states = {layer: {name: _zeros((plan.max_batch_size, *shape), dtype, p.device)
+                               for name, (shape, dtype) in shapes.items()} for layer, shapes in state_shapes.items()}
+        self.checkpoints: dict[int, dict[str, torch.Tensor]] = {}
+        self._table_updates: dict = {}                  # (row, column) -> page, not yet in the table
+        self._staging = _Staging(p.device)
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One attention layer's K and V pools [num_pages, page_size, H_kv, D]."""
+        j = self.pool_index[layer]
+        return self.k[j], self.v[j]
+
+    def set_pages(self, row: int, first: int, pages: list) -> None:
+        """Block-table entries (row, first + j) = pages[j], written at the next flush (last write wins: a
+        preempted sample's row may be reused in the same iteration)."""
+        for j, page in enumerate(pages):
+            self._table_updates[(row, first + j)] = page
+
+    def flush_table(self) -> None:
+        if self._table_updates:
+            keys, pages = list(self._table_updates), list(self._table_updates.values())
+            self._table_updates = {}
+            index = self._staging.put("table_index", [[r for r, _ in keys], [c for _, c in keys]], torch.int64)
+            self.table.index_put_((index[0], index[1]), self._staging.put("table_pages", pages, torch.int32))
+
+    def start_row(self, row: int, checkpoint: int | None) -> None:
+        """An admitted sample's linear-layer state: the checkpoint of its last cached page, or zeros (a
+        fresh start) when it starts at position 0."""
+        for layer, pools in self.states.items():
+            for name, pool in pools.items():
+                if checkpoint is None:
+                    pool[row].zero_()
+                else:
+                    pool[row] = self.checkpoints[layer][name][checkpoint]
+
+    def save_checkpoint(self, checkpoint: int, row: int) -> None:
+        """The linear layers' state of the sample in ``row`` into ``checkpoint``."""
+        for layer, pools in self.states.items():
+            for name, pool in pools.items():
+                self.checkpoint_store(layer, name, pool)[checkpoint] = pool[row]
+
+    def checkpoint_store(self, layer: int, name: str, like: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s checkpoints of state ``name`` [num_checkpoints, *like.shape[1:]] (allocated on
+        first use)."""
+        store = self.checkpoints.setdefault(layer, {})
+        if name not in store:
+            store[name] = torch.zeros(self.num_checkpoints, *like.shape[1:], dtype=like.dtype, device=like.device)
+        return store[name]
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """A forked sample's linear-layer state: its group's first sample's."""
+        for pools in self.states.values():
+            for pool in pools.values():
+                pool[dst] = pool[src]
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Every attention layer's K and V of page ``src`` into page ``dst`` (a prompt's partial last page)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    def gather(self, layer: int, rows: torch.Tensor, cache) -> None:
+        """Layer ``layer``'s state of ``rows`` into the plug-in's ``cache`` (its fields by name)."""
+        for name, pool in self.states.get(layer, {}).items():
+            setattr(cache, name, pool[rows])
+
+    def scatter(self, layer: int, cache, rows: torch.Tensor) -> None:
+        """The plug-in's ``cache`` (rows in the order of ``rows``) back into layer ``layer``'s state rows."""
+        pools = self.states[layer]
+        for name, value in vars(cache).items():
+            if isinstance(value, torch.Tensor):
+                pools[name][rows] = value
+
+    def checkpoint_bytes(self) -> int:
+        # (list(...): the engine thread may add a store while stats() reads)
+        return sum(t.nbytes for store in list(self.checkpoints.values()) for t in list(store.values()))
+
+
+class _Staging:
+    """Tensors allocated once (grown when a larger one is asked for) and filled in place from Python values:
+    a host buffer (pinned on CUDA) written through its numpy view, copied to its device twin.  Nothing in a
+    step builds a new device tensor from a Python list, so a captured step could replay over the twins.  On
+    CUDA a buffer's next write first waits for its last copy (an event), which the device may not have run."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.host, self.dev, self.copied = device, {}, {}, {}
+
+    def put(self, name: str, values, dtype: torch.dtype) -> torch.Tensor:
+        """``values`` (a list, or a list of equal lists) in the device buffer ``name``: a view of its prefix."""
+        shape = (len(values), len(values[0])) if values and isinstance(values[0], list) else (len(values),)
+        host = self.host.get(name)
+        if host is None or host.dtype != dtype or host.shape[:-1] != shape[:-1] or host.shape[-1] < shape[-1]:
+            size = (*shape[:-1], max(16, 2 * shape[-1]))
+            host = torch.zeros(size, dtype=dtype, pin_memory=self.device.type == "cuda")
+            self.host[name] = host
+            self.dev[name] = host if self.device.type == "cpu" else torch.zeros(size, dtype=dtype, device=self.device)
+        n, dev = shape[-1], self.dev[name]
+        if name in self.copied:
+            self.copied.pop(name).synchronize()
+        host.numpy()[..., :n] = values
+        if dev is not host:
+            dev[..., :n].copy_(host[..., :n], non_blocking=True)
+            self.copied[name] = torch.cuda.Event()
+            self.copied[name].record()
+        return dev[..., :n]
+
+
+# ----------------------------------------------------------------------------- the model runner: computes
+
+class _AttentionFns(NamedTuple):
+    """The attention plug-ins: prefill (varlen_attn's signature), decode (flash_decode's), a group's
+    decode (cascade_decode's, or None), and the keywords every call takes (the mode's batch_invariant)."""
+    varlen: object
+    decode: object
+    cascade: object
+    kw: dict
+
+
+class ModelRunner:
+    """Computes (the module docstring's table, phases 3 and 4, and sampling): fills a pass's inputs (the
+    decode step's in buffers allocated once, ``_Staging``), runs the model with ``attend`` / ``mix``
+    callbacks over the state pools, and samples.  Tensor-parallel: every rank runs its shard; rank 0 samples
+    and broadcasts the tokens."""
+
+    def __init__(self, model: nn.Module, pools: StatePools, attention: _AttentionFns, plan: MemoryPlan,
+                 batch_invariant: bool, tp):
+        self.pools, self.attention, self.batch_invariant, self.tp = pools, attention, batch_invariant, tp
+        self.config, self.device, self.page_size = model.config, pools.device, plan.page_size
+        self.scale = model.config.head_dim ** -0.5
+        self.samples = tp is None or tp.rank == 0
+        self.staging = _Staging(pools.device)
+        self.table = torch.zeros(plan.max_batch_size, pools.pages_per_seq, dtype=torch.int32, device=pools.device)
+
+    # ------------------------------------------------------------------ phase 3: the prefill pass
+
+    def prefill(self, model: nn.Module, work: list) -> torch.Tensor | None:
+        """One pass over the packed prefill work (``PrefillChunk``s): tokens start .. end - 1 of each,
+        attending to their cached or earlier-computed pages.  Returns the logits [N, V] of the chunks that
+        end their prompt, in work order (None on a worker)."""
+        dev, ps, pools = self.device, self.page_size, self.pools
+        lengths = [c.end - c.start for c in work]
+        ids = torch.tensor([t for c in work for t in c.seq.tokens[c.start:c.end]], device=dev)
+        positions = torch.cat([torch.arange(c.start, c.end) for c in work]).to(dev)
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=dev)
+        kv_index = torch.tensor([c.seq.pages[p // ps] * ps + p % ps for c in work for p in range(c.start, c.end)],
+                                device=dev)
+        rows = torch.tensor([c.seq.row for c in work], device=dev)
+        pools.flush_table()
+        table = pools.table[rows, :max(len(c.seq.pages) for c in work)]
+        used = torch.tensor([c.end for c in work], dtype=torch.int32, device=dev)
+        longest, keys = max(lengths), max(c.end for c in work)
+        # The mode: rows at or after a prompt's end (a preempted request's completion, recomputed) reduce
+        # their keys in the decode's two segments.
+        completions = [(n, max(c.start, c.seq.n_prompt)) for n, c in enumerate(work)
+                       if self.batch_invariant and c.end > c.seq.n_prompt]
+
+        def attend(i, q, k, v):
+            kc, vc = pools.kv(i)
+            kc.view(-1, *kc.shape[-2:]).index_copy_(0, kv_index, k)
+            vc.view(-1, *vc.shape[-2:]).index_copy_(0, kv_index, v)
+            out = self.attention.varlen(q, kc, vc, cu, None, longest, keys, scale=self.scale, window_size=(-1, 0),
+                                        enable_gqa=True, seqused_k=used, block_table=table, **self.attention.kw)
+            for n, first in completions:
+                span = slice(int(cu[n]) + first - work[n].start, int(cu[n + 1]))
+                out[span] = self._two_segments(q[span][None], kc, vc, used[n:n + 1], table[n:n + 1],
+                                               used[n:n + 1] * 0 + work[n].seq.n_prompt, dict(scale=self.scale))[0]
+            return out
+
+        def mix(i, module, h):
+            return self._prefill_linear(i, module, h, work, rows)
+
+        h = model.layers_forward(ids, positions, attend, mix)
+        last = [int(cu[n + 1]) - 1 for n, c in enumerate(work) if c.end == len(c.seq.tokens)]
+        if not last or not self.samples:
+            return None
+        return model.logits(h[torch.tensor(last, device=dev)])                        # [N, V]
+
+    def _prefill_linear(self, i: int, module, h: torch.Tensor, work: list, rows: torch.Tensor) -> torch.Tensor:
+        """A "linear" layer over the pass's tokens h [T, hidden]: each sample continues from its row's state
+        (zeros from position 0, the row's when resuming or after a cached prefix) and leaves its new state
+        there.  Where a checkpoint falls inside a sample's tokens the call is cut: round r runs every
+        sample's r-th segment (the state carried over), and the state after a segment that ends at a
+        checkpoint is kept in it."""
+        bounds = [0, *itertools.accumulate(c.end - c.start for c in work)]
+        segments = []                                   # per sample: [(first row, last row + 1, checkpoint)]
+        for n, c in enumerate(work):
+            edges = [(b, cp) for b, cp in c.cuts if b < c.end] + [(c.end, None)]
+            first, pieces = bounds[n], []
+            for b, cp in edges:
+                pieces.append((first, bounds[n] + b - c.start, cp))
+                first = bounds[n] + b - c.start
+            segments.append(pieces)
+        cache = module.new_cache()
+        self.pools.gather(i, rows, cache)
+        states = {name: t for name, t in vars(cache).items() if isinstance(t, torch.Tensor)}
+        out = h.new_empty(h.shape)
+        for r in range(max(len(p) for p in segments)):
+            members = [n for n, p in enumerate(segments) if len(p) > r]
+            pieces = [segments[n][r] for n in members]
+            span = torch.cat([torch.arange(a, b) for a, b, _ in pieces]).to(h.device)
+            cu = torch.tensor([0, *itertools.accumulate(b - a for a, b, _ in pieces)], dtype=torch.int32,
+                              device=h.device)
+            part, index = module.new_cache(), torch.tensor(members, device=h.device)
+            for name, t in states.items():
+                setattr(part, name, t[index])
+            out[span] = module(h[span][None], cu_seqlens=cu, cache=part)[0]
+            for name, t in vars(part).items():
+                if isinstance(t, torch.Tensor):
+                    states[name][index] = t
+            for n, (_, _, checkpoint) in zip(members, pieces):
+                if checkpoint is not None:              # this layer's state at an interior page boundary
+                    for name, t in states.items():
+                        self.pools.checkpoint_store(i, name, t)[checkpoint] = t[n]
+        self.pools.scatter(i, SimpleNamespace(**states), rows)
+        return out
+
+    # ------------------------------------------------------------------ phase 4: the decode step
+
+    def decode(self, model: nn.Module, seqs: list) -> torch.Tensor | None:
+        """One token for every decoding sample: a batched forward over their last tokens, its inputs filled
+        into persistent buffers.  A group's samples (side by side) decode through ``cascade_decode`` (their
+        prompt's shared pages read once); the batch-invariant mode reduces every row's keys in two
+        segments (``_two_segments``).  Returns the logits [B, V] (None on a worker)."""
+        b, put, at = len(seqs), self.staging.put, self.attention
+        ids = put("ids", [s.tokens[-1] for s in seqs], torch.int64)
+        positions = put("positions", [len(s.tokens) - 1 for s in seqs], torch.int64)
+        used = put("used", [len(s.tokens) for s in seqs], torch.int32)
+        rows = put("rows", [s.row for s in seqs], torch.int64)
+        prompts = put("prompts", [s.n_prompt for s in seqs], torch.int32)
+        self.pools.flush_table()
+        torch.index_select(self.pools.table, 0, rows, out=self.table[:b])
+        table = self.table[:b, :max(len(s.pages) for s in seqs)]
+        groups = self._decode_groups(seqs) if at.cascade is not None and not self.batch_invariant else None
+
+        def attend(i, q, k, v):
+            kc, vc = self.pools.kv(i)
+            new = dict(k_new=k[:, None], v_new=v[:, None], scale=self.scale)
+            if self.batch_invariant:
+                return self._two_segments(q[:, None], kc, vc, used, table, prompts, new)[:, 0]
+            if groups is not None:
+                return at.cascade(q[:, None], kc, vc, used, block_table=table, cu_groups=groups[0],
+                                  prefix_lens=groups[1], **new)[:, 0]
+            return at.decode(q[:, None], kc, vc, used, block_table=table, **new)[:, 0]
+
+        def mix(i, module, h):
+            cache = module.new_cache()
+            self.pools.gather(i, rows, cache)
+            out = module(h[:, None], cache=cache)[:, 0]
+            self.pools.scatter(i, cache, rows)
+            return out
+
+        h = model.layers_forward(ids, positions, attend, mix)
+        return model.logits(h) if self.samples else None
+
+    def _decode_groups(self, seqs: list):
+        """(cu_groups, prefix_lens) of a decode batch ordered by request: the samples of one request that
+        still share its prompt's full pages form a group (prefix: those pages' keys); None when no
+        group has two samples (plain flash_decode then)."""
+        ps, bounds, prefixes = self.page_size, [0], []
+        for n, s in enumerate(seqs):
+            shared = s.n_prompt // ps
+            head = seqs[bounds[-1]]
+            if n and s.group is head.group and s.pages[:shared] == head.pages[:shared]:
+                continue
+            if n:
+                bounds.append(n)
+            prefixes.append(shared * ps)
+        bounds.append(len(seqs))
+        if len(prefixes) == len(seqs):
+            return None
+        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+        prefixes = [p if size > 1 else 0 for p, size in zip(prefixes, sizes)]
+        put = self.staging.put
+        return put("cu_groups", bounds, torch.int32), put("prefix_lens", prefixes, torch.int32)
+
+    def _two_segments(self, q, kc, vc, used, table, prompts, new):
+        """The batch-invariant mode's attention for completion rows q [B, S_q, H_q, D] (positions used - S_q
+        .. used - 1, all at or after their prompt's end): over the prompt's keys, then over the
+        sequence's own keys from the prompt's end on (``cache_leftpad``), merged as
+        ``DecoderLM.token_logprobs`` merges them.  ``new``: k_new / v_new and scale for the second call."""
+        b, s_q = q.shape[:2]
+        decode = self.attention.decode
+        rows = q.reshape(b * s_q, 1, *q.shape[2:])                          # each row alone over its prompt
+        o_a, lse_a = decode(rows, kc, vc, prompts.repeat_interleave(s_q), block_table=table.repeat_interleave(s_q, 0),
+                            scale=new["scale"], return_lse=True, batch_invariant=True)
+        o_b, lse_b = decode(q, kc, vc, used, block_table=table, cache_leftpad=prompts, return_lse=True,
+                            batch_invariant=True, **new)
+        lse_b = lse_b.transpose(1, 2).flatten(0, 1).t()                     # [B, H, S_q] -> [H, B * S_q]
+        out, _ = _merge_states(o_a[:, 0], lse_a[:, :, 0].t(), o_b.flatten(0, 1), lse_b)
+        return out.to(q.dtype).unflatten(0, (b, s_q))
+
+    # ------------------------------------------------------------------ sampling
+
+    def sample(self, model: nn.Module, seqs: list, logits: torch.Tensor | None,
+               rows: list | None = None) -> tuple[list, list]:
+        """(tokens, logprobs) of ``seqs`` from ``logits`` (row ``rows[n]`` for sample n; every row in order
+        when None), each from its own generator (the reference's rule: ``sample_rows``, with the model's
+        log_softmax: its batch-invariant one in that mode).  Tensor-parallel: rank 0 samples and the workers
+        take its tokens, so every rank schedules alike."""
+        tokens, logprobs = [0] * len(seqs), [0.0] * len(seqs)
+        if logits is not None:
+            if rows is not None:
+                logits = logits[self.staging.put("sample_rows", rows, torch.int64)]
+            tokens, logprobs = sample_rows(logits, [s.group.request.sampling for s in seqs], [s.rng for s in seqs],
+                                           self.staging, getattr(model, "log_softmax", None))
+        if self.tp is not None:
+            tokens = self.tp.share_tokens(self.staging.put("tokens", tokens, torch.int64))
+        return tokens, logprobs
+
+
+# ----------------------------------------------------------------------------- batched sampling
+
+def _request_rng(seed: int | None) -> torch.Generator:
+    """The request's own random stream (a fresh random seed when None): the reference's draws."""
+    rng = torch.Generator()
+    if seed is None:
+        rng.seed()
+    else:
+        rng.manual_seed(seed)
+    return rng
+
+
+def sample_rows(logits: torch.Tensor, params: list, rngs: list, staging, log_softmax=None) -> tuple[list, list]:
+    """The reference's per-row rule on a batch: fp32 logits [B, V] -> (tokens, logprobs) lists.
+
+    Rows are grouped (greedy, plain temperature, top-k/top-p) and each group is one set of tensor
+    ops, its rows' indices, temperatures, top-k and top-p filled into ``staging``'s buffers; each sampled
+    row draws its uniform from its own request's generator, so a request gets the same token alone or in
+    any batch.  One device-to-host copy per group.  ``log_softmax``: the model's (its batch-invariant one
+    in that mode: what its ``token_logprobs`` computes); None = torch's."""
+    log_softmax = log_softmax or (lambda x: torch.log_softmax(x, dim=-1))
+    b, vocab = logits.shape
+    tokens, logprobs = [0] * b, [0.0] * b
+    groups = ([], [], [])
+    for i, sp in enumerate(params):
+        groups[0 if sp.temperature == 0 else (2 if sp.top_k or sp.top_p < 1.0 else 1)].append(i)
+    for kind, rows in enumerate(groups):
+        if not rows:
+            continue
+        lg = logits if len(rows) == b else logits[staging.put(f"group{kind}", rows, torch.int64)]
+        if kind == 0:
+            tok = torch.argmax(lg, dim=-1)
+            lp = log_softmax(lg).gather(1, tok[:, None])[:, 0]
+        else:
+            inv_t = staging.put("inv_t", [1.0 / params[i].temperature for i in rows], torch.float32)
+            logp = log_softmax(lg * inv_t[:, None])
+            p = logp.exp()
+            if kind == 2:
+                p, order = torch.sort(p, dim=-1, descending=True, stable=True)
+                top_k = staging.put("top_k", [params[i].top_k or vocab for i in rows], torch.int64)
+                top_p = staging.put("top_p", [params[i].top_p for i in rows], torch.float32)
+                keep = torch.arange(vocab, device=logits.device)[None] < top_k[:, None]
+                keep &= (torch.cumsum(p, dim=-1) - p) < top_p[:, None]
+                p = torch.where(keep, p, torch.zeros_like(p))
+            cdf = torch.cumsum(p.double(), dim=-1)
+            u = staging.put("uniform", [torch.rand((), generator=rngs[i], dtype=torch.float64).item() for i in rows],
+                            torch.float64)
+            index = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+            last = vocab - 1 - torch.argmax((p.flip(-1) > 0).to(torch.int8), dim=-1)
+            index = torch.minimum(index, last)
+            tok = index if kind == 1 else order.gather(1, index[:, None])[:, 0]
+            lp = logp.gather(1, tok[:, None])[:, 0]
+        for i, t, lp_i in zip(rows, tok.tolist(), lp.tolist()):
+            tokens[i], logprobs[i] = t, lp_i
+    return tokens, logprobs
 
 
 # ----------------------------------------------------------------------------- attention state merge
@@ -357,61 +1820,6 @@ def _torch_flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_n
         return out
     return o
 
-
-# ----------------------------------------------------------------------------- batched sampling
-
-def _request_rng(seed: int | None) -> torch.Generator:
-    """The request's own random stream (a fresh random seed when None): the reference's draws."""
-    rng = torch.Generator()
-    if seed is None:
-        rng.seed()
-    else:
-        rng.manual_seed(seed)
-    return rng
-
-
-def _sample_batch(logits: torch.Tensor, params: list, rngs: list, log_softmax=None) -> tuple[list, list]:
-    """The reference's per-row rule on a batch: fp32 logits [B, V] -> (tokens, logprobs) lists.
-
-    Rows are grouped (greedy, plain temperature, top-k/top-p) and each group is one set of tensor
-    ops; each sampled row draws its uniform from its own request's generator, so a request gets the
-    same token alone or in any batch.  One device-to-host copy per group.  ``log_softmax``: the model's
-    (its batch-invariant one in that mode: what its ``token_logprobs`` computes); None = torch's."""
-    log_softmax = log_softmax or (lambda x: torch.log_softmax(x, dim=-1))
-    b, vocab = logits.shape
-    tokens, logprobs = [0] * b, [0.0] * b
-    groups = ([], [], [])
-    for i, sp in enumerate(params):
-        groups[0 if sp.temperature == 0 else (2 if sp.top_k or sp.top_p < 1.0 else 1)].append(i)
-    dev = logits.device
-    for kind, rows in enumerate(groups):
-        if not rows:
-            continue
-        lg = logits if len(rows) == b else logits[torch.tensor(rows, device=dev)]
-        if kind == 0:
-            tok = torch.argmax(lg, dim=-1)
-            lp = log_softmax(lg).gather(1, tok[:, None])[:, 0]
-        else:
-            inv_t = torch.tensor([1.0 / params[i].temperature for i in rows], dtype=torch.float32, device=dev)
-            logp = log_softmax(lg * inv_t[:, None])
-            p = logp.exp()
-            if kind == 2:
-                p, order = torch.sort(p, dim=-1, descending=True, stable=True)
-                top_k = torch.tensor([params[i].top_k or vocab for i in rows], device=dev)
-                top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=dev)
-                keep = torch.arange(vocab, device=dev)[None] < top_k[:, None]
-                keep &= (torch.cumsum(p, dim=-1) - p) < top_p[:, None]
-                p = torch.where(keep, p, torch.zeros_like(p))
-            cdf = torch.cumsum(p.double(), dim=-1)
-            u = torch.stack([torch.rand((), generator=rngs[i], dtype=torch.float64) for i in rows]).to(dev)
-            index = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-            last = vocab - 1 - torch.argmax((p.flip(-1) > 0).to(torch.int8), dim=-1)
-            index = torch.minimum(index, last)
-            tok = index if kind == 1 else order.gather(1, index[:, None])[:, 0]
-            lp = logp.gather(1, tok[:, None])[:, 0]
-        for i, t, lp_i in zip(rows, tok.tolist(), lp.tolist()):
-            tokens[i], logprobs[i] = t, lp_i
-    return tokens, logprobs
 
 # ----------------------------------------------------------------------------- memory budget
 # The KV pages, the linear layers' state slots and their checkpoints share one budget (vLLM's
@@ -630,1261 +2038,58 @@ def plan_memory(budget: int, source: str, *, kv_bytes_per_token: int, state_byte
                       num_checkpoints=checkpoints, max_seq_len=length)
 
 
-# ----------------------------------------------------------------------------- the engine
-
-class _Pages:
-    """The KV pool's block allocator, with prefix caching (module docstring: "Groups and the prefix cache").
-
-    A physical page is free, held (refcount > 0: in running requests' block tables) or cached
-    (refcount 0 but keyed: evictable, least recently released first, and released tail first so a
-    chain loses its end before its start).  A full page's key is (its parent's node id, its token
-    ids, the weights' version); node ids are never reused, so a key is exact and a chain whose parent
-    was evicted is unreachable.  A key registered before its page is computed is pending: a request
-    that would hit it waits an iteration.  Checkpoints (models with "linear" layers): slots holding
-    those layers' state after a page's last token, attached to the page, the least recently used
-    given up when none is free."""
-
-    def __init__(self, num_pages: int, num_checkpoints: int):
-        self.free = list(range(num_pages - 1, -1, -1))
-        self.refs = [0] * num_pages
-        self.cached: OrderedDict = OrderedDict()        # page -> None: nobody holds it, it keeps its key
-        self.page_of: dict = {}                         # key -> page
-        self.key_of: dict = {}                          # page -> (key, node id)
-        self.pending: set = set()                       # keyed pages whose KV is not computed yet
-        self.checkpoint_of: OrderedDict = OrderedDict()  # page -> checkpoint slot, least recently used first
-        self.free_checkpoints = list(range(num_checkpoints - 1, -1, -1))
-        self.next_node = 1
-        self.evictions = 0
-
-    def available(self, hits=()) -> int:
-        """Pages an allocation can take (free or evictable), leaving ``hits`` (about to be held) alone."""
-        return len(self.free) + len(self.cached) - sum(p in self.cached for p in hits)
-
-    def allocate(self) -> int:
-        if self.free:
-            page = self.free.pop()
-        else:
-            page, _ = self.cached.popitem(last=False)
-            self._forget(page)
-            self.evictions += 1
-        self.refs[page] = 1
-        return page
-
-    def hold(self, page: int) -> None:
-        self.cached.pop(page, None)
-        self.refs[page] += 1
-
-    def release(self, pages: list) -> None:
-        for page in reversed(pages):
-            self.refs[page] -= 1
-            if self.refs[page] == 0:
-                if page in self.key_of and page not in self.pending:
-                    self.cached[page] = None
-                else:
-                    self._forget(page)
-                    self.free.append(page)
-
-    def match(self, chunks: list, version: int, need_checkpoint: bool) -> tuple[list, bool]:
-        """(the pages of the longest cached run of these full-page token chunks from position 0, whether
-        a pending page cut it).  With ``need_checkpoint`` the run ends on a page that has one."""
-        node, pages, blocked = 0, [], False
-        for chunk in chunks:
-            page = self.page_of.get((node, chunk, version))
-            if page is None:
-                break
-            if page in self.pending:
-                blocked = True
-                break
-            pages.append(page)
-            node = self.key_of[page][1]
-        while need_checkpoint and pages and pages[-1] not in self.checkpoint_of:
-            pages.pop()
-        if pages and need_checkpoint:
-            self.checkpoint_of.move_to_end(pages[-1])
-        return pages, blocked
-
-    def register(self, page: int, node: int, chunk: tuple, version: int, pending: bool) -> int:
-        """Key ``page`` as the full page ``chunk`` after chain node ``node``; returns its node id.  When
-        that key is registered already (the same tokens computed twice), this page stays unkeyed and
-        the chain goes on through the other one."""
-        key = (node, chunk, version)
-        if key in self.page_of:
-            return self.key_of[self.page_of[key]][1]
-        self.page_of[key] = page
-        self.key_of[page] = (key, self.next_node)
-        if pending:
-            self.pending.add(page)
-        self.next_node += 1
-        return self.next_node - 1
-
-    def checkpoint_slot(self, page: int) -> int | None:
-        """A checkpoint slot for ``page`` (keyed, without one): a free one or the least recently used."""
-        if page not in self.key_of or page in self.checkpoint_of:
-            return None
-        if self.free_checkpoints:
-            slot = self.free_checkpoints.pop()
-        elif self.checkpoint_of:
-            _, slot = self.checkpoint_of.popitem(last=False)
-        else:
-            return None
-        self.checkpoint_of[page] = slot
-        return slot
-
-    def drop_older(self, version: int) -> None:
-        """New weights: pages keyed under an older version are never hit again (cached ones are freed)."""
-        for page in [p for p, (key, _) in self.key_of.items() if key[2] < version]:
-            self._forget(page)
-            if page in self.cached:                     # nobody holds it: free now (held ones when released)
-                del self.cached[page]
-                self.free.append(page)
-
-    def _forget(self, page: int) -> None:
-        entry = self.key_of.pop(page, None)
-        if entry is not None:
-            del self.page_of[entry[0]]
-        self.pending.discard(page)
-        slot = self.checkpoint_of.pop(page, None)
-        if slot is not None:
-            self.free_checkpoints.append(slot)
-
-
-class _Group:
-    """The n samples of one submitted request: one future, settled when the last sample is done."""
-
-    __slots__ = ("request", "future", "completions", "left", "failed", "admitted")
-
-    def __init__(self, request: Request, future: Future):
-        self.request, self.future = request, future
-        self.completions = [None] * request.sampling.n
-        self.left = request.sampling.n
-        self.failed = self.admitted = False
-
-    def done(self, completion: Completion, settle: list) -> None:
-        self.completions[completion.sample_index] = completion
-        self.left -= 1
-        if self.left == 0 and not self.failed:
-            result = self.completions if self.request.sampling.n > 1 else completion
-            settle.append((self.future.set_result, result))
-
-    def fail(self, exc: BaseException, settle: list) -> None:
-        if not self.failed and self.left > 0:
-            self.failed = True
-            settle.append((self.future.set_exception, exc))
-
-
-class _Seq:
-    """One sample inside the engine.  ``tokens`` = prompt + generated; ``pages`` hold the KV of the
-    first ``computed`` tokens (every token but the last, once decoding: the next step feeds it).
-    ``node`` / ``keyed``: the prefix-cache chain through its first ``keyed`` full pages (None once a
-    weight swap makes its KV unkeyable).  A group's first sample carries the others (``followers``)
-    until its prompt is prefilled; then they fork from it."""
-
-    __slots__ = ("group", "index", "tokens", "n_prompt", "logprobs", "rng", "limit", "pages", "slot",
-                 "computed", "node", "keyed", "kv_version", "min_version", "followers", "spare", "admitted")
-
-    def __init__(self, group: _Group, index: int, max_seq_len: int):
-        sp = group.request.sampling
-        self.group, self.index = group, index
-        self.tokens = list(group.request.prompt_token_ids)
-        self.n_prompt = len(self.tokens)
-        self.limit = min(sp.max_new_tokens, max_seq_len - self.n_prompt)
-        self.logprobs: list[float] = []
-        self.rng = _request_rng(None if sp.seed is None else sp.seed + index)
-        self.pages: list[int] = []
-        self.slot = None
-        self.computed, self.node, self.keyed, self.kv_version = 0, 0, 0, None
-        self.min_version = None
-        self.followers: list = []
-        self.spare: list = []               # (slot, partial page or None) reserved for each follower
-        self.admitted = 0                   # admission order (preemption takes the newest)
-
-
-class Generator:
-    """The fast engine (module docstring): continuous batching over a paged KV cache with prefix
-    caching, groups, chunked prefill, hot-swapped weights.  Same contract as the reference's, plus
-    the engine's knobs:
-
-    ``varlen_attn`` / ``flash_decode``  prefill / decode attention with those functions' signatures
-                                        (default: plain PyTorch in this file)
-    ``kv_cache_memory``,                the memory budget of the KV pages, the linear layers' state slots
-    ``memory_utilization``              and checkpoints: ``kv_cache_memory`` bytes, else (CUDA) that
-                                        fraction of the GPU less the weights, the shadow weights and a
-                                        measured activation peak, or (CPU) that fraction of half the
-                                        available memory less the shadow weights (the section "memory
-                                        budget"); ``stats()`` reports how it is spent
-    ``page_size``, ``num_pages``        the KV pool (default: what the budget leaves, see above)
-    ``max_batch_size``                  requests decoding at once (rows of the block table, state slots;
-                                        default 256, fewer for a hybrid model whose states would take
-                                        more than a quarter of the budget)
-    ``max_seq_len``                     the longest sequence (default: the model's, capped by what the
-                                        pool holds; one that does not fit raises ValueError before
-                                        anything is allocated).  A pool too small for the load is not an
-                                        error: admission waits and running requests are preempted
-                                        (recomputed later, mostly from the prefix cache).  Measured: 32
-                                        requests of 64 + 64 tokens on a pool of 8 sequences' pages made
-                                        20 preemptions, recomputed 1317 tokens and took 2.5x the time
-                                        of a pool for all 32 (bench/decoder_lm.py --part pool)
-    ``max_prefill_tokens``              prompt tokens computed per iteration: a longer prompt is
-                                        prefilled over several iterations (cut at page boundaries)
-                                        while the running requests keep decoding
-    ``prefix_caching``                  reuse cached pages (and checkpoints) across requests; off: no
-                                        page outlives its request (groups still share their prompt)
-    ``checkpoint_interval``             hybrid models: a prefill checkpoints the linear layers' state
-                                        every this many pages (and at its last full page); each
-                                        interior checkpoint splits those layers' prefill call
-    ``num_checkpoints``                 checkpoint slots (default: one per page with "linear" layers)
-    ``kv_on_swap``                      "keep" (running requests keep the KV of the old weights) or
-                                        "recompute" (they re-prefill under the new ones)
-    A model in the batch-invariant mode (``model.batch_invariant``) makes the engine batch-invariant (the
-    module docstring): it then needs ``varlen_attn`` (default: the model's) and ``flash_decode``.
-    ``Generator.from_pretrained(path, model_class=DecoderLM, ...)`` serves a checkpoint.
-    ``weight_receiver``                 a weight transport connected on every rank (``connect_weights``;
-                                        the module docstring's "receiving")
-    """
-
-    def __init__(self, model: nn.Module, *, name: str = "generator", policy_version: int = 0, varlen_attn=None,
-                 flash_decode=None, cascade_decode=None, page_size: int = 16, num_pages: int | None = None,
-                 max_batch_size: int | None = None, max_prefill_tokens: int = 8192, prefix_caching: bool = True,
-                 checkpoint_interval: int = 1, num_checkpoints: int | None = None, kv_on_swap: str = "keep",
-                 kv_cache_memory: int | None = None, memory_utilization: float = 0.9, max_seq_len: int | None = None,
-                 tensor_parallel_size: int = 1, tp_timeout_s: float = 60.0, tp_address: str = "127.0.0.1",
-                 weight_receiver=None, _tp_worker=None):
-        engine_kw = dict(name=name, policy_version=policy_version, varlen_attn=varlen_attn, flash_decode=flash_decode,
-                         cascade_decode=cascade_decode, page_size=page_size, num_pages=num_pages,
-                         max_batch_size=max_batch_size, max_prefill_tokens=max_prefill_tokens,
-                         prefix_caching=prefix_caching, checkpoint_interval=checkpoint_interval,
-                         num_checkpoints=num_checkpoints, kv_on_swap=kv_on_swap, kv_cache_memory=kv_cache_memory,
-                         memory_utilization=memory_utilization, max_seq_len=max_seq_len)
-        if not _is_int(tensor_parallel_size) or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
-        if not isinstance(tp_timeout_s, (int, float)) or isinstance(tp_timeout_s, bool) or not tp_timeout_s > 0:
-            raise ValueError(f"tp_timeout_s must be a number of seconds > 0, got {tp_timeout_s!r}")
-        self._tp, self._broken, self._tp_timeout_s = _tp_worker, None, float(tp_timeout_s)
-        if tensor_parallel_size > 1:      # this object is rank 0: it starts the workers and keeps its own shard
-            self._tp = _TensorParallel(tensor_parallel_size, tp_timeout_s, tp_address)
-            model = self._tp.start(model, engine_kw)
-        try:
-            _check_model(model)
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"name must be a non-empty str, got {name!r}")
-            if not _is_int(policy_version):
-                raise TypeError(f"policy_version must be an int, got {type(policy_version).__name__}")
-            for arg, value in (("page_size", page_size), ("max_batch_size", max_batch_size),
-                               ("max_prefill_tokens", max_prefill_tokens), ("num_pages", num_pages),
-                               ("checkpoint_interval", checkpoint_interval), ("kv_cache_memory", kv_cache_memory),
-                               ("max_seq_len", max_seq_len)):
-                if value is not None and (not _is_int(value) or value < 1):
-                    raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
-            if (not isinstance(memory_utilization, (int, float)) or isinstance(memory_utilization, bool)
-                    or not 0 < memory_utilization <= 1):
-                raise ValueError(f"memory_utilization must be a fraction in (0, 1], got {memory_utilization!r}")
-            if num_checkpoints is not None and (not _is_int(num_checkpoints) or num_checkpoints < 0):
-                raise ValueError(f"num_checkpoints must be an int >= 0, got {num_checkpoints!r}")
-            if not isinstance(prefix_caching, bool):
-                raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
-            if kv_on_swap not in ("keep", "recompute"):
-                raise ValueError(f"kv_on_swap must be 'keep' or 'recompute', got {kv_on_swap!r}")
-            batch_invariant = bool(getattr(model, "batch_invariant", False))
-            varlen_attn = varlen_attn if varlen_attn is not None else getattr(model, "varlen_attn", None)
-            for name_, fn in (("varlen_attn", varlen_attn), ("flash_decode", flash_decode),
-                              ("cascade_decode", cascade_decode)):
-                if fn is not None and not callable(fn):
-                    raise TypeError(f"{name_} must be None or a function with that signature, got {type(fn).__name__}")
-            if batch_invariant and (varlen_attn is None or flash_decode is None):
-                raise ValueError("a batch-invariant model needs varlen_attn (fast/paged_varlen_attention.varlen_attn) "
-                                 "and flash_decode (fast/flash_decoding.flash_decode): a prefill and a decode step "
-                                 "then round a row as the trainer's token_logprobs does; the in-file default "
-                                 "attention does not")
-            self.name = name
-            self.model = model.eval()
-            self.device = next(model.parameters()).device
-            self.batch_invariant = batch_invariant
-            self.config = c = model.config
-            self.dtype = next(model.parameters()).dtype
-            full_shape = getattr(model, "full_shape", lambda name, shape: tuple(shape))
-            self._shapes = {n: tuple(full_shape(n, t.shape)) for n, t in model.state_dict().items()}   # what loads take
-            self._optional = _tied_aliases(model)
-            self._ignored = tuple(getattr(model, "ignored_weight_prefixes", ()))
-            self._shadow = None                 # the second weight set, allocated by the first load
-            self._version = policy_version
-            self._varlen_attn = varlen_attn or _torch_varlen_attn
-            self._flash_decode = flash_decode or _torch_flash_decode
-            self._cascade_decode = cascade_decode
-            self._attn_kw = dict(batch_invariant=True) if batch_invariant else {}
-            self.max_prefill_tokens, self.page_size = max_prefill_tokens, page_size
-            self.prefix_caching, self.kv_on_swap = prefix_caching, kv_on_swap
-            self.checkpoint_interval = checkpoint_interval
-            self._hybrid = "linear" in c.kinds
-            # The pools' sizes from the memory budget (the section "memory budget" above).
-            attn = [i for i, kind in enumerate(c.kinds) if kind == "attention"]
-            self._pool_index = {layer: j for j, layer in enumerate(attn)}
-            local = getattr(model, "local_config", c)     # this rank's heads under tensor parallelism
-            state_shapes = _linear_state_shapes(model)    # linear layer -> {name: (shape of one sequence, dtype)}
-            weight_bytes = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))   # (tied: once)
-            budget, source = _memory_budget(self.device, kv_cache_memory=kv_cache_memory,
-                                            memory_utilization=memory_utilization, weight_bytes=weight_bytes,
-                                            activation_bytes=self._activation_peak(model, max_prefill_tokens))
-            if self._tp is not None:                      # every rank plans from the least budget: one page count
-                budget = self._tp.least(budget)
-            self.memory = plan_memory(
-                budget, source, page_size=page_size, model_max_seq_len=c.max_seq_len, max_seq_len=max_seq_len,
-                kv_bytes_per_token=2 * len(attn) * local.num_kv_heads * local.head_dim * self.dtype.itemsize,
-                state_bytes_per_sequence=sum(math.prod(shape) * dtype.itemsize for shapes in state_shapes.values()
-                                             for shape, dtype in shapes.values()),
-                max_batch_size=max_batch_size, num_pages=num_pages, num_checkpoints=num_checkpoints,
-                checkpoints_wanted=self._hybrid and prefix_caching)
-            self.max_seq_len, self.num_pages = self.memory.max_seq_len, self.memory.num_pages
-            self.max_batch_size, self.num_checkpoints = self.memory.max_batch_size, self.memory.num_checkpoints
-            self._pages_per_seq = -(-self.max_seq_len // page_size)
-            # The KV pool of every attention layer: [layers, num_pages, page_size, H_kv, D], zeros (finite).
-            kv_shape = (len(attn), self.num_pages, page_size, local.num_kv_heads, local.head_dim)
-            self._k = _zeros(kv_shape, self.dtype, self.device)
-            self._v = _zeros(kv_shape, self.dtype, self.device)
-            self._table = torch.zeros(self.max_batch_size, self._pages_per_seq, dtype=torch.int32, device=self.device)
-            self._table_updates: list[tuple[int, int, int]] = []   # (slot, column, page) not yet in _table
-            # linear layer -> state pools [max_batch_size, ...] (zeros: a fresh slot is a sequence at position 0)
-            self._states = {layer: {name: _zeros((self.max_batch_size, *shape), dtype, self.device)
-                                    for name, (shape, dtype) in shapes.items()}
-                            for layer, shapes in state_shapes.items()}
-            self._checkpoints: dict[int, dict[str, torch.Tensor]] = {}   # linear layer -> [num_checkpoints, ...]
-            self._pages = _Pages(self.num_pages, self.num_checkpoints)
-            if isinstance(self._tp, _TensorParallel):
-                self._tp.ready()
-            self._free_slots = list(range(self.max_batch_size - 1, -1, -1))
-            self._waiting: deque[_Seq] = deque()  # under _cv; the rest of the engine state is the engine thread's
-            self._prefilling: list[_Seq] = []     # admitted, prompt not all computed yet (chunked prefill)
-            self._running: list[_Seq] = []        # decoding
-            self._cv = threading.Condition()
-            self._load_lock = threading.Lock()
-            self._staged = None                 # (model, version, future): swapped in before the next step
-            self._closed = False
-            self._retired = None                # CUDA event after the last step on the weights now in the shadow
-            self._copy_stream = None
-            self._admissions = itertools.count()
-            self._counts = dict(completed=0, steps=0, preemptions=0, generated_tokens=0, prompt_tokens=0,
-                                computed_prompt_tokens=0, prefix_hit_tokens=0)
-            self._incoming: list[_Seq] = []        # submitted, taken by the engine at its next iteration
-            self._samples = self._tp is None or self._tp.rank == 0   # tensor-parallel: rank 0 samples, workers follow
-            self._thread = None
-            if _tp_worker is None:                  # a tensor-parallel worker runs its loop in its main thread
-                self._thread = threading.Thread(target=self._loop, name=f"{name}-engine", daemon=True)
-                self._thread.start()
-            if isinstance(self._tp, _TensorParallel):
-                self._tp.watch(self._tp_failed)
-        except BaseException:                # (tensor-parallel: the workers end too)
-            if isinstance(self._tp, _TensorParallel):
-                self._tp.kill()
-            raise
-        self._endpoint = None               # this rank's weight receiver (connect_weights)
-        if weight_receiver is not None:
-            try:
-                self.connect_weights(weight_receiver)
-            except BaseException:
-                self.close()
-                raise
-
-    @classmethod
-    def from_pretrained(cls, path, *, model_class, linear_layer=None, **kwargs) -> Generator:
-        """A generator serving the Hugging Face checkpoint at ``path``: ``model_class.from_pretrained(path,
-        linear_layer=..., dtype=..., device=..., max_seq_len=..., batch_invariant=..., varlen_attn=...)``
-        (fast/decoder_lm.py's ``DecoderLM``; those keywords go to it when given, ``varlen_attn`` and
-        ``max_seq_len`` to both: an explicit max_seq_len must fit the memory budget), the other keywords to
-        ``Generator``."""
-        if not callable(getattr(model_class, "from_pretrained", None)):
-            raise TypeError(f"model_class must have a from_pretrained(path, ...) classmethod (decoder_lm.py's "
-                            f"DecoderLM), got {model_class!r}")
-        model_kw = {k: kwargs.pop(k) for k in _MODEL_KEYWORDS if k in kwargs}
-        for shared in ("varlen_attn", "max_seq_len"):  # the model's and the engine's
-            if shared in model_kw or shared in kwargs:
-                model_kw[shared] = kwargs[shared] = model_kw.get(shared, kwargs.get(shared))
-        if kwargs.get("tensor_parallel_size", 1) != 1:   # each rank reads its own shard of the checkpoint
-            return cls(_Checkpoint(model_class, path, dict(model_kw, linear_layer=linear_layer)), **kwargs)
-        return cls(model_class.from_pretrained(path, linear_layer=linear_layer, **model_kw), **kwargs)
-
-    @property
-    def policy_version(self) -> int:
-        return self._version
-
-    def submit(self, request) -> Future:
-        """Queue one request; the future resolves to its ``Completion`` (a list of n with
-        ``sampling.n > 1``).  Never blocks."""
-        self._check_servable(request)
-        if self._tp is not None:   # every rank must draw alike: a random seed is drawn once, here
-            request = self._tp.with_seed(request)
-        future = Future()
-        with self._cv:
-            if self._closed:
-                raise RuntimeError(f"generator {self.name} is closed"
-                                   + (f" ({self._broken})" if self._broken is not None else ""))
-            if self._tp is not None and not future.set_running_or_notify_cancel():
-                return future
-            self._incoming.append(self._leader(request, future))
-            self._cv.notify()
-        return future
-
-    def _leader(self, request, future: Future) -> _Seq:
-        group = _Group(request, future)
-        leader = _Seq(group, 0, self.max_seq_len)
-        leader.followers = [_Seq(group, i, self.max_seq_len) for i in range(1, request.sampling.n)]
-        return leader
-
-    def generate(self, requests) -> list:
-        """Submit every request, wait, return the completions in order (raises the first failure)."""
-        futures = [self.submit(r) for r in list(requests)]
-        return [f.result() for f in futures]
-
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Validate, copy into the shadow weights while decoding goes on, swap between two steps."""
-        if not _is_int(version):
-            raise TypeError(f"version must be an int, got {type(version).__name__}")
-        with self._load_lock:
-            if version < self._version:
-                raise ValueError(f"version must not decrease: got {version}, serving {self._version}")
-            tensors = self._checked(state_dict)
-            if self._tp is not None:  # each worker copies its shard into its shadow meanwhile
-                self._tp.send_weights(self.model, tensors)
-                tensors = self.model.shard_state_dict(tensors)
-            if self._shadow is None:  # allocated once, by the first load (no random init)
-                self._shadow = _shadow_of(self.model)
-            shadow = self._shadow
-            self._copy_into(shadow, tensors)
-            if self._tp is not None:
-                self._tp.wait_weights()
-            swapped = Future()
-            with self._cv:
-                if self._closed:
-                    raise RuntimeError(f"generator {self.name} is closed")
-                self._staged = (shadow, version, swapped)
-                self._cv.notify()
-            swapped.result()
-
-    def connect_weights(self, receiver) -> None:
-        """Connect a weight transport's receiver on every rank (module docstring, "receiving"): later
-        versions come through ``receive_weights``.  Raises what a rank's connect raised (rank 0's own
-        error as it is, a worker's as RuntimeError); no receiver is connected then, until a connect
-        succeeds."""
-        if not callable(getattr(receiver, "connect", None)):
-            raise TypeError(f"receiver must have connect(rank, size, tensors) (fast/weight_sync.py's WeightReceiver), "
-                            f"got {type(receiver).__name__}")
-        with self._load_lock:
-            if self._tp is not None:
-                self._tp.tell_workers(("connect", receiver))
-            try:
-                endpoint, error = self._connect_endpoint(receiver), None
-            except Exception as exc:  # noqa: BLE001 - raised below, once the workers answered
-                endpoint, error = None, exc
-            bound = self._tp_timeout_s + float(getattr(receiver, "timeout_s", 0.0))
-            errors = self._tp_answers(bound) if self._tp is not None else []
-            if error is None and not errors:
-                return
-            self._endpoint = None         # receive_weights refuses until a connect succeeds on every rank
-            if endpoint is not None:
-                endpoint.close()
-            if error is not None:
-                raise error
-            raise RuntimeError(f"generator {self.name}: connect_weights failed on " + "; ".join(errors))
-
-    def receive_weights(self, version: int | None, *, header=None) -> None:
-        """Take weights ``version`` from the connected receiver on every rank, into the shadow weights
-        while decoding goes on, and swap between two steps once every rank received all of it; raises
-        RuntimeError when any rank's receive failed (a bucket refused, a timeout, a dead trainer): every
-        rank then keeps the weights and version it serves.  ``header`` is the sender's control message
-        for this sync (fast/weight_sync.py's ``WeightSender.header``).  ``version`` None: only (re)form
-        the transport's channels."""
-        if self._endpoint is None:
-            raise RuntimeError(f"generator {self.name} has no weight receiver: connect_weights(receiver) first")
-        if version is not None and not _is_int(version):
-            raise TypeError(f"version must be an int or None, got {type(version).__name__}")
-        with self._load_lock:
-            if self._closed:
-                raise RuntimeError(f"generator {self.name} is closed")
-            if version is not None and version < self._version:
-                raise ValueError(f"version must not decrease: got {version}, serving {self._version}")
-            if self._tp is not None:  # every worker receives its own shard meanwhile
-                self._tp.tell_workers(("receive", version, header))
-            errors = []
-            try:
-                self._receive_shard(version, header)
-            except Exception as exc:  # noqa: BLE001 - the sync is refused below, once the workers answered
-                errors.append(f"rank 0: {type(exc).__name__}: {exc}")
-            if self._tp is not None:
-                errors += self._tp_answers(self._tp_timeout_s + float(getattr(self._endpoint, "timeout_s", 0.0)))
-            if errors:
-                raise RuntimeError(f"generator {self.name}: weights version {version} refused whole (still serving "
-                                   f"version {self._version}): " + "; ".join(errors))
-            if version is None:
-                return
-            swapped = Future()
-            with self._cv:
-                if self._closed:
-                    raise RuntimeError(f"generator {self.name} is closed")
-                self._staged = (self._shadow, version, swapped)
-                self._cv.notify()
-            swapped.result()
-
-    def stats(self) -> dict:
-        """waiting, running (prefilling or decoding), completed, policy_version; free_pages (free or
-        evictable), num_pages, page_size, steps, preemptions, generated_tokens, weights_staged;
-        prompt_tokens (requested, per sample), computed_prompt_tokens (run through the model,
-        recomputation after preemption included), prefix_hit_tokens (skipped: cached or a group's
-        shared prompt), evictions, cached_pages (keyed pages, held or not), state_checkpoints; the
-        memory (``MemoryPlan.report``): memory_budget_bytes and memory_budget_source, kv_pool_bytes (the K
-        and V pools of every attention layer), kv_tokens (the tokens they hold), kv_bytes_per_token,
-        state_slot_bytes (the linear layers' per-slot state pools), checkpoint_capacity_bytes (what the
-        checkpoints may take) and checkpoint_bytes (what they hold: allocated at the first prefill that
-        writes one; num_checkpoints x, per linear layer, every tensor of its cache: the fp32 recurrent
-        state and the conv state, and in the batch-invariant mode the chunk buffer), max_seq_len."""
-        # (list(...) copies a dict's values in one step: the engine thread may add a store meanwhile.)
-        stores = [t for store in list(self._checkpoints.values()) for t in list(store.values())]
-        with self._cv:
-            pages = self._pages
-            waiting = sum(1 + len(s.followers) for s in [*self._incoming, *self._waiting])
-            out = dict(waiting=waiting, running=len(self._running) + len(self._prefilling),
-                       policy_version=self._version, free_pages=pages.available(), num_pages=self.num_pages,
-                       page_size=self.page_size, weights_staged=self._staged is not None, **self._counts,
-                       evictions=pages.evictions, cached_pages=len(pages.key_of),
-                       state_checkpoints=len(pages.checkpoint_of),
-                       **self.memory.report(), checkpoint_bytes=sum(t.nbytes for t in stores),
-                       tensor_parallel_size=1 if self._tp is None else self._tp.size)
-        return out
-
-    def close(self) -> None:
-        """Stop the engine (what is queued or running fails) and, tensor-parallel, every worker process."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        if self._tp is not None:
-            self._tp.close()
-        if getattr(self, "_endpoint", None) is not None:
-            self._endpoint.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    @torch.no_grad()
-    def _activation_peak(self, model, tokens: int) -> int:
-        """CUDA: the memory a prefill of ``tokens`` tokens (one sequence, the largest step) allocates beyond the
-        weights, measured by running it once (vLLM's profiling run); 0 on a CPU (the budget leaves room)."""
-        if self.device.type != "cuda":
-            return 0
-        dev, c = self.device, self.config
-        tokens = min(tokens, c.max_seq_len)
-        torch.cuda.synchronize(dev)
-        base = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        cu = torch.tensor([0, tokens], dtype=torch.int32, device=dev)
-
-        def attend(i, q, k, v):
-            return self._varlen_attn(q, k, v, cu, cu, tokens, tokens, scale=c.head_dim ** -0.5, window_size=(-1, 0),
-                                     enable_gqa=True, **self._attn_kw)
-
-        def mix(i, module, h):
-            return module(h[None], cu_seqlens=cu, cache=module.new_cache())[0]
-
-        h = model.layers_forward(torch.zeros(tokens, dtype=torch.long, device=dev),
-                                 torch.arange(tokens, device=dev), attend, mix)
-        model.logits(h[-min(tokens, 256):])
-        del h
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - base
-        torch.cuda.empty_cache()                # what the step cached is not held: the budget counts its peak
-        return peak
-
-    # ------------------------------------------------------------------ input checks
-
-    def _check_servable(self, request) -> None:
-        """ValueError / TypeError for a request this engine can never serve (a router then keeps it)."""
-        prompt, sp = getattr(request, "prompt_token_ids", None), getattr(request, "sampling", None)
-        if not isinstance(prompt, list) or not hasattr(sp, "max_new_tokens"):
-            raise TypeError(f"request must be a Request (prompt_token_ids, sampling, request_id), "
-                            f"got {type(request).__name__}")
-        _check_sampling(sp)
-        if not all(_is_int(t) for t in prompt):
-            raise TypeError("prompt_token_ids must hold ints (token ids)")
-        c, n = self.config, len(prompt)
-        if not n:
-            problem = "at least one token, got an empty prompt"
-        elif max(prompt) >= c.vocab_size or min(prompt) < 0:
-            problem = f"token ids in [0, {c.vocab_size}), got {max(prompt)}"
-        elif n >= self.max_seq_len:
-            problem = f"a prompt shorter than max_seq_len={self.max_seq_len}, got {n} tokens (no room to generate)"
-        else:
-            problem = None
-        if problem:
-            raise ValueError(f"prompt_token_ids must hold {problem}")
-        if sp.n > self.max_batch_size:
-            raise ValueError(f"request {request.request_id}: a group of n={sp.n} samples decodes at once, and "
-                             f"max_batch_size is {self.max_batch_size}")
-        kv_tokens = n + min(sp.max_new_tokens, self.max_seq_len - n) - 1   # the last token's K/V is never needed
-        shared = n // self.page_size                                     # the prompt's full pages, shared
-        need = shared + sp.n * (-(-kv_tokens // self.page_size) - shared)
-        if need > self.num_pages:
-            raise ValueError(f"request {request.request_id} needs {need} pages of {self.page_size} KV slots "
-                             f"({sp.n} sample(s) of up to {kv_tokens} tokens); the pool has only {self.num_pages}: "
-                             f"it can never fit")
-
-    def _checked(self, state_dict) -> dict:
-        """The whole state dict validated against the model's names and shapes, or an error that
-        names every problem (then nothing was touched)."""
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
-        ignored = self._ignored
-        state_dict = {n: t for n, t in state_dict.items() if not (ignored and n.startswith(ignored))}
-        bad_type = next(((n, t) for n, t in state_dict.items()
-                         if not isinstance(t, torch.Tensor) or not t.is_floating_point()), None)
-        if bad_type is not None:
-            n, t = bad_type
-            raise TypeError(f"state_dict[{n!r}] must be a floating torch.Tensor, got "
-                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
-        problems = {"missing": sorted(self._shapes.keys() - state_dict.keys() - self._optional),
-                    "unexpected": sorted(state_dict.keys() - self._shapes.keys()),
-                    "mis-shaped": [f"{n}: got {tuple(t.shape)}, expected {self._shapes[n]}"
-                                   for n, t in state_dict.items() if n in self._shapes
-                                   and tuple(t.shape) != self._shapes[n]]}
-        if any(problems.values()):
-            raise ValueError("state_dict rejected whole (weights and version unchanged): " + "; ".join(
-                f"{kind} {items[:5]}{' ...' if len(items) > 5 else ''}" for kind, items in problems.items() if items))
-        return dict(state_dict)
-
-    # ------------------------------------------------------------------ weights
-
-    @torch.no_grad()
-    def _copy_into(self, model: nn.Module, tensors: dict) -> None:
-        params = model.state_dict()
-        with self._shadow_writes():
-            for n, t in tensors.items():
-                params[n].copy_(t, non_blocking=self.device.type == "cuda")
-
-    @contextlib.contextmanager
-    def _shadow_writes(self):
-        """Where writes into the shadow weights run.  On CUDA a side stream, so decoding on the compute
-        stream goes on; it first waits for the caller's stream (whatever produced the new tensors: an
-        optimizer step, a broadcast) and for the last step that read these buffers (they held the
-        previous weights); the writer waits for it at the end, not the engine."""
-        if self.device.type != "cuda":
-            yield
-            return
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        if self._retired is not None:
-            self._copy_stream.wait_event(self._retired)
-        with torch.cuda.stream(self._copy_stream):
-            yield
-        self._copy_stream.synchronize()
-
-
-    def _connect_endpoint(self, receiver):
-        """This rank's side of connect_weights."""
-        rank, size = (0, 1) if self._tp is None else (self._tp.rank, self._tp.size)
-        endpoint = receiver.connect(rank, size, self.model.state_dict())
-        old, self._endpoint = self._endpoint, endpoint
-        if old is not None:
-            old.close()
-        return endpoint
-
-    @torch.no_grad()
-    def _receive_shard(self, version, header) -> None:
-        """This rank's side of receive_weights: its shard into its shadow weights (version None: connect)."""
-        if version is None:
-            self._endpoint.receive(None, header, None)
-            return
-        if self._shadow is None:  # allocated once, by the first load (no random init)
-            self._shadow = _shadow_of(self.model)
-        with self._shadow_writes():
-            self._endpoint.receive(version, header, self._shadow.state_dict())
-
-    def _tp_answers(self, bound_s: float) -> list:
-        """The workers' answers to a weights message (errors, [] when all went well).  A worker silent
-        for bound_s after rank 0's part ended breaks the generator: its ranks may no longer agree."""
-        try:
-            return self._tp.answers(bound_s)
-        except RuntimeError as exc:
-            self._tp_failed(exc)
-            raise
-
-    def _swap(self, model: nn.Module, version: int, swapped: Future) -> None:
-        """Between two steps: the staged weights become the live ones, the old ones the shadow.  No
-        page of an older version is hit again; with kv_on_swap="recompute" every admitted request
-        goes back to the queue to be prefilled anew under the new weights."""
-        self._shadow, self.model = self.model, model
-        self._version = version
-        self._pages.drop_older(version)
-        if self.kv_on_swap == "recompute":
-            for seq in sorted(self._prefilling + self._running, key=lambda s: s.admitted, reverse=True):
-                self._preempt(seq, count=False)
-            self._prefilling, self._running = [], []
-        if self.device.type == "cuda":
-            self._retired = torch.cuda.Event()
-            self._retired.record()
-        swapped.set_result(None)
-
-    # ------------------------------------------------------------------ the engine loop
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._incoming or self._waiting or self._running or self._prefilling or self._staged
-                           or self._closed):
-                    self._cv.wait()
-                if self._closed:
-                    break
-                incoming, self._incoming = self._incoming, []
-                staged, self._staged = self._staged, None
-            settle: list = []
-            try:
-                if self._tp is not None:      # the workers take the same iteration: its requests and swap
-                    self._tp.send_iteration(incoming, None if staged is None else staged[1])
-                self._waiting.extend(incoming)
-                if staged is not None:
-                    self._swap(*staged)
-                self._step(settle)
-            except Exception as exc:  # fail the requests that hit it; the engine goes on (tensor-parallel: it stops)
-                if self._tp is not None:
-                    self._break(exc, settle)
-                for seq in self._prefilling + self._running:
-                    if seq.slot is not None:      # (a sample that finished in this step keeps its result)
-                        self._release(seq)
-                        seq.group.fail(exc, settle)
-                self._prefilling, self._running = [], []
-            for fn, value in settle:  # outside every lock: callbacks may submit again
-                fn(value)
-            if self._broken is not None:
-                break
-        with self._cv:
-            staged, self._staged = self._staged, None
-            leftover = list(self._incoming) + list(self._waiting) + self._prefilling + self._running
-            self._incoming, self._prefilling, self._running = [], [], []
-            self._waiting.clear()
-        if staged is not None:
-            staged[2].set_exception(RuntimeError(f"generator {self.name} closed before the weights were swapped in"))
-        closed, settle = RuntimeError(f"generator {self.name} closed before finishing the request"
-                                      + (f": {self._broken}" if self._broken is not None else "")), []
-        for seq in leftover:
-            group = seq.group
-            if not group.failed and (group.future.running() or group.future.set_running_or_notify_cancel()):
-                group.fail(closed, settle)
-        for fn, value in settle:
-            fn(value)
-
-    def _break(self, exc: BaseException, settle: list) -> None:
-        """Tensor-parallel: a step failed on some rank (a worker died, hung past tp_timeout_s, or raised), so
-        the ranks may no longer agree: the generator stops for good, failing what it holds (a router's fault
-        policy takes over), and its workers are ended."""
-        self._broken = exc
-        for seq in self._prefilling + self._running:
-            if seq.slot is not None:
-                self._release(seq)
-                seq.group.fail(RuntimeError(f"generator {self.name} failed: {exc}"), settle)
-        self._prefilling, self._running = [], []
-        with self._cv:
-            self._closed = True
-        self._tp.kill()
-
-    def _tp_failed(self, exc: BaseException) -> None:
-        """The workers' watchdog: a worker died while the engine waited (no collective to notice it)."""
-        with self._cv:
-            if self._closed:
-                return
-            self._broken, self._closed = exc, True
-            self._cv.notify()
-
-    def _serve_as_worker(self) -> None:
-        """A tensor-parallel worker's loop: rank 0's iterations, one by one (its requests, its swap), each
-        run with this rank's shard; rank 0 samples, this rank takes its tokens."""
-        while True:
-            message = self._tp.control.recv()
-            if message[0] == "close":
-                return
-            _, requests, swap = message
-            for request_id, prompt, sampling in requests:
-                self._waiting.append(self._leader(Request(prompt, SamplingParams(**sampling), request_id), Future()))
-            if swap is not None:
-                self._swap(self._shadow, swap, Future())
-            self._step([])
-
-    def _load_shard(self, tensors: dict) -> None:
-        """A worker's share of a weight load: its shard into its shadow weights (swapped at rank 0's word)."""
-        if self._shadow is None:
-            self._shadow = _shadow_of(self.model)
-        self._copy_into(self._shadow, tensors)
-
-    @torch.no_grad()
-    def _step(self, settle: list) -> None:
-        """One iteration: pages for the decode step, the prefill work (resumed prompts, then admissions
-        within the token budget), one packed prefill pass, one decode step."""
-        old = self._grow_pages()
-        with self._cv:
-            work = self._schedule()
-        model = self.model
-        done = self._prefill(model, work, settle) if work else []
-        self._running = old + done                      # (what an error fails)
-        running = self._decode(model, old, settle) if old else []
-        self._running = running + done
-        self._counts["steps"] += 1
-
-    def _grow_pages(self) -> list:
-        """Give every decoding request the page its next token's KV goes to; when the pool has no free
-        or evictable page, preempt the newest admitted request (prefilling ones first: they are
-        newer), which frees its pages and goes back to the head of the queue."""
-        running, ps, k = self._running, self.page_size, 0
-        while k < len(running):
-            seq = running[k]
-            if len(seq.pages) >= -(-len(seq.tokens) // ps):
-                k += 1
-                continue
-            if self._pages.available():
-                page = self._pages.allocate()
-                self._table_updates.append((seq.slot, len(seq.pages), page))
-                seq.pages.append(page)
-                continue
-            victim = self._prefilling.pop() if self._prefilling else running.pop()
-            self._preempt(victim)
-        return running
-
-    def _preempt(self, seq: _Seq, count: bool = True) -> None:
-        """Free what ``seq`` holds and put it first in line; it keeps its tokens and generator (its
-        followers, if its prompt was not prefilled yet, go back with it)."""
-        for s in [seq, *seq.followers]:
-            self._release(s)
-        seq.computed, seq.node, seq.keyed, seq.kv_version = 0, 0, 0, None
-        if count:
-            self._counts["preemptions"] += 1
-        with self._cv:
-            self._waiting.appendleft(seq)
-
-    def _schedule(self) -> list:
-        """The iteration's prefill work, [(seq, start, end)] (under the lock): the prompts being
-        prefilled resume first, then waiting requests are admitted in arrival order while a slot per
-        sample, their pages and the token budget allow.  Cuts fall on page boundaries."""
-        work, budget = [], self.max_prefill_tokens
-        for seq in self._prefilling:
-            if budget <= 0:
-                break
-            end = self._chunk_end(seq, budget)
-            work.append((seq, seq.computed, end))
-            budget -= end - seq.computed
-        while self._waiting and budget > 0:
-            seq = self._waiting[0]
-            admitted = self._admit(seq)
-            if admitted is None:            # the user cancelled it before it started
-                self._waiting.popleft()
-                continue
-            if not admitted:
-                break
-            self._waiting.popleft()
-            end = self._chunk_end(seq, budget)
-            work.append((seq, seq.computed, end))
-            budget -= end - seq.computed
-        return work
-
-    def _chunk_end(self, seq: _Seq, budget: int) -> int:
-        end = len(seq.tokens)
-        if end - seq.computed > budget:
-            aligned = (seq.computed + budget) // self.page_size * self.page_size
-            end = aligned if aligned > seq.computed else seq.computed + budget
-        return end
-
-    def _admit(self, seq: _Seq) -> bool:
-        """Take a slot per sample and the pages ``seq``'s tokens need beyond its cached prefix (plus a
-        page per follower for the prompt's partial last page); False (nothing taken) when they do not
-        fit now or a page it would hit is still being computed; None when the request was cancelled."""
-        ps, pages = self.page_size, self._pages
-        n = 1 + len(seq.followers)
-        if len(self._free_slots) < n:
-            return False
-        chunks = [tuple(seq.tokens[j * ps:(j + 1) * ps]) for j in range(len(seq.tokens) // ps)]
-        hits = []
-        if self.prefix_caching:
-            # Never the page of the last token: its logits give the next sample.
-            hits, blocked = pages.match(chunks[:(len(seq.tokens) - 1) // ps], self._version, self._hybrid)
-            if blocked:
-                return False
-        partial = len(seq.tokens) % ps != 0
-        need = -(-len(seq.tokens) // ps) - len(hits) + (n - 1) * partial
-        if need > pages.available(hits):
-            return False
-        group = seq.group
-        if group.failed:
-            return None
-        if not group.admitted:             # its first admission (a cancelled request leaves here)
-            if not (group.future.running() or group.future.set_running_or_notify_cancel()):
-                return None
-            group.admitted = True
-            self._counts["prompt_tokens"] += n * seq.n_prompt
-        for page in hits:
-            pages.hold(page)
-        seq.pages = hits + [pages.allocate() for _ in range(-(-len(seq.tokens) // ps) - len(hits))]
-        seq.slot = self._free_slots.pop()
-        seq.spare = [(self._free_slots.pop(), pages.allocate() if partial else None) for _ in seq.followers]
-        seq.admitted = next(self._admissions)
-        seq.computed = len(hits) * ps
-        seq.kv_version = self._version
-        self._counts["prefix_hit_tokens"] += seq.computed
-        self._table_updates += [(seq.slot, j, page) for j, page in enumerate(seq.pages)]
-        if self.prefix_caching:   # key the pages it will compute now, so that nobody computes them twice
-            seq.node, seq.keyed = 0, 0
-            for j, chunk in enumerate(chunks):
-                seq.node = pages.register(seq.pages[j], seq.node, chunk, self._version, pending=j >= len(hits))
-            seq.keyed = len(chunks)
-        if self._hybrid:
-            self._start_states(seq, pages.checkpoint_of.get(hits[-1]) if hits else None)
-        self._prefilling.append(seq)
-        return True
-
-    def _release(self, seq: _Seq) -> None:
-        """Give back a sample's pages (cached ones stay cached), its slot and its followers' reservations."""
-        self._pages.release(seq.pages)
-        seq.pages = []
-        for slot, page in seq.spare:
-            self._free_slots.append(slot)
-            if page is not None:
-                self._pages.release([page])
-        seq.spare = []
-        if seq.slot is not None:
-            self._free_slots.append(seq.slot)
-            seq.slot = None
-
-    def _flush_table(self) -> None:
-        if self._table_updates:
-            # Last write wins: a preempted request's slot may be reused in the same iteration, and
-            # index_put_ with repeated indices is undefined on a GPU.
-            latest = {(row, col): page for row, col, page in self._table_updates}
-            self._table_updates = []
-            rows, cols = zip(*latest)
-            pages = tuple(latest.values())
-            index = torch.tensor([rows, cols], dtype=torch.long).to(self.device)
-            self._table.index_put_((index[0], index[1]),
-                                   torch.tensor(pages, dtype=torch.int32).to(self.device))
-
-    # ------------------------------------------------------------------ linear layers' state
-
-    def _store_states(self, layer: int, cache, slots: torch.Tensor) -> None:
-        pools = self._states.setdefault(layer, {})
-        for name, value in vars(cache).items():
-            if isinstance(value, torch.Tensor):
-                if name not in pools:
-                    pools[name] = torch.zeros(self.max_batch_size, *value.shape[1:], dtype=value.dtype,
-                                              device=value.device)
-                pools[name][slots] = value
-
-    def _start_states(self, seq: _Seq, checkpoint: int | None) -> None:
-        """An admitted sample's linear-layer state: the checkpoint of its last cached page, or zeros
-        (a fresh start) when it starts at position 0."""
-        for layer, pools in self._states.items():
-            for name, pool in pools.items():
-                if checkpoint is None:
-                    pool[seq.slot].zero_()
-                else:
-                    pool[seq.slot] = self._checkpoints[layer][name][checkpoint]
-
-    def _checkpoint_store(self, layer: int, name: str, like: torch.Tensor) -> torch.Tensor:
-        """Layer ``layer``'s checkpoints of state ``name`` [num_checkpoints, *like.shape[1:]], allocated
-        (zeros, like's dtype and device) on first use."""
-        store = self._checkpoints.setdefault(layer, {})
-        if name not in store:
-            store[name] = torch.zeros(self.num_checkpoints, *like.shape[1:], dtype=like.dtype, device=like.device)
-        return store[name]
-
-    def _take_checkpoint(self, slot: int, seq_slot: int) -> None:
-        """The linear layers' state of the sample in ``seq_slot`` into checkpoint ``slot``."""
-        for layer, pools in self._states.items():
-            for name, pool in pools.items():
-                self._checkpoint_store(layer, name, pool)[slot] = pool[seq_slot]
-
-    def _checkpoint_at(self, seq: _Seq, boundary: int) -> int | None:
-        """A checkpoint slot for the page of ``seq`` that ends at token ``boundary`` (None: no checkpoint
-        is wanted there, or the page is not keyed to this sample)."""
-        ps = self.page_size
-        if not (self._hybrid and self.prefix_caching and self.num_checkpoints) or boundary % ps:
-            return None
-        j = boundary // ps - 1
-        if j >= seq.keyed or seq.node is None or j >= len(seq.pages):
-            return None
-        return self._pages.checkpoint_slot(seq.pages[j])
-
-    # ------------------------------------------------------------------ prefill and decode
-
-    def _prefill(self, model: nn.Module, work: list, settle: list) -> list:
-        """One pass over the packed prefill work [(seq, start, end)]: tokens start .. end - 1 of each,
-        attending to their cached or earlier-computed pages.  A sample whose tokens are all computed
-        samples its next token (a group's first sample for the whole group, which forks); the others
-        stay in ``_prefilling``.  Returns the samples that now decode."""
-        dev, ps, c = self.device, self.page_size, self.config
-        seqs = [w[0] for w in work]
-        lengths = [end - start for _, start, end in work]
-        ids = torch.tensor([t for s, start, end in work for t in s.tokens[start:end]], device=dev)
-        positions = torch.cat([torch.arange(start, end) for _, start, end in work]).to(dev)
-        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=dev)
-        # KV slot of every fed token in the pool viewed as [num_pages * page_size, H_kv, D].
-        where = torch.tensor([s.pages[p // ps] * ps + p % ps for s, start, end in work for p in range(start, end)],
-                             device=dev)
-        slots = torch.tensor([s.slot for s in seqs], device=dev)
-        self._flush_table()
-        table = self._table[slots, :max(len(s.pages) for s in seqs)]
-        used = torch.tensor([end for _, _, end in work], dtype=torch.int32, device=dev)
-        longest, keys, scale = max(lengths), max(end for _, _, end in work), c.head_dim ** -0.5
-        # Hybrid models: checkpoints at the page boundaries the pass crosses (every checkpoint_interval
-        # pages, and its last full page); interior ones cut the linear layers' call there.
-        stride = self.checkpoint_interval * ps
-        cuts = []
-        for s, start, end in work:
-            marks = {b for b in range(start - start % stride + stride, end + 1, stride)} | {end - end % ps}
-            cuts.append(sorted((b, slot) for b in marks if start < b <= end
-                               for slot in [self._checkpoint_at(s, b)] if slot is not None))
-
-        # The mode: rows at or after a prompt's end (a preempted request's completion, recomputed) reduce
-        # their keys in the decode's two segments.
-        completions = [(n, max(start, s.n_prompt), end) for n, (s, start, end) in enumerate(work)
-                       if self.batch_invariant and end > s.n_prompt]
-
-        def attend(i, q, k, v):
-            kc, vc = self._k[self._pool_index[i]], self._v[self._pool_index[i]]
-            kc.view(-1, *kc.shape[-2:]).index_copy_(0, where, k)
-            vc.view(-1, *vc.shape[-2:]).index_copy_(0, where, v)
-            out = self._varlen_attn(q, kc, vc, cu, None, longest, keys, scale=scale, window_size=(-1, 0),
-                                    enable_gqa=True, seqused_k=used, block_table=table, **self._attn_kw)
-            for n, first, _ in completions:
-                rows = slice(int(cu[n]) + first - work[n][1], int(cu[n + 1]))
-                out[rows] = self._two_segments(q[rows][None], kc, vc, used[n:n + 1], table[n:n + 1],
-                                               used[n:n + 1] * 0 + work[n][0].n_prompt, dict(scale=scale))[0]
-            return out
-
-        def mix(i, module, h):
-            return self._prefill_linear(i, module, h, work, cuts, slots)
-
-        h = model.layers_forward(ids, positions, attend, mix)
-        self._counts["computed_prompt_tokens"] += sum(lengths)
-        finished, rows = [], []
-        for n, (s, start, end) in enumerate(work):
-            for page in s.pages[start // ps:end // ps]:
-                self._pages.pending.discard(page)        # computed now: a hit from the next iteration on
-            for boundary, checkpoint in cuts[n]:
-                if boundary == end:                      # (interior ones were taken by the linear layers)
-                    self._take_checkpoint(checkpoint, s.slot)
-            s.computed = end
-            if end == len(s.tokens):
-                finished.append(s)
-                rows.append(int(cu[n + 1]) - 1)
-        self._prefilling = [s for s in self._prefilling if s not in finished]
-        if not finished:
-            return []
-        logits = model.logits(h[torch.tensor(rows, device=dev)]) if self._samples else None   # [N, V]
-        samples, rows = [], []
-        for n, s in enumerate(finished):
-            if s.min_version is None:
-                s.min_version = self._version
-            samples += [s, *self._fork(s)]
-            rows += [n] * (1 + len(s.followers))
-            s.followers = []
-        self._running = self._running + samples         # (what an error in sampling fails)
-        return self._advance(samples, None if logits is None else logits[torch.tensor(rows, device=dev)], settle)
-
-    def _prefill_linear(self, i: int, module, h: torch.Tensor, work: list, cuts: list, slots) -> torch.Tensor:
-        """A "linear" layer over the pass's tokens h [T, hidden]: each sample continues from its state
-        (zeros from position 0, its slot's when resuming or after a cached prefix) and leaves its new
-        state in its slot.  Where a checkpoint falls inside a sample's tokens the call is cut there:
-        round r runs every sample's r-th segment (the state carried over), and the state after a
-        segment that ends at a checkpoint is kept in its slot."""
-        bounds = [0, *itertools.accumulate(end - start for _, start, end in work)]
-        segments = []                                   # per sample: [(first row, last row + 1, checkpoint)]
-        for n, (_, start, end) in enumerate(work):
-            edges = [(b, cp) for b, cp in cuts[n] if b < end] + [(end, None)]
-            rows, pieces = bounds[n], []
-            for b, cp in edges:
-                pieces.append((rows, bounds[n] + b - start, cp))
-                rows = bounds[n] + b - start
-            segments.append(pieces)
-        cache = module.new_cache()
-        if i in self._states:                           # resumed samples, cached prefixes: their slots' state
-            for name, pool in self._states[i].items():
-                setattr(cache, name, pool[slots])
-        states = {name: t for name, t in vars(cache).items() if isinstance(t, torch.Tensor)}
-        out = h.new_empty(h.shape)
-        for r in range(max(len(p) for p in segments)):
-            members = [n for n, p in enumerate(segments) if len(p) > r]
-            pieces = [segments[n][r] for n in members]
-            rows = torch.cat([torch.arange(a, b) for a, b, _ in pieces]).to(h.device)
-            cu = torch.tensor([0, *itertools.accumulate(b - a for a, b, _ in pieces)], dtype=torch.int32,
-                              device=h.device)
-            part = module.new_cache()
-            index = torch.tensor(members, device=h.device)
-            for name, t in states.items():
-                setattr(part, name, t[index])
-            out[rows] = module(h[rows][None], cu_seqlens=cu, cache=part)[0]
-            for name, t in vars(part).items():
-                if isinstance(t, torch.Tensor):
-                    if name not in states:              # the first round of the first call: all samples
-                        states[name] = t
-                    else:
-                        states[name][index] = t
-            for n, (_, _, checkpoint) in zip(members, pieces):
-                if checkpoint is not None:              # this layer's state at an interior page boundary
-                    for name, t in states.items():
-                        self._checkpoint_store(i, name, t)[checkpoint] = t[n]
-        self._store_states(i, SimpleNamespace(**states), slots)
-        return out
-
-    def _fork(self, seq: _Seq) -> list:
-        """A group's first sample finished its prompt: the others share its full prompt pages, take a
-        copy of its partial last page and of its linear layers' state, and decode from there."""
-        ps, n = self.page_size, len(seq.tokens)
-        full = seq.pages[:n // ps]
-        forks = []
-        for follower, (slot, page) in zip(seq.followers, seq.spare):
-            for p in full:
-                self._pages.hold(p)
-            follower.pages = full + ([page] if page is not None else [])
-            if page is not None:                        # the prompt's partial last page: written per sample
-                self._k[:, page] = self._k[:, seq.pages[n // ps]]
-                self._v[:, page] = self._v[:, seq.pages[n // ps]]
-            follower.slot = slot
-            for pools in self._states.values():
-                for pool in pools.values():
-                    pool[slot] = pool[seq.slot]
-            follower.computed, follower.node, follower.keyed = seq.computed, seq.node, seq.keyed
-            follower.kv_version, follower.min_version = seq.kv_version, seq.min_version
-            follower.admitted = next(self._admissions)
-            self._table_updates += [(slot, j, p) for j, p in enumerate(follower.pages)]
-            self._counts["prefix_hit_tokens"] += n
-            forks.append(follower)
-        seq.spare = []
-        return forks
-
-    def _decode(self, model: nn.Module, seqs: list, settle: list) -> list:
-        """One token for every decoding request: a batched forward over their last tokens.  A group's
-        samples decode side by side through ``cascade_decode`` (their prompt's shared pages read once);
-        the batch-invariant mode reduces every row's keys in two segments (``_two_segments``)."""
-        dev, c = self.device, self.config
-        if self._cascade_decode is not None and not self.batch_invariant:   # a group's samples side by side
-            by_group: dict = {}
-            for s in seqs:
-                by_group.setdefault(id(s.group), []).append(s)
-            seqs = [s for members in by_group.values() for s in members]
-        ids = torch.tensor([s.tokens[-1] for s in seqs], device=dev)
-        positions = torch.tensor([len(s.tokens) - 1 for s in seqs], device=dev)
-        used = (positions + 1).to(torch.int32)
-        slots = torch.tensor([s.slot for s in seqs], device=dev)
-        self._flush_table()
-        table = self._table[slots, :max(len(s.pages) for s in seqs)]
-        scale = c.head_dim ** -0.5
-        groups = self._decode_groups(seqs) if self._cascade_decode is not None and not self.batch_invariant else None
-        prompts = torch.tensor([s.n_prompt for s in seqs], dtype=torch.int32, device=dev)
-
-        def attend(i, q, k, v):
-            kc, vc = self._k[self._pool_index[i]], self._v[self._pool_index[i]]
-            new = dict(k_new=k[:, None], v_new=v[:, None], scale=scale)
-            if self.batch_invariant:
-                return self._two_segments(q[:, None], kc, vc, used, table, prompts, new)[:, 0]
-            if groups is not None:
-                cu, prefix = groups
-                return self._cascade_decode(q[:, None], kc, vc, used, block_table=table, cu_groups=cu,
-                                            prefix_lens=prefix, **new)[:, 0]
-            return self._flash_decode(q[:, None], kc, vc, used, block_table=table, **new)[:, 0]
-
-        def mix(i, module, h):
-            cache = module.new_cache()
-            for name, pool in self._states[i].items():
-                setattr(cache, name, pool[slots])
-            out = module(h[:, None], cache=cache)[:, 0]
-            self._store_states(i, cache, slots)
-            return out
-
-        h = model.layers_forward(ids, positions, attend, mix)
-        for s in seqs:                                  # the fed token's KV is written: a page may be full
-            s.computed = len(s.tokens)
-            self._key_full_pages(s)
-        return self._advance(seqs, model.logits(h) if self._samples else None, settle)
-
-    def _decode_groups(self, seqs: list):
-        """(cu_groups, prefix_lens) of a decode batch ordered by request: the samples of one request that
-        still share its prompt's full pages form a group (prefix: those pages' keys); None when no
-        group has two samples (plain flash_decode then)."""
-        ps, bounds, prefixes = self.page_size, [0], []
-        for n, s in enumerate(seqs):
-            shared = s.n_prompt // ps
-            head = seqs[bounds[-1]]
-            if n and s.group is head.group and s.pages[:shared] == head.pages[:shared]:
-                continue
-            if n:
-                bounds.append(n)
-            prefixes.append(shared * ps)
-        bounds.append(len(seqs))
-        if len(prefixes) == len(seqs):
-            return None
-        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-        prefixes = [p if size > 1 else 0 for p, size in zip(prefixes, sizes)]
-        dev = self.device
-        return (torch.tensor(bounds, dtype=torch.int32, device=dev),
-                torch.tensor(prefixes, dtype=torch.int32, device=dev))
-
-    def _two_segments(self, q, kc, vc, used, table, prompts, new):
-        """The batch-invariant mode's attention for completion rows q [B, S_q, H_q, D] (positions used - S_q
-        .. used - 1, all at or after their prompt's end): over the prompt's keys, then over the
-        sequence's own keys from the prompt's end on (``cache_leftpad``), merged as
-        ``DecoderLM.token_logprobs`` merges them.  ``new``: k_new / v_new and scale for the second call."""
-        b, s_q = q.shape[:2]
-        rows = q.reshape(b * s_q, 1, *q.shape[2:])                          # each row alone over its prompt
-        o_a, lse_a = self._flash_decode(
-            rows, kc, vc, prompts.repeat_interleave(s_q), block_table=table.repeat_interleave(s_q, dim=0),
-            scale=new["scale"], return_lse=True, batch_invariant=True)
-        o_b, lse_b = self._flash_decode(q, kc, vc, used, block_table=table, cache_leftpad=prompts, return_lse=True,
-                                        batch_invariant=True, **new)
-        lse_b = lse_b.transpose(1, 2).flatten(0, 1).t()                     # [B, H, S_q] -> [H, B * S_q]
-        out, _ = _merge_states(o_a[:, 0], lse_a[:, :, 0].t(), o_b.flatten(0, 1), lse_b)
-        return out.to(q.dtype).unflatten(0, (b, s_q))
-
-    def _key_full_pages(self, seq: _Seq) -> None:
-        """Key the pages a decode step filled (prompt + generated tokens), with a checkpoint where one is due."""
-        ps = self.page_size
-        if not self.prefix_caching or seq.node is None:
-            return
-        if seq.kv_version != self._version:             # its KV mixes two weight versions: never a hit
-            seq.node = None
-            return
-        while (seq.keyed + 1) * ps <= seq.computed:
-            j = seq.keyed
-            seq.node = self._pages.register(seq.pages[j], seq.node, tuple(seq.tokens[j * ps:(j + 1) * ps]),
-                                            self._version, pending=False)
-            seq.keyed += 1
-            if (j + 1) % self.checkpoint_interval == 0:
-                checkpoint = self._checkpoint_at(seq, (j + 1) * ps)
-                if checkpoint is not None:
-                    self._take_checkpoint(checkpoint, seq.slot)
-
-    def _advance(self, seqs: list, logits, settle: list) -> list:
-        """Sample one token per sample; finished ones free their pages.  Returns the rest.  Tensor-parallel:
-        rank 0 samples and the workers take its tokens (every rank then schedules alike)."""
-        if logits is not None:
-            tokens, logprobs = _sample_batch(logits, [s.group.request.sampling for s in seqs],
-                                             [s.rng for s in seqs], getattr(self.model, "log_softmax", None))
-        if self._tp is not None:
-            tokens = self._tp.share_tokens(tokens if logits is not None else [0] * len(seqs))
-            logprobs = logprobs if logits is not None else [0.0] * len(seqs)
-        still = []
-        for s, token, logprob in zip(seqs, tokens, logprobs):
-            s.tokens.append(token)
-            s.logprobs.append(logprob)
-            generated = len(s.tokens) - s.n_prompt
-            if token in s.group.request.sampling.stop_token_ids:
-                reason = "stop"
-            elif generated >= s.limit:
-                reason = "length"
-            else:
-                still.append(s)
-                continue
-            self._release(s)
-            r = s.group.request
-            s.group.done(Completion(r.request_id, list(r.prompt_token_ids), s.tokens[s.n_prompt:], s.logprobs, reason,
-                                    self.name, s.min_version, self._version, s.index), settle)
-            self._counts["completed"] += 1
-            self._counts["generated_tokens"] += generated
-        return still
+def plan_pools(model: nn.Module, opts: EngineOptions, attention: _AttentionFns, tp) -> tuple[MemoryPlan, dict]:
+    """The memory plan of a Generator's pools (the section above) and the linear layers' per-sequence state
+    shapes.  Tensor-parallel: every rank plans from the least budget of all ranks (an all-reduce), so every
+    rank has the same pages, rows and checkpoints (the scheduler is the same on every rank)."""
+    c, p = model.config, next(model.parameters())
+    local = getattr(model, "local_config", c)          # this rank's heads under tensor parallelism
+    state_shapes = _linear_state_shapes(model)         # linear layer -> {name: (shape of one sequence, dtype)}
+    weight_bytes = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))   # (tied: once)
+    budget, source = _memory_budget(p.device, kv_cache_memory=opts.kv_cache_memory,
+                                    memory_utilization=opts.memory_utilization, weight_bytes=weight_bytes,
+                                    activation_bytes=_activation_peak(model, opts.max_prefill_tokens, attention))
+    if tp is not None:
+        budget = tp.least(budget)
+    plan = plan_memory(
+        budget, source, page_size=opts.page_size, model_max_seq_len=c.max_seq_len, max_seq_len=opts.max_seq_len,
+        kv_bytes_per_token=2 * c.kinds.count("attention") * local.num_kv_heads * local.head_dim * p.dtype.itemsize,
+        state_bytes_per_sequence=sum(math.prod(shape) * dtype.itemsize for shapes in state_shapes.values()
+                                     for shape, dtype in shapes.values()),
+        max_batch_size=opts.max_batch_size, num_pages=opts.num_pages, num_checkpoints=opts.num_checkpoints,
+        checkpoints_wanted="linear" in c.kinds and opts.prefix_caching)
+    return plan, state_shapes
+
+
+@torch.no_grad()
+def _activation_peak(model: nn.Module, tokens: int, attention: _AttentionFns) -> int:
+    """CUDA: the memory a prefill of ``tokens`` tokens (one sequence, the largest step) allocates beyond the
+    weights, measured by running it once (vLLM's profiling run); 0 on a CPU (the budget leaves room)."""
+    dev = next(model.parameters()).device
+    if dev.type != "cuda":
+        return 0
+    c = model.config
+    tokens = min(tokens, c.max_seq_len)
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device=dev)
+
+    def attend(i, q, k, v):
+        return attention.varlen(q, k, v, cu, cu, tokens, tokens, scale=c.head_dim ** -0.5, window_size=(-1, 0),
+                                enable_gqa=True, **attention.kw)
+
+    def mix(i, module, h):
+        return module(h[None], cu_seqlens=cu, cache=module.new_cache())[0]
+
+    h = model.layers_forward(torch.zeros(tokens, dtype=torch.long, device=dev), torch.arange(tokens, device=dev),
+                             attend, mix)
+    model.logits(h[-min(tokens, 256):])
+    del h
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    torch.cuda.empty_cache()                    # what the step cached is not held: the budget counts its peak
+    return peak
 
 
 # ----------------------------------------------------------------------------- tensor parallelism
@@ -1901,10 +2106,51 @@ class Generator:
 # happens at the same iteration on every rank.  Faults: a worker that dies (its process sentinel, or a
 # collective that fails) or hangs (a collective past tp_timeout_s) stops the generator for good: what it held
 # fails, later submits raise, the workers are ended; close() ends them too, within tp_timeout_s.
+# Messages are typed records: rank 0 -> a worker, over its control pipe _Iteration / _Close, over its weights pipe
+# _LoadShard / _Connect / _Receive / _Close; a worker's answers are _Reply(_Ack, detail).  Start-up: each worker
+# says JOINING (then joins the process group), BUILT (its shard), READY (its engine, pools sized with rank 0's).
 
 # How long a worker may take to start, join the group and build its shard (a loaded machine imports torch and
 # reads a checkpoint slowly); tp_timeout_s bounds every later wait.
 TP_STARTUP_TIMEOUT_S = 180.0
+
+
+class _Ack(enum.Enum):
+    JOINING = "joining"
+    BUILT = "built"
+    READY = "ready"
+    LOADED = "loaded"         # a weight shard is in the worker's shadow weights
+    DONE = "done"             # a transport's connect / receive succeeded
+    ERROR = "error"
+
+
+class _Reply(NamedTuple):
+    kind: _Ack
+    detail: str | None = None
+
+
+class _Iteration(NamedTuple):
+    """Rank 0's iteration for the workers: its new requests [(request_id, prompt, sampling fields)] and the
+    weights version swapped in before it (or None)."""
+    requests: list
+    swap_version: int | None
+
+
+class _Close(NamedTuple):
+    pass
+
+
+class _LoadShard(NamedTuple):
+    tensors: dict             # this worker's shard of a state dict, on the host
+
+
+class _Connect(NamedTuple):
+    receiver: object          # a weight transport's receiver (connect_weights)
+
+
+class _Receive(NamedTuple):
+    version: int | None
+    header: object
 
 
 class _Checkpoint(NamedTuple):
@@ -1969,24 +2215,23 @@ class _Ranks:
         self.group.allreduce([t], options).wait()
         return int(t.item())
 
-    def share_tokens(self, tokens: list) -> list:
-        """Rank 0's sampled tokens, on every rank (a broadcast of len(tokens) int64)."""
-        t = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        if t.numel():
-            self.group.broadcast(t, 0).wait()
-        return t.tolist()
+    def share_tokens(self, tokens: torch.Tensor) -> list:
+        """Rank 0's sampled tokens (int64 [B], filled on every rank: rank 0's are the real ones), on every rank."""
+        if tokens.numel():
+            self.group.broadcast(tokens, 0).wait()
+        return tokens.tolist()
 
 
 class _TensorParallel(_Ranks):
     """Rank 0's side: the worker processes, their pipes (iterations, weights), the watchdog."""
 
-    def __init__(self, size: int, timeout_s: float, address: str):
-        super().__init__(0, size, None, torch.device("cpu"))
-        self.timeout_s, self.address = float(timeout_s), address
+    def __init__(self, opts: EngineOptions):
+        super().__init__(0, opts.tensor_parallel_size, None, torch.device("cpu"))
+        self.opts, self.timeout_s, self.address = opts, float(opts.tp_timeout_s), opts.tp_address
         self.procs, self.control, self.weights = [], [], []
         self._stop = threading.Event()
 
-    def start(self, model, engine_kw: dict) -> nn.Module:
+    def start(self, model) -> nn.Module:
         """Start the workers; returns rank 0's shard (the caller's model is only read)."""
         import datetime
         import multiprocessing as mp
@@ -2011,9 +2256,9 @@ class _TensorParallel(_Ranks):
             for rank in range(1, self.size):
                 control, control_child = ctx.Pipe()
                 weights, weights_child = ctx.Pipe()
-                proc = ctx.Process(target=_tp_worker_main, name=f"{engine_kw['name']}-tp{rank}", daemon=True,
-                                   args=(rank, self.size, self.address, store.port, self.timeout_s, recipe,
-                                         _rank_device(self.device, rank), engine_kw, control_child, weights_child))
+                proc = ctx.Process(target=_tp_worker_main, name=f"{self.opts.name}-tp{rank}", daemon=True,
+                                   args=(rank, store.port, recipe, _rank_device(self.device, rank), self.opts,
+                                         control_child, weights_child))
                 proc.start()
                 control_child.close()
                 weights_child.close()
@@ -2021,7 +2266,7 @@ class _TensorParallel(_Ranks):
                 self.control.append(control)
                 self.weights.append(weights)
             for rank, pipe in enumerate(self.control, start=1):       # a busy machine starts them slowly: the
-                self._expect(pipe, rank, "joining", TP_STARTUP_TIMEOUT_S)   # group's timeout is for steps
+                self._expect(pipe, rank, _Ack.JOINING, TP_STARTUP_TIMEOUT_S)   # group's timeout is for steps
             self.group = _process_group(store, 0, self.size, self.address, self.device, self.timeout_s)
             if isinstance(recipe, _Checkpoint):
                 shard = _build_shard(recipe, self.group, self.device)
@@ -2030,10 +2275,10 @@ class _TensorParallel(_Ranks):
                                            **recipe.init_kwargs)
                 full = model.state_dict()
                 for rank, pipe in enumerate(self.weights, start=1):
-                    pipe.send(_to_host(empty.shard_state_dict(full, rank=rank)))
+                    pipe.send(_LoadShard(_to_host(empty.shard_state_dict(full, rank=rank))))
                 shard = _build_shard(recipe, self.group, self.device, empty.shard_state_dict(full))
             for rank, pipe in enumerate(self.control, start=1):
-                self._expect(pipe, rank, "built", TP_STARTUP_TIMEOUT_S)
+                self._expect(pipe, rank, _Ack.BUILT, TP_STARTUP_TIMEOUT_S)
         except BaseException:
             self.kill()
             raise
@@ -2043,29 +2288,30 @@ class _TensorParallel(_Ranks):
     def ready(self) -> None:
         """Wait for every worker's engine (each sized its pools with rank 0: ``least``)."""
         for rank, pipe in enumerate(self.control, start=1):
-            self._expect(pipe, rank, "ready", TP_STARTUP_TIMEOUT_S)
+            self._expect(pipe, rank, _Ack.READY, TP_STARTUP_TIMEOUT_S)
 
     def least(self, value: int) -> int:
         """_Ranks.least, naming a worker that failed before it (its build, its engine) instead of timing out."""
         try:
             return super().least(value)
         except Exception as exc:
-            errors = [pipe.recv()[1] for pipe in self.control if pipe.poll(0)]
+            errors = [pipe.recv().detail for pipe in self.control if pipe.poll(0)]
             raise RuntimeError(f"tensor-parallel workers failed before sizing their pools: {errors or exc}") from exc
 
-    def _expect(self, pipe, rank: int, what: str, timeout_s: float | None = None) -> None:
-        """The worker's next message must be ``what``, within ``timeout_s`` (tp_timeout_s by default) and while
+    def _expect(self, pipe, rank: int, what: _Ack, timeout_s: float | None = None) -> None:
+        """The worker's next reply must be ``what``, within ``timeout_s`` (tp_timeout_s by default) and while
         it lives."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline, proc = time.monotonic() + timeout_s, self.procs[rank - 1]
         while not pipe.poll(0.2):
             if not proc.is_alive() and not pipe.poll(0):
-                raise RuntimeError(f"tensor-parallel worker {rank} died (exit code {proc.exitcode}) before {what!r}")
+                raise RuntimeError(f"tensor-parallel worker {rank} died (exit code {proc.exitcode}) before "
+                                   f"{what.value!r}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"tensor-parallel worker {rank} sent no {what!r} within {timeout_s:g} s")
-        kind, detail = pipe.recv()
-        if kind != what:
-            raise RuntimeError(f"tensor-parallel worker {rank} failed: {detail}")
+                raise RuntimeError(f"tensor-parallel worker {rank} sent no {what.value!r} within {timeout_s:g} s")
+        reply = pipe.recv()
+        if reply.kind is not what:
+            raise RuntimeError(f"tensor-parallel worker {rank} failed: {reply.detail}")
 
     def watch(self, on_death) -> None:
         """A daemon thread that calls on_death(exc) when a worker process ends while the generator runs."""
@@ -2096,17 +2342,17 @@ class _TensorParallel(_Ranks):
                      {f.name: getattr(s.group.request.sampling, f.name) for f in dataclasses.fields(SamplingParams)})
                     for s in incoming]
         for pipe in self.control:
-            pipe.send(("step", requests, swap_version))
+            pipe.send(_Iteration(requests, swap_version))
 
     def send_weights(self, model, tensors: dict) -> None:
         for rank, pipe in enumerate(self.weights, start=1):
-            pipe.send(_to_host(model.shard_state_dict(tensors, rank=rank)))
+            pipe.send(_LoadShard(_to_host(model.shard_state_dict(tensors, rank=rank))))
 
     def wait_weights(self) -> None:
         for rank, pipe in enumerate(self.weights, start=1):
-            self._expect(pipe, rank, "loaded")
+            self._expect(pipe, rank, _Ack.LOADED)
 
-    def tell_workers(self, message: tuple) -> None:
+    def tell_workers(self, message: _Connect | _Receive) -> None:
         """A weight transport's message (connect, receive) to every worker, over its weights pipe."""
         for pipe in self.weights:
             pipe.send(message)
@@ -2124,9 +2370,9 @@ class _TensorParallel(_Ranks):
                     raise RuntimeError(f"tensor-parallel worker {rank} did not answer a weight transfer within "
                                        f"{bound_s:g} s")
             else:
-                kind, detail = pipe.recv()
-                if kind != "done":
-                    errors.append(f"rank {rank}: {detail}")
+                reply = pipe.recv()
+                if reply.kind is not _Ack.DONE:
+                    errors.append(f"rank {rank}: {reply.detail}")
         return errors
 
     def close(self) -> None:
@@ -2134,7 +2380,7 @@ class _TensorParallel(_Ranks):
         self._stop.set()
         for pipe in self.control + self.weights:
             try:
-                pipe.send(("close", None))
+                pipe.send(_Close())
             except (OSError, ValueError):
                 pass
         for proc in self.procs:
@@ -2163,49 +2409,48 @@ def _to_host(tensors: dict) -> dict:
     return {n: t.detach().to("cpu", copy=False).contiguous() for n, t in tensors.items()}
 
 
-def _tp_worker_main(rank, size, address, port, timeout_s, recipe, device, engine_kw, control, weights) -> None:
+def _tp_worker_main(rank: int, port: int, recipe, device: torch.device, opts: EngineOptions, control,
+                    weights) -> None:
     """A worker process: join the group, build the shard and an engine, follow rank 0 until told to stop."""
     import datetime
 
     import torch.distributed as dist
+    size, timeout_s = opts.tensor_parallel_size, opts.tp_timeout_s
     try:
-        store = dist.TCPStore(address, port, size, False, datetime.timedelta(seconds=max(timeout_s,
-                                                                                          TP_STARTUP_TIMEOUT_S)))
-        control.send(("joining", None))
-        group = _process_group(store, rank, size, address, device, timeout_s)
-        initial = None if isinstance(recipe, _Checkpoint) else weights.recv()
+        store = dist.TCPStore(opts.tp_address, port, size, False,
+                              datetime.timedelta(seconds=max(timeout_s, TP_STARTUP_TIMEOUT_S)))
+        control.send(_Reply(_Ack.JOINING))
+        group = _process_group(store, rank, size, opts.tp_address, device, timeout_s)
+        initial = None if isinstance(recipe, _Checkpoint) else weights.recv().tensors
         model = _build_shard(recipe, group, device, initial)
-        control.send(("built", None))
+        control.send(_Reply(_Ack.BUILT))
         ranks = _Ranks(rank, size, group, device)
         ranks.control = control
-        gen = Generator(model, **engine_kw, _tp_worker=ranks)
+        gen = Generator(model, **{f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}, _tp_worker=ranks)
     except BaseException as exc:
-        control.send(("error", f"{type(exc).__name__}: {exc}"))
+        control.send(_Reply(_Ack.ERROR, f"{type(exc).__name__}: {exc}"))
         raise SystemExit(1) from None
 
-    def receive_weights():
+    def serve_weights():
         while True:
             message = weights.recv()
-            if isinstance(message, tuple) and message[0] == "close":
-                return
-            if isinstance(message, tuple):   # a weight transport's ("connect", receiver) / ("receive", version, header)
-                try:
-                    if message[0] == "connect":
-                        gen._connect_endpoint(message[1])
-                    else:
-                        gen._receive_shard(message[1], message[2])
-                    weights.send(("done", None))
-                except Exception as exc:
-                    weights.send(("error", f"{type(exc).__name__}: {exc}"))
-                continue
             try:
-                gen._load_shard(message)
-                weights.send(("loaded", None))
+                if isinstance(message, _Close):
+                    return
+                if isinstance(message, _LoadShard):
+                    gen._load_shard(message.tensors)
+                    weights.send(_Reply(_Ack.LOADED))
+                elif isinstance(message, _Connect):
+                    gen._connect_endpoint(message.receiver)
+                    weights.send(_Reply(_Ack.DONE))
+                else:
+                    gen._receive_shard(message.version, message.header)
+                    weights.send(_Reply(_Ack.DONE))
             except Exception as exc:
-                weights.send(("error", f"{type(exc).__name__}: {exc}"))
+                weights.send(_Reply(_Ack.ERROR, f"{type(exc).__name__}: {exc}"))
 
-    threading.Thread(target=receive_weights, daemon=True).start()
-    control.send(("ready", None))
+    threading.Thread(target=serve_weights, daemon=True).start()
+    control.send(_Reply(_Ack.READY))
     try:
         gen._serve_as_worker()
         code = 0
@@ -2218,11 +2463,36 @@ def _tp_worker_main(rank, size, address, port, timeout_s, recipe, device, engine
 
 # ----------------------------------------------------------------------------- input checks
 
+def _checked_state_dict(state_dict, shapes: dict, optional: set = frozenset(), ignored: tuple = ()) -> dict:
+    """Validate a whole state dict against the model's names and shapes before touching anything (names
+    under the model's ``ignored_weight_prefixes``, such as a multimodal checkpoint's vision tower, are
+    dropped; a tied alias may be absent)."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
+    state_dict = {n: t for n, t in state_dict.items() if not (ignored and n.startswith(ignored))}
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state_dict[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"state_dict[{name!r}] must be a floating tensor, got {t.dtype}")
+    missing = [n for n in shapes if n not in state_dict and n not in optional]
+    unexpected = [n for n in state_dict if n not in shapes]
+    misshaped = [f"{n}: got {tuple(state_dict[n].shape)}, expected {shapes[n]}"
+                 for n in shapes if n in state_dict and tuple(state_dict[n].shape) != shapes[n]]
+    if missing or unexpected or misshaped:
+        parts = [f"{label} {items[:5]}{' ...' if len(items) > 5 else ''}"
+                 for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped))
+                 if items]
+        raise ValueError("state_dict rejected whole (weights and version unchanged): " + "; ".join(parts))
+    return {n: state_dict[n] for n in shapes if n in state_dict}
+
+
+
 _MODEL_KEYWORDS = ("dtype", "device", "max_seq_len", "batch_invariant")
 
 
 def _check_model(model) -> None:
-    """The model protocol (ref/generator_engine.py's docstring), or a TypeError naming what is missing."""
+    """The model protocol (ref/generator_engine.py's docstring states it), or a TypeError naming what is missing."""
     missing = [name for name in ("config", "layers_forward", "logits", "state_dict", "layers")
                if not hasattr(model, name)]
     missing += [f"config.{name}" for name in ("vocab_size", "max_seq_len", "num_kv_heads", "head_dim", "kinds")
@@ -2233,7 +2503,7 @@ def _check_model(model) -> None:
 
 
 def _tied_aliases(model: nn.Module) -> set:
-    """State-dict names whose tensor is an earlier name's (a tied lm_head): optional in a loaded state dict."""
+    """State-dict names whose tensor is an earlier name's (a tied lm_head): optional when loading."""
     seen, aliases = set(), set()
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) in seen:

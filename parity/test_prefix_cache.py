@@ -227,19 +227,22 @@ def test_stats_count_the_kv_pool_and_the_checkpoints():
 # ----------------------------------------------------------------------------- chunked prefill
 
 class Recording(fast_ge.Generator):
-    """The fast engine, recording per iteration the prefill work and how many requests decoded."""
+    """The fast engine, recording per iteration the prefill work and how many requests decoded (its model
+    runner's two passes, watched)."""
 
     def __init__(self, *args, **kw):
         self.log = []
         super().__init__(*args, **kw)
+        prefill, decode = self.runner.prefill, self.runner.decode
 
-    def _prefill(self, model, work, settle):
-        self.log.append(("prefill", [(s.group.request.request_id, a, b) for s, a, b in work]))
-        return super()._prefill(model, work, settle)
+        def watched_prefill(model, work):
+            self.log.append(("prefill", [(c.seq.group.request.request_id, c.start, c.end) for c in work]))
+            return prefill(model, work)
 
-    def _decode(self, model, seqs, settle):
-        self.log.append(("decode", [s.group.request.request_id for s in seqs]))
-        return super()._decode(model, seqs, settle)
+        def watched_decode(model, seqs):
+            self.log.append(("decode", [s.group.request.request_id for s in seqs]))
+            return decode(model, seqs)
+        self.runner.prefill, self.runner.decode = watched_prefill, watched_decode
 
 
 def test_chunked_prefill_lets_running_requests_decode():
@@ -324,17 +327,18 @@ def test_bad_group_and_sampling_inputs(rg):
 
 
 def assert_no_leak(gen):
-    """Idle: every page free or cached, every reference count zero, no key pending, every slot free,
+    """Idle: every page free or cached, every reference count zero, no key pending, every row free,
     every cached page keyed, checkpoints only on keyed pages."""
-    pages = gen._pages
+    pages = gen.scheduler.pages
     assert sum(pages.refs) == 0, [p for p, r in enumerate(pages.refs) if r]
     assert len(pages.free) + len(pages.cached) == gen.num_pages
     assert not set(pages.free) & set(pages.cached) and not pages.pending
     assert all(p in pages.key_of for p in pages.cached) and not any(p in pages.key_of for p in pages.free)
     assert set(pages.checkpoint_of) <= set(pages.key_of)
     assert len(pages.free_checkpoints) + len(pages.checkpoint_of) == gen.num_checkpoints
-    assert sorted(gen._free_slots) == list(range(gen.max_batch_size))
-    assert not gen._waiting and not gen._running and not gen._prefilling
+    sched = gen.scheduler
+    assert sorted(sched.free_rows) == list(range(gen.max_batch_size))
+    assert not sched.waiting and not sched.running and not sched.prefilling
 
 
 @pytest.mark.parametrize("policy", ["keep", "recompute"])

@@ -1,5 +1,16 @@
 """Generator engine: the reference (readable PyTorch, the specification for tokens and logprobs).
 
+Example::
+
+    # generator_engine.py and decoder_lm.py, copied next to this script
+    from decoder_lm import DecoderLM, ModelConfig
+    from generator_engine import Generator, Request, SamplingParams
+
+    model = DecoderLM(ModelConfig(vocab_size=128, max_seq_len=64), seed=0)
+    with Generator(model, kv_cache_memory=2 ** 24) as gen:                   # a 16 MiB cache
+        group = gen.generate([Request([1, 2, 3], SamplingParams(max_new_tokens=5, temperature=1.0, seed=0, n=2))])[0]
+        print([c.token_ids for c in group], gen.stats()["max_seq_len"])
+
 What it computes
     ``Generator(model, ...)`` samples from a decoder LM, one request at a time, the way gpt-fast's
     ``generate`` does: a prefill pass over the prompt fills a contiguous KV cache, then one forward
@@ -43,7 +54,11 @@ The engine (Generator)
     the linear layers' own caches.  ``submit`` only enqueues.  ``load_weights`` validates the
     whole state dict first (a missing, unexpected or mis-shaped tensor rejects it whole: weights
     and version stay), then the worker copies it in between two requests, so a completion never
-    spans two versions here (min_policy_version == max_policy_version).
+    spans two versions here (min_policy_version == max_policy_version).  The fast engine's parts, here:
+    its Scheduler is the worker's queue (one request at a time, ``_check_servable`` at submit); its
+    StatePools are ``KVCache`` (one request's contiguous cache) and ``PrefixCache`` (copies of pages); its
+    ModelRunner is ``generate`` (prefill, decode steps, ``sample``).  The memory budget of both engines
+    (``kv_cache_memory``, ``memory_utilization``, ``max_seq_len``): the section "memory budget".
 
 Groups and the prefix cache (the semantics the fast engine implements with its block allocator)
     group         ``SamplingParams(n=k)``: k samples of one prompt (GRPO's group); the future resolves
@@ -103,7 +118,48 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_index(t) -> bool:
+    try:
+        operator.index(t)
+    except TypeError:
+        return False
+    return True
+
+
 # ----------------------------------------------------------------------------- data types
+
+# (field, rule, what it must be, error): SamplingParams applies them at construction, the router's
+# submit to every request it routes (whoever built it, and whatever was changed after).
+_SAMPLING_RULES = (
+    ("max_new_tokens", lambda v: _is_int(v) and v >= 1, "an int >= 1", ValueError),
+    ("temperature", lambda v: _is_real(v) and v >= 0, "a float >= 0 (0 = greedy)", ValueError),
+    ("top_k", lambda v: _is_int(v) and v >= 0, "an int >= 0 (0 = off)", ValueError),
+    ("top_p", lambda v: _is_real(v) and 0 < v <= 1, "in (0, 1] (1 = off)", ValueError),
+    ("stop_token_ids", lambda v: isinstance(v, (tuple, list)) and all(map(_is_index, v)), "a sequence of ints",
+     TypeError),
+    ("stop_token_ids", lambda v: all(operator.index(t) >= 0 for t in v), "token ids >= 0", ValueError),
+    ("seed", lambda v: v is None or _is_int(v), "an int or None", TypeError),
+    ("n", lambda v: _is_int(v) and v >= 1, "an int >= 1", ValueError),
+)
+
+
+def _check_sampling(sp, what: str = "") -> None:
+    for field, rule, expected, error in _SAMPLING_RULES:
+        if not hasattr(sp, field):
+            raise TypeError(f"{what.rstrip('.') or 'sampling'} must be a SamplingParams, got {type(sp).__name__} "
+                            f"(no {field})")
+        value = getattr(sp, field)
+        if not rule(value):
+            label = "n (samples of the prompt)" if field == "n" else field
+            raise error(f"{what}{label} must be {expected}, got {value!r}")
+    if sp.seed is not None and not -2 ** 63 <= sp.seed <= 2 ** 64 - sp.n:   # sample i draws from seed + i
+        raise ValueError(f"{what}seed must be in [-2**63, 2**64 - n] (sample i is seeded with seed + i), "
+                         f"got {sp.seed}")
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -118,33 +174,11 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self):
-        try:
-            stops = tuple(operator.index(t) for t in self.stop_token_ids)
-        except TypeError:
-            raise TypeError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}") from None
-        object.__setattr__(self, "stop_token_ids", stops)
-        _check_sampling(self)
-
-
-def _check_sampling(sp) -> None:
-    """Every field a generator reads, whoever built the object (ValueError / TypeError)."""
-    if not _is_int(sp.n) or sp.n < 1:
-        raise ValueError(f"n (samples of the prompt) must be an int >= 1, got {sp.n!r}")
-    if not _is_int(sp.max_new_tokens) or sp.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {sp.max_new_tokens!r}")
-    if not isinstance(sp.temperature, (int, float)) or isinstance(sp.temperature, bool) or not sp.temperature >= 0:
-        raise ValueError(f"temperature must be a float >= 0 (0 = greedy), got {sp.temperature!r}")
-    if not _is_int(sp.top_k) or sp.top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {sp.top_k!r}")
-    if not isinstance(sp.top_p, (int, float)) or isinstance(sp.top_p, bool) or not 0.0 < sp.top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {sp.top_p!r}")
-    if not isinstance(sp.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in sp.stop_token_ids):
-        raise ValueError(f"stop_token_ids must be a tuple of token ids >= 0, got {sp.stop_token_ids!r}")
-    if sp.seed is not None:
-        if not _is_int(sp.seed):
-            raise TypeError(f"seed must be an int or None, got {type(sp.seed).__name__}")
-        if not -2 ** 63 <= sp.seed <= 2 ** 64 - sp.n:     # sample i draws from seed + i: a 64-bit seed each
-            raise ValueError(f"seed must be in [-2**63, 2**64 - n] (sample i is seeded with seed + i), got {sp.seed}")
+        stops = self.stop_token_ids
+        if isinstance(stops, Iterable) and not isinstance(stops, (str, bytes)):
+            object.__setattr__(self, "stop_token_ids", tuple(stops))
+        _check_sampling(self)  # the rules the router's submit also applies to every request
+        object.__setattr__(self, "stop_token_ids", tuple(operator.index(t) for t in self.stop_token_ids))
 
 
 _request_ids = itertools.count()  # next() on a count is atomic under the GIL: ids stay unique across threads
@@ -627,7 +661,7 @@ class Generator:
     def submit(self, request) -> Future:
         """Queue one request; the future resolves to its ``Completion`` (a list of n with
         ``sampling.n > 1``).  Never blocks."""
-        _check_request(request, self.config, self.max_seq_len)
+        _check_servable(request, self.config, self.max_seq_len)
         future = Future()
         with self._cv:
             if self._closed:
@@ -751,7 +785,7 @@ class Generator:
 
 # ----------------------------------------------------------------------------- input checks
 
-def _check_request(request, config, max_seq_len: int) -> None:
+def _check_servable(request, config, max_seq_len: int) -> None:
     """What makes a request unservable: ValueError / TypeError (a router keeps the generator)."""
     prompt = getattr(request, "prompt_token_ids", None)
     if not isinstance(prompt, list) or not hasattr(getattr(request, "sampling", None), "max_new_tokens"):
@@ -788,7 +822,7 @@ _MODEL_KEYWORDS = ("dtype", "device", "max_seq_len", "batch_invariant")
 
 
 def _check_model(model) -> None:
-    """The module docstring's model protocol, or a TypeError naming what is missing."""
+    """The model protocol (ref/generator_engine.py's docstring states it), or a TypeError naming what is missing."""
     missing = [name for name in ("config", "layers_forward", "logits", "state_dict", "layers")
                if not hasattr(model, name)]
     missing += [f"config.{name}" for name in ("vocab_size", "max_seq_len", "num_kv_heads", "head_dim", "kinds")
@@ -799,7 +833,7 @@ def _check_model(model) -> None:
 
 
 def _tied_aliases(model: nn.Module) -> set:
-    """State-dict names whose tensor is an earlier name's (a tied lm_head): optional in a loaded state dict."""
+    """State-dict names whose tensor is an earlier name's (a tied lm_head): optional when loading."""
     seen, aliases = set(), set()
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) in seen:
