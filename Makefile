@@ -31,7 +31,7 @@ help:
 	@echo "                      again to go on); DRY_RUN=1 lists them with their GPU budgets (43 min)    ~1 s"
 	@echo "  make demo           the end-to-end RL-style loop (bench/rl_loop.py; DEMO_ARGS=--ray for a  ~40 s"
 	@echo "                      Ray fleet)"
-	@echo "  make lint           ruff, byte-compilation and the single-file rules                      ~15 s"
+	@echo "  make lint           ruff, dead code (vulture), byte-compilation, the single-file rules     ~15 s"
 	@echo "FEATURE names: $(FEATURES)"
 
 # A PyTorch that is already installed is kept: GPU machines bring their own CUDA build.
@@ -46,7 +46,8 @@ install:
 		$(PIP) install "torch==2.13.0"; \
 	fi
 	@$(PYTHON) -c "import triton" 2>/dev/null || $(PIP) install "triton>=3.4"
-	$(PIP) install "einops>=0.7" "pytest>=7.4" "ray>=2.40,<3" "matplotlib>=3.7" "ruff>=0.6" "transformers>=5.24,<6"
+	$(PIP) install "einops>=0.7" "pytest>=7.4" "ray>=2.40,<3" "matplotlib>=3.7" "ruff>=0.6" "vulture>=2.10" \
+		"transformers>=5.24,<6"
 
 parity:
 	$(PYTHON) -m pytest parity $(PYTEST_ARGS)
@@ -80,5 +81,6 @@ gpu-evidence:
 
 lint:
 	$(PYTHON) -m ruff check .
+	$(PYTHON) -m vulture ref fast parity/vulture_whitelist.py --min-confidence 60
 	$(PYTHON) -m compileall -q ref fast parity bench
 	$(PYTHON) -m pytest parity/test_single_file.py -q $(PYTEST_ARGS)

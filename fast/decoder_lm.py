@@ -3,6 +3,18 @@ docstring for the math, the families and the checkpoint format) with fused proje
 table, SDPA / varlen attention for training, and the batch-invariant numerics that make generator and
 trainer logprobs equal bit for bit.
 
+Example::
+
+    # decoder_lm.py, copied next to this script
+    import torch
+    from decoder_lm import DecoderLM, ModelConfig
+
+    model = DecoderLM(ModelConfig(vocab_size=128, max_seq_len=64), seed=0)   # or DecoderLM.from_pretrained(path)
+    ids = torch.randint(0, 128, (1, 12))
+    logits = model(ids)                                                       # [1, 12, 128] fp32
+    logps = model.token_logprobs([ids[0].tolist()], [4])                      # the 8 completion tokens' logprobs
+    print(logits.shape, logps[0].shape)
+
 What it changes
     fused         q, k, v (with Qwen3.5's gate and Qwen2's biases) are one matmul (``qkv_proj``
                   [(H_q (2 if gated) + 2 H_kv) D, hidden]) and gate, up another (``gate_up_proj``
@@ -398,7 +410,9 @@ def _silu(x: torch.Tensor, invariant: bool) -> torch.Tensor:
 
 
 def rope_inv_freq(c: ModelConfig) -> torch.Tensor:
-    """inv_freq [R/2] fp32 on the CPU, as transformers computes it (the reference's rope_inv_freq)."""
+    """inv_freq [R/2] fp32 on the CPU, as transformers computes it: theta^(-2i/R); llama3 scaling divides
+    the frequencies whose wavelength exceeds original_max / low_freq_factor by ``rope_factor``, keeps
+    those below original_max / high_freq_factor, and blends linearly (in original_max / wavelength) between."""
     r = c.rotary_dim
     inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, r, 2, dtype=torch.int64).float() / r))
     if c.rope_type == "llama3":
@@ -480,10 +494,6 @@ class _MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.register_state_dict_post_hook(_split_fused)
         self.register_load_state_dict_pre_hook(_fuse_parts)
-
-    def forward(self, x, invariant: bool = False):
-        gate, up = _linear(x, self.gate_up_proj.weight, None, invariant).split(self.sizes, dim=-1)
-        return _linear(_silu(gate, invariant) * up, self.down_proj.weight, None, invariant)
 
 
 class _Block(nn.Module):

@@ -1,6 +1,22 @@
 """Gated DeltaNet: Triton kernels (chunked forward and backward, recurrent decode and its backward)
 with fla's API.
 
+Example (runs as written next to this file; TRITON_INTERPRET=1 runs fast/'s kernels on a CPU)::
+
+    # gated_deltanet.py, copied next to this script
+    import torch
+    import torch.nn.functional as F
+    from gated_deltanet import chunk_gated_delta_rule
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"     # fast/ on a CPU: TRITON_INTERPRET=1 first
+    B, T, H, K, V = 1, 70, 2, 32, 32
+    q, k = (torch.randn(B, T, H, K, device=dev) for _ in range(2))
+    v = torch.randn(B, T, H, V, device=dev)
+    g = F.logsigmoid(torch.randn(B, T, H, device=dev))              # log decay <= 0
+    beta = torch.rand(B, T, H, device=dev)
+    o, state = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    print(o.shape, state.shape)                                      # [1, 70, 2, 32], [1, 2, 32, 32]
+
 What it computes
     The gated delta rule of ref/gated_deltanet.py (the specification; its docstring derives the
     chunk form from the recurrence).  Per value head, a [K, V] fp32 state h:
@@ -22,24 +38,24 @@ Map: each kernel (and its host driver), in call order, beside the function of re
 it computes and that function's line there (the ref has no backward: its autograd through the same
 functions is the backward's specification; parity/test_gated_deltanet.py checks this map)
     fast                        ref/gated_deltanet.py        line      what
-    _l2norm_kernel              _l2norm                      348       use_qk_l2norm_in_kernel (first)
-    _chunk_forward              _chunk                       238       the five kernels in order
-    _chunk_cumsum_kernel        _GateSums.forward            164       1. gc, gr (+ the in-kernel gate)
-    _chunk_kkt_solve_kernel     _wy_inverse                  194       2. A = (I + tril(..))^-1
-    _chunk_wu_kernel            _wy_w_u                      210       3. w, u
-    _chunk_h_kernel             _chunk_state_pass            217       4. S per chunk, v_new = u - w S
-    _chunk_o_kernel             _chunk_state_pass            217       5. o
-    _chunk_backward             _chunk                       238       recompute, then a. .. e.
-    _chunk_dv_local_kernel      _chunk_state_pass            217       a. dU from the in-chunk scores
-    _chunk_dhu_kernel           _chunk_state_pass            217       b. the reverse pass over chunks
-    _chunk_dqkwg_kernel         _chunk_state_pass            217       c. dQ, dK, dW, db
-    _chunk_wy_bwd_kernel        _wy_w_u, _wy_inverse         210, 194  d. through w, u and the solve
-    _chunk_dg_kernel            _GateSums.backward           176       e. dg from db
-    _l2norm_bwd_kernel          _l2norm                      348       through the l2norm
-    _recurrent_forward          _recurrent                   131       decode: one kernel
-    _recurrent_kernel           _recurrent                   131       the recurrence, state in registers
-    _recurrent_backward         _recurrent                   131
-    _recurrent_bwd_kernel       _recurrent                   131       reverse pass over the tokens
+    _l2norm_kernel              _l2norm                      364       use_qk_l2norm_in_kernel (first)
+    _chunk_forward              _chunk                       254       the five kernels in order
+    _chunk_cumsum_kernel        _GateSums.forward            180       1. gc, gr (+ the in-kernel gate)
+    _chunk_kkt_solve_kernel     _wy_inverse                  210       2. A = (I + tril(..))^-1
+    _chunk_wu_kernel            _wy_w_u                      226       3. w, u
+    _chunk_h_kernel             _chunk_state_pass            233       4. S per chunk, v_new = u - w S
+    _chunk_o_kernel             _chunk_state_pass            233       5. o
+    _chunk_backward             _chunk                       254       recompute, then a. .. e.
+    _chunk_dv_local_kernel      _chunk_state_pass            233       a. dU from the in-chunk scores
+    _chunk_dhu_kernel           _chunk_state_pass            233       b. the reverse pass over chunks
+    _chunk_dqkwg_kernel         _chunk_state_pass            233       c. dQ, dK, dW, db
+    _chunk_wy_bwd_kernel        _wy_w_u, _wy_inverse         226, 210  d. through w, u and the solve
+    _chunk_dg_kernel            _GateSums.backward           192       e. dg from db
+    _l2norm_bwd_kernel          _l2norm                      364       through the l2norm
+    _recurrent_forward          _recurrent                   147       decode: one kernel
+    _recurrent_kernel           _recurrent                   147       the recurrence, state in registers
+    _recurrent_backward         _recurrent                   147
+    _recurrent_bwd_kernel       _recurrent                   147       reverse pass over the tokens
 
 Batch and split invariance (``fused_recurrent_gated_delta_rule``, guaranteed)
     For each sequence, o and the final state are the same bits whichever other sequences share the

@@ -1,5 +1,17 @@
 """Paged varlen attention: Triton forward and backward kernels, a drop-in for torch.nn.attention.varlen.
 
+Example (runs as written next to this file; TRITON_INTERPRET=1 runs fast/'s kernels on a CPU)::
+
+    # paged_varlen_attention.py, copied next to this script
+    import torch
+    from paged_varlen_attention import varlen_attn
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"     # fast/ on a CPU: TRITON_INTERPRET=1 first
+    q, k, v = (torch.randn(9, 4, 64, device=dev) for _ in range(3))   # two sequences, 4 and 5 tokens, packed
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=dev)
+    out = varlen_attn(q, k, v, cu, cu, 5, 5, window_size=(-1, 0))     # causal: [9, 4, 64]
+    print(out.shape)
+
 Exactly what ref/paged_varlen_attention.py specifies (PyTorch's ``varlen_attn`` /
 ``varlen_attn_out`` contract plus ``softcap`` and ``sinks``), with one FlashAttention-2 style
 forward kernel (a program owns a tile of query rows and streams the keys it can see through an

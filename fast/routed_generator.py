@@ -1,6 +1,20 @@
 """Routed generator: the fast version.  A cheap router with the reference's fault policy, and a
 supervised fleet of generators on Ray.
 
+Example::
+
+    # routed_generator.py, generator_engine.py and decoder_lm.py, copied next to this script
+    from decoder_lm import DecoderLM, ModelConfig
+    from generator_engine import Generator
+    from routed_generator import GeneratorRouter, Request, SamplingParams
+
+    config = ModelConfig(vocab_size=128, max_seq_len=64)
+    router = GeneratorRouter([Generator(DecoderLM(config), name=f"g{i}", kv_cache_memory=2 ** 24) for i in range(2)],
+                             policy="least_loaded")
+    done = router.generate([Request([1, 2, 3], SamplingParams(max_new_tokens=4, seed=i)) for i in range(4)])
+    print([(c.generator_id, c.token_ids) for c in done])
+    router.close()
+
 What it computes
     The same router, data types, protocol and fault policy as ``ref/routed_generator.py``, the
     specification (read its docstring for the routing rules, the circuit breaker, deadlines,
@@ -121,6 +135,10 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _is_index(t) -> bool:
     try:
         operator.index(t)
@@ -135,14 +153,14 @@ def _is_index(t) -> bool:
 # submit to every request it routes (whoever built it, and whatever was changed after).
 _SAMPLING_RULES = (
     ("max_new_tokens", lambda v: _is_int(v) and v >= 1, "an int >= 1", ValueError),
-    ("temperature", lambda v: isinstance(v, (int, float)) and v >= 0, "a float >= 0 (0 = greedy)", ValueError),
+    ("temperature", lambda v: _is_real(v) and v >= 0, "a float >= 0 (0 = greedy)", ValueError),
     ("top_k", lambda v: _is_int(v) and v >= 0, "an int >= 0 (0 = off)", ValueError),
-    ("top_p", lambda v: isinstance(v, (int, float)) and 0 < v <= 1, "in (0, 1] (1 = off)", ValueError),
+    ("top_p", lambda v: _is_real(v) and 0 < v <= 1, "in (0, 1] (1 = off)", ValueError),
     ("stop_token_ids", lambda v: isinstance(v, (tuple, list)) and all(map(_is_index, v)), "a sequence of ints",
      TypeError),
     ("stop_token_ids", lambda v: all(operator.index(t) >= 0 for t in v), "token ids >= 0", ValueError),
     ("seed", lambda v: v is None or _is_int(v), "an int or None", TypeError),
-    ("n", lambda v: _is_int(v) and v >= 1, "an int >= 1 (samples of the prompt)", ValueError),
+    ("n", lambda v: _is_int(v) and v >= 1, "an int >= 1", ValueError),
 )
 
 
@@ -153,7 +171,8 @@ def _check_sampling(sp, what: str = "") -> None:
                             f"(no {field})")
         value = getattr(sp, field)
         if not rule(value):
-            raise error(f"{what}{field} must be {expected}, got {value!r}")
+            label = "n (samples of the prompt)" if field == "n" else field
+            raise error(f"{what}{label} must be {expected}, got {value!r}")
     if sp.seed is not None and not -2 ** 63 <= sp.seed <= 2 ** 64 - sp.n:   # sample i draws from seed + i
         raise ValueError(f"{what}seed must be in [-2**63, 2**64 - n] (sample i is seeded with seed + i), "
                          f"got {sp.seed}")
@@ -269,7 +288,7 @@ class RouterError(RuntimeError):
 
 # ----------------------------------------------------------------------------- book-keeping
 
-class _Slot:
+class _Member:
     """The router's record of one generator, its breaker included."""
 
     __slots__ = ("index", "gen", "name", "inflight", "dispatched", "completed", "failures", "timeouts", "late", "stale",
@@ -302,11 +321,11 @@ class _Ticket:
 class _Attempt:
     """One dispatch; calling it with the generator's future is the future's done-callback."""
 
-    __slots__ = ("router", "ticket", "slot", "deadline", "probe", "floor", "live", "future")
+    __slots__ = ("router", "ticket", "member", "deadline", "probe", "floor", "live", "future")
 
-    def __init__(self, router, ticket: _Ticket, slot: _Slot, deadline: float, probe: bool):
-        self.router, self.ticket, self.slot, self.deadline, self.probe = router, ticket, slot, deadline, probe
-        self.floor, self.live, self.future = slot.floor, True, None
+    def __init__(self, router, ticket: _Ticket, member: _Member, deadline: float, probe: bool):
+        self.router, self.ticket, self.member, self.deadline, self.probe = router, ticket, member, deadline, probe
+        self.floor, self.live, self.future = member.floor, True, None
 
     def __call__(self, fut: Future) -> None:
         self.router._settled(self, fut)
@@ -426,8 +445,8 @@ class GeneratorRouter:
         self._own_clock, self._clock = clock is None, _Alarm() if clock is None else clock
         self._cap = _UNCAPPED if max_inflight is None else max_inflight
         self._rr = policy == "round_robin"
-        self._slots = [_Slot(i, g, i - n) for i, g in enumerate(generators)]
-        self._by_name = {s.name: s for s in self._slots}
+        self._members = [_Member(i, g, i - n) for i, g in enumerate(generators)]
+        self._by_name = {s.name: s for s in self._members}
         self._n_up = n                                   # generators closed or half-open
         self._n_dead = 0                                 # generators removed for good
         self._lock = threading.Lock()
@@ -484,12 +503,12 @@ class GeneratorRouter:
                 self._down_since = None
                 ticket.started = True
                 future.set_running_or_notify_cancel()  # nobody else holds it yet: cannot be cancelled
-                slot = self._choose(ticket)
-                if slot is None:
+                member = self._choose(ticket)
+                if member is None:
                     self._fresh.append(ticket)  # it waits at the head of the queue
                     work = ()
                 else:
-                    work = (self._reserve(ticket, slot, ticket.queued_at),)
+                    work = (self._reserve(ticket, member, ticket.queued_at),)
         self._run(work)
         return future
 
@@ -521,7 +540,7 @@ class GeneratorRouter:
                 if version <= self._version:
                     raise ValueError(f"version must increase: got {version}, the router already serves "
                                      f"version {self._version}")
-                targets = [s for s in self._slots if s.state in _UP and not s.loading]
+                targets = [s for s in self._members if s.state in _UP and not s.loading]
                 sync = self._sync = _SyncRecord(state_dict, version, mode, self._clock.now() + timeout_s, targets)
                 for s in targets:
                     s.draining, s.loading = drain, not drain
@@ -537,21 +556,21 @@ class GeneratorRouter:
         causes = [(s.name, sync.errors[s.name]) for s in sync.targets if s.name in sync.errors]
         if not sync.loaded or causes:
             raise RouterError(f"weight sync to version {version} reached {len(sync.loaded)} of "
-                              f"{len(self._slots)} generators", causes + sync.skipped)
+                              f"{len(self._members)} generators", causes + sync.skipped)
 
     def mark_healthy(self, name: str) -> None:
         """Re-admit a generator now: re-synced first if stale, then closed."""
-        slot = self._slot(name)
+        member = self._member(name)
         with self._lock:
-            if slot.state == DEAD:
+            if member.state == DEAD:
                 raise ValueError(f"{name} is dead (removed from the fleet): it cannot be re-admitted")
-            if slot.state == OPEN:
-                slot.reopen_at, slot.close_on_return = -math.inf, True
+            if member.state == OPEN:
+                member.reopen_at, member.close_on_return = -math.inf, True
                 work = self._readmit_due(self._clock.now())
             else:
-                slot.close_on_return = slot.state != CLOSED
-                if slot.state == HALF_OPEN:
-                    self._to_closed(slot)
+                member.close_on_return = member.state != CLOSED
+                if member.state == HALF_OPEN:
+                    self._to_closed(member)
                 work = []
             work += self._pump()
         self._run(work)
@@ -564,8 +583,8 @@ class GeneratorRouter:
                                 failures=s.failures, timeouts=s.timeouts, late=s.late, stale=s.stale, state=s.state,
                                 healthy=s.state == CLOSED, draining=s.draining, floor=s.floor,
                                 last_error=None if s.last_error is None else repr(s.last_error))
-                   for s in self._slots}
-        for s in self._slots:
+                   for s in self._members}
+        for s in self._members:
             out[s.name]["policy_version"] = s.gen.policy_version
         return out
 
@@ -589,7 +608,7 @@ class GeneratorRouter:
             for _, _, _, a in sorted(self._deadlines):
                 if a.live:
                     a.live = False
-                    a.slot.inflight -= 1
+                    a.member.inflight -= 1
                     work.append((_set_exception, a.ticket.future, closed))
             self._fresh, self._retry, self._deadlines, self._n_live = deque(), [], [], 0
             sync = self._sync  # the clock stops, so its deadline never comes: it ends here
@@ -611,15 +630,15 @@ class GeneratorRouter:
 
     # ------------------------------------------------------------------ the heap (under the lock)
 
-    def _eligible(self, s: _Slot) -> bool:
+    def _eligible(self, s: _Member) -> bool:
         if s.draining:
             return False
         return (s.state == CLOSED and s.inflight < self._cap) or (s.state == HALF_OPEN and not s.probe_out)
 
-    def _push(self, s: _Slot) -> None:
+    def _push(self, s: _Member) -> None:
         """Give an eligible generator an entry with its current key (the heap's invariant)."""
         if self._eligible(s):
-            if len(self._heap) > 2 * len(self._slots) + 64:  # mostly stale entries: start over
+            if len(self._heap) > 2 * len(self._members) + 64:  # mostly stale entries: start over
                 self._rebuild_heap()
             else:
                 heapq.heappush(self._heap, (s.last_chosen, s.index) if self._rr else
@@ -627,15 +646,15 @@ class GeneratorRouter:
 
     def _rebuild_heap(self) -> None:
         self._heap = [(s.last_chosen, s.index) if self._rr else (s.inflight, s.last_chosen, s.index)
-                      for s in self._slots if self._eligible(s)]
+                      for s in self._members if self._eligible(s)]
         heapq.heapify(self._heap)
 
-    def _best(self, avoid=()) -> _Slot | None:
+    def _best(self, avoid=()) -> _Member | None:
         """The eligible generator with the smallest key, skipping those in ``avoid`` (put back after)."""
-        heap, slots, skipped, found = self._heap, self._slots, [], None
+        heap, members, skipped, found = self._heap, self._members, [], None
         while heap:
             e = heap[0]
-            s = slots[e[-1]]
+            s = members[e[-1]]
             if not self._eligible(s) or e[0] != (s.last_chosen if self._rr else s.inflight) or (
                     not self._rr and e[1] != s.last_chosen):
                 heapq.heappop(heap)  # stale
@@ -648,7 +667,7 @@ class GeneratorRouter:
             heapq.heappush(heap, e)
         return found
 
-    def _set_state(self, s: _Slot, state: str) -> None:
+    def _set_state(self, s: _Member, state: str) -> None:
         self._n_up += (state in _UP) - (s.state in _UP)
         self._n_dead += (state == DEAD) - (s.state == DEAD)
         s.state = state
@@ -656,24 +675,24 @@ class GeneratorRouter:
 
     # ------------------------------------------------------------------ choosing (under the lock)
 
-    def _choose(self, ticket: _Ticket) -> _Slot | None:
+    def _choose(self, ticket: _Ticket) -> _Member | None:
         avoid = ()
         if ticket.causes:  # a retry goes elsewhere while another generator is in rotation
             failed = {name for name, _ in ticket.causes}
-            if any(s.state in _UP and s.name not in failed for s in self._slots):
+            if any(s.state in _UP and s.name not in failed for s in self._members):
                 avoid = failed
         policy = self.policy
         if policy == "least_loaded" or policy == "round_robin":
             return self._best(avoid)
         if policy == "power_of_two":
-            slots = self._slots
-            if len(slots) == 1:
-                a = b = slots[0]
+            members = self._members
+            if len(members) == 1:
+                a = b = members[0]
             else:
-                i = self._rng.randrange(len(slots))
-                j = self._rng.randrange(len(slots) - 1)
+                i = self._rng.randrange(len(members))
+                j = self._rng.randrange(len(members) - 1)
                 j += j >= i
-                a, b = slots[i], slots[j]
+                a, b = members[i], members[j]
             ok_a = self._eligible(a) and a.name not in avoid
             ok_b = self._eligible(b) and b.name not in avoid
             if ok_a and ok_b:
@@ -697,7 +716,7 @@ class GeneratorRouter:
                 sessions.popitem(last=False)
         return chosen
 
-    def _prefix_affinity(self, request, avoid) -> _Slot | None:
+    def _prefix_affinity(self, request, avoid) -> _Member | None:
         """The reference's rule: the longest run of the prompt's blocks, unless that generator is more
         than affinity_slack busier than the least loaded one; O(blocks + holders)."""
         least = self._best(avoid)
@@ -727,7 +746,7 @@ class GeneratorRouter:
     def _pump(self) -> list:
         """Dispatch queued requests in arrival order while a generator is eligible."""
         now = self._fleet_status()
-        if self._n_dead == len(self._slots):
+        if self._n_dead == len(self._members):
             return self._fail_queue_all_dead()
         work = []
         fresh, retry = self._fresh, self._retry
@@ -737,11 +756,11 @@ class GeneratorRouter:
             if not self._start(ticket):
                 fresh.popleft()  # only fresh tickets are not started
                 continue
-            slot = self._choose(ticket)
-            if slot is None:
+            member = self._choose(ticket)
+            if member is None:
                 break
             heapq.heappop(retry) if from_retry else fresh.popleft()
-            work.append(self._reserve(ticket, slot, now))
+            work.append(self._reserve(ticket, member, now))
         return work
 
     def _fail_queue_all_dead(self) -> list:
@@ -771,7 +790,7 @@ class GeneratorRouter:
             return ticket.future.set_running_or_notify_cancel()
         return True
 
-    def _reserve(self, ticket: _Ticket, s: _Slot, now: float) -> tuple:
+    def _reserve(self, ticket: _Ticket, s: _Member, now: float) -> tuple:
         """Count the request against the generator, give it a deadline; the dispatch call to make."""
         probe = s.state == HALF_OPEN
         s.probe_out |= probe
@@ -795,7 +814,7 @@ class GeneratorRouter:
     def _end(self, attempt: _Attempt, completion, exc, blame: bool = True, lost: bool = False) -> list:
         """An attempt ended (the reference's ``_end_attempt``; blame=False: the request's own fault;
         lost: the generator lost its weights, it opens at once)."""
-        s, ticket = attempt.slot, attempt.ticket
+        s, ticket = attempt.member, attempt.ticket
         if not attempt.live:
             s.late += blame and (exc is None or not isinstance(exc, CancelledError))
             return []
@@ -853,7 +872,7 @@ class GeneratorRouter:
             self._down_since = None
         return work
 
-    def _to_open(self, s: _Slot, why: str) -> None:
+    def _to_open(self, s: _Member, why: str) -> None:
         if _is_dead(s.gen):
             self._remove(s, why)
             return
@@ -869,7 +888,7 @@ class GeneratorRouter:
         if sync is not None and s in sync.pending:
             self._sync_done(s, sync, RuntimeError(f"{s.name} was opened during the sync: {why}"))
 
-    def _remove(self, s: _Slot, why: str) -> None:
+    def _remove(self, s: _Member, why: str) -> None:
         """A dead generator leaves the fleet for good (it stays in ``stats()`` as "dead")."""
         s.probe_out = s.draining = False
         s.reopen_at = math.inf
@@ -879,7 +898,7 @@ class GeneratorRouter:
         if sync is not None and s in sync.pending:
             self._sync_done(s, sync, RuntimeError(f"{s.name} is dead for good: {why}"))
 
-    def _to_closed(self, s: _Slot) -> None:
+    def _to_closed(self, s: _Member) -> None:
         s.probe_out, s.opened, s.consecutive, s.close_on_return = False, 0, 0, False
         self._set_state(s, CLOSED)
         self._note(s, "closed", f"back in rotation at version {s.floor}")
@@ -900,15 +919,15 @@ class GeneratorRouter:
             while heap and heap[0][0] <= now:
                 attempt = heapq.heappop(heap)[3]
                 if attempt.live:
-                    attempt.slot.timeouts += 1
+                    attempt.member.timeouts += 1
                     work.append((_cancel, attempt.future, None))
                     work += self._end(attempt, None, TimeoutError(
-                        f"{attempt.slot.name}: no result within {attempt.ticket.timeout_s:g} s"))
+                        f"{attempt.member.name}: no result within {attempt.ticket.timeout_s:g} s"))
             sync = self._sync
             if sync is not None and sync.deadline <= now:
                 for s in sorted(sync.pending, key=lambda s: s.index):
                     self._sync_done(s, sync, TimeoutError(f"{s.name}: not loaded within the sync deadline"))
-            for s in self._slots:
+            for s in self._members:
                 if s.state == READMITTING and s.readmit_deadline <= now:
                     s.failures += 1
                     s.last_error = TimeoutError(f"{s.name}: re-sync missed the sync deadline")
@@ -916,13 +935,13 @@ class GeneratorRouter:
             if self._down_since is not None:
                 self._expire_waiting(now, work)
             work += self._readmit_due(now)
-            if self._n_dead == len(self._slots):  # (removed just now: what waits can fail)
+            if self._n_dead == len(self._members):  # (removed just now: what waits can fail)
                 work += self._fail_queue_all_dead()
             self._fleet_status()
             while heap and not heap[0][3].live:
                 heapq.heappop(heap)
             later = [heap[0][0]] if heap else []
-            later += [s.reopen_at if s.state == OPEN else s.readmit_deadline for s in self._slots
+            later += [s.reopen_at if s.state == OPEN else s.readmit_deadline for s in self._members
                       if (s.state == OPEN and s.reopen_at > now) or s.state == READMITTING]
             if self._sync is not None:
                 later.append(self._sync.deadline)
@@ -939,7 +958,7 @@ class GeneratorRouter:
         self._fresh = deque(t for t in self._fresh if id(t) not in gone)
         self._retry = [e for e in self._retry if id(e[1]) not in gone]
         heapq.heapify(self._retry)
-        causes = [(s.name, s.last_error) for s in self._slots if s.last_error is not None]
+        causes = [(s.name, s.last_error) for s in self._members if s.last_error is not None]
         for t in sorted(fresh_expired + retry_expired, key=lambda t: t.seq):
             work.append((_set_exception, t.future, RouterError(
                 f"request {t.request.request_id}: no generator in rotation for {t.timeout_s:g} s",
@@ -947,7 +966,7 @@ class GeneratorRouter:
 
     # ------------------------------------------------------------------ weights and re-admission
 
-    def _sync_one(self, s: _Slot, sync: _SyncRecord, turn: object) -> None:
+    def _sync_one(self, s: _Member, sync: _SyncRecord, turn: object) -> None:
         if sync.mode == "drain":
             with self._lock:
                 self._changed.wait_for(lambda: s.inflight == 0 or sync.pending.get(s) is not turn)
@@ -962,7 +981,7 @@ class GeneratorRouter:
             work = self._readmit_due(self._clock.now()) + self._pump()
         self._run(work)
 
-    def _sync_done(self, s: _Slot, sync: _SyncRecord, error) -> None:
+    def _sync_done(self, s: _Member, sync: _SyncRecord, error) -> None:
         sync.pending.pop(s, None)
         s.draining = False
         if error is None:
@@ -986,15 +1005,15 @@ class GeneratorRouter:
             self._version, self._weights = sync.version, sync.state_dict
         sync.skipped = [(s.name, RuntimeError("dead for good: removed from the fleet" if s.state == DEAD else
                                               f"not in rotation ({s.state}): re-synced before it returns"))
-                        for s in self._slots if s not in sync.targets]
-        dead = [s.name for s in self._slots if s.state == DEAD]
+                        for s in self._members if s not in sync.targets]
+        dead = [s.name for s in self._members if s.state == DEAD]
         self._note(None, "synced", f"version {sync.version} ({sync.mode}): loaded by {len(sync.loaded)} of "
-                                   f"{len(self._slots)}" + (f"; dead: {', '.join(dead)}" if dead else ""))
+                                   f"{len(self._members)}" + (f"; dead: {', '.join(dead)}" if dead else ""))
         self._changed.notify_all()
 
-    def _readmit_due(self, now: float, slots=None) -> list:
+    def _readmit_due(self, now: float, members=None) -> list:
         work = []
-        for s in self._slots if slots is None else slots:
+        for s in self._members if members is None else members:
             if s.state == OPEN and s.reopen_at <= now and _is_dead(s.gen):  # it died for good meanwhile
                 self._remove(s, "found dead at re-admission")
             elif s.state == OPEN and s.reopen_at <= now and not s.loading and s.inflight == 0:
@@ -1004,13 +1023,13 @@ class GeneratorRouter:
                 work.append((self._readmit_start, s, None))
         return work
 
-    def _readmit_start(self, s: _Slot, _) -> None:
+    def _readmit_start(self, s: _Member, _) -> None:
         if s.gen.policy_version < self._version and self._weights is not None:
             threading.Thread(target=self._readmit, args=(s,), name=f"readmit-{s.name}", daemon=True).start()
         else:
             self._readmit(s)
 
-    def _readmit(self, s: _Slot) -> None:
+    def _readmit(self, s: _Member) -> None:
         """Re-sync a stale generator, then half-open (``mark_healthy``: closed); the reference's rules."""
         while True:
             with self._lock:
@@ -1050,7 +1069,7 @@ class GeneratorRouter:
             self._run(work)
             return
 
-    def _join_sync(self, s: _Slot) -> list:
+    def _join_sync(self, s: _Member) -> list:
         """Back in rotation while a sync is under way: one of its targets now (the reference's rule:
         its loads never overlap, the last sync wins)."""
         sync = self._sync
@@ -1063,7 +1082,7 @@ class GeneratorRouter:
         s.draining, s.loading = sync.mode == "drain", sync.mode == "hot_swap"
         return [(self._start_load, s, (sync, turn))]
 
-    def _start_load(self, s: _Slot, sync_turn: tuple) -> None:
+    def _start_load(self, s: _Member, sync_turn: tuple) -> None:
         threading.Thread(target=self._sync_one, args=(s, *sync_turn), name=f"load-{s.name}", daemon=True).start()
 
     # ------------------------------------------------------------------ doing (outside the lock)
@@ -1083,7 +1102,7 @@ class GeneratorRouter:
             local.pending = None
 
     def _dispatch(self, attempt: _Attempt, _) -> None:
-        s = attempt.slot
+        s = attempt.member
         gen = s.gen
         have = gen.policy_version
         if have < attempt.floor or _is_dead(gen):  # refused: it has nothing right to serve
@@ -1111,7 +1130,7 @@ class GeneratorRouter:
             completion, exc = fut.result(), None
         except CancelledError as exc_:
             mine = fut.cancelled()  # (not an engine that failed it with a CancelledError of its own)
-            completion, exc = None, CancelledError(f"{attempt.slot.name} cancelled the request") if mine else exc_
+            completion, exc = None, CancelledError(f"{attempt.member.name} cancelled the request") if mine else exc_
         except Exception as exc_:  # noqa: BLE001 - whatever the engine failed with
             completion, exc = None, exc_
         with self._lock:  # a ValueError / TypeError is the engine refusing this request: not its fault
@@ -1123,7 +1142,7 @@ class GeneratorRouter:
     def _note(self, s, event: str, detail: str) -> None:
         self._events.append((self._clock.now(), None if s is None else s.name, event, detail))
 
-    def _slot(self, name: str) -> _Slot:
+    def _member(self, name: str) -> _Member:
         try:
             return self._by_name[name]
         except (KeyError, TypeError):
@@ -1141,8 +1160,8 @@ def _block_keys(prompt: list, block: int) -> list:
 
 
 def _served_version(completion, request):
-    """The oldest weights an answer was produced with: a Completion's min_policy_version, or for a
-    group (``sampling.n > 1``) the oldest of its n completions; None when it is neither."""
+    """The oldest weights a generator's answer was produced with: a Completion's min_policy_version,
+    or for a group (``sampling.n > 1``) the oldest of its n completions; None when it is neither."""
     if request.sampling.n == 1:
         return getattr(completion, "min_policy_version", None)
     if not isinstance(completion, list) or len(completion) != request.sampling.n:
@@ -1181,6 +1200,7 @@ def _check_generators(generators: list) -> None:
 
 
 def _is_dead(gen) -> bool:
+    """A generator's optional ``dead`` attribute (GeneratorProtocol): true once it can never serve again."""
     return getattr(gen, "dead", False) is True
 
 
@@ -1204,11 +1224,12 @@ def _check_request(request, what: str = "request") -> None:
         raise ValueError(f"{what}.prompt_token_ids must be token ids >= 0, got {min(prompt)}") from None
     if not prompt:
         raise ValueError(f"{what}.prompt_token_ids must hold at least one token, got an empty prompt")
-    try:  # the common case in one expression; the table names the field otherwise
-        n, t, k, top_p, stops, seed = (sampling.max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p,
-                                       sampling.stop_token_ids, sampling.seed)
+    try:  # the common case in one expression (what _check_sampling accepts); the table names the field otherwise
+        n, t, k, top_p, stops, seed, samples = (sampling.max_new_tokens, sampling.temperature, sampling.top_k,
+                                                sampling.top_p, sampling.stop_token_ids, sampling.seed, sampling.n)
         ok = (type(n) is int and n >= 1 and type(k) is int and k >= 0 and type(t) in (float, int) and t >= 0
-              and type(top_p) in (float, int) and 0 < top_p <= 1 and (seed is None or type(seed) is int)
+              and type(top_p) in (float, int) and 0 < top_p <= 1 and type(samples) is int and samples >= 1
+              and (seed is None or type(seed) is int and -2 ** 63 <= seed <= 2 ** 64 - samples)
               and (stops == () or (type(stops) is tuple and all(type(i) is int and i >= 0 for i in stops))))
     except AttributeError:
         ok = False

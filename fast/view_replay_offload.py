@@ -1,5 +1,18 @@
 """View-replay activation offloading: the fast version (CUDA streams, pinned pool, prefetch).
 
+Example::
+
+    # view_replay_offload.py, copied next to this script
+    import torch
+    from view_replay_offload import OffloadActivations
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    offload = OffloadActivations(module=model, min_offload_bytes=0)   # on a GPU: .cuda() the model and x
+    with offload:
+        loss = model(torch.randn(32, 64)).square().mean()
+    loss.backward()                                                   # the activations come back for it
+    print(offload.stats)
+
 What it computes
     Exactly what ref/view_replay_offload.py computes (read its docstring first): a context
     manager over ``torch.autograd.graph.saved_tensors_hooks`` that copies every saved
@@ -381,9 +394,15 @@ def _version_error(saved: int, current: int, type_name: str, shape: list, which:
 def _check_version(saved: int, witnesses) -> None:
     """Raise autograd's error if a live witness (tensor or None) was modified in place after the save."""
     for w in witnesses:
-        if w is not None and w._version != saved:
-            which = f", which is output {w.output_nr} of {w.grad_fn.name()}," if w.grad_fn is not None else ""
-            raise _version_error(saved, w._version, w.type(), list(w.shape), which)
+        if w is None or w._version == saved:
+            continue
+        which = f", which is output {w.output_nr} of {w.grad_fn.name()}," if w.grad_fn is not None else ""
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{w.type()} {list(w.shape)}]{which} is at version {w._version}; expected "
+            f"version {saved} instead. Hint: the tensor was saved under OffloadActivations, which "
+            "checks versions itself because autograd cannot check them through saved-tensor hooks; "
+            "enable anomaly detection to find the operation, with torch.autograd.set_detect_anomaly(True).")
 
 
 # ----------------------------------------------------------------------------- the context manager

@@ -1,5 +1,17 @@
 """Decoder LM: the reference (readable PyTorch, the specification of the model trainer and generator share).
 
+Example::
+
+    # decoder_lm.py, copied next to this script
+    import torch
+    from decoder_lm import DecoderLM, ModelConfig
+
+    model = DecoderLM(ModelConfig(vocab_size=128, max_seq_len=64), seed=0)   # or DecoderLM.from_pretrained(path)
+    ids = torch.randint(0, 128, (1, 12))
+    logits = model(ids)                                                       # [1, 12, 128] fp32
+    logps = model.token_logprobs([ids[0].tolist()], [4])                      # the 8 completion tokens' logprobs
+    print(logits.shape, logps[0].shape)
+
 What it computes
     ``DecoderLM`` is the decoder-only language model of Llama 3, Qwen2 / Qwen2.5, Qwen3 and Qwen3.5
     (hybrid: Gated DeltaNet "linear" layers beside gated full attention), one model whose

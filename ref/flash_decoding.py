@@ -1,5 +1,18 @@
 """FlashDecoding: split-KV decode attention over a KV cache: the reference (readable PyTorch).
 
+Example (runs as written next to this file; TRITON_INTERPRET=1 runs fast/'s kernels on a CPU)::
+
+    # flash_decoding.py, copied next to this script
+    import torch
+    from flash_decoding import flash_decode
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"     # fast/ on a CPU: TRITON_INTERPRET=1 first
+    q = torch.randn(2, 1, 8, 64, device=dev)                         # [B, S_q, H_q, D]: one new token each
+    k_cache, v_cache = (torch.randn(2, 96, 2, 64, device=dev) for _ in range(2))    # [B, S_max, H_kv, D]
+    lengths = torch.tensor([37, 96], dtype=torch.int32, device=dev)  # keys in use per sequence
+    out, lse = flash_decode(q, k_cache, v_cache, lengths, return_lse=True)
+    print(out.shape, lse.shape)
+
 Attention of a few new query rows per sequence (one while decoding, 2..16 while verifying
 speculative tokens) against that sequence's KV cache, contiguous or paged, causal bottom-right
 inside the cache, optionally writing the new keys and values into the cache first.  The

@@ -1,5 +1,21 @@
 """Gated DeltaNet: the reference (readable PyTorch, the specification).
 
+Example (runs as written next to this file; TRITON_INTERPRET=1 runs fast/'s kernels on a CPU)::
+
+    # gated_deltanet.py, copied next to this script
+    import torch
+    import torch.nn.functional as F
+    from gated_deltanet import chunk_gated_delta_rule
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"     # fast/ on a CPU: TRITON_INTERPRET=1 first
+    B, T, H, K, V = 1, 70, 2, 32, 32
+    q, k = (torch.randn(B, T, H, K, device=dev) for _ in range(2))
+    v = torch.randn(B, T, H, V, device=dev)
+    g = F.logsigmoid(torch.randn(B, T, H, device=dev))              # log decay <= 0
+    beta = torch.rand(B, T, H, device=dev)
+    o, state = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    print(o.shape, state.shape)                                      # [1, 70, 2, 32], [1, 2, 32, 32]
+
 What it computes
     The gated delta rule of Yang, Kautz & Hatamizadeh (Gated Delta Networks, 2024), the linear
     attention inside Qwen3-Next / Qwen3.5: a [K, V] matrix state per value head that decays by

@@ -1,5 +1,17 @@
 """Paged varlen attention: the reference (readable PyTorch, the specification).
 
+Example (runs as written next to this file; TRITON_INTERPRET=1 runs fast/'s kernels on a CPU)::
+
+    # paged_varlen_attention.py, copied next to this script
+    import torch
+    from paged_varlen_attention import varlen_attn
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"     # fast/ on a CPU: TRITON_INTERPRET=1 first
+    q, k, v = (torch.randn(9, 4, 64, device=dev) for _ in range(3))   # two sequences, 4 and 5 tokens, packed
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=dev)
+    out = varlen_attn(q, k, v, cu, cu, 5, 5, window_size=(-1, 0))     # causal: [9, 4, 64]
+    print(out.shape)
+
 Softmax attention over a batch of packed, variable-length sequences: the contract of PyTorch's
 ``torch.nn.attention.varlen`` (``varlen_attn`` / ``varlen_attn_out``), with keys and values
 packed like the queries or stored in a paged KV cache, plus logit soft-capping and attention

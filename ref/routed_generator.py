@@ -1,5 +1,19 @@
 """Routed generator: the reference (readable Python, the specification of routing and faults).
 
+Example::
+
+    # routed_generator.py, generator_engine.py and decoder_lm.py, copied next to this script
+    from decoder_lm import DecoderLM, ModelConfig
+    from generator_engine import Generator
+    from routed_generator import GeneratorRouter, Request, SamplingParams
+
+    config = ModelConfig(vocab_size=128, max_seq_len=64)
+    router = GeneratorRouter([Generator(DecoderLM(config), name=f"g{i}", kv_cache_memory=2 ** 24) for i in range(2)],
+                             policy="least_loaded")
+    done = router.generate([Request([1, 2, 3], SamplingParams(max_new_tokens=4, seed=i)) for i in range(4)])
+    print([(c.generator_id, c.token_ids) for c in done])
+    router.close()
+
 What it computes
     The serving side of RL rollouts: several generators (inference engines) behind one router
     that spreads requests over them, survives their faults, and pushes trainer weights to all
@@ -151,6 +165,10 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _is_index(t) -> bool:
     try:
         operator.index(t)
@@ -165,14 +183,14 @@ def _is_index(t) -> bool:
 # submit to every request it routes (whoever built it, and whatever was changed after).
 _SAMPLING_RULES = (
     ("max_new_tokens", lambda v: _is_int(v) and v >= 1, "an int >= 1", ValueError),
-    ("temperature", lambda v: isinstance(v, (int, float)) and v >= 0, "a float >= 0 (0 = greedy)", ValueError),
+    ("temperature", lambda v: _is_real(v) and v >= 0, "a float >= 0 (0 = greedy)", ValueError),
     ("top_k", lambda v: _is_int(v) and v >= 0, "an int >= 0 (0 = off)", ValueError),
-    ("top_p", lambda v: isinstance(v, (int, float)) and 0 < v <= 1, "in (0, 1] (1 = off)", ValueError),
+    ("top_p", lambda v: _is_real(v) and 0 < v <= 1, "in (0, 1] (1 = off)", ValueError),
     ("stop_token_ids", lambda v: isinstance(v, (tuple, list)) and all(map(_is_index, v)), "a sequence of ints",
      TypeError),
     ("stop_token_ids", lambda v: all(operator.index(t) >= 0 for t in v), "token ids >= 0", ValueError),
     ("seed", lambda v: v is None or _is_int(v), "an int or None", TypeError),
-    ("n", lambda v: _is_int(v) and v >= 1, "an int >= 1 (samples of the prompt)", ValueError),
+    ("n", lambda v: _is_int(v) and v >= 1, "an int >= 1", ValueError),
 )
 
 
@@ -183,7 +201,8 @@ def _check_sampling(sp, what: str = "") -> None:
                             f"(no {field})")
         value = getattr(sp, field)
         if not rule(value):
-            raise error(f"{what}{field} must be {expected}, got {value!r}")
+            label = "n (samples of the prompt)" if field == "n" else field
+            raise error(f"{what}{label} must be {expected}, got {value!r}")
     if sp.seed is not None and not -2 ** 63 <= sp.seed <= 2 ** 64 - sp.n:   # sample i draws from seed + i
         raise ValueError(f"{what}seed must be in [-2**63, 2**64 - n] (sample i is seeded with seed + i), "
                          f"got {sp.seed}")
@@ -312,7 +331,7 @@ class RouterError(RuntimeError):
 
 # ----------------------------------------------------------------------------- book-keeping
 
-class _Slot:
+class _Member:
     """The router's record of one generator."""
 
     def __init__(self, index: int, gen, last_chosen: int):
@@ -345,9 +364,9 @@ class _Ticket:
 class _Attempt:
     """One dispatch of a ticket to a generator."""
 
-    def __init__(self, ticket: _Ticket, slot: _Slot, deadline: float, probe: bool):
-        self.ticket, self.slot, self.deadline, self.probe = ticket, slot, deadline, probe
-        self.floor = slot.floor   # a completion below it is stale
+    def __init__(self, ticket: _Ticket, member: _Member, deadline: float, probe: bool):
+        self.ticket, self.member, self.deadline, self.probe = ticket, member, deadline, probe
+        self.floor = member.floor   # a completion below it is stale
         self.live = True          # False once it ended (settled, expired)
         self.future = None        # the generator's future, once submit returned
 
@@ -355,12 +374,12 @@ class _Attempt:
 class _Sync:
     """One ``sync_weights`` call: the loads it waits for and what became of them."""
 
-    def __init__(self, state_dict, version: int, mode: str, deadline: float, slots: list):
+    def __init__(self, state_dict, version: int, mode: str, deadline: float, members: list):
         self.state_dict, self.version, self.mode, self.deadline = state_dict, version, mode, deadline
-        self.targets = list(slots)  # grows when a re-admitted generator joins
+        self.targets = list(members)  # grows when a re-admitted generator joins
         # Each pending load's thread holds a turn of its own: a generator dropped from the sync and
         # joining it again gets a new turn, so the thread of its old turn ends without loading.
-        self.pending = {s: object() for s in slots}
+        self.pending = {s: object() for s in members}
         self.loaded, self.errors = [], {}
         self.skipped: list[tuple[str, BaseException]] = []  # the others, as the sync ended
 
@@ -434,8 +453,8 @@ class GeneratorRouter:
         self._own_clock = clock is None
         self._clock = _RealClock() if clock is None else clock
         # Initial ticks -n..-1: never-chosen generators count as chosen long ago, in list order.
-        self._slots = [_Slot(i, g, i - n) for i, g in enumerate(generators)]
-        self._by_name = {s.name: s for s in self._slots}
+        self._members = [_Member(i, g, i - n) for i, g in enumerate(generators)]
+        self._by_name = {s.name: s for s in self._members}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a load ended, a drain emptied, a sync finished
         self._sync_lock = threading.Lock()                # serializes sync_weights
@@ -443,7 +462,7 @@ class GeneratorRouter:
         self._attempts: set[_Attempt] = set()             # live attempts
         self._arrivals = itertools.count()
         self._tick = 0
-        self._sessions: OrderedDict[Hashable, _Slot] = OrderedDict()  # LRU: oldest first
+        self._sessions: OrderedDict[Hashable, _Member] = OrderedDict()  # LRU: oldest first
         self._prefixes: OrderedDict[int, set] = OrderedDict()         # block key -> generator names, LRU
         self._rng = random.Random(seed)
         self._version = max(g.policy_version for g in generators)
@@ -522,7 +541,7 @@ class GeneratorRouter:
                 if version <= self._version:
                     raise ValueError(f"version must increase: got {version}, the router already serves "
                                      f"version {self._version}")
-                targets = [s for s in self._slots if s.state in (CLOSED, HALF_OPEN) and not s.loading]
+                targets = [s for s in self._members if s.state in (CLOSED, HALF_OPEN) and not s.loading]
                 sync = self._sync = _Sync(state_dict, version, mode, self._clock.now() + timeout_s, targets)
                 for s in targets:  # drain: all at once, so no request slips in between two of them
                     s.draining = mode == "drain"
@@ -539,21 +558,21 @@ class GeneratorRouter:
         causes = [(s.name, sync.errors[s.name]) for s in sync.targets if s.name in sync.errors]
         if not sync.loaded or causes:
             raise RouterError(f"weight sync to version {version} reached {len(sync.loaded)} of "
-                              f"{len(self._slots)} generators", causes + sync.skipped)
+                              f"{len(self._members)} generators", causes + sync.skipped)
 
     def mark_healthy(self, name: str) -> None:
         """Re-admit a generator now (after an operator fixed it): re-synced first if stale, then closed."""
-        slot = self._slot(name)
+        member = self._member(name)
         with self._lock:
-            if slot.state == DEAD:
+            if member.state == DEAD:
                 raise ValueError(f"{name} is dead (removed from the fleet): it cannot be re-admitted")
-            if slot.state == OPEN:
-                slot.reopen_at, slot.close_on_return = -math.inf, True
+            if member.state == OPEN:
+                member.reopen_at, member.close_on_return = -math.inf, True
                 work = self._readmit_due(self._clock.now())
             else:
-                slot.close_on_return = slot.state != CLOSED
-                if slot.state == HALF_OPEN:
-                    self._close_breaker(slot)
+                member.close_on_return = member.state != CLOSED
+                if member.state == HALF_OPEN:
+                    self._close_breaker(member)
                 work = []
             work += self._pump()
         self._run(work)
@@ -568,8 +587,8 @@ class GeneratorRouter:
                                 failures=s.failures, timeouts=s.timeouts, late=s.late, stale=s.stale, state=s.state,
                                 healthy=s.state == CLOSED, draining=s.draining, floor=s.floor,
                                 last_error=None if s.last_error is None else repr(s.last_error))
-                   for s in self._slots}
-        for s in self._slots:  # read outside the lock: it belongs to the engine
+                   for s in self._members}
+        for s in self._members:  # read outside the lock: it belongs to the engine
             out[s.name]["policy_version"] = s.gen.policy_version
         return out
 
@@ -596,7 +615,7 @@ class GeneratorRouter:
             work += [("fail", a.ticket.future, closed) for a in attempts]
             for a in attempts:
                 a.live = False
-                a.slot.inflight -= 1
+                a.member.inflight -= 1
             self._queue, self._attempts = [], set()
             sync = self._sync  # the clock stops, so its deadline never comes: it ends here
             if sync is not None:
@@ -617,41 +636,41 @@ class GeneratorRouter:
 
     # ------------------------------------------------------------------ choosing (under the lock)
 
-    def _eligible(self, s: _Slot) -> bool:
+    def _eligible(self, s: _Member) -> bool:
         if s.draining or s.name in self._avoid:
             return False
         if s.state == HALF_OPEN:
             return not s.probe_out
         return s.state == CLOSED and (self.max_inflight is None or s.inflight < self.max_inflight)
 
-    def _least_loaded(self) -> _Slot | None:
-        return min((s for s in self._slots if self._eligible(s)),
+    def _least_loaded(self) -> _Member | None:
+        return min((s for s in self._members if self._eligible(s)),
                    key=lambda s: (s.inflight, s.last_chosen), default=None)
 
-    def _choose(self, ticket: _Ticket) -> _Slot | None:
+    def _choose(self, ticket: _Ticket) -> _Member | None:
         """The generator for this request now, or None when none is eligible (it waits)."""
         failed = {name for name, _ in ticket.causes}
-        if failed and any(s.state in (CLOSED, HALF_OPEN) and s.name not in failed for s in self._slots):
+        if failed and any(s.state in (CLOSED, HALF_OPEN) and s.name not in failed for s in self._members):
             self._avoid = failed  # a retry goes elsewhere while it can
         try:
             return self._apply_policy(ticket.request)
         finally:
             self._avoid = frozenset()
 
-    def _apply_policy(self, request: Request) -> _Slot | None:
+    def _apply_policy(self, request: Request) -> _Member | None:
         if self.policy == "round_robin":
-            return min((s for s in self._slots if self._eligible(s)), key=lambda s: s.last_chosen, default=None)
+            return min((s for s in self._members if self._eligible(s)), key=lambda s: s.last_chosen, default=None)
         if self.policy == "least_loaded":
             return self._least_loaded()
         if self.policy == "power_of_two":
-            n = len(self._slots)
+            n = len(self._members)
             if n == 1:
-                pair = self._slots
+                pair = self._members
             else:
                 i = self._rng.randrange(n)
                 j = self._rng.randrange(n - 1)
                 j += j >= i  # j uniform over the others
-                pair = [self._slots[i], self._slots[j]]
+                pair = [self._members[i], self._members[j]]
             pair = [s for s in pair if self._eligible(s)]
             if not pair:
                 return self._least_loaded()
@@ -674,7 +693,7 @@ class GeneratorRouter:
                 self._sessions.popitem(last=False)
         return chosen
 
-    def _prefix_affinity(self, request: Request) -> _Slot | None:
+    def _prefix_affinity(self, request: Request) -> _Member | None:
         least = self._least_loaded()
         if least is None:
             return None
@@ -687,7 +706,7 @@ class GeneratorRouter:
             for name in grown:
                 matched[name] = depth + 1
         chosen = least
-        holders = [s for s in self._slots if matched.get(s.name) and self._eligible(s)]
+        holders = [s for s in self._members if matched.get(s.name) and self._eligible(s)]
         if holders:
             best = min(holders, key=lambda s: (-matched[s.name], s.inflight, s.last_chosen))
             if best.inflight - least.inflight <= self.affinity_slack:
@@ -703,7 +722,7 @@ class GeneratorRouter:
         """Dispatch queued requests in arrival order while a generator is eligible.  Returns the
         work to do outside the lock."""
         now = self._fleet_status()
-        if all(s.state == DEAD for s in self._slots):
+        if all(s.state == DEAD for s in self._members):
             return self._fail_queue_all_dead()
         work = []
         while self._queue:
@@ -711,17 +730,17 @@ class GeneratorRouter:
             if not self._start(ticket):  # the user cancelled it
                 heapq.heappop(self._queue)
                 continue
-            slot = self._choose(ticket)
-            if slot is None:
+            member = self._choose(ticket)
+            if member is None:
                 break
             heapq.heappop(self._queue)
-            probe = slot.state == HALF_OPEN
-            slot.probe_out |= probe
-            slot.inflight += 1  # reserve before dispatch
-            slot.dispatched += 1
+            probe = member.state == HALF_OPEN
+            member.probe_out |= probe
+            member.inflight += 1  # reserve before dispatch
+            member.dispatched += 1
             self._tick += 1
-            slot.last_chosen = self._tick
-            attempt = _Attempt(ticket, slot, now + ticket.timeout_s, probe)
+            member.last_chosen = self._tick
+            attempt = _Attempt(ticket, member, now + ticket.timeout_s, probe)
             self._attempts.add(attempt)
             self._schedule(attempt.deadline)
             work.append(("dispatch", attempt))
@@ -738,7 +757,7 @@ class GeneratorRouter:
         """Note when the fleet goes down (no generator closed or half-open): queued requests then
         wait at most their timeout_s for a re-admission.  Returns the clock's time."""
         now = self._clock.now()
-        if any(s.state in (CLOSED, HALF_OPEN) for s in self._slots):
+        if any(s.state in (CLOSED, HALF_OPEN) for s in self._members):
             self._down_since = None
             return now
         if self._down_since is None:
@@ -762,36 +781,36 @@ class GeneratorRouter:
         """An attempt ended: serve the completion, or strike the generator and retry or fail.
         ``blame=False``: the request's own fault (bad input): it fails alone, nobody is struck.
         ``lost``: the generator lost its weights (refused at dispatch): it opens at once."""
-        slot, ticket = attempt.slot, attempt.ticket
+        member, ticket = attempt.member, attempt.ticket
         if not attempt.live:  # it already ended (deadline passed): a late result, dropped
-            slot.late += blame and (exc is None or not isinstance(exc, CancelledError))
+            member.late += blame and (exc is None or not isinstance(exc, CancelledError))
             return []
         attempt.live = False
         self._attempts.discard(attempt)
-        slot.inflight -= 1
-        if slot.inflight == 0:  # a drain, or a re-admission, may wait for this
+        member.inflight -= 1
+        if member.inflight == 0:  # a drain, or a re-admission, may wait for this
             self._changed.notify_all()
-        if attempt.probe and slot.state == HALF_OPEN:
-            slot.probe_out = False
+        if attempt.probe and member.state == HALF_OPEN:
+            member.probe_out = False
         served = _served_version(completion, ticket.request)
         if exc is None and not (_is_int(served) and served >= attempt.floor):
-            slot.stale += 1
+            member.stale += 1
             lost = _is_int(served)  # served below its floor: it lost its weights
-            exc = RuntimeError(f"{slot.name} served version {served}, below the {attempt.floor} it was admitted "
+            exc = RuntimeError(f"{member.name} served version {served}, below the {attempt.floor} it was admitted "
                                f"with: it lost its weights (restarted?)" if _is_int(served) else
-                               f"{slot.name} returned a {type(completion).__name__}, not a Completion (a list "
+                               f"{member.name} returned a {type(completion).__name__}, not a Completion (a list "
                                f"of n for sampling.n > 1)")
         if exc is None:
-            slot.completed += 1
-            slot.consecutive = 0
-            if attempt.probe and slot.state == HALF_OPEN:
-                self._close_breaker(slot)
+            member.completed += 1
+            member.consecutive = 0
+            if attempt.probe and member.state == HALF_OPEN:
+                self._close_breaker(member)
             work = [("done", ticket.future, completion)]
         elif not blame:
             work = [("fail", ticket.future, exc)]
         else:
-            self._strike(slot, exc, attempt.probe, lost)
-            ticket.causes.append((slot.name, exc))
+            self._strike(member, exc, attempt.probe, lost)
+            ticket.causes.append((member.name, exc))
             if len(ticket.causes) > self.max_retries:
                 work = [("fail", ticket.future, RouterError(
                     f"request {ticket.request.request_id} failed after {len(ticket.causes)} attempts",
@@ -800,47 +819,47 @@ class GeneratorRouter:
                 ticket.queued_at = self._clock.now()
                 heapq.heappush(self._queue, (ticket.seq, ticket))  # back to its place in line
                 work = []
-        return work + self._readmit_due(self._clock.now(), [slot]) + self._pump()
+        return work + self._readmit_due(self._clock.now(), [member]) + self._pump()
 
-    def _strike(self, slot: _Slot, exc: BaseException, probe: bool, lost: bool = False) -> None:
-        slot.failures += 1
-        slot.consecutive += 1
-        slot.last_error = exc
-        if lost and slot.state in (CLOSED, HALF_OPEN):  # nothing to serve until it is re-synced
-            self._open(slot, f"it lost its weights: {exc!r}")
-        elif (probe and slot.state == HALF_OPEN) or (
-                slot.state == CLOSED and slot.consecutive >= self.failure_threshold):
-            self._open(slot, f"{slot.consecutive} consecutive failures; last: {exc!r}")
+    def _strike(self, member: _Member, exc: BaseException, probe: bool, lost: bool = False) -> None:
+        member.failures += 1
+        member.consecutive += 1
+        member.last_error = exc
+        if lost and member.state in (CLOSED, HALF_OPEN):  # nothing to serve until it is re-synced
+            self._open(member, f"it lost its weights: {exc!r}")
+        elif (probe and member.state == HALF_OPEN) or (
+                member.state == CLOSED and member.consecutive >= self.failure_threshold):
+            self._open(member, f"{member.consecutive} consecutive failures; last: {exc!r}")
 
-    def _open(self, slot: _Slot, why: str) -> None:
+    def _open(self, member: _Member, why: str) -> None:
         """Out of rotation for b_k = min(first * 2^k, cap); re-admission after that.  A generator
         that a sync is waiting for is dropped from it (it is re-synced when it returns).  A dead
         one is removed instead."""
-        if _is_dead(slot.gen):
-            self._remove(slot, why)
+        if _is_dead(member.gen):
+            self._remove(member, why)
             return
         first, cap = self.backoff_s
-        backoff = min(first * 2 ** slot.opened, cap)
-        slot.opened += 1
-        slot.state, slot.probe_out, slot.draining = OPEN, False, False
-        slot.reopen_at = self._clock.now() + backoff
-        self._schedule(slot.reopen_at)
-        self._note(slot, "opened", f"for {backoff:g} s: {why}")
-        if self._sync is not None and slot in self._sync.pending:
-            self._sync_ended(slot, self._sync, RuntimeError(f"{slot.name} was opened during the sync: {why}"))
+        backoff = min(first * 2 ** member.opened, cap)
+        member.opened += 1
+        member.state, member.probe_out, member.draining = OPEN, False, False
+        member.reopen_at = self._clock.now() + backoff
+        self._schedule(member.reopen_at)
+        self._note(member, "opened", f"for {backoff:g} s: {why}")
+        if self._sync is not None and member in self._sync.pending:
+            self._sync_ended(member, self._sync, RuntimeError(f"{member.name} was opened during the sync: {why}"))
 
-    def _remove(self, slot: _Slot, why: str) -> None:
+    def _remove(self, member: _Member, why: str) -> None:
         """A dead generator leaves the fleet for good: never chosen, re-admitted or synced again (it
         stays in ``stats()`` as "dead"); its attempts in flight end as usual."""
-        slot.state, slot.probe_out, slot.draining, slot.reopen_at = DEAD, False, False, math.inf
-        self._note(slot, "removed", f"dead for good: {why}")
-        if self._sync is not None and slot in self._sync.pending:
-            self._sync_ended(slot, self._sync, RuntimeError(f"{slot.name} is dead for good: {why}"))
+        member.state, member.probe_out, member.draining, member.reopen_at = DEAD, False, False, math.inf
+        self._note(member, "removed", f"dead for good: {why}")
+        if self._sync is not None and member in self._sync.pending:
+            self._sync_ended(member, self._sync, RuntimeError(f"{member.name} is dead for good: {why}"))
 
-    def _close_breaker(self, slot: _Slot) -> None:
-        slot.state, slot.probe_out, slot.opened, slot.consecutive = CLOSED, False, 0, 0
-        slot.close_on_return = False
-        self._note(slot, "closed", f"back in rotation at version {slot.floor}")
+    def _close_breaker(self, member: _Member) -> None:
+        member.state, member.probe_out, member.opened, member.consecutive = CLOSED, False, 0, 0
+        member.close_on_return = False
+        self._note(member, "closed", f"back in rotation at version {member.floor}")
 
     # ------------------------------------------------------------------ the clock (under the lock)
 
@@ -859,33 +878,33 @@ class GeneratorRouter:
             work = []
             for attempt in sorted(self._attempts, key=lambda a: (a.deadline, a.ticket.seq)):
                 if attempt.deadline <= now:
-                    attempt.slot.timeouts += 1
+                    attempt.member.timeouts += 1
                     work += [("cancel", attempt.future)] + self._end_attempt(attempt, None, TimeoutError(
-                        f"{attempt.slot.name}: no result within {attempt.ticket.timeout_s:g} s"))
+                        f"{attempt.member.name}: no result within {attempt.ticket.timeout_s:g} s"))
             sync = self._sync
             if sync is not None and sync.deadline <= now:
-                for slot in sorted(sync.pending, key=lambda s: s.index):
-                    self._sync_ended(slot, sync, TimeoutError(f"{slot.name}: not loaded within the sync deadline"))
-            for slot in self._slots:
-                if slot.state == READMITTING and slot.readmit_deadline <= now:
-                    slot.failures += 1
-                    slot.last_error = TimeoutError(f"{slot.name}: re-sync missed the sync deadline")
-                    self._open(slot, "its re-sync missed the sync deadline")
+                for member in sorted(sync.pending, key=lambda s: s.index):
+                    self._sync_ended(member, sync, TimeoutError(f"{member.name}: not loaded within the sync deadline"))
+            for member in self._members:
+                if member.state == READMITTING and member.readmit_deadline <= now:
+                    member.failures += 1
+                    member.last_error = TimeoutError(f"{member.name}: re-sync missed the sync deadline")
+                    self._open(member, "its re-sync missed the sync deadline")
             if self._down_since is not None:
                 for seq, t in sorted(self._queue):
                     if max(t.queued_at, self._down_since) + t.timeout_s <= now:
                         self._queue.remove((seq, t))
                         work.append(("fail", t.future, RouterError(
                             f"request {t.request.request_id}: no generator in rotation for {t.timeout_s:g} s",
-                            t.causes + [(s.name, s.last_error) for s in self._slots if s.last_error is not None])))
+                            t.causes + [(s.name, s.last_error) for s in self._members if s.last_error is not None])))
                 heapq.heapify(self._queue)
             work += self._readmit_due(now)  # (nothing else can have become eligible: no _pump here)
-            if all(s.state == DEAD for s in self._slots):  # (removed just now: what waits can fail)
+            if all(s.state == DEAD for s in self._members):  # (removed just now: what waits can fail)
                 work += self._fail_queue_all_dead()
             self._fleet_status()
-            later = [a.deadline for a in self._attempts] + [s.reopen_at for s in self._slots
+            later = [a.deadline for a in self._attempts] + [s.reopen_at for s in self._members
                                                              if s.state == OPEN and s.reopen_at > now]
-            later += [s.readmit_deadline for s in self._slots if s.state == READMITTING]
+            later += [s.readmit_deadline for s in self._members if s.state == READMITTING]
             if sync is not None and sync.pending:
                 later.append(sync.deadline)
             self._schedule(min(later, default=math.inf))
@@ -893,35 +912,35 @@ class GeneratorRouter:
 
     # ------------------------------------------------------------------ weights and re-admission
 
-    def _sync_one(self, slot: _Slot, sync: _Sync, turn: object) -> None:
+    def _sync_one(self, member: _Member, sync: _Sync, turn: object) -> None:
         """One generator's part of a weight sync (its own thread), while ``turn`` is its pending turn."""
         if sync.mode == "drain":
             with self._lock:
-                self._changed.wait_for(lambda: slot.inflight == 0 or sync.pending.get(slot) is not turn)
-                if sync.pending.get(slot) is not turn:  # dropped (opened, the deadline), maybe joined again
+                self._changed.wait_for(lambda: member.inflight == 0 or sync.pending.get(member) is not turn)
+                if sync.pending.get(member) is not turn:  # dropped (opened, the deadline), maybe joined again
                     return
-                slot.loading = True
-        error = self._load(slot, sync.state_dict, sync.version)
+                member.loading = True
+        error = self._load(member, sync.state_dict, sync.version)
         with self._lock:
-            slot.loading = False
-            if sync.pending.get(slot) is turn:
-                self._sync_ended(slot, sync, error)
+            member.loading = False
+            if sync.pending.get(member) is turn:
+                self._sync_ended(member, sync, error)
             work = self._readmit_due(self._clock.now()) + self._pump()
         self._run(work)
 
-    def _sync_ended(self, slot: _Slot, sync: _Sync, error) -> None:
-        sync.pending.pop(slot, None)
-        slot.draining = False
+    def _sync_ended(self, member: _Member, sync: _Sync, error) -> None:
+        sync.pending.pop(member, None)
+        member.draining = False
         if error is None:
-            slot.floor = sync.version
-            sync.loaded.append(slot)
+            member.floor = sync.version
+            sync.loaded.append(member)
         else:
-            sync.errors[slot.name] = error
-            self._note(slot, "sync_missed", f"version {sync.version}: {error!r}")
-            if slot.state in (CLOSED, HALF_OPEN):  # (not when it was opened or removed during the sync)
-                slot.failures += 1
-                slot.last_error = error
-                self._open(slot, f"dropped from the sync to version {sync.version}")
+            sync.errors[member.name] = error
+            self._note(member, "sync_missed", f"version {sync.version}: {error!r}")
+            if member.state in (CLOSED, HALF_OPEN):  # (not when it was opened or removed during the sync)
+                member.failures += 1
+                member.last_error = error
+                self._open(member, f"dropped from the sync to version {sync.version}")
         if not sync.pending and self._sync is sync:
             self._sync_finished(sync)
         self._changed.notify_all()
@@ -933,28 +952,28 @@ class GeneratorRouter:
             self._version, self._weights = sync.version, sync.state_dict
         sync.skipped = [(s.name, RuntimeError("dead for good: removed from the fleet" if s.state == DEAD else
                                               f"not in rotation ({s.state}): re-synced before it returns"))
-                        for s in self._slots if s not in sync.targets]
-        dead = [s.name for s in self._slots if s.state == DEAD]
+                        for s in self._members if s not in sync.targets]
+        dead = [s.name for s in self._members if s.state == DEAD]
         self._note(None, "synced", f"version {sync.version} ({sync.mode}): loaded by {len(sync.loaded)} of "
-                                   f"{len(self._slots)}" + (f"; dead: {', '.join(dead)}" if dead else ""))
+                                   f"{len(self._members)}" + (f"; dead: {', '.join(dead)}" if dead else ""))
         self._changed.notify_all()
 
-    def _load(self, slot: _Slot, state_dict, version: int):
+    def _load(self, member: _Member, state_dict, version: int):
         """Call the generator's load_weights (outside the lock); the error, or None."""
         try:
-            slot.gen.load_weights(state_dict, version)
-            if slot.gen.policy_version != version:
-                raise RuntimeError(f"{slot.name}.load_weights(version={version}) returned but its "
-                                   f"policy_version is {slot.gen.policy_version}")
+            member.gen.load_weights(state_dict, version)
+            if member.gen.policy_version != version:
+                raise RuntimeError(f"{member.name}.load_weights(version={version}) returned but its "
+                                   f"policy_version is {member.gen.policy_version}")
         except Exception as exc:  # noqa: BLE001 - any failure of the engine's load takes it out
             return exc
         return None
 
-    def _readmit_due(self, now: float, slots=None) -> list:
-        """Open generators (of ``slots``, default all) whose back-off ended, whose older attempts have
+    def _readmit_due(self, now: float, members=None) -> list:
+        """Open generators (of ``members``, default all) whose back-off ended, whose older attempts have
         all ended and that no load of ours is running on, start re-admission."""
         work = []
-        for s in self._slots if slots is None else slots:
+        for s in self._members if members is None else members:
             if s.state == OPEN and s.reopen_at <= now and _is_dead(s.gen):  # it died for good meanwhile
                 self._remove(s, "found dead at re-admission")
             elif s.state == OPEN and s.reopen_at <= now and not s.loading and s.inflight == 0:
@@ -963,65 +982,65 @@ class GeneratorRouter:
                 work.append(("readmit", s))
         return work
 
-    def _readmit(self, slot: _Slot) -> None:
+    def _readmit(self, member: _Member) -> None:
         """Re-admission (module docstring): re-sync a stale generator, then half-open (or closed).
         Runs in its own thread when it loads weights; the clock opens the generator again if the
         load misses the sync deadline."""
         while True:
             with self._lock:
                 version, weights = self._version, self._weights
-            have = slot.gen.policy_version
-            if have >= version or (weights is None and have >= slot.floor):
+            have = member.gen.policy_version
+            if have >= version or (weights is None and have >= member.floor):
                 error = None
             elif weights is None:
-                error = RuntimeError(f"{slot.name} reports version {have}, below its floor {slot.floor}, and no "
+                error = RuntimeError(f"{member.name} reports version {have}, below its floor {member.floor}, and no "
                                      f"weights were synced yet to load into it")
             else:
                 with self._lock:
-                    slot.readmit_deadline = self._clock.now() + self.sync_timeout_s
-                    self._schedule(slot.readmit_deadline)
-                error = self._load(slot, weights, version)
+                    member.readmit_deadline = self._clock.now() + self.sync_timeout_s
+                    self._schedule(member.readmit_deadline)
+                error = self._load(member, weights, version)
             with self._lock:
-                slot.readmit_deadline = math.inf
-                if slot.state != READMITTING:  # the clock opened it: the load came too late
-                    slot.loading = False
+                member.readmit_deadline = math.inf
+                if member.state != READMITTING:  # the clock opened it: the load came too late
+                    member.loading = False
                     work = self._readmit_due(self._clock.now()) + self._pump()
                 elif error is None and self._version != version:
                     continue  # a sync landed meanwhile: load that one too
                 elif error is not None:
-                    slot.loading = False
-                    slot.failures += 1
-                    slot.last_error = error
-                    self._open(slot, f"re-admission failed: {error!r}")
+                    member.loading = False
+                    member.failures += 1
+                    member.last_error = error
+                    self._open(member, f"re-admission failed: {error!r}")
                     work = self._pump()
                 else:
-                    slot.loading = False
-                    if version > slot.floor or have < slot.floor:
-                        slot.floor = version
-                        self._note(slot, "resynced", f"to version {version}")
-                    if slot.close_on_return:
-                        self._close_breaker(slot)
+                    member.loading = False
+                    if version > member.floor or have < member.floor:
+                        member.floor = version
+                        self._note(member, "resynced", f"to version {version}")
+                    if member.close_on_return:
+                        self._close_breaker(member)
                     else:
-                        slot.state = HALF_OPEN
-                        self._note(slot, "half_open", "one probe request decides")
-                    work = self._join_sync(slot) + self._pump()
+                        member.state = HALF_OPEN
+                        self._note(member, "half_open", "one probe request decides")
+                    work = self._join_sync(member) + self._pump()
             self._run(work)
             return
 
-    def _join_sync(self, slot: _Slot) -> list:
+    def _join_sync(self, member: _Member) -> list:
         """A generator back in rotation while a sync is under way becomes one of its targets: it
         loads that sync's version after its re-admission's load (one generator's loads never
         overlap), so the last sync wins and no sync reports success while it serves older weights."""
         sync = self._sync
         if sync is None:
             return []
-        if slot not in sync.targets:
-            sync.targets.append(slot)
-        sync.errors.pop(slot.name, None)  # dropped from this sync before: its new load decides
-        sync.pending[slot] = turn = object()  # a new turn: a thread of an earlier one ends unloaded
-        slot.draining = sync.mode == "drain"
-        slot.loading = sync.mode == "hot_swap"
-        return [("sync", slot, sync, turn)]
+        if member not in sync.targets:
+            sync.targets.append(member)
+        sync.errors.pop(member.name, None)  # dropped from this sync before: its new load decides
+        sync.pending[member] = turn = object()  # a new turn: a thread of an earlier one ends unloaded
+        member.draining = sync.mode == "drain"
+        member.loading = sync.mode == "hot_swap"
+        return [("sync", member, sync, turn)]
 
     # ------------------------------------------------------------------ doing (outside the lock)
 
@@ -1037,12 +1056,12 @@ class GeneratorRouter:
                 if kind == "dispatch":
                     self._dispatch(*args)
                 elif kind == "readmit":
-                    slot = args[0]
-                    if slot.gen.policy_version < self._version and self._weights is not None:
-                        threading.Thread(target=self._readmit, args=(slot,), name=f"readmit-{slot.name}",
+                    member = args[0]
+                    if member.gen.policy_version < self._version and self._weights is not None:
+                        threading.Thread(target=self._readmit, args=(member,), name=f"readmit-{member.name}",
                                          daemon=True).start()  # a load: in a thread of its own
                     else:
-                        self._readmit(slot)  # nothing to load: at once, in this thread
+                        self._readmit(member)  # nothing to load: at once, in this thread
                 elif kind == "sync":  # a generator joined the sync under way: its load, in a thread
                     threading.Thread(target=self._sync_one, args=args, name=f"load-{args[0].name}",
                                      daemon=True).start()
@@ -1061,20 +1080,20 @@ class GeneratorRouter:
             self._local.pending = None
 
     def _dispatch(self, attempt: _Attempt) -> None:
-        slot = attempt.slot
-        have = slot.gen.policy_version
-        if have < attempt.floor or _is_dead(slot.gen):  # refused: it has nothing right to serve
-            exc = RuntimeError(f"{slot.name} is dead for good" if _is_dead(slot.gen) else
-                               f"{slot.name} reports version {have}, below the {attempt.floor} it was "
+        member = attempt.member
+        have = member.gen.policy_version
+        if have < attempt.floor or _is_dead(member.gen):  # refused: it has nothing right to serve
+            exc = RuntimeError(f"{member.name} is dead for good" if _is_dead(member.gen) else
+                               f"{member.name} reports version {have}, below the {attempt.floor} it was "
                                f"admitted with: it lost its weights (restarted?)")
             with self._lock:
                 work = self._end_attempt(attempt, None, exc, lost=True)
             self._run(work)
             return
         try:
-            fut = slot.gen.submit(attempt.ticket.request)
+            fut = member.gen.submit(attempt.ticket.request)
             if not isinstance(fut, Future):
-                raise RuntimeError(f"{slot.name}.submit returned {type(fut).__name__}, not a Future")
+                raise RuntimeError(f"{member.name}.submit returned {type(fut).__name__}, not a Future")
         except Exception as exc:  # noqa: BLE001 - ValueError / TypeError: the request's fault; else the generator's
             with self._lock:
                 work = self._end_attempt(attempt, None, exc, blame=not _is_bad_input(exc))
@@ -1085,7 +1104,7 @@ class GeneratorRouter:
 
     def _on_done(self, attempt: _Attempt, fut: Future) -> None:  # the generator future's done-callback
         if fut.cancelled():
-            completion, exc = None, CancelledError(f"{attempt.slot.name} cancelled the request")
+            completion, exc = None, CancelledError(f"{attempt.member.name} cancelled the request")
         elif fut.exception() is not None:
             completion, exc = None, fut.exception()
         else:
@@ -1094,10 +1113,10 @@ class GeneratorRouter:
             work = self._end_attempt(attempt, completion, exc, blame=not _is_bad_input(exc))
         self._run(work)
 
-    def _note(self, slot, event: str, detail: str) -> None:
-        self._events.append((self._clock.now(), None if slot is None else slot.name, event, detail))
+    def _note(self, member, event: str, detail: str) -> None:
+        self._events.append((self._clock.now(), None if member is None else member.name, event, detail))
 
-    def _slot(self, name: str) -> _Slot:
+    def _member(self, name: str) -> _Member:
         try:
             return self._by_name[name]
         except (KeyError, TypeError):

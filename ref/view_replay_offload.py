@@ -1,5 +1,18 @@
 """View-replay activation offloading: the reference (readable PyTorch, the specification).
 
+Example::
+
+    # view_replay_offload.py, copied next to this script
+    import torch
+    from view_replay_offload import OffloadActivations
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    offload = OffloadActivations(module=model, min_offload_bytes=0)   # on a GPU: .cuda() the model and x
+    with offload:
+        loss = model(torch.randn(32, 64)).square().mean()
+    loss.backward()                                                   # the activations come back for it
+    print(offload.stats)
+
 What it computes
     ``OffloadActivations`` is a context manager over ``torch.autograd.graph.saved_tensors_hooks``.
     Under it, every tensor autograd saves for backward (an "activation") is copied to host

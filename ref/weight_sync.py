@@ -1,5 +1,20 @@
 """Weight sync: the reference (readable PyTorch, the specification of the transfer plan).
 
+Example::
+
+    # weight_sync.py, copied next to this script
+    import torch
+    import weight_sync as ws
+
+    weights = {"w": torch.randn(32, 16), "b": torch.randn(32)}        # the trainer's tensors, fp32, whole
+    rows = lambda name, tp, rank: (0, ((rank * 16, rank * 16 + 16),))  # each generator rank: 16 of the 32 rows
+    source = ws.layout(weights)
+    destination = ws.layout(weights, dtype=torch.bfloat16, tp=2, shard_spec=rows)
+    plan = ws.plan(source, destination, bucket_bytes=256)            # buckets both sides enumerate alike
+    received = [ws.allocate(destination, r) for r in range(2)]
+    ws.transfer(plan, [weights], received)                           # checksummed, cast, unpacked
+    print(len(plan.buckets), torch.equal(received[1]["w"], weights["w"][16:].bfloat16()))
+
 What it computes
     After each optimizer step an RL trainer pushes its weights to every generator.  The trainer holds
     each tensor whole or as its tensor-parallel shard (the *source layout*); each generator rank holds
