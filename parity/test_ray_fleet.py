@@ -90,7 +90,7 @@ _CONFIG = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2
 
 
 def _small_engine(marker: str):
-    """solo's engine: 8 pages of 4 tokens (a request needing more KV than 32 tokens can never fit).
+    """solo's engine: 8 pages of 4 tokens (a group needing more than 32 KV slots can never fit).
     A restarted actor takes 3 s more to build it (``marker`` exists then): Ray reports the actor as
     restarting for that long, the window in which a restart used to be taken for a death."""
     import torch
@@ -151,7 +151,9 @@ def solo_drill(rg, facts: dict, temp_dir: str) -> None:
     g = solo[0]
     # Bad requests: raised inside the actor, they fail alone, with the engine's message.
     bad = {"vocab": rg.Request([1, 2, 96], rg.SamplingParams(max_new_tokens=4, temperature=0.9)),
-           "kv": rg.Request(list(range(1, 21)), rg.SamplingParams(max_new_tokens=40))}
+           # two samples of a 20-token prompt: 5 shared pages + 2 x 3 of their own > 8 (one alone would fit,
+           # its max_new_tokens capped by max_seq_len, which the 8-page pool caps at 32)
+           "kv": rg.Request(list(range(1, 21)), rg.SamplingParams(max_new_tokens=40, n=2, temperature=0.9))}
     facts["bad"] = {}
     for what, r in bad.items():
         exc = router.submit(r).exception(SOLO_TIMEOUT_S + SLACK_S)
