@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 import torch
 
@@ -270,9 +271,77 @@ def ceil_div(a: int, b: int) -> int:
 LATE = ("test_bitwise_blas.py", "test_numerics_blas.py", "test_gpu_builds_run_the_same_arithmetic")
 
 
+# What `make parity` leaves out on a CPU (`-m "not slow"`; `make parity-all` runs everything): the longer cases of
+# properties it checks on fewer cases, so that it stays under 20 minutes on a 2-core CPU machine.  Each line
+# is a node id, ``*`` matching any text; the comment says which case in make parity holds the property.
+# A line that matches nothing in a collected file fails the collection (a renamed test must not slip in).
+SLOW = (
+    # engine == trainer bitwise: the hybrid at pages of 3, the attention model with groups and prefix hits
+    "parity/test_batch_invariant_engine.py::test_engine_logprobs_equal_the_trainers_bitwise[attention-page4]",
+    "parity/test_batch_invariant_engine.py::test_bitwise_with_groups_prefix_cache_and_chunks[hybrid]",
+    # across Gated DeltaNet chunks: the reference layer's preempting run against the trainer
+    "parity/test_batch_invariant_engine.py::test_bitwise_across_gated_deltanet_chunks[hybrid-every-run]",
+    "parity/test_batch_invariant_engine.py::test_bitwise_across_gated_deltanet_chunks[hybrid-fast_gdn]",
+    # the negative control and the layer's invariance: the hybrid, and test_gated_deltanet.py's chunk rows
+    "parity/test_batch_invariant_engine.py::test_negative_control_mode_off_mismatches[attention]",
+    "parity/test_batch_invariant_engine.py::test_gated_deltanet_layer_is_batch_and_split_invariant[fast*",
+    # tensor-parallel engine: tp = 2 in both modes (tp = 4 replicating KV heads: the trainer's SPMD test)
+    "parity/test_tensor_parallel.py::test_fast_engine_tensor_parallel[hybrid-invariant-tp4]",
+    "parity/test_tensor_parallel.py::test_fast_engine_tensor_parallel[attention-invariant-tp4]",
+    # checkpoints: the hybrid family bitwise, Qwen3.5 and Llama on this repo's kernels
+    "parity/test_checkpoints.py::test_batch_invariant_engine_equals_trainer_bitwise[qwen3]",
+    "parity/test_checkpoints.py::test_fast_engine_on_this_repos_kernels_equals_transformers[qwen3_5_text]",
+    "parity/test_checkpoints.py::test_fast_engine_on_this_repos_kernels_equals_transformers[qwen3]",
+    "parity/test_checkpoints.py::test_fast_engine_on_this_repos_kernels_equals_transformers[qwen2]",
+    # invariant attention routes: GQA with softcap and sinks in fp32, a window in fp16
+    "parity/test_batch_invariant_attention.py::test_every_route_gives_the_same_bits[mha-d64-page16-*",
+    "parity/test_batch_invariant_attention.py::test_every_route_gives_the_same_bits[gqa4-d100-page1-window-sinks-*",
+    "parity/test_batch_invariant_attention.py::test_every_route_gives_the_same_bits[gqa4-d60-page3-softcap-sinks-float16]",
+    "parity/test_batch_invariant_attention.py::test_every_route_gives_the_same_bits[gqa1-d64-page3-softcap-window-float32]",
+    "parity/test_batch_invariant_attention.py::test_default_mode_is_not_invariant[float16]",
+    # the fused merge: the paged fp32 cases; split counts and mergers: the odd shape in fp32
+    "parity/test_flash_decoding.py::test_fused_merge_is_the_merge_kernel[*-fp16]",
+    "parity/test_flash_decoding.py::test_fused_merge_is_the_merge_kernel[dense-*",
+    "parity/test_cascade_decode.py::test_any_split_count_and_any_merger_give_the_same_bits[odd-float16]",
+    "parity/test_cascade_decode.py::test_any_split_count_and_any_merger_give_the_same_bits[wide-*",
+    # indices past 2**31: the recurrent state batch, flash_decode's batch, the varlen backward
+    "parity/test_large_index.py::test_merges_past_2_31",
+    "parity/test_large_index.py::test_gated_deltanet_state_batch_past_2_31[chunk]",
+    # Gated DeltaNet: the fp32 cases (the fp16 chunk gradients: T = 1 and the tight T = 75 positive-gate case)
+    "parity/test_gated_deltanet.py::test_chunk_rows_are_batch_and_split_invariant[fast-fp16]",
+    "parity/test_gated_deltanet_backward.py::test_layer_in_the_mode_has_the_default_gradients[fast]",
+    "parity/test_gated_deltanet_backward.py::test_chunk_grads_match_ref[float16-T130-*",
+    "parity/test_gated_deltanet_backward.py::test_chunk_grads_match_ref[float16-T63-*",
+    # the prefix cache's leak check: with recompute on swap
+    "parity/test_prefix_cache.py::test_nothing_leaks_after_random_traffic[keep]",
+)
+
+
+def _mark_slow(items) -> None:
+    """On a CPU (on a GPU every case is quick: make parity runs them all)."""
+    import re
+    patterns = {p: re.compile(re.escape(p).replace(r"\*", ".*")) for p in SLOW}
+    matched = set()
+    for item in items:
+        for p, rx in patterns.items():
+            if rx.fullmatch(item.nodeid):
+                item.add_marker(pytest.mark.slow)
+                matched.add(p)
+    # a line is stale when every test file was collected (make parity's run) and nothing matched it
+    collected = {item.nodeid.split("::")[0] for item in items}
+    every_file = {f"parity/{p.name}" for p in Path(__file__).parent.glob("test_*.py")} <= collected
+    stale = [p for p in SLOW if p not in matched] if every_file else []
+    if stale:
+        raise pytest.UsageError(f"conftest.SLOW names tests that were not collected: {stale}")
+
+
+@pytest.hookimpl(tryfirst=True)   # before -m deselects by marker
 def pytest_collection_modifyitems(session, config, items):
-    """The multi-process tests (LATE) run after the others, and the ahead-of-time GPU build check
-    (test_compile.py) last ..."""
+    """The tests of SLOW are marked ``slow``; the multi-process tests (LATE) run after the others, and the
+    ahead-of-time GPU build check (test_compile.py) last ..."""
+    if not ON_GPU:
+        _mark_slow(items)
+
     def rank(item):
         if item.path.name == "test_compile.py":
             return 2

@@ -435,9 +435,10 @@ def wide_interpreter_segments(monkeypatch):
         monkeypatch.setattr(module, "_INTERPRET_INVARIANT_CONFIG", (block_n, 32, *rest))
 
 
-# (With the fast kernels, slow in the interpreter, only the preempting run against the trainer.)
-@pytest.mark.parametrize("kind", ["hybrid", "hybrid-fast_gdn"])
-def test_bitwise_across_gated_deltanet_chunks(kind, wide_interpreter_segments):
+# (The preempting run against the trainer for each kind; every run with the reference layer: make parity-all.)
+@pytest.mark.parametrize("kind,full", [("hybrid", False), ("hybrid", True), ("hybrid-fast_gdn", False)],
+                         ids=["hybrid", "hybrid-every-run", "hybrid-fast_gdn"])
+def test_bitwise_across_gated_deltanet_chunks(kind, full, wide_interpreter_segments):
     """Sequences of up to 149 tokens, so the linear layers' chunks (64 tokens from each sequence's start)
     end inside prompts, inside completions and at prefill cuts: the engine's bits are the same with the
     prefix cache off and a roomy pool (pages of 16, a budget of 64: cuts at multiples of 16, chunk
@@ -446,7 +447,6 @@ def test_bitwise_across_gated_deltanet_chunks(kind, wide_interpreter_segments):
     engine (prefix-cache hits: with pages of 5, every page boundary below 320 is mid-chunk), and alone;
     and they equal the trainer's token_logprobs.  The engine's checkpoint slots hold the chunk buffer:
     their bytes are the README's per-slot formula."""
-    full = kind == "hybrid"
     reqs = long_requests(seed=31)
     runs, stats = {}, {}
     long_model = fast_lm.DecoderLM(long_config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"],

@@ -203,8 +203,10 @@ def test_fast_trainer_spmd(kind, mode):
         assert f["grad_max_rel_err"] < 1e-4, f
 
 
-@pytest.mark.parametrize("kind,mode,tps", [("hybrid", "invariant", (2, 4)), ("attention", "invariant", (4,)),
-                                           ("hybrid", "default", (2,))])
+@pytest.mark.parametrize("kind,mode,tps", [("hybrid", "invariant", (2,)), ("hybrid", "invariant", (4,)),
+                                           ("attention", "invariant", (4,)), ("hybrid", "default", (2,))],
+                         ids=["hybrid-invariant-tp2", "hybrid-invariant-tp4", "attention-invariant-tp4",
+                              "hybrid-default-tp2"])
 def test_fast_engine_tensor_parallel(kind, mode, tps):
     """Generator(model, tensor_parallel_size=tp) serves the request mix (a group of 3, a prefix-cache hit, a
     prompt in chunks, preemption in a small pool, then a weight load) with the tp = 1 engine's tokens; in the
