@@ -65,10 +65,12 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 import triton
 import triton.language as tl
 
-__all__ = ["route", "moe_experts", "dequantize_mxfp4"]
+__all__ = ["route", "moe_experts", "dequantize_mxfp4", "MoE"]
 
 SCORINGS = ("softmax_topk", "topk_softmax")
 ACTIVATIONS = ("silu", "gpt_oss")
@@ -114,6 +116,169 @@ def dequantize_mxfp4(blocks, scales, *, dtype=torch.bfloat16):
         grid = (e, triton.cdiv(r, 32), triton.cdiv(g, 4))
         _mxfp4_kernel[grid](blocks.contiguous(), scales.contiguous(), out, r, g, BLOCK_R=32, BLOCK_G=4)
     return out
+
+
+# ----------------------------------------------------------------------------- the layer (ref/moe.py's)
+
+class _Experts(nn.Module):
+    """The fused expert tensors, under transformers' names and in the layout's shapes."""
+
+    def __init__(self, e: int, h: int, i: int, layout: str, bias: bool, kw: dict):
+        super().__init__()
+        shapes = _expert_shapes(layout, e, h, i)
+        self.gate_up_proj = nn.Parameter(torch.randn(shapes["gate_up_proj"], **kw) * h ** -0.5)
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i, **kw))
+        self.down_proj = nn.Parameter(torch.randn(shapes["down_proj"], **kw) * i ** -0.5)
+        if bias:
+            self.down_proj_bias = nn.Parameter(torch.zeros(e, h, **kw))
+
+
+class _SharedExpert(nn.Module):
+    def __init__(self, h: int, i: int, kw: dict):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, i, bias=False, **kw)
+        self.up_proj = nn.Linear(h, i, bias=False, **kw)
+        self.down_proj = nn.Linear(i, h, bias=False, **kw)
+
+
+class MoE(nn.Module):
+    """The sparse MoE block: ``forward(x [..., H]) -> [..., H]`` (the module docstring's math and names).
+
+    Keywords: ``num_experts`` E, ``top_k`` k, ``intermediate_size`` I (each expert's FFN), ``scoring``
+    ("softmax_topk" / "topk_softmax"), ``norm_topk_prob``, ``router_bias``, ``expert_bias`` (biases on
+    gate_up and down), ``activation`` ("silu" / "gpt_oss", with ``swiglu_limit`` and ``swiglu_alpha``),
+    ``shared_intermediate_size`` (0: no shared expert), ``layout`` ("qwen": router ``gate``, experts
+    [E, 2I, H] / [E, H, I]; "gpt_oss": router ``router``, experts [E, H, 2I] interleaved / [E, I, H]).
+    ``route_fn`` / ``experts_fn`` have this file's ``route`` / ``moe_experts`` signatures."""
+
+    def __init__(self, hidden_size, *, num_experts=128, top_k=8, intermediate_size=768, scoring="softmax_topk",
+                 norm_topk_prob=True, router_bias=False, expert_bias=False, activation="silu", swiglu_limit=7.0,
+                 swiglu_alpha=1.702, shared_intermediate_size=0, layout="qwen", route_fn=route,
+                 experts_fn=moe_experts, device=None, dtype=None):
+        super().__init__()
+        _check_sizes(hidden_size=hidden_size, num_experts=num_experts, top_k=top_k,
+                     intermediate_size=intermediate_size, shared_intermediate_size=shared_intermediate_size)
+        _check_options(scoring=scoring, layout=layout, activation=activation, swiglu_limit=swiglu_limit,
+                       swiglu_alpha=swiglu_alpha, norm_topk_prob=norm_topk_prob, router_bias=router_bias,
+                       expert_bias=expert_bias)
+        if not callable(route_fn) or not callable(experts_fn):
+            raise TypeError("route_fn and experts_fn must be functions with route's / moe_experts' signatures")
+        self.hidden_size, self.num_experts, self.top_k, self.intermediate_size = (hidden_size, num_experts, top_k,
+                                                                                  intermediate_size)
+        self.scoring, self.norm_topk_prob, self.layout, self.activation = scoring, norm_topk_prob, layout, activation
+        self.swiglu_limit, self.swiglu_alpha = float(swiglu_limit), float(swiglu_alpha)
+        self.route_fn, self.experts_fn = route_fn, experts_fn
+        kw = dict(device=device, dtype=dtype)
+        router = nn.Linear(hidden_size, num_experts, bias=router_bias, **kw)
+        setattr(self, "router" if layout == "gpt_oss" else "gate", router)       # transformers' names
+        self.experts = _Experts(num_experts, hidden_size, intermediate_size, layout, expert_bias, kw)
+        if shared_intermediate_size:
+            self.shared_expert = _SharedExpert(hidden_size, shared_intermediate_size, kw)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, **kw)
+        self.invariant_linear = self.invariant_out_linear = None         # set_batch_invariant's products
+        self.register_load_state_dict_pre_hook(_load_checkpoint_tensors)
+
+    @property
+    def router_linear(self) -> nn.Linear:
+        return self.router if self.layout == "gpt_oss" else self.gate
+
+    def set_batch_invariant(self, linear, out_linear=None) -> None:
+        """Batch-invariant mode (fast/decoder_lm.py's ``DecoderLM(batch_invariant=True)`` calls it): from
+        then on a token's output (and the experts it picks) is bit for bit the same whichever tokens share
+        the call, provided ``linear(x [..., K], weight [N, K]) -> [..., N]`` rounds each row independently
+        of the other rows.  What changes: the router logits and the shared expert's products go through
+        ``linear`` (its down_proj through ``out_linear`` when given), ``experts_fn`` runs with
+        ``batch_invariant=True`` (fixed tiles, a token's combine in expert-index order), and SiLU and
+        sigmoid are composed from exp."""
+        if not callable(linear) or not (out_linear is None or callable(out_linear)):
+            raise TypeError(f"linear and out_linear must be functions (x, weight) -> x @ weight.T, got "
+                            f"{type(linear).__name__} and {type(out_linear).__name__}")
+        self.invariant_linear, self.invariant_out_linear = linear, out_linear or linear
+
+    def _project(self, x, layer: nn.Linear, out: bool = False):
+        if self.invariant_linear is None:
+            return layer(x)
+        y = (self.invariant_out_linear if out else self.invariant_linear)(x, layer.weight)
+        return y if layer.bias is None else y + layer.bias
+
+    def forward(self, x):
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must be [..., hidden_size={self.hidden_size}], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        shape, x = x.shape, x.reshape(-1, self.hidden_size)                     # [T, H]
+        invariant = self.invariant_linear is not None
+        logits = self._project(x, self.router_linear)                            # [T, E]
+        weights, ids = self.route_fn(logits, self.top_k, scoring=self.scoring, norm_topk_prob=self.norm_topk_prob)
+        ex = self.experts
+        out = self.experts_fn(x, weights, ids, ex.gate_up_proj, ex.down_proj, getattr(ex, "gate_up_proj_bias", None),
+                              getattr(ex, "down_proj_bias", None), layout=self.layout, activation=self.activation,
+                              swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha,
+                              batch_invariant=invariant)
+        if hasattr(self, "shared_expert"):
+            se = self.shared_expert
+            a = _silu(self._project(x, se.gate_proj), invariant) * self._project(x, se.up_proj)
+            out = out + _sigmoid(self._project(x, self.shared_expert_gate), invariant) * self._project(
+                a, se.down_proj, out=True)
+        return out.reshape(shape)
+
+
+def _load_checkpoint_tensors(module: MoE, state_dict, prefix, *args) -> None:
+    """load_state_dict pre-hook: a checkpoint's per-expert tensors (experts.{i}.gate_proj.weight, ...) or
+    gpt-oss's MXFP4 blocks and scales become the fused tensors; everything checked as untrusted input."""
+    ex, m = prefix + "experts.", module
+    if any(k.startswith(ex) and k[len(ex):].split(".")[0].isdigit() for k in state_dict):
+        _fuse_per_expert(m, state_dict, ex)
+    for proj in ("gate_up_proj", "down_proj"):
+        blocks, scales = f"{ex}{proj}_blocks", f"{ex}{proj}_scales"
+        if blocks not in state_dict and scales not in state_dict:
+            continue
+        if m.layout != "gpt_oss" or blocks not in state_dict or scales not in state_dict:
+            raise ValueError(f"{blocks} and {scales} (MXFP4) load together, into the gpt_oss layout only")
+        target = getattr(m.experts, proj)
+        try:
+            w = dequantize_mxfp4(state_dict.pop(blocks), state_dict.pop(scales), dtype=target.dtype)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"{blocks} / {scales}: {err}") from None
+        state_dict[ex + proj] = w
+    for name, p in m.named_parameters():
+        key = prefix + name
+        if key in state_dict and tuple(state_dict[key].shape) != tuple(p.shape):
+            raise ValueError(f"{key}: expected shape {tuple(p.shape)}, got {tuple(state_dict[key].shape)}")
+
+
+def _fuse_per_expert(m: MoE, state_dict, ex: str) -> None:
+    """experts.{n}.{gate,up,down}_proj.{weight,bias} for n < E (transformers' qwen2_moe conversion: stacked
+    over n, gate and up concatenated) -> the layout's fused tensors, in place."""
+    e, i, h = m.num_experts, m.intermediate_size, m.hidden_size
+    bias = hasattr(m.experts, "down_proj_bias")
+    want = {}
+    for n in range(e):
+        want.update({f"{ex}{n}.gate_proj.weight": (i, h), f"{ex}{n}.up_proj.weight": (i, h),
+                     f"{ex}{n}.down_proj.weight": (h, i)})
+        if bias:
+            want.update({f"{ex}{n}.gate_proj.bias": (i,), f"{ex}{n}.up_proj.bias": (i,),
+                         f"{ex}{n}.down_proj.bias": (h,)})
+    have = {k for k in state_dict if k.startswith(ex) and k[len(ex):].split(".")[0].isdigit()}
+    missing, extra = sorted(set(want) - have), sorted(have - set(want))
+    if missing or extra:
+        raise ValueError(f"per-expert tensors under {ex!r}: missing {missing[:4]}, unexpected {extra[:4]}")
+    for key, shape in want.items():
+        t = state_dict[key]
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != shape:
+            raise ValueError(f"{key}: expected a float tensor of shape {shape}, got "
+                             f"{f'{t.dtype} {tuple(t.shape)}' if isinstance(t, torch.Tensor) else type(t).__name__}")
+    for kind, suffix in (("weight", ""), ("bias", "_bias"))[:2 if bias else 1]:
+        gate, up, down = (torch.stack([state_dict.pop(f"{ex}{n}.{p}_proj.{kind}") for n in range(e)])
+                          for p in ("gate", "up", "down"))          # [E, I, (H)], [E, I, (H)], [E, H, (I)]
+        if m.layout == "qwen":
+            fused = torch.cat([gate, up], dim=1)                    # [E, 2I, (H)]: gate rows, then up rows
+        else:
+            fused = torch.stack([gate, up], dim=2).flatten(1, 2)    # [E, 2I, (H)]: gate j, up j at 2j, 2j + 1
+            if kind == "weight":
+                fused, down = fused.transpose(1, 2), down.transpose(1, 2)    # [E, H, 2I], [E, I, H]
+        state_dict[f"{ex}gate_up_proj{suffix}"], state_dict[f"{ex}down_proj{suffix}"] = fused, down
+
 
 
 # ----------------------------------------------------------------------------- the forward
@@ -738,14 +903,37 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _check_sizes(**sizes) -> None:
+    for name, v in sizes.items():
+        low = 0 if name == "shared_intermediate_size" else 1
+        if not _is_int(v) or v < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+    if sizes["num_experts"] > MAX_EXPERTS:
+        raise ValueError(f"num_experts must be <= {MAX_EXPERTS}, got {sizes['num_experts']}")
+    if sizes["top_k"] > sizes["num_experts"]:
+        raise ValueError(f"top_k={sizes['top_k']} must be <= num_experts={sizes['num_experts']}")
+
+
+def _sigmoid(x, invariant: bool):
+    return 1 / (1 + torch.exp(-x.clamp(min=-80))) if invariant else torch.sigmoid(x)
+
+
+def _silu(x, invariant: bool):
+    return x * _sigmoid(x, True) if invariant else F.silu(x)
+
+
 # (the same checks and messages as ref/moe.py's; each file stands alone)
 
-def _check_options(*, layout, activation, swiglu_limit, swiglu_alpha, batch_invariant) -> None:
-    for name, v, allowed in (("layout", layout, LAYOUTS), ("activation", activation, ACTIVATIONS)):
-        if v not in allowed:
+def _check_options(*, scoring=None, layout, activation, swiglu_limit, swiglu_alpha, norm_topk_prob=True,
+                   router_bias=False, expert_bias=False, batch_invariant=False) -> None:
+    for name, v, allowed in (("scoring", scoring, SCORINGS), ("layout", layout, LAYOUTS),
+                             ("activation", activation, ACTIVATIONS)):
+        if v not in allowed and not (name == "scoring" and v is None):
             raise ValueError(f"{name} must be one of {allowed}, got {v!r}")
-    if not isinstance(batch_invariant, bool):
-        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
+    for name, v in (("norm_topk_prob", norm_topk_prob), ("router_bias", router_bias), ("expert_bias", expert_bias),
+                    ("batch_invariant", batch_invariant)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be a bool, got {type(v).__name__} {v!r}")
     for name, v in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and v < float("inf")):
             raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
@@ -765,6 +953,7 @@ def _check_route(logits, top_k, scoring, norm_topk_prob) -> None:
 
 
 def _expert_shapes(layout: str, e: int, h: int, i: int) -> dict:
+    """The expert tensors' shapes in ``layout``."""
     if layout == "qwen":
         return dict(gate_up_proj=(e, 2 * i, h), down_proj=(e, h, i), gate_up_bias=(e, 2 * i), down_bias=(e, h))
     return dict(gate_up_proj=(e, h, 2 * i), down_proj=(e, i, h), gate_up_bias=(e, 2 * i), down_bias=(e, h))

@@ -282,11 +282,12 @@ def test_layer_matches_transformers(family):
 def test_layer_gradients_fast_vs_ref(family):
     block, kw = hf_block(family, seed=2)
     layers = {}
-    for name, dtype, plug in (("ref64", torch.float64, {}), ("ref32", torch.float32, {}),
-                              ("fast", torch.float32, dict(route_fn=fast.route, experts_fn=fast.moe_experts))):
-        layers[name] = ref.MoE(H, **kw, **plug)
+    for name, dtype, module in (("ref64", torch.float64, ref), ("ref32", torch.float32, ref),
+                                ("fast", torch.float32, fast)):
+        layers[name] = module.MoE(H, **kw)           # each file's layer on its own functions
         layers[name].load_state_dict(block.state_dict())
         layers[name].to(device=DEVICE, dtype=dtype)
+    assert layers["fast"].route_fn is fast.route and layers["fast"].experts_fn is fast.moe_experts
     gen = make_generator(6)
     x = randn(11, H, gen=gen, dtype=torch.float64)
     dy = randn(11, H, gen=gen, dtype=torch.float64)
