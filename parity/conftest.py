@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -261,6 +262,33 @@ def assert_finite(name: str, t: torch.Tensor):
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
+
+
+# ----------------------------------------------------------------------------- background runs
+
+# What test_bitwise_blas.py and test_numerics_blas.py start at collection (and test_compile.py's builds, through
+# aot_compile.py's --nice): child processes at the lowest CPU priority, so they use what the single-threaded
+# interpreter tests leave idle.
+BACKGROUND_NICE = 19
+
+
+def lowest_priority() -> None:
+    """A child's preexec_fn: the lowest CPU priority."""
+    os.nice(BACKGROUND_NICE)
+
+
+def stop_background(runs: dict) -> None:
+    """Kill what still runs in ``runs`` ({name: (process, *open files)}, and "_dir": their folder; a session
+    that ends early, interrupted or deselected after the start), close the files, remove the folder."""
+    for proc, *files in [run for name, run in runs.items() if name != "_dir"]:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for f in files:
+            f.close()
+    if "_dir" in runs:
+        shutil.rmtree(runs["_dir"], ignore_errors=True)
+    runs.clear()
 
 
 # ----------------------------------------------------------------------------- test order

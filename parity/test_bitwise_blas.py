@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ON_GPU
+from conftest import ON_GPU, lowest_priority, stop_background
 
 PROBE = Path(__file__).resolve().parent / "bitwise_probe.py"
 
@@ -51,11 +50,6 @@ KERNELS = [
 
 
 _PROBES: dict = {}
-NICE = 19
-
-
-def _lowest_priority():
-    os.nice(NICE)
 
 
 def start_probes() -> dict:
@@ -68,38 +62,21 @@ def start_probes() -> dict:
         return _PROBES
     out = Path(tempfile.mkdtemp(prefix="twofold-blas-probes-"))
     _PROBES["_dir"] = out
-    atexit.register(_stop_probes)
+    atexit.register(stop_background, _PROBES)
     for name, env, _, needs in KERNELS:
         if needs <= cpu_flags():
             stdout, stderr = open(out / f"{name}.out", "w+"), open(out / f"{name}.err", "w+")
             proc = subprocess.Popen([sys.executable, str(PROBE)], env={**os.environ, **env}, stdout=stdout,
                                     stderr=stderr, text=True,
-                                    preexec_fn=_lowest_priority if hasattr(os, "nice") else None)
+                                    preexec_fn=lowest_priority if hasattr(os, "nice") else None)
             _PROBES[name] = (proc, stdout, stderr)
     return _PROBES
-
-
-def _stop_probes(runs: dict = _PROBES):
-    """Kill what still runs (a session that ends early, interrupted or deselected after the start), close the
-    output files, remove their folder."""
-    for name, run in list(runs.items()):
-        if name == "_dir":
-            continue
-        proc, stdout, stderr = run
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        stdout.close()
-        stderr.close()
-    if "_dir" in runs:
-        shutil.rmtree(runs["_dir"], ignore_errors=True)
-    runs.clear()
 
 
 @pytest.fixture(scope="module")
 def probes():
     yield start_probes()
-    _stop_probes()
+    stop_background(_PROBES)
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU kernel families; the GPU tier checks the mode on a GPU")

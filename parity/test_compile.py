@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import BACKGROUND_NICE
+
 ROOT = Path(__file__).resolve().parents[1]
 FAST_FILES = sorted(ROOT / "fast" / p.name for p in (ROOT / "parity" / "aot_cases").glob("*.py"))
 
@@ -35,8 +37,7 @@ SHARDS = 4
 COMPILE_ALL = os.environ.get("TWOFOLD_COMPILE_ALL", "0") == "1"
 # The builds yield to the tests: the interpreter tests are the run's critical path (one process, mostly
 # one core), the builds fill what they leave idle.  Equal priority gave the tests 2/3 of a core while
-# the builds lasted (a cold make parity: 12.9-14.2 min on 2 cores).
-NICE = 19
+# the builds lasted (a cold make parity: 12.9-14.2 min on 2 cores).  conftest.BACKGROUND_NICE.
 _JOBS: dict = {}
 
 
@@ -45,7 +46,8 @@ def _aot(path: Path, shard: int) -> dict:
         out = Path(tmp) / "result.json"
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         cmd = [sys.executable, str(ROOT / "parity" / "aot_compile.py"), str(path), "--json", str(out),
-               "--shard", f"{shard}/{SHARDS}", "--nice", str(NICE)] + ([] if COMPILE_ALL else ["--first-config"])
+               "--shard", f"{shard}/{SHARDS}", "--nice", str(BACKGROUND_NICE)]
+        cmd += [] if COMPILE_ALL else ["--first-config"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
         results = json.loads(out.read_text()) if out.exists() else []
     return dict(returncode=proc.returncode, log=proc.stdout + proc.stderr, results=results)

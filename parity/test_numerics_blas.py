@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ON_GPU
+from conftest import ON_GPU, lowest_priority, stop_background
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +46,6 @@ TIGHTEST = [
     "parity/test_paged_varlen_attention_backward.py::test_keys_past_seqused_get_zero_gradient",     # 0.77
 ]
 
-NICE = 19
 _RUNS: dict = {}
 
 
@@ -86,10 +84,6 @@ def chosen_families() -> list[str]:
     return [f for f in candidates if f != own][:2]
 
 
-def _lowest_priority():
-    os.nice(NICE)
-
-
 def start_runs() -> dict:
     """The chosen families' runs, started at once in the background at the lowest priority when the session's
     tests are collected (conftest.py); the tests below read their reports."""
@@ -97,35 +91,21 @@ def start_runs() -> dict:
         return _RUNS
     out = Path(tempfile.mkdtemp(prefix="twofold-numerics-"))
     _RUNS["_dir"] = out
-    atexit.register(_stop_runs)
+    atexit.register(stop_background, _RUNS)
     for name in chosen_families():
         log = open(out / f"{name}.log", "w+")
         cmd = [sys.executable, "-m", "pytest", *TIGHTEST, "-v", "-s", "-p", "no:cacheprovider"]
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **family_env(name)}, stdout=log,
                                 stderr=subprocess.STDOUT, text=True,
-                                preexec_fn=_lowest_priority if hasattr(os, "nice") else None)
+                                preexec_fn=lowest_priority if hasattr(os, "nice") else None)
         _RUNS[name] = (proc, log)
     return _RUNS
-
-
-def _stop_runs(runs: dict = _RUNS):
-    for name, run in list(runs.items()):
-        if name == "_dir":
-            continue
-        proc, log = run
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-    if "_dir" in runs:
-        shutil.rmtree(runs["_dir"], ignore_errors=True)
-    runs.clear()
 
 
 @pytest.fixture(scope="module")
 def runs():
     yield start_runs()
-    _stop_runs()
+    stop_background(_RUNS)
 
 
 CHECK = re.compile(r": max\|fast-ref64\| ([0-9.e+-]+) .*?\| bound ([0-9.e+-]+?)(?:\.\.[0-9.e+-]+)?(?: |$)")
