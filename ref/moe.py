@@ -253,6 +253,13 @@ class MoE(nn.Module):
     def router_linear(self) -> nn.Linear:
         return self.router if self.layout == "gpt_oss" else self.gate
 
+    def convert_checkpoint(self, state_dict, prefix: str = "") -> None:
+        """A checkpoint's tensors under ``prefix`` into this layer's layout, in ``state_dict`` in place:
+        per-expert tensors (experts.{i}.gate_proj.weight, ...) and gpt-oss's MXFP4 blocks and scales become
+        the fused tensors, checked as untrusted input.  ``load_state_dict`` does it itself; a loader that
+        copies tensors by name (decoder_lm.py's) calls it first."""
+        _load_checkpoint_tensors(self, state_dict, prefix)
+
     def set_batch_invariant(self, linear, out_linear=None) -> None:
         """Batch-invariant mode (fast/decoder_lm.py's ``DecoderLM(batch_invariant=True)`` calls it): from
         then on a token's output (and the experts it picks) is bit for bit the same whichever tokens share
