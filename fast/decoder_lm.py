@@ -69,10 +69,14 @@ Batch-invariant mode: bitwise on-policy (``DecoderLM(..., batch_invariant=True, 
                   fast/gated_deltanet.py's with the ``batch_invariant=True`` the layer passes).  A
                   completion in ``token_logprobs`` continues from its prompt's cache (that chunk start
                   state and buffer), as a decode step does.
+      MoE layers  a ``moe_layer`` plug-in must have ``set_batch_invariant(linear)`` (moe.py's ``MoE``
+                  has): its router logits and shared expert go through the invariant matmul, its experts
+                  run fixed tiles without split-K and combine a token's k outputs in expert-index order,
+                  so a token picks the same experts and gets the same bits in the trainer and the engine.
     Gradients through ``token_logprobs`` are the default kernels' (they need not be invariant).  Tested
     bitwise under four CPU kernel families (OpenBLAS generic, Sandybridge, Haswell/Zen, SkylakeX; ATen
-    and MKL at AVX2 and scalar: parity/test_bitwise_blas.py), on Llama-style, Qwen3 and Qwen3.5
-    checkpoints, and on the sm_80/sm_90 builds; a GPU run is owed.
+    and MKL at AVX2 and scalar: parity/test_bitwise_blas.py), on Llama-style, Qwen3, Qwen3.5, Qwen3-MoE
+    and Qwen3.5-MoE checkpoints, and on the sm_80/sm_90 builds; a GPU run is owed.
 
 Tensor parallelism (``DecoderLM(config, tp_group=group)``: any torch.distributed ProcessGroup)
     The reference's layout (``shard_spec``), collectives (Megatron's f and g: one all-reduce per row-parallel
@@ -128,7 +132,10 @@ except ImportError:
 __all__ = ["ModelConfig", "DecoderLM", "LAYER_TYPES", "SUPPORTED_MODEL_TYPES", "read_safetensors"]
 
 LAYER_TYPES = ("attention", "linear")
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5", "qwen3_moe", "qwen3_5_moe_text",
+                         "qwen3_5_moe")
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")       # Gated DeltaNet + gated attention
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text")
 ROPE_TYPES = ("default", "llama3")
 WEIGHT_PREFIXES = ("model.", "model.language_model.")
 
@@ -171,15 +178,34 @@ class ModelConfig:
     linear_head_k_dim: int = 16
     linear_head_v_dim: int = 16
     linear_conv_kernel_size: int = 4
+    num_experts: int = 0                    # Mixture-of-Experts MLPs (Qwen3-MoE, Qwen3.5-MoE); 0: dense
+    num_experts_per_tok: int = 2            # k: the experts each token goes through
+    moe_intermediate_size: int = 32         # each expert's FFN size
+    shared_expert_intermediate_size: int = 0   # Qwen3.5-MoE's shared expert (0: none)
+    norm_topk_prob: bool = True             # the k chosen probabilities renormalised (Qwen3-MoE's flag)
+    mlp_only_layers: tuple[int, ...] = ()   # an MoE model's dense layers (Qwen3-MoE)
+    decoder_sparse_step: int = 1            # every step-th layer is MoE (Qwen3-MoE)
     weight_prefix: str = "model."           # where the text model's weights live in the checkpoint
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_seq_len", "linear_num_k_heads", "linear_num_v_heads", "linear_head_k_dim",
-                     "linear_head_v_dim", "linear_conv_kernel_size", "rope_original_max_position"):
+                     "linear_head_v_dim", "linear_conv_kernel_size", "rope_original_max_position",
+                     "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("num_experts", "shared_expert_intermediate_size"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts "
+                             f"({self.num_experts})")
+        dense = tuple(self.mlp_only_layers)
+        if any(not _is_int(i) or not 0 <= i < self.num_layers for i in dense):
+            raise ValueError(f"mlp_only_layers must be layer indices in [0, {self.num_layers}), got "
+                             f"{self.mlp_only_layers!r}")
+        object.__setattr__(self, "mlp_only_layers", dense)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.linear_num_v_heads % self.linear_num_k_heads:
@@ -215,6 +241,21 @@ class ModelConfig:
         """R: the rotated dims at the start of each head (the rest pass through)."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a Mixture-of-Experts block (transformers' Qwen3-MoE rule: not in
+        mlp_only_layers, and layer + 1 a multiple of decoder_sparse_step)."""
+        if not self.num_experts:
+            return ()
+        return tuple(i for i in range(self.num_layers)
+                     if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
+
+    def moe_layer_sizes(self) -> dict:
+        """The keywords a ``moe_layer`` is called with (moe.py's MoE's names)."""
+        return dict(hidden_size=self.hidden_size, num_experts=self.num_experts, top_k=self.num_experts_per_tok,
+                    intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                    shared_intermediate_size=self.shared_expert_intermediate_size)
+
     def linear_layer_sizes(self) -> dict:
         """The keywords a ``linear_layer`` is called with (gated_deltanet.py's GatedDeltaNet's names)."""
         return dict(hidden_size=self.hidden_size, num_k_heads=self.linear_num_k_heads,
@@ -236,15 +277,15 @@ def _hf_fields(raw: dict, max_seq_len) -> dict:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not supported: this model reads {SUPPORTED_MODEL_TYPES} "
-                         f"(dense Llama 3 / Qwen2 / Qwen2.5 / Qwen3 and Qwen3.5 text; no MoE, no vision inputs)")
+                         f"(Llama 3 / Qwen2 / Qwen2.5 / Qwen3 / Qwen3.5 text, Qwen3-MoE / Qwen3.5-MoE; no vision)")
     if isinstance(max_seq_len, bool) or not (max_seq_len is None or _is_int(max_seq_len) and max_seq_len >= 1):
         raise ValueError(f"max_seq_len must be None or an int >= 1, got {max_seq_len!r}")
     prefix, tie = "model.", raw.get("tie_word_embeddings", False)
-    if model_type == "qwen3_5":                       # the multimodal checkpoint: its text model (tied at the top)
+    if model_type in ("qwen3_5", "qwen3_5_moe"):      # the multimodal checkpoint: its text model (tied at the top)
         text = raw.get("text_config")
         if not isinstance(text, dict):
-            raise ValueError("a qwen3_5 config needs its text_config")
-        prefix, raw, model_type = "model.language_model.", text, "qwen3_5_text"
+            raise ValueError(f"a {model_type} config needs its text_config")
+        prefix, raw, model_type = "model.language_model.", text, model_type + "_text"
 
     def get(key, default=None, required=False):
         if key not in raw or raw[key] is None:
@@ -256,14 +297,15 @@ def _hf_fields(raw: dict, max_seq_len) -> dict:
     if get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {get('hidden_act')!r} is not supported (silu only)")
     hidden, heads = get("hidden_size", required=True), get("num_attention_heads", required=True)
-    qwen3_family = model_type in ("qwen3", "qwen3_5_text")
-    default_head_dim = {"qwen3": 128, "qwen3_5_text": 256}.get(model_type, hidden // heads)
+    hybrid, moe = model_type in HYBRID_MODEL_TYPES, model_type in MOE_MODEL_TYPES
+    qwen3_family = model_type in ("qwen3", "qwen3_moe") or hybrid
+    default_head_dim = 256 if hybrid else 128 if qwen3_family else hidden // heads
     layers = get("num_hidden_layers", required=True)
-    hf_types = get("layer_types") or (["full_attention"] * layers if model_type != "qwen3_5_text" else
+    hf_types = get("layer_types") or (["full_attention"] * layers if not hybrid else
                                       ["full_attention" if (i + 1) % get("full_attention_interval", 4) == 0
                                        else "linear_attention" for i in range(layers)])
     unknown = sorted({t for t in hf_types} - {"full_attention", "linear_attention"})
-    if unknown or (model_type != "qwen3_5_text" and "linear_attention" in hf_types):
+    if unknown or (not hybrid and "linear_attention" in hf_types):
         raise ValueError(f"layer types {unknown or ['linear_attention']} are not supported for {model_type} "
                          f"(sliding-window layers are not)")
     if get("use_sliding_window", False):
@@ -277,16 +319,17 @@ def _hf_fields(raw: dict, max_seq_len) -> dict:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported: {ROPE_TYPES}")
-    partial = rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25 if model_type == "qwen3_5_text"
-                                                    else 1.0))
+    partial = rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25 if hybrid else 1.0))
+    experts = get("num_experts", get("num_local_experts", 0)) if moe else 0   # (transformers 5 writes the latter)
     fields = dict(
         vocab_size=get("vocab_size", required=True), hidden_size=hidden,
-        intermediate_size=get("intermediate_size", required=True), num_layers=layers, num_heads=heads,
+        intermediate_size=get("intermediate_size", get("moe_intermediate_size") if moe else None,
+                              required=model_type != "qwen3_5_moe_text"), num_layers=layers, num_heads=heads,
         num_kv_heads=get("num_key_value_heads", heads), head_dim=get("head_dim", default_head_dim),
         max_seq_len=min(get("max_position_embeddings", 2048), max_seq_len or math.inf),
         rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))), rms_eps=float(get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(tie), qkv_bias=model_type == "qwen2", qk_norm=qwen3_family,
-        attn_output_gate=model_type == "qwen3_5_text", zero_centered_norm=model_type == "qwen3_5_text",
+        attn_output_gate=hybrid, zero_centered_norm=hybrid,
         partial_rotary_factor=float(partial), rope_type=rope_type, weight_prefix=prefix,
         layer_types=None if "linear_attention" not in hf_types else
         tuple("linear" if t == "linear_attention" else "attention" for t in hf_types))
@@ -294,7 +337,18 @@ def _hf_fields(raw: dict, max_seq_len) -> dict:
         fields.update(rope_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
                       rope_high_freq_factor=float(rope["high_freq_factor"]),
                       rope_original_max_position=int(rope["original_max_position_embeddings"]))
-    if model_type == "qwen3_5_text":
+    if moe:
+        if not _is_int(experts) or experts < 1:
+            raise ValueError(f"the {model_type} config needs num_experts >= 1, got {experts!r}")
+        fields.update(num_experts=experts, num_experts_per_tok=get("num_experts_per_tok", required=True),
+                      moe_intermediate_size=get("moe_intermediate_size", required=True),
+                      # Qwen3.5-MoE always renormalises the k probabilities and has the shared expert
+                      norm_topk_prob=bool(get("norm_topk_prob", False)) if not hybrid else True,
+                      shared_expert_intermediate_size=get("shared_expert_intermediate_size", required=True)
+                      if hybrid else 0,
+                      mlp_only_layers=tuple(get("mlp_only_layers", ())) if not hybrid else (),
+                      decoder_sparse_step=get("decoder_sparse_step", 1) if not hybrid else 1)
+    if hybrid:
         fields.update(linear_num_k_heads=get("linear_num_key_heads", 16),
                       linear_num_v_heads=get("linear_num_value_heads", 32),
                       linear_head_k_dim=get("linear_key_head_dim", 128),
@@ -497,7 +551,7 @@ class _MLP(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, c: ModelConfig, kind: str, linear_layer):
+    def __init__(self, c: ModelConfig, kind: str, linear_layer, moe_layer=None):
         super().__init__()
         self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_eps, c.zero_centered_norm)
         if kind == "attention":
@@ -505,13 +559,13 @@ class _Block(nn.Module):
         else:
             self.linear_attn = linear_layer(**c.linear_layer_sizes())
         self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_eps, c.zero_centered_norm)
-        self.mlp = _MLP(c)
+        self.mlp = _MLP(c) if moe_layer is None else moe_layer(**c.moe_layer_sizes())
 
 
 class _TextModel(nn.Module):
     """The body under the checkpoint's prefix: embed_tokens, layers, norm."""
 
-    def __init__(self, c: ModelConfig, linear_layer, seed: int):
+    def __init__(self, c: ModelConfig, linear_layer, moe_layer, seed: int):
         super().__init__()
         # (initialised by DecoderLM; nn.Embedding's own normal_ takes seconds at a real vocab under a meta device)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, _weight=torch.empty(c.vocab_size, c.hidden_size))
@@ -519,7 +573,7 @@ class _TextModel(nn.Module):
         for i, kind in enumerate(c.kinds):
             with torch.random.fork_rng(devices=[]):  # a plug-in's own init: the reference's seeds
                 torch.manual_seed(seed * 1000003 + i)
-                blocks.append(_Block(c, kind, linear_layer))
+                blocks.append(_Block(c, kind, linear_layer, moe_layer if i in c.moe_layers else None))
         self.layers = nn.ModuleList(blocks)
         self.norm = _RMSNorm(c.hidden_size, c.rms_eps, c.zero_centered_norm)
 
@@ -540,8 +594,8 @@ class DecoderLM(nn.Module):
     # tower and the multi-token-prediction head.  Loading skips them; so do the generator engines.
     ignored_weight_prefixes = ("model.visual.", "mtp.")
 
-    def __init__(self, config: ModelConfig | None = None, *, seed: int = 0, linear_layer=None, device=None,
-                 dtype=None, batch_invariant: bool = False, varlen_attn=None, tp_group=None):
+    def __init__(self, config: ModelConfig | None = None, *, seed: int = 0, linear_layer=None, moe_layer=None,
+                 device=None, dtype=None, batch_invariant: bool = False, varlen_attn=None, tp_group=None):
         super().__init__()
         config = ModelConfig() if config is None else config
         if not isinstance(config, ModelConfig):
@@ -552,15 +606,18 @@ class DecoderLM(nn.Module):
         if "linear" in config.kinds and linear_layer is None:
             raise ValueError("this model has 'linear' layers: pass linear_layer=GatedDeltaNet (gated_deltanet.py's "
                              "class, or a functools.partial of it with the fast kernels)")
+        if config.moe_layers and moe_layer is None:
+            raise ValueError("this model has Mixture-of-Experts layers: pass moe_layer=MoE (moe.py's class)")
         self.config = config
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = (0, 1) if tp_group is None else (tp_group.rank(), tp_group.size())
         self.local_config = local_config(config, self.tp_size, batch_invariant)   # this rank's sizes
-        self.init_kwargs = dict(linear_layer=linear_layer, batch_invariant=batch_invariant, varlen_attn=varlen_attn)
+        self.init_kwargs = dict(linear_layer=linear_layer, moe_layer=moe_layer, batch_invariant=batch_invariant,
+                                varlen_attn=varlen_attn)
         self.tp_traffic = dict(reductions=0, payload_bytes=0)   # row-parallel sums so far (forward)
         meta = device is not None and torch.device(device).type == "meta"
         with torch.device("meta") if meta else _no_context():
-            body = _TextModel(self.local_config, linear_layer, seed)
+            body = _TextModel(self.local_config, linear_layer, moe_layer, seed)
             if config.weight_prefix == "model.language_model.":   # the multimodal checkpoint's layout
                 self.model = nn.Module()
                 self.model.language_model = body
@@ -587,12 +644,10 @@ class DecoderLM(nn.Module):
         self.segments = tp_segments(config) if batch_invariant else None
         for i, block in enumerate(self.layers):
             if hasattr(block, "linear_attn") and batch_invariant:
-                if not callable(getattr(block.linear_attn, "set_batch_invariant", None)):
-                    raise ValueError(f"batch_invariant=True: the linear_layer plug-in of layer {i} "
-                                     f"({type(block.linear_attn).__name__}) has no set_batch_invariant(linear) "
-                                     f"method, so its numerics cannot be made batch-invariant")
                 out_linear = functools.partial(_local_tree, segments=self.segments["out_proj"] // self.tp_size)
-                block.linear_attn.set_batch_invariant(_invariant_linear, out_linear=out_linear)
+                _set_invariant(block.linear_attn, i, _invariant_linear, out_linear)
+            if i in config.moe_layers and batch_invariant:
+                _set_invariant(block.mlp, i, _invariant_linear, None, plugin="moe_layer")
         if self.tp_size > 1:
             _register_shared_grad_hooks(self)
 
@@ -658,6 +713,9 @@ class DecoderLM(nn.Module):
             else:
                 x = x + self._reduce(mix(i, block.linear_attn, h))         # out_proj: row-parallel inside
             m, hm = block.mlp, self._to_ranks(block.post_attention_layernorm(x, inv))
+            if not isinstance(m, _MLP):                                     # a Mixture-of-Experts block
+                x = x + m(hm)
+                continue
             gate_up, up = _linear(hm, m.gate_up_proj.weight, None, inv).split(m.sizes, dim=-1)
             x = x + self._row_parallel(_silu(gate_up, inv) * up, m.down_proj.weight, "down_proj")
         return self.body.norm(x, inv)
@@ -893,18 +951,21 @@ class DecoderLM(nn.Module):
         return cos[positions], sin[positions]
 
     @classmethod
-    def from_pretrained(cls, path, *, linear_layer=None, dtype=None, device=None, batch_invariant: bool = False,
-                        varlen_attn=None, max_seq_len: int | None = None, tp_group=None) -> DecoderLM:
+    def from_pretrained(cls, path, *, linear_layer=None, moe_layer=None, dtype=None, device=None,
+                        batch_invariant: bool = False, varlen_attn=None, max_seq_len: int | None = None,
+                        tp_group=None) -> DecoderLM:
         """The model of a Hugging Face checkpoint directory (config.json + safetensors, one file or
         sharded): weights memory-mapped and copied straight into the parameters, in ``dtype`` (default:
         the checkpoint's) on ``device``.  ``linear_layer``: required for hybrid (Qwen3.5) checkpoints,
-        called with the checkpoint's sizes as keywords.  ``max_seq_len`` caps the context.  ``tp_group``:
+        ``moe_layer``: for MoE (Qwen3-MoE, Qwen3.5-MoE) ones, each called with the checkpoint's sizes as
+        keywords.  ``max_seq_len`` caps the context.  ``tp_group``:
         this rank reads only its shard's bytes."""
         raw = _read_json_config(path)
         config = ModelConfig(**_hf_fields(raw, max_seq_len))
         dtype = _checkpoint_dtype(raw) if dtype is None else dtype
-        model = cls(config, linear_layer=linear_layer, device="meta", dtype=dtype, batch_invariant=batch_invariant,
-                    varlen_attn=varlen_attn, tp_group=tp_group)   # no memory, no init: the checkpoint fills it
+        model = cls(config, linear_layer=linear_layer, moe_layer=moe_layer, device="meta", dtype=dtype,
+                    batch_invariant=batch_invariant, varlen_attn=varlen_attn,
+                    tp_group=tp_group)   # no memory, no init: the checkpoint fills it
         model.to_empty(device=torch.device("cpu") if device is None else device)
         load_checkpoint(model, path)
         return model
@@ -1070,6 +1131,9 @@ def local_config(c: ModelConfig, tp: int, batch_invariant: bool = False) -> Mode
         raise ValueError(f"the tensor-parallel size must be an int >= 1, got {tp!r}")
     if tp == 1:
         return c
+    if c.num_experts:
+        raise ValueError(f"tensor parallelism (tp={tp}) of Mixture-of-Experts models is not implemented (expert "
+                         f"parallelism is not written yet): MoE models run at tp = 1")
     hybrid = "linear" in c.kinds
     problems = [f"{name}={n}" for name, n in (("num_heads", c.num_heads), ("intermediate_size", c.intermediate_size))
                 if n % tp]
@@ -1411,6 +1475,9 @@ def load_checkpoint(model: nn.Module, path) -> None:
     ``lm_head.weight`` may be absent (it is the embedding)."""
     tensors = {n: t for n, t in checkpoint_tensors(path).items()
                if not n.startswith(getattr(model, "ignored_weight_prefixes", ()))}
+    for name, module in model.named_modules():     # a plug-in's own checkpoint layouts (moe.py's per-expert tensors)
+        if callable(getattr(module, "convert_checkpoint", None)):
+            module.convert_checkpoint(tensors, name + ".")
     if getattr(model, "tp_size", 1) > 1:                    # this rank's slices (views: only their bytes are read)
         tensors = model.shard_state_dict(tensors)
     params = model.state_dict()
@@ -1477,10 +1544,13 @@ def _init_std(name: str, c: ModelConfig) -> float | None:
         return 1.0 / math.sqrt(c.hidden_size)
     if name.endswith("norm.weight"):
         return 0.1
-    if name.endswith(".bias"):
+    if name.endswith((".bias", "_bias")):
         return 0.1
-    fan_in = {"o_proj": c.num_heads * c.head_dim, "down_proj": c.intermediate_size}.get(leaf[-2], c.hidden_size)
-    out_scale = 1.0 / math.sqrt(2 * c.num_layers) if leaf[-2] in ("o_proj", "down_proj") else 1.0
+    part = leaf[-1] if leaf[-2] == "experts" else leaf[-2]         # (an MoE layer's fused expert tensors)
+    ffn = (c.moe_intermediate_size if leaf[-2] == "experts" else
+           c.shared_expert_intermediate_size if ".shared_expert." in name else c.intermediate_size)
+    fan_in = {"o_proj": c.num_heads * c.head_dim, "down_proj": ffn}.get(part, c.hidden_size)
+    out_scale = 1.0 / math.sqrt(2 * c.num_layers) if part in ("o_proj", "down_proj") else 1.0
     return out_scale / math.sqrt(fan_in)
 
 
@@ -1570,6 +1640,15 @@ if triton is not None:
 
 
 # ----------------------------------------------------------------------------- input checks
+
+def _set_invariant(module, index: int, linear, out_linear, plugin: str = "linear_layer") -> None:
+    """A plug-in layer's batch-invariant mode: ``linear`` for its projections, ``out_linear`` for its
+    row-parallel output projection (the reduction tree's leaves on this rank)."""
+    if not callable(getattr(module, "set_batch_invariant", None)):
+        raise ValueError(f"batch_invariant=True: the {plugin} plug-in of layer {index} ({type(module).__name__}) "
+                         f"has no set_batch_invariant(linear) method, so its numerics cannot be made batch-invariant")
+    module.set_batch_invariant(linear, out_linear=out_linear)
+
 
 def _check_mode(batch_invariant, varlen_attn) -> None:
     if not isinstance(batch_invariant, bool):

@@ -462,7 +462,7 @@ class Generator:
     @classmethod
     def from_pretrained(cls, path, *, model_class, linear_layer=None, **kwargs) -> Generator:
         """A generator serving the Hugging Face checkpoint at ``path``: ``model_class.from_pretrained(path,
-        linear_layer=..., dtype=..., device=..., max_seq_len=..., batch_invariant=..., varlen_attn=...)``
+        linear_layer=..., moe_layer=..., dtype=..., device=..., max_seq_len=..., batch_invariant=..., varlen_attn=...)``
         (fast/decoder_lm.py's ``DecoderLM``; those keywords go to it when given, ``varlen_attn`` and
         ``max_seq_len`` to both: an explicit max_seq_len must fit the memory budget), the other keywords to
         ``Generator``."""
@@ -2488,7 +2488,7 @@ def _checked_state_dict(state_dict, shapes: dict, optional: set = frozenset(), i
 
 
 
-_MODEL_KEYWORDS = ("dtype", "device", "max_seq_len", "batch_invariant")
+_MODEL_KEYWORDS = ("moe_layer", "dtype", "device", "max_seq_len", "batch_invariant")
 
 
 def _check_model(model) -> None:

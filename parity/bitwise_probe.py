@@ -22,8 +22,9 @@ Checks (each reports the rows or requests that were bitwise out of those compare
   engine      Generator(model) on a DecoderLM(batch_invariant=True) under preemption == the same
               requests alone == DecoderLM.token_logprobs, on the real architectures' numerics: an
               attention-only model with Qwen2's q/k/v bias, Qwen3's q/k norms and Llama 3's rope
-              scaling, and a Qwen3.5-style hybrid (Gated DeltaNet, the attention output gate, partial
-              rotary, zero-centred norms).
+              scaling, a Qwen3.5-style hybrid (Gated DeltaNet, the attention output gate, partial
+              rotary, zero-centred norms), and that hybrid with Qwen3.5-MoE's MLPs (routed experts on
+              fast/moe.py's kernels and the shared expert).
 Prints one JSON line: {"corename", "aten", "checks": {name: {"bitwise", "total", "error"}}}.
 """
 from __future__ import annotations
@@ -109,6 +110,7 @@ ARCHITECTURES = {
                       rope_original_max_position=16),
     "hybrid": dict(qk_norm=True, attn_output_gate=True, partial_rotary_factor=0.5, zero_centered_norm=True),
 }
+ARCHITECTURES["hybrid-moe"] = ARCHITECTURES["hybrid"]         # + Qwen3.5-MoE's experts (the test's config)
 
 
 def check_engine(kind: str, *, requests: int, seed: int, page_size: int) -> tuple[int, int]:
@@ -123,7 +125,8 @@ def check_engine(kind: str, *, requests: int, seed: int, page_size: int) -> tupl
 
     def make_model():
         config = dataclasses.replace(t.config(kind), **ARCHITECTURES[kind])
-        return fast_lm.DecoderLM(config, seed=3, linear_layer=t.MODELS[kind]["linear_layer"], batch_invariant=True,
+        return fast_lm.DecoderLM(config, seed=3, linear_layer=t.MODELS[kind]["linear_layer"],
+                                 moe_layer=t.MODELS[kind].get("moe_layer"), batch_invariant=True,
                                  varlen_attn=varlen_attn)
 
     reqs = t.requests(seed=seed, n=requests)
@@ -161,6 +164,8 @@ def main(argv=None) -> int:
             "attention", requests=args.requests, seed=args.seed, page_size=args.page_size),
         "engine hybrid": lambda: check_engine(
             "hybrid", requests=args.requests, seed=args.seed, page_size=args.page_size + 1),
+        "engine moe": lambda: check_engine(
+            "hybrid-moe", requests=args.requests, seed=args.seed, page_size=args.page_size + 2),
     }
     report = {"corename": openblas_corename(), "aten": torch.backends.cpu.get_cpu_capability(), "checks": {}}
     for name, run in checks.items():

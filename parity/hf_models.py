@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5", "qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe")
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe")
+# Router weights are scaled up by this much after the perturbation: logits spread over a few units, so the
+# top-k has no near-ties a 1e-6 rounding difference could flip (the tests measure the smallest margin).
+ROUTER_SCALE = 30.0
 VOCAB = 97
 
 
@@ -62,9 +66,12 @@ def write_real_size_checkpoint(shape: str, path, *, max_position_embeddings: int
 
 def hf_config(family: str, *, tie: bool | None = None, layers: int = 4, max_positions: int = 256):
     """A transformers config of ``family`` at test size (odd sizes; GQA 4/2; llama3 rope scaling for
-    llama; Qwen3.5: 3 Gated DeltaNet layers + 1 gated attention layer, GVA 2/4, partial rotary)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    llama; Qwen3.5: 3 Gated DeltaNet layers + 1 gated attention layer, GVA 2/4, partial rotary; MoE: 6
+    experts, top 2, Qwen3-MoE with a dense layer (mlp_only_layers) and unnormalised top-k probabilities,
+    Qwen3.5-MoE with its shared expert)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
     from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
     common = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                   rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=None, eos_token_id=None)
@@ -82,9 +89,21 @@ def hf_config(family: str, *, tie: bool | None = None, layers: int = 4, max_posi
     if family == "qwen3_5_text":
         return Qwen3_5TextConfig(**qwen35, tie_word_embeddings=bool(tie))
     if family == "qwen3_5":
-        return Qwen3_5Config(text_config=qwen35, tie_word_embeddings=bool(tie), vision_config=dict(
-            depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=48))
+        return Qwen3_5Config(text_config=qwen35, tie_word_embeddings=bool(tie), vision_config=VISION)
+    experts = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**common, **experts, head_dim=16, tie_word_embeddings=bool(tie), norm_topk_prob=False,
+                              mlp_only_layers=[layers - 2])
+    qwen35_moe = dict({k: v for k, v in qwen35.items() if k != "intermediate_size"}, **experts,
+                      shared_expert_intermediate_size=40)
+    if family == "qwen3_5_moe_text":
+        return Qwen3_5MoeTextConfig(**qwen35_moe, tie_word_embeddings=bool(tie))
+    if family == "qwen3_5_moe":
+        return Qwen3_5MoeConfig(text_config=qwen35_moe, tie_word_embeddings=bool(tie), vision_config=VISION)
     raise ValueError(family)
+
+
+VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=48)
 
 
 def hf_model(family: str, *, seed: int = 0, dtype=torch.float32, **config_kw):
@@ -94,8 +113,9 @@ def hf_model(family: str, *, seed: int = 0, dtype=torch.float32, **config_kw):
     use_torch_delta_rule()
     cfg = hf_config(family, **config_kw)
     torch.manual_seed(seed)
-    if family == "qwen3_5":
-        model = transformers.Qwen3_5ForConditionalGeneration(cfg).to(dtype)
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        model = (transformers.Qwen3_5ForConditionalGeneration if family == "qwen3_5" else
+                 transformers.Qwen3_5MoeForConditionalGeneration)(cfg).to(dtype)
     else:
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -103,17 +123,43 @@ def hf_model(family: str, *, seed: int = 0, dtype=torch.float32, **config_kw):
         for name, p in model.named_parameters():
             neutral = any(k in name for k in ("norm", "bias", "A_log", "dt_bias"))
             p.add_((torch.randn(p.shape, generator=gen) * (0.2 if neutral else 0.02)).to(p.dtype))
+            if name.endswith("mlp.gate.weight"):                    # an MoE router: sharp (ROUTER_SCALE)
+                p.mul_(ROUTER_SCALE)
     model.generation_config.eos_token_id = None          # greedy runs to max_new_tokens, as the engines do
     return model.eval()
 
 
 def use_torch_delta_rule() -> None:
-    """Make transformers' Qwen3.5 run its own PyTorch delta rule and causal conv, not fla's kernels."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
-    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                 "causal_conv1d_update"):
-        fn = getattr(m, name)
-        setattr(m, name, getattr(fn, "__wrapped__", fn))
+    """Make transformers' Qwen3.5 (and Qwen3.5-MoE) run its own PyTorch delta rule and causal conv, not fla's
+    kernels."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+    for m in (modeling_qwen3_5, modeling_qwen3_5_moe):
+        for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                     "causal_conv1d_update"):
+            fn = getattr(m, name)
+            setattr(m, name, getattr(fn, "__wrapped__", fn))
+
+
+def hf_router_margin(model, sequences: list) -> float:
+    """The smallest gap, over every token of ``sequences`` (each run alone) and every MoE layer, between the
+    k-th and the (k+1)-th largest router logit of transformers' model: how far the top-k is from a tie."""
+    routers = [m for n, m in model.named_modules() if n.endswith("mlp.gate") and hasattr(m, "top_k")]
+    margins = []
+
+    def hook(module, args, out):
+        top = out[0].float().topk(module.top_k + 1, dim=-1).values           # router_logits [T, E]
+        margins.append((top[:, -2] - top[:, -1]).min().item())
+    handles = [r.register_forward_hook(hook) for r in routers]
+    try:
+        for s in sequences:
+            with torch.no_grad():
+                model(torch.tensor([s], device=next(model.parameters()).device))
+    finally:
+        for h in handles:
+            h.remove()
+    assert routers and margins, "not an MoE model"
+    return min(margins)
 
 
 def hf_logprobs(model, sequence: list, prompt_len: int) -> torch.Tensor:

@@ -5,7 +5,9 @@ varlen_attn=...)``) serves requests whose tokens and per-token logprobs do not d
 the batch, on when they joined, on how their prompt was packed, or on a preemption that recomputed
 them; ``token_logprobs`` of a model in the mode (the trainer's one packed forward over prompt +
 completion) gives the same logprobs bit for bit (``torch.equal``).  Checked here for an
-attention-only model and a hybrid one (attention + Gated DeltaNet layers) under continuous batching
+attention-only model, a hybrid one (attention + Gated DeltaNet layers) and a hybrid with Mixture-of-Experts
+MLPs on fast/moe.py's kernels (Qwen3.5-MoE's layout: routed experts and the shared expert; equal bits mean
+the engine's tokens went to the trainer's experts) under continuous batching
 with a KV pool small enough to preempt, in fp32 on the CPU with the repo's attention kernels under
 the Triton interpreter.  The negative control runs the same workload with the mode off and records
 how far apart the two sides are there (the README quotes it).  The hybrid runs once with the
@@ -28,6 +30,7 @@ import torch
 import fast.decoder_lm as fast_lm
 import fast.gated_deltanet as fast_gdn
 import fast.generator_engine as fast_ge
+import fast.moe as fast_moe
 from conftest import DEVICE, requires_gpu
 import ref.decoder_lm as ref_lm
 import ref.gated_deltanet as ref_gdn
@@ -54,6 +57,10 @@ MODELS = {
     "attention": dict(layer_types=None, linear_layer=None),
     "hybrid": dict(layer_types=("linear", "attention"), linear_layer=gdn_layer),
     "hybrid-fast_gdn": dict(layer_types=("linear", "attention"), linear_layer=fast_gdn_layer),
+    # Qwen3.5-MoE's layout: every MLP routed (5 experts, top 2) beside a shared expert, on the Triton kernels
+    "hybrid-moe": dict(layer_types=("linear", "attention"), linear_layer=gdn_layer, moe_layer=fast_moe.MoE,
+                       experts=dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24,
+                                    shared_expert_intermediate_size=16)),
 }
 
 
@@ -61,14 +68,15 @@ def config(kind):
     return fast_lm.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
                                num_kv_heads=1, head_dim=16, max_seq_len=48, tie_embeddings=False,
                                layer_types=MODELS[kind]["layer_types"], linear_num_k_heads=2, linear_num_v_heads=4,
-                               linear_head_k_dim=8, linear_head_v_dim=8)
+                               linear_head_k_dim=8, linear_head_v_dim=8, **MODELS[kind].get("experts", {}))
 
 
 def make_model(kind, invariant=True):
     """The model (seed 3) with the repo's varlen_attn, in the batch-invariant mode or not: what an engine
     serves and what the trainer recomputes with."""
     return fast_lm.DecoderLM(config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"],
-                             batch_invariant=invariant, varlen_attn=varlen_attn)
+                             moe_layer=MODELS[kind].get("moe_layer"), batch_invariant=invariant,
+                             varlen_attn=varlen_attn)
 
 
 def requests(seed, n=N_REQUESTS):
@@ -124,8 +132,9 @@ def largest_mismatch(completions, recomputed):
 
 # (The fast Gated DeltaNet kernels, slow in the interpreter, are held to the trainer's bits by
 # test_bitwise_across_gated_deltanet_chunks: a preempting engine, cuts and prefix hits mid-chunk.)
-@pytest.mark.parametrize("kind,page_size,n", [("attention", 4, N_REQUESTS), ("hybrid", 3, N_REQUESTS)],
-                         ids=["attention-page4", "hybrid-page3"])
+@pytest.mark.parametrize("kind,page_size,n", [("attention", 4, N_REQUESTS), ("hybrid", 3, N_REQUESTS),
+                                              ("hybrid-moe", 5, 16)],
+                         ids=["attention-page4", "hybrid-page3", "hybrid-moe-page5"])
 def test_engine_logprobs_equal_the_trainers_bitwise(kind, page_size, n):
     reqs = requests(seed=11, n=n)
     with generator(kind, True, page_size=page_size) as gen:
@@ -150,7 +159,7 @@ def test_engine_logprobs_equal_the_trainers_bitwise(kind, page_size, n):
     assert trainer.lm_head.weight.grad is not None and torch.isfinite(trainer.lm_head.weight.grad).all()
 
 
-@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+@pytest.mark.parametrize("kind", ["attention", "hybrid", "hybrid-moe"])
 def test_negative_control_mode_off_mismatches(kind):
     """The same workload with the mode off (default kernels: autotuned prefill, split-KV decode, the
     chunk form for the GDN prefill, BLAS matmuls): the engine's logprobs and the trainer's default

@@ -1,11 +1,11 @@
 """The batch-invariant mode is bitwise under every CPU kernel family, not only this machine's.
 
-Each case runs parity/bitwise_probe.py (the invariant matmul, the attention routes, the Gated DeltaNet
-chunk form's rows and layer, engine == alone == trainer under preemption for an attention-only model
-with Qwen2 / Qwen3 / Llama 3's flags and a Qwen3.5-style hybrid) in a subprocess whose environment
-forces other CPU kernels: numpy's OpenBLAS
-(``OPENBLAS_CORETYPE``: it runs the Triton interpreter's ``tl.dot``), and torch's ATen and MKL kernels
-(``ATEN_CPU_CAPABILITY``, ``MKL_ENABLE_INSTRUCTIONS``).  The kernel families differ in how they round
+Each case runs parity/bitwise_probe.py (the invariant matmul, the attention routes, the Gated DeltaNet chunk
+form's rows and layer, engine == alone == trainer under preemption for an attention-only model with Qwen2 /
+Qwen3 / Llama 3's flags, a Qwen3.5-style hybrid and that hybrid with MoE MLPs) in a subprocess whose
+environment forces other CPU kernels: numpy's OpenBLAS (``OPENBLAS_CORETYPE``: it runs the Triton
+interpreter's ``tl.dot``), and torch's ATen and MKL kernels (``ATEN_CPU_CAPABILITY``,
+``MKL_ENABLE_INSTRUCTIONS``).  The kernel families differ in how they round
 the slots of a tile (OpenBLAS's Haswell sgemm rounds rows 6-11 of 16 apart from the others; the
 generic and AVX-512 ones do not), so a mode that passes here by the luck of one BLAS fails here under
 another.  The machine's default kernels run in-process in parity/test_batch_invariant_engine.py and
@@ -97,5 +97,5 @@ def test_bitwise_under_every_cpu_kernel_family(probes, name, env, corenames, nee
     assert report["corename"].lower() in corenames, f"{env} ran OpenBLAS's {report['corename']} kernels"
     failed = {check: c for check, c in report["checks"].items() if c["error"] or c["bitwise"] != c["total"]}
     assert not failed, f"not bitwise under {env}: {failed}"
-    assert len(report["checks"]) == 5 and all(c["total"] > 0 for c in report["checks"].values()), report
+    assert len(report["checks"]) == 6 and all(c["total"] > 0 for c in report["checks"].values()), report
     assert returncode == 0, err[-3000:]

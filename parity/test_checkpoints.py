@@ -1,17 +1,19 @@
 """Real checkpoints: decoder_lm.py (ref and fast) and the generator engines on Hugging Face checkpoints of
-Llama 3, Qwen2 / Qwen2.5, Qwen3 and Qwen3.5 (text, and the text model of the multimodal checkpoint).
+Llama 3, Qwen2 / Qwen2.5, Qwen3, Qwen3.5 (text, and the text model of the multimodal checkpoint), Qwen3-MoE
+and Qwen3.5-MoE (text and multimodal: Gated DeltaNet + MoE with the shared expert).
 
 The oracle is transformers itself, on tiny random models every parameter of which is perturbed
-(parity/hf_models.py), written with ``save_pretrained`` (one file, and sharded) and read back by this
-repo's own safetensors reader.  In fp32 on a CPU: ``token_logprobs`` and every engine logprob within
-1e-4 of transformers' per-sequence forward (measured: ~1e-6), greedy generation token for token equal to
+(parity/hf_models.py), written with ``save_pretrained`` (one file, and sharded) and read back by this repo's
+own safetensors reader.  In fp32 on a CPU: ``token_logprobs`` and every engine logprob within 1e-4 of
+transformers' per-sequence forward (measured: ~1e-6), greedy generation token for token equal to
 ``generate(do_sample=False)``, for every family, both files, the fast engine with its default attention and
 with this repo's kernels plugged in (Triton interpreter).  With ``batch_invariant=True`` the fast engine's
-logprobs equal the model's ``token_logprobs`` bit for bit on Qwen3 and Qwen3.5 checkpoints through the
-prefix cache, groups, chunked prefill and preemption.  In bf16 on a GPU (the GPU tier): the fast model on
-this repo's kernels within the repo's tolerance rule against transformers' fp64 forward, with transformers'
-own bf16 run on the same GPU as the yardstick.  A checkpoint is untrusted input: truncated or
-corrupted safetensors files raise ValueError naming the file and tensor.
+logprobs equal the model's ``token_logprobs`` bit for bit on Qwen3, Qwen3.5, Qwen3-MoE and Qwen3.5-MoE
+checkpoints through the prefix cache, groups, chunked prefill and preemption (so the engine's experts are the
+trainer's: no routing mismatch).  MoE routers are sharp: the tests measure the smallest top-k margin.  In bf16
+on a GPU (the GPU tier): the fast model on this repo's kernels within the repo's tolerance rule against
+transformers' fp64 forward, with transformers' own bf16 run on the same GPU as the yardstick.  A checkpoint is
+untrusted input: truncated or corrupted safetensors files raise ValueError naming the file and tensor.
 """
 from __future__ import annotations
 
@@ -27,12 +29,14 @@ import fast.decoder_lm as fast_lm
 import fast.flash_decoding as fast_fd
 import fast.gated_deltanet as fast_gdn
 import fast.generator_engine as fast_ge
+import fast.moe as fast_moe
 import fast.paged_varlen_attention as fast_pva
 import ref.decoder_lm as ref_lm
 import ref.gated_deltanet as ref_gdn
 import ref.generator_engine as ref_ge
+import ref.moe as ref_moe
 from conftest import DEVICE, check_close, requires_gpu
-from hf_models import FAMILIES, VOCAB, hf_greedy, hf_logprobs, hf_model
+from hf_models import FAMILIES, MOE_FAMILIES, VOCAB, hf_greedy, hf_logprobs, hf_model, hf_router_margin
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -40,6 +44,8 @@ TOL = 1e-4
 IMPLS = [pytest.param((ref_lm, ref_ge), id="ref"), pytest.param((fast_lm, fast_ge), id="fast")]
 FAST_GDN = functools.partial(ref_gdn.GatedDeltaNet, chunk_fn=fast_gdn.chunk_gated_delta_rule,
                              recurrent_fn=fast_gdn.fused_recurrent_gated_delta_rule)
+PLUGINS = dict(linear_layer=ref_gdn.GatedDeltaNet, moe_layer=ref_moe.MoE)        # (used where a family has them)
+MIN_ROUTER_MARGIN = 1e-4    # the top-k's smallest logit gap must dwarf fp32 rounding (~1e-6 here)
 
 
 def _prompts(seed: int, lengths=(5, 17, 33)) -> list:
@@ -66,14 +72,18 @@ def checkpoints(tmp_path_factory):
 def test_token_logprobs_equal_transformers(checkpoints, family, impl):
     lm, _ = impl
     hf, path = checkpoints[family]
-    model = lm.DecoderLM.from_pretrained(path, linear_layer=ref_gdn.GatedDeltaNet)
-    assert model.config.weight_prefix == ("model.language_model." if family == "qwen3_5" else "model.")
+    model = lm.DecoderLM.from_pretrained(path, **PLUGINS)
+    assert model.config.weight_prefix == ("model.language_model." if family in ("qwen3_5", "qwen3_5_moe") else "model.")
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(1, VOCAB, (21,), generator=gen).tolist()
     seqs = [prompt + torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (1, 9, 70)]   # a group
     seqs.append(torch.randint(1, VOCAB, (40,), generator=gen).tolist())                         # and another
     prompts = [21, 21, 21, 13]
     want = [hf_logprobs(hf, s, p) for s, p in zip(seqs, prompts)]
+    if family in MOE_FAMILIES:
+        margin = hf_router_margin(hf, seqs)
+        print(f"{family}: smallest router top-k margin {margin:.2e}")
+        assert margin > MIN_ROUTER_MARGIN
     worst = 0.0
     for share in (True, False):
         got = model.token_logprobs(seqs, prompts, temperature=0.0, share_prompts=share)
@@ -89,7 +99,7 @@ def test_engine_greedy_equals_transformers_generate(checkpoints, family, impl):
     lm, ge = impl
     hf, path = checkpoints[family]
     prompts = _prompts(7)
-    with ge.Generator.from_pretrained(path, model_class=lm.DecoderLM, linear_layer=ref_gdn.GatedDeltaNet) as g:
+    with ge.Generator.from_pretrained(path, model_class=lm.DecoderLM, **PLUGINS) as g:
         got = g.generate([ge.Request(p, ge.SamplingParams(max_new_tokens=12)) for p in prompts])
     worst = 0.0
     for p, c in zip(prompts, got):
@@ -108,8 +118,8 @@ def test_fast_engine_on_this_repos_kernels_equals_transformers(checkpoints, fami
     prompts = _prompts(11, lengths=(6, 19))
     prompts.append(prompts[1][:16] + [5, 6, 7])             # shares the second prompt's first page
     with fast_ge.Generator.from_pretrained(path, model_class=fast_lm.DecoderLM, linear_layer=FAST_GDN,
-                                           varlen_attn=fast_pva.varlen_attn, flash_decode=fast_fd.flash_decode,
-                                           page_size=8) as g:
+                                           moe_layer=fast_moe.MoE, varlen_attn=fast_pva.varlen_attn,
+                                           flash_decode=fast_fd.flash_decode, page_size=8) as g:
         got = [g.generate([fast_ge.Request(p, fast_ge.SamplingParams(max_new_tokens=6, n=2 if i == 0 else 1))])[0]
                for i, p in enumerate(prompts)]
         assert g.stats()["prefix_hit_tokens"] >= 16
@@ -132,7 +142,7 @@ def test_state_dict_uses_the_checkpoints_names(checkpoints, family, impl):
     it is (the vision tower of the multimodal model is skipped) and changes what it serves."""
     lm, ge = impl
     hf, path = checkpoints[family]
-    model = lm.DecoderLM.from_pretrained(path, linear_layer=ref_gdn.GatedDeltaNet)
+    model = lm.DecoderLM.from_pretrained(path, **PLUGINS)
     hf_sd = hf.state_dict()
     text = {n for n in hf_sd if not n.startswith(model.ignored_weight_prefixes)}
     assert set(model.state_dict()) == text
@@ -180,8 +190,8 @@ def test_gpu_bf16_token_logprobs_within_the_tolerance_rule(checkpoints, family):
     """bf16 on a GPU: the fast model with this repo's kernels against transformers' fp64 forward, within twice
     transformers' own bf16 error on the same GPU (the repo's tolerance rule), every family."""
     hf, path = checkpoints[family]
-    model = fast_lm.DecoderLM.from_pretrained(path, linear_layer=FAST_GDN, dtype=torch.bfloat16, device=DEVICE,
-                                              varlen_attn=fast_pva.varlen_attn)
+    model = fast_lm.DecoderLM.from_pretrained(path, linear_layer=FAST_GDN, moe_layer=fast_moe.MoE,
+                                              dtype=torch.bfloat16, device=DEVICE, varlen_attn=fast_pva.varlen_attn)
     gen = torch.Generator().manual_seed(5)
     prompt = torch.randint(1, VOCAB, (37,), generator=gen).tolist()
     seqs = [prompt + torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (3, 40, 150)]
@@ -197,15 +207,17 @@ def test_gpu_bf16_token_logprobs_within_the_tolerance_rule(checkpoints, family):
 
 # ----------------------------------------------------------------------------- bitwise on real architectures
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text", "qwen3_moe", "qwen3_5_moe_text"])
 def test_batch_invariant_engine_equals_trainer_bitwise(checkpoints, family):
     """batch_invariant=True on a checkpoint with q/k norms (and Qwen3.5's gate, partial rotary, zero-centred
-    norms, Gated DeltaNet): every engine logprob equals token_logprobs bit for bit, with groups, prefix-cache
-    hits, chunked prefill and preemption (a pool too small for the batch) in the run."""
+    norms, Gated DeltaNet; MoE layers on fast/moe.py's kernels): every engine logprob equals token_logprobs bit
+    for bit, with groups, prefix-cache hits, chunked prefill and preemption (a pool too small for the batch)
+    in the run.  With MoE: the engine's tokens go to the trainer's experts, by construction."""
     _, path = checkpoints[family]
     # (ref's chunk form as the linear layer's kernel: the fast Gated DeltaNet kernels' bits in the mode, slow
-    # in the interpreter, are test_batch_invariant_engine.py's; this test is about the attention blocks.)
-    kw = dict(linear_layer=ref_gdn.GatedDeltaNet, batch_invariant=True, varlen_attn=fast_pva.varlen_attn)
+    # in the interpreter, are test_batch_invariant_engine.py's; this test is about the attention and MoE blocks.)
+    kw = dict(linear_layer=ref_gdn.GatedDeltaNet, moe_layer=fast_moe.MoE, batch_invariant=True,
+              varlen_attn=fast_pva.varlen_attn)
     trainer = fast_lm.DecoderLM.from_pretrained(path, **kw)
     base = _prompts(13, lengths=(11, 26))
     prompts = [base[0], base[1], base[1][:12] + [3, 4], base[0][:8] + [9] * 9]
@@ -231,7 +243,12 @@ def test_batch_invariant_engine_equals_trainer_bitwise(checkpoints, family):
 def test_unsupported_configs_raise(lm):
     base = dict(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                 num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    cases = [(dict(model_type="qwen3_moe"), "qwen3_moe.*not supported"),
+    cases = [(dict(model_type="gpt_oss"), "gpt_oss.*not supported"),
+             (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8),
+              "num_experts_per_tok"),
+             (dict(model_type="qwen3_moe", num_experts_per_tok=2, moe_intermediate_size=8), "num_experts"),
+             (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                   mlp_only_layers=[3]), "mlp_only_layers"),
              (dict(model_type="mistral"), "mistral"),
              (dict(use_sliding_window=True), "sliding"),
              (dict(layer_types=["sliding_attention"]), "sliding"),
@@ -245,6 +262,10 @@ def test_unsupported_configs_raise(lm):
             lm.ModelConfig.from_hf({**base, **change})
     with pytest.raises(ValueError, match="linear_layer"):
         lm.DecoderLM(lm.ModelConfig(layer_types=("linear", "attention")))
+    with pytest.raises(ValueError, match="moe_layer=MoE"):
+        lm.DecoderLM(lm.ModelConfig(num_experts=4))
+    with pytest.raises(ValueError, match="not implemented"):           # no expert parallelism yet
+        lm.DecoderLM(lm.ModelConfig(num_experts=4), moe_layer=ref_moe.MoE, tp_group=lm.LocalGroup(2).ranks()[0])
     assert lm.ModelConfig.from_hf(base).qk_norm
 
 

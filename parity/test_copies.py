@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 PAIRS = [(f"ref/{name}.py", f"fast/{name}.py") for name in (
-    "decoder_lm", "generator_engine", "routed_generator", "weight_sync", "view_replay_offload", "gated_deltanet",
+    "decoder_lm", "generator_engine", "routed_generator", "weight_sync", "view_replay_offload", "gated_deltanet", "moe",
     "paged_varlen_attention", "flash_decoding")] + [
     ("fast/flash_decoding.py", "fast/paged_varlen_attention.py"),        # the attention kernels' helpers
     ("ref/flash_decoding.py", "ref/paged_varlen_attention.py"),
@@ -53,6 +53,10 @@ DIFFERENT = {
     ("ref/weight_sync.py", "fast/weight_sync.py", "pack"): "fast: into a reusable bucket buffer",
     ("ref/view_replay_offload.py", "fast/view_replay_offload.py", "OffloadActivations"): "the techniques",
     ("ref/view_replay_offload.py", "fast/view_replay_offload.py", "_Storage"): "fast: CUDA streams and events",
+    ("ref/moe.py", "fast/moe.py", "route"): "the techniques",
+    ("ref/moe.py", "fast/moe.py", "moe_experts"): "the techniques",
+    ("ref/moe.py", "fast/moe.py", "dequantize_mxfp4"): "fast: a Triton kernel",
+    ("ref/moe.py", "fast/moe.py", "_activation"): "fast: the kernels' epilogue (Triton)",
     ("ref/gated_deltanet.py", "fast/gated_deltanet.py", "_l2norm"): "fast: a Triton kernel",
     ("ref/gated_deltanet.py", "fast/gated_deltanet.py", "_softplus"): "fast: Triton's",
     ("ref/gated_deltanet.py", "fast/gated_deltanet.py", "chunk_gated_delta_rule"): "the techniques",

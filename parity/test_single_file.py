@@ -162,7 +162,12 @@ def _params(obj) -> list[tuple]:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):
         return []
-    return [(p.name, p.kind.name, repr(p.default)) for p in sig.parameters.values()]
+    return [(p.name, p.kind.name, _default(p.default)) for p in sig.parameters.values()]
+
+
+def _default(value) -> str:
+    """A default's text; a function default by name (each file's own ``route`` is the same contract)."""
+    return f"<function {value.__name__}>" if inspect.isfunction(value) else repr(value)
 
 
 def _allowed(folder: str, public: str, param: str) -> bool:

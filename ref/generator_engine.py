@@ -643,7 +643,7 @@ class Generator:
     @classmethod
     def from_pretrained(cls, path, *, model_class, linear_layer=None, **kwargs) -> Generator:
         """A generator serving the Hugging Face checkpoint at ``path``: ``model_class.from_pretrained(path,
-        linear_layer=..., dtype=..., device=..., max_seq_len=..., batch_invariant=...)`` (decoder_lm.py's
+        linear_layer=..., moe_layer=..., dtype=..., device=..., max_seq_len=..., batch_invariant=...)`` (decoder_lm.py's
         ``DecoderLM``; those keywords go to it when given, ``max_seq_len`` to the engine too: it must fit the
         memory budget), the other keywords to ``Generator``."""
         if not callable(getattr(model_class, "from_pretrained", None)):
@@ -818,7 +818,7 @@ def _check_cache_options(prefix_caching, page_size, cache_pages, kv_on_swap, kv_
         raise ValueError(f"kv_on_swap must be 'keep' or 'recompute', got {kv_on_swap!r}")
 
 
-_MODEL_KEYWORDS = ("dtype", "device", "max_seq_len", "batch_invariant")
+_MODEL_KEYWORDS = ("moe_layer", "dtype", "device", "max_seq_len", "batch_invariant")
 
 
 def _check_model(model) -> None:
