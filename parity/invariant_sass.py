@@ -15,9 +15,9 @@ floating-point instructions, in groups whose launches must agree count for count
 and a last group per arch and dtype whose launches must hold the same MMA instructions: all of the above
 and the decode kernel's split launch (whose merge adds the fold's FP work).  Likewise the invariant matmul
 at M = 1 (a constant), 37 and 64 rows, and fast/moe.py's expert GEMMs (gate_up, down) as its launcher
-configures them in the mode for calls of 1, 37 and 2048 tokens.  It prints one JSON object {group: {launch: {opcode: count}}}; a
-group whose name ends in "(MMA)" is compared on its MMA opcodes only (parity/test_batch_invariant_attention.py
-asserts both).  Run without ``TRITON_INTERPRET`` (it needs the compiler).
+configures them in the mode for calls of 1, 37 and 2048 tokens.  It prints one JSON object {group: {launch:
+{opcode: count}}}; a group whose name ends in "(MMA)" is compared on its MMA opcodes only
+(parity/test_batch_invariant_attention.py asserts both).  Run without ``TRITON_INTERPRET`` (it needs the compiler).
 """
 from __future__ import annotations
 

@@ -451,9 +451,9 @@ def test_gpu_builds_run_the_same_arithmetic():
     of both kernels: the same code); every attention launch of an arch and dtype runs the same MMA, mma.sync
     m16n8k16 (HMMA.16816) on sm_80 and on sm_90 (the mode's 16-row groups: no wgmma), so a row's sums, all
     MMAs or maxima, do not depend on the warps.  The matmul and the expert GEMMs: HMMA.16816 on sm_80, one
-    wgmma shape set (HGMMA.64xNx16) on sm_90, FFMA only in fp32.  (The default kernels would not: their unmasked loop fuses
-    scale and max-subtraction into FFMAs the masked loop does not have, and the autotuner picks tiles by
-    row count.)"""
+    wgmma shape set (HGMMA.64xNx16) on sm_90, FFMA only in fp32.  (The default kernels would not: their
+    unmasked loop fuses scale and max-subtraction into FFMAs the masked loop does not have, and the autotuner
+    picks tiles by row count.)"""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     probe = Path(__file__).resolve().parent / "invariant_sass.py"
     proc = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=900)
