@@ -6,7 +6,7 @@ FEATURE ?=
 RECORD ?= 0
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
-FEATURES := paged_varlen_attention flash_decoding gated_deltanet view_replay_offload routed_generator decoder_lm weight_sync
+FEATURES := paged_varlen_attention flash_decoding gated_deltanet view_replay_offload routed_generator decoder_lm moe weight_sync
 
 DRY_RUN ?= 0
 

@@ -49,19 +49,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "parity"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from harness import run_bench  # noqa: E402
+from harness import child_facts, run_bench  # noqa: E402
 from hf_models import REAL_SIZES as SHAPES, write_real_size_checkpoint as write_checkpoint  # noqa: E402
 
 TP_MODEL = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8, num_kv_heads=2,
                 head_dim=64, max_seq_len=256, tie_embeddings=False)
-
-
-def _child_facts(proc, what: str) -> dict:
-    """The facts a child run printed (its last ``FACTS {json}`` line); a failed run raises with its output."""
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("FACTS ")]
-    if proc.returncode or not line:
-        raise RuntimeError(f"{what} failed:\n{proc.stdout[-3000:]}{(proc.stderr or '')[-3000:]}")
-    return json.loads(line[-1][6:])
 
 
 # ----------------------------------------------------------------------------- checkpoints at real sizes
@@ -116,7 +108,7 @@ def bench_checkpoints(rec, quick: bool) -> None:
             write_checkpoint(shape, path)
             proc = subprocess.run([sys.executable, __file__, "--checkpoint-child", str(path)], capture_output=True,
                                   text=True, timeout=3600)
-        facts = _child_facts(proc, f"checkpoint {shape}")
+        facts = child_facts(proc, f"checkpoint {shape}")
         case = f"checkpoint {shape}"
         rec.add(case, "fast", "load_s", facts["load_s"], "s")
         for metric in ("weights_bytes", "rss_anon_bytes", "peak_rss_bytes", "kv_pool_bytes", "checkpoint_bytes",
@@ -184,7 +176,7 @@ def bench_tp(rec, quick: bool) -> None:
         batch = 4
         proc = run_isolated([sys.executable, __file__, "--tp-child", str(tp), mode, str(batch)], timeout=1800,
                             cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        facts = _child_facts(proc, f"tp={tp} {mode}")
+        facts = child_facts(proc, f"tp={tp} {mode}")
         case = f"tp 4-layer-512 tp={tp} {mode} b={batch}"
         rec.add(case, "fast", "step_ms", facts["step_ms"], "ms")
         for metric in ("wire_bytes_per_token", "predicted_bytes_per_token", "payload_bytes_per_layer"):

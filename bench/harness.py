@@ -37,6 +37,7 @@ import datetime as _dt
 import functools
 import importlib
 import itertools
+import json
 import os
 import platform
 import statistics
@@ -246,6 +247,15 @@ def bench_parser(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--record", action="store_true",
                     help="also append the rows to the committed bench/results/<feature>.csv (RECORD=1 does too)")
     return ap
+
+
+def child_facts(proc, what: str) -> dict:
+    """The facts a bench's child process printed (its last ``FACTS {json}`` line); a failed run raises with its
+    output."""
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("FACTS ")]
+    if proc.returncode or not line:
+        raise RuntimeError(f"{what} failed:\n{proc.stdout[-3000:]}{(proc.stderr or '')[-3000:]}")
+    return json.loads(line[-1][6:])
 
 
 def run_bench(feature: str, doc: str, *, gpu, cpu, configure=None, argv=None) -> int:

@@ -136,6 +136,19 @@ FAMILIES: dict[str, list[Family]] = {
                "what one rank contributes per layer and step; invariant = the batch-invariant mode's reduction "
                "tree (its step time is the Triton interpreter's on a CPU)."),
     ],
+    "moe": [
+        Family("routing", "MoE routing: engine against trainer", "R3's measurement for this repo's stack: a "
+               "Qwen3-MoE-shaped model (128 experts, top 8, 4 layers at hidden 256) serves 8 requests on the fast "
+               "engine and the trainer recomputes them: the fraction of (token, layer) pairs whose expert set "
+               "differs (completion tokens: the engine's decode; prompt tokens: its prefill), the fraction of "
+               "completion tokens with a changed set in some layer, and the largest logprob difference; default "
+               "mode in bf16 and fp32, the batch-invariant mode in fp32 (its attention kernels in the "
+               "interpreter), whose figures are 0."),
+        Family("layers", "Qwen3-30B-A3B's layers on a CPU", "Two decoder layers of Qwen3-30B-A3B's shapes (128 "
+               "experts of FFN 768, top 8, hidden 2048; vocab 4,096), bf16, loaded from a checkpoint with one "
+               "tensor per expert in a fresh process: load seconds, the weights' bytes beside the load's peak "
+               "memory, decode tokens/s of the fast engine at 1 and 16 requests (ref/moe.py's experts)."),
+    ],
     "weight_sync": [
         Family("sync", "Weight sync", "A state dict from a trainer process to N generator processes on one "
                "machine (gloo over loopback; the object store through shared memory, not a network): seconds "

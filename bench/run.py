@@ -20,7 +20,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 FEATURES = ["paged_varlen_attention", "flash_decoding", "gated_deltanet", "view_replay_offload",
-            "routed_generator", "decoder_lm", "weight_sync"]
+            "routed_generator", "decoder_lm", "moe", "weight_sync"]
 
 
 def main(argv=None) -> int:

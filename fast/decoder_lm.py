@@ -26,7 +26,11 @@ What it changes
                   same values, bitwise).
     attention     training and ``token_logprobs`` run ``scaled_dot_product_attention`` (causal, GQA; a
                   block-diagonal mask for documents), or the ``varlen_attn`` plug-in when given
-                  (fast/paged_varlen_attention.varlen_attn: packed documents without a mask).
+                  (fast/paged_varlen_attention.varlen_attn: packed documents without a mask).  gpt-oss's
+                  sliding windows and sinks: the varlen plug-in's window (or PyTorch per document) and its
+                  lse, each row scaled by sigmoid(lse - sink); ``token_logprobs`` of a model with sliding
+                  layers packs whole sequences (its shared-prompt path has no per-row window); the
+                  batch-invariant mode and the engines refuse sinks and windows (ValueError).
 
 Batch-invariant mode: bitwise on-policy (``DecoderLM(..., batch_invariant=True, varlen_attn=...)``)
     ``token_logprobs`` then equals the logprobs the fast engine (generator_engine.py's
@@ -133,10 +137,11 @@ __all__ = ["ModelConfig", "DecoderLM", "LAYER_TYPES", "SUPPORTED_MODEL_TYPES", "
 
 LAYER_TYPES = ("attention", "linear")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5", "qwen3_moe", "qwen3_5_moe_text",
-                         "qwen3_5_moe")
+                         "qwen3_5_moe", "gpt_oss")
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")       # Gated DeltaNet + gated attention
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text")
-ROPE_TYPES = ("default", "llama3")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text", "gpt_oss")
+MOE_STYLES = ("qwen", "gpt_oss")
+ROPE_TYPES = ("default", "llama3", "yarn")
 WEIGHT_PREFIXES = ("model.", "model.language_model.")
 
 
@@ -173,6 +178,13 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    rope_beta_fast: float = 32.0            # yarn (gpt-oss): the ramp between extrapolated and interpolated
+    rope_beta_slow: float = 1.0             # frequencies, in rotations over rope_original_max_position
+    rope_truncate: bool = True              # yarn: the ramp's ends rounded to whole dims (gpt-oss: False)
+    o_proj_bias: bool = False               # gpt-oss (with qkv_bias: its attention_bias)
+    attention_sinks: bool = False           # gpt-oss: a learned logit per query head, a key with value 0
+    sliding_window: int = 0                 # gpt-oss: the sliding layers' window, in keys (0: none)
+    sliding_layers: tuple[int, ...] = ()    # the layers that attend within sliding_window
     linear_num_k_heads: int = 2             # the "linear" (Gated DeltaNet) layers' sizes
     linear_num_v_heads: int = 4
     linear_head_k_dim: int = 16
@@ -185,6 +197,8 @@ class ModelConfig:
     norm_topk_prob: bool = True             # the k chosen probabilities renormalised (Qwen3-MoE's flag)
     mlp_only_layers: tuple[int, ...] = ()   # an MoE model's dense layers (Qwen3-MoE)
     decoder_sparse_step: int = 1            # every step-th layer is MoE (Qwen3-MoE)
+    moe_style: str = "qwen"                 # "qwen" or "gpt_oss": router scoring, activation, biases, layout
+    swiglu_limit: float = 7.0               # gpt-oss's clamped SwiGLU
     weight_prefix: str = "model."           # where the text model's weights live in the checkpoint
 
     def __post_init__(self):
@@ -206,6 +220,19 @@ class ModelConfig:
             raise ValueError(f"mlp_only_layers must be layer indices in [0, {self.num_layers}), got "
                              f"{self.mlp_only_layers!r}")
         object.__setattr__(self, "mlp_only_layers", dense)
+        if self.rope_type == "yarn" and not (self.rope_factor > 0 and self.rope_beta_fast > self.rope_beta_slow > 0):
+            raise ValueError(f"yarn rope scaling needs rope_factor > 0 and rope_beta_fast > rope_beta_slow > 0, got "
+                             f"{self.rope_factor}, {self.rope_beta_fast}, {self.rope_beta_slow}")
+        if not _is_int(self.sliding_window) or self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be an int >= 0, got {self.sliding_window!r}")
+        sliding = tuple(self.sliding_layers)
+        if any(not _is_int(i) or not 0 <= i < self.num_layers for i in sliding) or (sliding and not (
+                _is_int(self.sliding_window) and self.sliding_window >= 1)):
+            raise ValueError(f"sliding_layers must be layer indices in [0, {self.num_layers}) with a sliding_window "
+                             f">= 1, got {self.sliding_layers!r} and {self.sliding_window!r}")
+        object.__setattr__(self, "sliding_layers", sliding)
+        if self.moe_style not in MOE_STYLES:
+            raise ValueError(f"moe_style must be one of {MOE_STYLES}, got {self.moe_style!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.linear_num_v_heads % self.linear_num_k_heads:
@@ -252,9 +279,13 @@ class ModelConfig:
 
     def moe_layer_sizes(self) -> dict:
         """The keywords a ``moe_layer`` is called with (moe.py's MoE's names)."""
-        return dict(hidden_size=self.hidden_size, num_experts=self.num_experts, top_k=self.num_experts_per_tok,
-                    intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                    shared_intermediate_size=self.shared_expert_intermediate_size)
+        sizes = dict(hidden_size=self.hidden_size, num_experts=self.num_experts, top_k=self.num_experts_per_tok,
+                     intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                     shared_intermediate_size=self.shared_expert_intermediate_size)
+        if self.moe_style == "gpt_oss":   # top-k of the logits then softmax; biases; the clamped SwiGLU; its layout
+            sizes.update(scoring="topk_softmax", router_bias=True, expert_bias=True, activation="gpt_oss",
+                         swiglu_limit=self.swiglu_limit, layout="gpt_oss")
+        return sizes
 
     def linear_layer_sizes(self) -> dict:
         """The keywords a ``linear_layer`` is called with (gated_deltanet.py's GatedDeltaNet's names)."""
@@ -294,6 +325,11 @@ def _hf_fields(raw: dict, max_seq_len) -> dict:
             return default
         return raw[key]
 
+    gpt_oss = model_type == "gpt_oss"
+    quantized = (get("quantization_config") or {}).get("quant_method")
+    if quantized is not None and not (gpt_oss and quantized == "mxfp4"):
+        raise ValueError(f"quantization_config quant_method={quantized!r} is not read ({model_type}): only gpt-oss's "
+                         f"mxfp4 experts are dequantized at load")
     if get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {get('hidden_act')!r} is not supported (silu only)")
     hidden, heads = get("hidden_size", required=True), get("num_attention_heads", required=True)
@@ -304,14 +340,16 @@ def _hf_fields(raw: dict, max_seq_len) -> dict:
     hf_types = get("layer_types") or (["full_attention"] * layers if not hybrid else
                                       ["full_attention" if (i + 1) % get("full_attention_interval", 4) == 0
                                        else "linear_attention" for i in range(layers)])
-    unknown = sorted({t for t in hf_types} - {"full_attention", "linear_attention"})
+    unknown = sorted({t for t in hf_types} - {"full_attention", "linear_attention"} -
+                     ({"sliding_attention"} if gpt_oss else set()))
     if unknown or (not hybrid and "linear_attention" in hf_types):
         raise ValueError(f"layer types {unknown or ['linear_attention']} are not supported for {model_type} "
-                         f"(sliding-window layers are not)")
+                         f"(sliding-window layers are gpt-oss's only)")
     if get("use_sliding_window", False):
         raise ValueError(f"use_sliding_window=True is not supported ({model_type}): full attention only")
-    if get("attention_bias", False):
-        raise ValueError(f"attention_bias=True is not supported ({model_type}): q/k/v biases exist only as Qwen2's")
+    if get("attention_bias", False) and not gpt_oss:
+        raise ValueError(f"attention_bias=True is not supported ({model_type}): q/k/v biases exist only as Qwen2's "
+                         f"and gpt-oss's")
     if get("mlp_bias", False):
         raise ValueError(f"mlp_bias=True is not supported ({model_type})")
     # rope: transformers >= 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling.
@@ -328,20 +366,41 @@ def _hf_fields(raw: dict, max_seq_len) -> dict:
         num_kv_heads=get("num_key_value_heads", heads), head_dim=get("head_dim", default_head_dim),
         max_seq_len=min(get("max_position_embeddings", 2048), max_seq_len or math.inf),
         rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))), rms_eps=float(get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(tie), qkv_bias=model_type == "qwen2", qk_norm=qwen3_family,
+        tie_embeddings=bool(tie), qkv_bias=model_type == "qwen2" or gpt_oss and bool(get("attention_bias", True)),
+        qk_norm=qwen3_family,
         attn_output_gate=hybrid, zero_centered_norm=hybrid,
         partial_rotary_factor=float(partial), rope_type=rope_type, weight_prefix=prefix,
         layer_types=None if "linear_attention" not in hf_types else
         tuple("linear" if t == "linear_attention" else "attention" for t in hf_types))
+    def scaling(key):
+        if rope.get(key) is None:
+            raise ValueError(f"{rope_type} rope scaling needs {key!r} in the config's rope parameters")
+        return rope[key]
     if rope_type == "llama3":
-        fields.update(rope_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
-                      rope_high_freq_factor=float(rope["high_freq_factor"]),
-                      rope_original_max_position=int(rope["original_max_position_embeddings"]))
+        fields.update(rope_factor=float(scaling("factor")), rope_low_freq_factor=float(scaling("low_freq_factor")),
+                      rope_high_freq_factor=float(scaling("high_freq_factor")),
+                      rope_original_max_position=int(scaling("original_max_position_embeddings")))
+    if rope_type == "yarn":
+        if any(rope.get(k) is not None for k in ("attention_factor", "mscale", "mscale_all_dim")):
+            raise ValueError("yarn rope with attention_factor / mscale / mscale_all_dim is not supported (gpt-oss's: "
+                             "factor, beta_fast, beta_slow, truncate, original_max_position_embeddings)")
+        fields.update(rope_factor=float(scaling("factor")), rope_beta_fast=float(rope.get("beta_fast") or 32.0),
+                      rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+                      rope_truncate=bool(rope.get("truncate", True)),
+                      rope_original_max_position=int(scaling("original_max_position_embeddings")))
+    if gpt_oss:   # attention sinks, every "sliding_attention" layer windowed, biases, the gpt-oss experts
+        fields.update(o_proj_bias=fields["qkv_bias"], attention_sinks=True,
+                      sliding_window=get("sliding_window", 128) if "sliding_attention" in hf_types else 0,
+                      sliding_layers=tuple(i for i, t in enumerate(hf_types) if t == "sliding_attention"),
+                      moe_style="gpt_oss", swiglu_limit=float(get("swiglu_limit", 7.0)))
+        if float(get("swiglu_alpha", 1.702)) != 1.702:
+            raise ValueError(f"swiglu_alpha={get('swiglu_alpha')} is not supported (gpt-oss: 1.702)")
     if moe:
         if not _is_int(experts) or experts < 1:
             raise ValueError(f"the {model_type} config needs num_experts >= 1, got {experts!r}")
         fields.update(num_experts=experts, num_experts_per_tok=get("num_experts_per_tok", required=True),
-                      moe_intermediate_size=get("moe_intermediate_size", required=True),
+                      moe_intermediate_size=get("moe_intermediate_size" if not gpt_oss else "intermediate_size",
+                                                required=True),
                       # Qwen3.5-MoE always renormalises the k probabilities and has the shared expert
                       norm_topk_prob=bool(get("norm_topk_prob", False)) if not hybrid else True,
                       shared_expert_intermediate_size=get("shared_expert_intermediate_size", required=True)
@@ -479,7 +538,23 @@ def rope_inv_freq(c: ModelConfig) -> torch.Tensor:
         blended = (1 - smooth) * scaled / c.rope_factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, blended, scaled)
+    if c.rope_type == "yarn":   # per dim pair, a linear ramp from extrapolated (theta^-2i/R) to interpolated (/ factor)
+        def dim_of(rotations):
+            return r * math.log(c.rope_original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(c.rope_theta))
+        low, high = dim_of(c.rope_beta_fast), dim_of(c.rope_beta_slow)
+        if c.rope_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, r - 1)
+        ramp = ((torch.arange(r // 2, dtype=torch.float32) - low) / (high - low if high > low else 0.001)).clamp(0, 1)
+        extrapolated = 1 - ramp
+        interpolated = 1.0 / (c.rope_factor * c.rope_theta ** (torch.arange(0, r, 2, dtype=torch.int64).float() / r))
+        inv_freq = interpolated * (1 - extrapolated) + inv_freq * extrapolated
     return inv_freq
+
+
+def rope_attention_factor(c: ModelConfig) -> float:
+    """What cos and sin are multiplied by: yarn's 0.1 ln(factor) + 1 (1 otherwise), as transformers."""
+    return 0.1 * math.log(c.rope_factor) + 1.0 if c.rope_type == "yarn" and c.rope_factor > 1 else 1.0
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -531,10 +606,12 @@ class _Attention(nn.Module):
         if c.qkv_bias:
             self.fused["qkv_proj.bias"] = ("q_proj.bias", "k_proj.bias", "v_proj.bias")
         self.qkv_proj = nn.Linear(c.hidden_size, sum(self.sizes), bias=c.qkv_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias)
         if c.qk_norm:
             self.q_norm = _RMSNorm(c.head_dim, c.rms_eps, c.zero_centered_norm)
             self.k_norm = _RMSNorm(c.head_dim, c.rms_eps, c.zero_centered_norm)
+        if c.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(c.num_heads))
         self.register_state_dict_post_hook(_split_fused)
         self.register_load_state_dict_pre_hook(_fuse_parts)
 
@@ -608,6 +685,9 @@ class DecoderLM(nn.Module):
                              "class, or a functools.partial of it with the fast kernels)")
         if config.moe_layers and moe_layer is None:
             raise ValueError("this model has Mixture-of-Experts layers: pass moe_layer=MoE (moe.py's class)")
+        if batch_invariant and (config.attention_sinks or config.sliding_layers):
+            raise ValueError("batch_invariant=True with attention sinks or sliding windows (gpt-oss) is not "
+                             "implemented: the mode's two-segment completion rows do not take them yet")
         self.config = config
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = (0, 1) if tp_group is None else (tp_group.rank(), tp_group.size())
@@ -710,6 +790,7 @@ class DecoderLM(nn.Module):
                 if gate is not None:
                     o = o * _sigmoid(gate.reshape(t, -1), inv)
                 x = x + self._row_parallel(o, a.o_proj.weight, "o_proj")
+                x = x if a.o_proj.bias is None else x + a.o_proj.bias
             else:
                 x = x + self._reduce(mix(i, block.linear_attn, h))         # out_proj: row-parallel inside
             m, hm = block.mlp, self._to_ranks(block.post_attention_layernorm(x, inv))
@@ -775,7 +856,7 @@ class DecoderLM(nn.Module):
             raise TypeError(f"share_prompts must be a bool, got {type(share_prompts).__name__}")
         if not seqs:
             return []
-        if share_prompts or self.batch_invariant:
+        if (share_prompts or self.batch_invariant) and not self.config.sliding_layers:
             rows, h = self._prompt_shared_forward(seqs, prompts, share_prompts)
         else:
             rows, h = self._packed_forward(seqs, prompts)
@@ -818,9 +899,10 @@ class DecoderLM(nn.Module):
         scale, mode = self.config.head_dim ** -0.5, self.batch_invariant
 
         def attend(i, q, k, v):
-            t_p = lay.prompt_rows
+            t_p, sinks = lay.prompt_rows, self.attention_sinks(i)
             qp, kp, vp, qc, kc, vc = q[:t_p], k[:t_p], v[:t_p], q[t_p:], k[t_p:], v[t_p:]
-            out_p, _ = self._attention(qp, kp, vp, lay.cu_p, lay.cu_p, lay.max_p, lay.max_p, scale, causal=True)
+            out_p, lse_p = self._attention(qp, kp, vp, lay.cu_p, lay.cu_p, lay.max_p, lay.max_p, scale, causal=True)
+            out_p = out_p if sinks is None else _with_sinks(out_p, lse_p, sinks)
             if qc.shape[0] == 0:
                 return out_p
             # The prompt's keys: a group's completion rows packed as one query sequence read them once.
@@ -829,7 +911,8 @@ class DecoderLM(nn.Module):
             if mode:   # the engine's bits: each completion row alone over its prompt's keys (one-row tiles)
                 o_a, lse_a = _value_with_gradient_of(self._rows_over_prompts(qc, kp, vp, lay, scale), (o_a, lse_a))
             o_b, lse_b = self._attention(qc, kc, vc, lay.cu_c, lay.cu_c, lay.max_c, lay.max_c, scale, causal=True)
-            out_c, _ = _merge_states(o_a, lse_a, o_b, lse_b)
+            out_c, lse_c = _merge_states(o_a, lse_a, o_b, lse_b)
+            out_c = out_c if sinks is None else _with_sinks(out_c, lse_c, sinks)      # a sink counts once
             return torch.cat([out_p, out_c.to(out_p.dtype)])
         return attend
 
@@ -844,15 +927,15 @@ class DecoderLM(nn.Module):
                                         block_table=table, return_aux=_LSE, batch_invariant=True)
         return out, lse
 
-    def _attention(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, *, causal):
-        """(out [T_q, H, D], lse [H, T_q] fp32) of varlen attention, through ``varlen_attn`` or in plain
-        PyTorch (per sequence) without one."""
-        window = (-1, 0) if causal else (-1, -1)
+    def _attention(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, *, causal, window=0):
+        """(out [T_q, H, D], lse [H, T_q] fp32) of varlen attention (causal: within the last ``window`` keys
+        when given), through ``varlen_attn`` or in plain PyTorch (per sequence) without one."""
+        window_size = ((window - 1 if window else -1), 0) if causal else (-1, -1)
         if self.varlen_attn is not None:
             mode = dict(batch_invariant=True) if self.batch_invariant else {}
-            return self.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window,
+            return self.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
                                     enable_gqa=True, return_aux=_LSE, **mode)
-        return _torch_attention_lse(q, k, v, cu_q.tolist(), cu_k.tolist(), scale, causal)
+        return _torch_attention_lse(q, k, v, cu_q.tolist(), cu_k.tolist(), scale, causal, window)
 
     def _shared_mix(self, lay: _SharedPrompts):
         """mix for ``_prompt_shared_forward``: the prompts as documents (their final state kept), then
@@ -875,6 +958,12 @@ class DecoderLM(nn.Module):
         """``layers_forward``'s attend over documents packed along T (cu [N + 1] int32): through
         ``varlen_attn`` when the model has one, else SDPA with a block-diagonal causal mask."""
         scale = self.config.head_dim ** -0.5
+        if self.config.attention_sinks or self.config.sliding_layers:   # gpt-oss: windows, sinks (and their lse)
+            def attend(i, q, k, v):
+                window, sinks = self.attention_window(i), self.attention_sinks(i)
+                o, lse = self._attention(q, k, v, cu, cu, longest, longest, scale, causal=True, window=window)
+                return o if sinks is None else _with_sinks(o, lse, sinks)
+            return attend
         if self.varlen_attn is not None:
             # The keyword only in the mode: PyTorch's own varlen_attn, which has none, plugs in too.
             mode = dict(batch_invariant=True) if self.batch_invariant else {}
@@ -893,6 +982,14 @@ class DecoderLM(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=same_doc_causal, scale=scale, enable_gqa=True)
             return o[0].transpose(0, 1)
         return attend
+
+    def attention_window(self, i: int) -> int:
+        """Layer i's attention window in keys (0: every earlier key)."""
+        return self.config.sliding_window if i in self.config.sliding_layers else 0
+
+    def attention_sinks(self, i: int) -> torch.Tensor | None:
+        """Layer i's attention sinks [H_q] (gpt-oss), or None."""
+        return getattr(self.layers[i].self_attn, "sinks", None)
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """log_softmax over the last dim with the model's numerics (batch-invariant in that mode): what
@@ -944,9 +1041,9 @@ class DecoderLM(nn.Module):
         fp32 products as the reference computes per call, so the same values)."""
         dev = positions.device
         if dev not in self._rope_tables:
-            inv_freq = rope_inv_freq(self.config).to(dev)
+            inv_freq, factor = rope_inv_freq(self.config).to(dev), rope_attention_factor(self.config)
             angles = torch.arange(self.config.max_seq_len, device=dev, dtype=torch.float32)[:, None] * inv_freq[None]
-            self._rope_tables[dev] = (angles.cos()[:, None], angles.sin()[:, None])
+            self._rope_tables[dev] = (angles.cos()[:, None] * factor, angles.sin()[:, None] * factor)
         cos, sin = self._rope_tables[dev]
         return cos[positions], sin[positions]
 
@@ -1057,9 +1154,15 @@ def _value_with_gradient_of(exact: tuple, plain: tuple) -> tuple:
     return tuple(_ValueOf.apply(p, e) for p, e in zip(plain, exact))
 
 
-def _torch_attention_lse(q, k, v, cu_q: list, cu_k: list, scale: float, causal: bool):
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The reference's ``with_sinks``: a sink key (logit sinks[h], value 0) scales out by sigmoid(lse - s)."""
+    return (out.float() * torch.sigmoid(lse - sinks.float()[:, None]).t()[..., None]).to(out.dtype)
+
+
+def _torch_attention_lse(q, k, v, cu_q: list, cu_k: list, scale: float, causal: bool, window: int = 0):
     """Varlen attention with its lse in plain PyTorch, one sequence at a time: (out [T_q, H_q, D],
-    lse [H_q, T_q] fp32).  Causal is bottom-right aligned; a row that sees no key gets 0 and -inf."""
+    lse [H_q, T_q] fp32).  Causal is bottom-right aligned, within the last ``window`` keys when given; a
+    row that sees no key gets 0 and -inf."""
     outs, lses = [], []
     h_q, d, h_kv = q.shape[1], q.shape[2], k.shape[1]
     for b in range(len(cu_q) - 1):
@@ -1067,8 +1170,8 @@ def _torch_attention_lse(q, k, v, cu_q: list, cu_k: list, scale: float, causal: 
         l_q, l_k = qs.shape[0], ks.shape[0]
         s = torch.einsum("qhgd,khd->hgqk", qs.float().view(l_q, h_kv, h_q // h_kv, d), ks.float()) * scale
         if causal:
-            hidden = torch.arange(l_k, device=q.device)[None] > torch.arange(l_q, device=q.device)[:, None] + l_k - l_q
-            s = s.masked_fill(hidden, float("-inf"))
+            at, key = torch.arange(l_q, device=q.device)[:, None] + l_k - l_q, torch.arange(l_k, device=q.device)[None]
+            s = s.masked_fill((key > at) | ((key <= at - window) if window else False), float("-inf"))
         lse = torch.logsumexp(s, dim=-1)                                      # [H_kv, G, L_q]
         p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
         outs.append(torch.einsum("hgqk,khd->qhgd", p, vs.float()).reshape(l_q, h_q, d).to(q.dtype))
@@ -1131,9 +1234,10 @@ def local_config(c: ModelConfig, tp: int, batch_invariant: bool = False) -> Mode
         raise ValueError(f"the tensor-parallel size must be an int >= 1, got {tp!r}")
     if tp == 1:
         return c
-    if c.num_experts:
-        raise ValueError(f"tensor parallelism (tp={tp}) of Mixture-of-Experts models is not implemented (expert "
-                         f"parallelism is not written yet): MoE models run at tp = 1")
+    if c.num_experts or c.attention_sinks or c.sliding_layers or c.o_proj_bias:
+        raise ValueError(f"tensor parallelism (tp={tp}) of Mixture-of-Experts models (expert parallelism) and of "
+                         f"attention sinks, sliding windows and an o_proj bias (gpt-oss) is not implemented: such "
+                         f"models run at tp = 1")
     hybrid = "linear" in c.kinds
     problems = [f"{name}={n}" for name, n in (("num_heads", c.num_heads), ("intermediate_size", c.intermediate_size))
                 if n % tp]
@@ -1538,6 +1642,8 @@ def _init_std(name: str, c: ModelConfig) -> float | None:
     leaf = name.rsplit(".", 2)
     if ".linear_attn." in name or (name == "lm_head.weight" and c.tie_embeddings):
         return None
+    if name.endswith(".sinks"):
+        return 1.0
     if name.endswith("embed_tokens.weight"):
         return 2.0 / math.sqrt(c.hidden_size)
     if name == "lm_head.weight":

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5", "qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe")
-MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5", "qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe",
+            "gpt_oss")
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe", "gpt_oss")
+# Model families only the trainer computes (the engines refuse them: gpt-oss's sinks and sliding windows).
+TRAINER_ONLY = ("gpt_oss",)
 # Router weights are scaled up by this much after the perturbation: logits spread over a few units, so the
 # top-k has no near-ties a 1e-6 rounding difference could flip (the tests measure the smallest margin).
 ROUTER_SCALE = 30.0
@@ -64,7 +67,7 @@ def write_real_size_checkpoint(shape: str, path, *, max_position_embeddings: int
     (path / "config.json").write_text(json.dumps(raw))
 
 
-def hf_config(family: str, *, tie: bool | None = None, layers: int = 4, max_positions: int = 256):
+def hf_config(family: str, *, tie: bool | None = None, layers: int = 4, max_positions: int = 256, **overrides):
     """A transformers config of ``family`` at test size (odd sizes; GQA 4/2; llama3 rope scaling for
     llama; Qwen3.5: 3 Gated DeltaNet layers + 1 gated attention layer, GVA 2/4, partial rotary; MoE: 6
     experts, top 2, Qwen3-MoE with a dense layer (mlp_only_layers) and unnormalised top-k probabilities,
@@ -72,6 +75,8 @@ def hf_config(family: str, *, tie: bool | None = None, layers: int = 4, max_posi
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
     from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5TextConfig
     from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
+    if overrides and family != "gpt_oss":
+        raise ValueError(f"size overrides are gpt_oss's only here, got {sorted(overrides)} for {family}")
     common = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                   rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=None, eos_token_id=None)
@@ -100,6 +105,13 @@ def hf_config(family: str, *, tie: bool | None = None, layers: int = 4, max_posi
         return Qwen3_5MoeTextConfig(**qwen35_moe, tie_word_embeddings=bool(tie))
     if family == "qwen3_5_moe":
         return Qwen3_5MoeConfig(text_config=qwen35_moe, tie_word_embeddings=bool(tie), vision_config=VISION)
+    if family == "gpt_oss":    # sliding / full layers (window 5: the tests' sequences cross it), sinks, yarn, biases
+        from transformers import GptOssConfig
+        sizes = dict({k: v for k, v in common.items() if k != "intermediate_size"}, head_dim=12, intermediate_size=24)
+        return GptOssConfig(**dict(sizes, **overrides), num_local_experts=6, num_experts_per_tok=2, sliding_window=5,
+                            tie_word_embeddings=bool(tie), rope_parameters=dict(
+                                rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                truncate=False, original_max_position_embeddings=8))
     raise ValueError(family)
 
 
@@ -123,7 +135,7 @@ def hf_model(family: str, *, seed: int = 0, dtype=torch.float32, **config_kw):
         for name, p in model.named_parameters():
             neutral = any(k in name for k in ("norm", "bias", "A_log", "dt_bias"))
             p.add_((torch.randn(p.shape, generator=gen) * (0.2 if neutral else 0.02)).to(p.dtype))
-            if name.endswith("mlp.gate.weight"):                    # an MoE router: sharp (ROUTER_SCALE)
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):   # an MoE router: sharp (ROUTER_SCALE)
                 p.mul_(ROUTER_SCALE)
     model.generation_config.eos_token_id = None          # greedy runs to max_new_tokens, as the engines do
     return model.eval()
@@ -144,7 +156,7 @@ def use_torch_delta_rule() -> None:
 def hf_router_margin(model, sequences: list) -> float:
     """The smallest gap, over every token of ``sequences`` (each run alone) and every MoE layer, between the
     k-th and the (k+1)-th largest router logit of transformers' model: how far the top-k is from a tie."""
-    routers = [m for n, m in model.named_modules() if n.endswith("mlp.gate") and hasattr(m, "top_k")]
+    routers = [m for n, m in model.named_modules() if n.endswith(("mlp.gate", "mlp.router")) and hasattr(m, "top_k")]
     margins = []
 
     def hook(module, args, out):

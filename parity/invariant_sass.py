@@ -14,9 +14,10 @@ floating-point instructions, in groups whose launches must agree count for count
   * SUB row groups a program: the varlen kernel's trainer, prefill and one-sequence launches;
 and a last group per arch and dtype whose launches must hold the same MMA instructions: all of the above
 and the decode kernel's split launch (whose merge adds the fold's FP work).  Likewise the invariant matmul
-at M = 1 (a constant), 37 and 64 rows.  It prints one JSON object {group: {launch: {opcode: count}}}; a
-group whose name ends in "(MMA)" is compared on its MMA opcodes only (parity/test_batch_invariant_attention.py
-asserts both).  Run without ``TRITON_INTERPRET`` (it needs the compiler).
+at M = 1 (a constant), 37 and 64 rows, and fast/moe.py's expert GEMMs (gate_up, down) as its launcher
+configures them in the mode for calls of 1, 37 and 2048 tokens.  It prints one JSON object {group: {launch:
+{opcode: count}}}; a group whose name ends in "(MMA)" is compared on its MMA opcodes only
+(parity/test_batch_invariant_attention.py asserts both).  Run without ``TRITON_INTERPRET`` (it needs the compiler).
 """
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ def main() -> None:
     varlen_cases = A._import(PARITY / "aot_cases" / "paged_varlen_attention.py", "sass_varlen_cases")
     decoding_cases = A._import(PARITY / "aot_cases" / "flash_decoding.py", "sass_decoding_cases")
     model_cases = A._import(PARITY / "aot_cases" / "decoder_lm.py", "sass_decoder_lm_cases")
+    moe = A._import(ROOT / "fast" / "moe.py", "sass_moe")
+    moe_cases = A._import(PARITY / "aot_cases" / "moe.py", "sass_moe_cases")
     A._resource_usage = lambda cubin, usage=A._resource_usage: _CUBINS.append(cubin) or usage(cubin)
     jobs = []
     for arch in (80, 90):
@@ -96,6 +99,7 @@ def main() -> None:
                         for rows in (1, 37, 64)}
             group = f"invariant matmul sm_{arch} {A.POINTER_TYPES[dtype]}"
             jobs += [(group, label, case, arch) for label, case in launches.items()]
+            jobs += _moe_jobs(moe, moe_cases, dtype, arch)
     # Two build processes (forked: the jobs are inherited, not pickled); a build is one core's work.
     _JOBS[:] = jobs
     with multiprocessing.get_context("fork").Pool(2) as pool:
@@ -110,6 +114,27 @@ def main() -> None:
             groups[name].update({f"{other.removeprefix(prefix + ': ')}: {label}": ops
                                  for label, ops in groups[other].items()})
     print(json.dumps(groups))
+
+
+def _moe_jobs(moe, moe_cases, dtype, arch: int) -> list:
+    """The expert GEMMs in the mode as moe.py's launcher configures them for a call of T tokens (Qwen3-30B-A3B's
+    layer: 128 experts, top 8), T = 1 (a decode step), 37 and 2048 (a prefill, a trainer's batch): the
+    forward's gate_up (SwiGLU in the epilogue) and down (the routing weight in the epilogue)."""
+    family = moe._family
+    moe._family = lambda device: arch                      # the launcher's choice on a GPU of this arch
+    try:
+        tiles = {t: tuple(moe._tiles(torch.empty(t, 2048, dtype=dtype, device="meta"), 8 * t, 128, True))[:5]
+                 for t in (1, 37, 2048)}
+    finally:
+        moe._family = family
+    jobs = []
+    for t, tile in tiles.items():
+        for case in moe_cases._gemm_cases(moe, dtype, arch, tile):
+            kernel = case["name"].split("[")[0]
+            if (kernel, "qwen3" in case["name"]) in (("gate_up", True), ("down", False)):
+                group = f"moe experts sm_{arch} {A.POINTER_TYPES[dtype]}: {kernel}"
+                jobs.append((group, f"T={t}", case, arch))
+    return jobs
 
 
 _JOBS: list = []   # (group, launch label, case, arch), set before the pool forks

@@ -36,7 +36,7 @@ import ref.gated_deltanet as ref_gdn
 import ref.generator_engine as ref_ge
 import ref.moe as ref_moe
 from conftest import DEVICE, check_close, requires_gpu
-from hf_models import FAMILIES, MOE_FAMILIES, VOCAB, hf_greedy, hf_logprobs, hf_model, hf_router_margin
+from hf_models import FAMILIES, MOE_FAMILIES, TRAINER_ONLY, VOCAB, hf_greedy, hf_logprobs, hf_model, hf_router_margin
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -95,9 +95,14 @@ def test_token_logprobs_equal_transformers(checkpoints, family, impl):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_greedy_equals_transformers_generate(checkpoints, family, impl):
-    """Greedy tokens equal generate(do_sample=False); each logprob within TOL of transformers' forward."""
+    """Greedy tokens equal generate(do_sample=False); each logprob within TOL of transformers' forward.  (gpt-oss:
+    the engines refuse its sinks and sliding windows, saying so.)"""
     lm, ge = impl
     hf, path = checkpoints[family]
+    if family in TRAINER_ONLY:
+        with pytest.raises(ValueError, match="do not serve attention sinks or sliding-window layers"):
+            ge.Generator.from_pretrained(path, model_class=lm.DecoderLM, **PLUGINS)
+        return
     prompts = _prompts(7)
     with ge.Generator.from_pretrained(path, model_class=lm.DecoderLM, **PLUGINS) as g:
         got = g.generate([ge.Request(p, ge.SamplingParams(max_new_tokens=12)) for p in prompts])
@@ -115,6 +120,14 @@ def test_fast_engine_on_this_repos_kernels_equals_transformers(checkpoints, fami
     in (Triton interpreter): greedy tokens equal transformers', logprobs within TOL, with a group and a
     prefix-cache hit in the mix."""
     hf, path = checkpoints[family]
+    if family in TRAINER_ONLY:   # the trainer on the kernels: windows and sinks through varlen_attn, gpt-oss experts
+        model = fast_lm.DecoderLM.from_pretrained(path, moe_layer=fast_moe.MoE, varlen_attn=fast_pva.varlen_attn)
+        seqs = _prompts(11, lengths=(19, 30))
+        got = model.token_logprobs(seqs, [6, 6], temperature=0.0)
+        worst = max((g - hf_logprobs(hf, q, 6)).abs().max().item() for g, q in zip(got, seqs))
+        print(f"{family} trainer + kernels: max |logprob - transformers| = {worst:.2e}")
+        assert worst <= TOL
+        return
     prompts = _prompts(11, lengths=(6, 19))
     prompts.append(prompts[1][:16] + [5, 6, 7])             # shares the second prompt's first page
     with fast_ge.Generator.from_pretrained(path, model_class=fast_lm.DecoderLM, linear_layer=FAST_GDN,
@@ -149,6 +162,11 @@ def test_state_dict_uses_the_checkpoints_names(checkpoints, family, impl):
     assert all(torch.equal(model.state_dict()[n], hf_sd[n]) for n in text)
     trained = hf_model(family, seed=99)
     prompt = _prompts(5, lengths=(9,))[0]
+    if family in TRAINER_ONLY:
+        model.load_state_dict(trained.state_dict())
+        seq = prompt + hf_greedy(trained, prompt, 5)
+        assert (model.token_logprobs([seq], [9])[0] - hf_logprobs(trained, seq, 9)).abs().max() <= TOL
+        return
     with ge.Generator(model) as g:
         g.load_weights(trained.state_dict(), 1)
         c = g.generate([ge.Request(prompt, ge.SamplingParams(max_new_tokens=5))])[0]
@@ -243,7 +261,12 @@ def test_batch_invariant_engine_equals_trainer_bitwise(checkpoints, family):
 def test_unsupported_configs_raise(lm):
     base = dict(model_type="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                 num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    cases = [(dict(model_type="gpt_oss"), "gpt_oss.*not supported"),
+    cases = [(dict(model_type="deepseek_v3"), "deepseek_v3.*not supported"),
+             (dict(quantization_config=dict(quant_method="fp8")), "quant_method='fp8'"),
+             (dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, swiglu_alpha=1.5), "swiglu_alpha"),
+             (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), "original_max_position"),
+             (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, mscale=1.0,
+                                        original_max_position_embeddings=64)), "mscale"),
              (dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8),
               "num_experts_per_tok"),
              (dict(model_type="qwen3_moe", num_experts_per_tok=2, moe_intermediate_size=8), "num_experts"),
@@ -252,7 +275,7 @@ def test_unsupported_configs_raise(lm):
              (dict(model_type="mistral"), "mistral"),
              (dict(use_sliding_window=True), "sliding"),
              (dict(layer_types=["sliding_attention"]), "sliding"),
-             (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)), "yarn"),
+             (dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=4.0)), "dynamic"),
              (dict(attention_bias=True), "attention_bias"),
              (dict(hidden_act="gelu"), "gelu"),
              (dict(model_type="qwen3_5"), "text_config"),
@@ -303,6 +326,40 @@ def _write_checkpoint(path, hf, tensors: dict) -> None:
     from safetensors.torch import save_file
     hf.config.save_pretrained(path)
     save_file(tensors, str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("lm", [ref_lm, fast_lm], ids=["ref", "fast"])
+def test_gpt_oss_mxfp4_experts_are_dequantized_at_load(tmp_path, lm):
+    """gpt-oss as released: its experts in MXFP4 (``experts.gate_up_proj_blocks`` [E, 2I, H / 32, 16] uint8, two
+    e2m1 codes a byte, and ``_scales`` [E, 2I, H / 32], E8M0; ``down_proj_*`` alike; ``quantization_config``
+    mxfp4).  Loaded, the blocks are dequantized in the file: token_logprobs equal transformers' model holding
+    the same dequantized experts; a blocks tensor without its scales names both."""
+    gen = torch.Generator().manual_seed(6)
+    hf = hf_model("gpt_oss", seed=6, layers=2, hidden_size=64, intermediate_size=32)
+    e, h, i = 6, 64, 32
+    tensors = {n: t.contiguous() for n, t in hf.state_dict().items()}
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts."
+        for proj, (rows, cols) in (("gate_up_proj", (2 * i, h)), ("down_proj", (h, i))):
+            blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=gen, dtype=torch.uint8)
+            scales = torch.randint(118, 123, (e, rows, cols // 32), generator=gen, dtype=torch.uint8)  # 2^-9 .. 2^-5
+            with torch.no_grad():
+                getattr(hf.model.layers[layer].mlp.experts, proj).copy_(
+                    ref_moe.dequantize_mxfp4(blocks, scales, dtype=torch.float32))
+            del tensors[p + proj]
+            tensors[p + proj + "_blocks"], tensors[p + proj + "_scales"] = blocks, scales
+    hf.config.quantization_config = {"quant_method": "mxfp4"}
+    _write_checkpoint(tmp_path, hf, tensors)
+    model = lm.DecoderLM.from_pretrained(tmp_path, moe_layer=ref_moe.MoE)
+    seqs = _prompts(8, lengths=(23, 31))
+    got = model.token_logprobs(seqs, [7, 9], temperature=0.0)
+    worst = max((g - hf_logprobs(hf, q, p)).abs().max().item() for g, q, p in zip(got, seqs, [7, 9]))
+    print(f"gpt-oss MXFP4 checkpoint ({lm.__name__}): max |logprob - transformers| = {worst:.2e}")
+    assert worst <= TOL
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    _write_checkpoint(tmp_path, hf, tensors)
+    with pytest.raises(ValueError, match="down_proj_blocks and .*down_proj_scales"):
+        lm.DecoderLM.from_pretrained(tmp_path, moe_layer=ref_moe.MoE)
 
 
 def _safetensors_bytes(header: dict, data: bytes, header_len: int | None = None) -> bytes:

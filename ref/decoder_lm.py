@@ -14,8 +14,9 @@ Example::
 
 What it computes
     ``DecoderLM`` is the decoder-only language model of Llama 3, Qwen2 / Qwen2.5, Qwen3, Qwen3.5 (hybrid:
-    Gated DeltaNet "linear" layers beside gated full attention), Qwen3-MoE and Qwen3.5-MoE (Mixture-of-Experts
-    MLPs), one model whose architecture differences are config flags.  It is the contract between an RL
+    Gated DeltaNet "linear" layers beside gated full attention), Qwen3-MoE, Qwen3.5-MoE and gpt-oss
+    (Mixture-of-Experts MLPs; gpt-oss with attention sinks and sliding-window layers), one model whose architecture
+    differences are config flags.  It is the contract between an RL
     trainer and its generators: the trainer runs ``forward`` / ``token_logprobs``, the engines of
     ``generator_engine.py`` run ``layers_forward`` with their KV caches plugged in, and both load the same
     Hugging Face checkpoint (``from_pretrained``) under the checkpoint's own parameter names, so a trainer's
@@ -29,8 +30,12 @@ The model (pre-norm; x = embed[token]; every norm an RMSNorm computed in fp32)
                   rotary (rotate-half) on each head's first R = D * partial_rotary_factor dims at the
                   token's position p: angle_i = p * inv_freq_i, inv_freq_i = theta^(-2i / R) (llama3
                   scaling: long wavelengths divided by ``rope_factor``, a smooth blend in between)
-                  o = softmax(q k^T / sqrt(D)) v, causal, GQA (query head j reads KV head j // (H_q / H_kv))
-                  gated: o = o * sigmoid(gate);  x += o W_o
+                  (yarn, gpt-oss: a per-dim ramp between theta^(-2i/R) and that / rope_factor, and cos, sin
+                  times 0.1 ln(rope_factor) + 1)
+                  o = softmax(q k^T / sqrt(D)) v, causal, GQA (query head j reads KV head j // (H_q / H_kv));
+                  the ``sliding_layers`` see their last ``sliding_window`` keys only (gpt-oss); attention
+                  sinks (gpt-oss): one more key per head, logit s_h and value 0: o * sigmoid(lse - s_h)
+                  gated: o = o * sigmoid(gate);  x += o W_o (+ b_o: gpt-oss)
     linear        x += linear_layer(h): a Gated DeltaNet layer (gated_deltanet.py's ``GatedDeltaNet``)
     mlp           x += W_down(silu(W_gate h) * W_up h),  h = norm(x)
     moe           (the layers of ``ModelConfig.moe_layers``) x += moe_layer(h): a Mixture-of-Experts block
@@ -44,10 +49,13 @@ Checkpoints (``ModelConfig.from_hf``, ``DecoderLM.from_pretrained``)
                   and the multi-token-prediction head ``mtp.*`` are skipped; text positions only, where
                   Qwen3.5's multimodal rotary equals the plain one), qwen3_moe (mlp_only_layers,
                   decoder_sparse_step and norm_topk_prob as transformers reads them), qwen3_5_moe_text and
-                  qwen3_5_moe (Qwen3.5's layers with MoE MLPs and the shared expert).  Anything else raises
-                  ValueError: gpt-oss, sliding-window layers, other rope types, biases other than Qwen2's
-                  q/k/v.  MoE experts load from per-expert tensors (``experts.{i}.gate_proj.weight``) or
-                  transformers' fused ones (``experts.gate_up_proj``); the state dict has the fused names.
+                  qwen3_5_moe (Qwen3.5's layers with MoE MLPs and the shared expert), gpt_oss (sinks,
+                  alternating sliding / full layers, yarn rope, q/k/v/o biases, the clamped SwiGLU experts
+                  with biases and a router with a bias; its MXFP4 experts dequantized at load; the engines
+                  do not serve it yet).  Anything else raises ValueError: other sliding-window layers, other
+                  rope types and quantizations, biases other than Qwen2's q/k/v and gpt-oss's.  MoE
+                  experts load from per-expert tensors (``experts.{i}.gate_proj.weight``) or transformers'
+                  fused ones (``experts.gate_up_proj``); the state dict has the fused names.
     weights       config.json + safetensors, one file or sharded (model.safetensors.index.json), read by
                   the reader in this file: memory-mapped, every header field checked before any tensor
                   is viewed (a checkpoint is untrusted input), copied straight into the parameters.
@@ -79,8 +87,10 @@ Tensors and types
                     its llama3 parameters, the linear layers' sizes (linear_num_k_heads, linear_num_v_heads,
                     linear_head_k_dim, linear_head_v_dim, linear_conv_kernel_size), the MoE sizes
                     (num_experts: 0 = dense, num_experts_per_tok, moe_intermediate_size,
-                    shared_expert_intermediate_size, norm_topk_prob, mlp_only_layers, decoder_sparse_step)
-                    and weight_prefix
+                    shared_expert_intermediate_size, norm_topk_prob, mlp_only_layers, decoder_sparse_step,
+                    moe_style "qwen" / "gpt_oss", swiglu_limit), gpt-oss's attention (o_proj_bias,
+                    attention_sinks, sliding_window, sliding_layers, yarn's rope_beta_fast / _slow /
+                    _truncate) and weight_prefix
     linear_layer    a class or factory called with keywords ``hidden_size``, ``num_k_heads``,
                     ``num_v_heads``, ``head_k_dim``, ``head_v_dim``, ``conv_kernel_size``, ``norm_eps``
                     (gated_deltanet.py's ``GatedDeltaNet``, or a ``functools.partial`` of it with the
@@ -88,7 +98,9 @@ Tensors and types
                     cache=c)``, ``m(x [B, T, hidden])`` and ``m(x [N, T, hidden], cache=c)``, with
                     ``m.new_cache()`` (the generator engines' contract; gated_deltanet.py's layer has it)
     moe_layer       a class or factory called with keywords ``hidden_size``, ``num_experts``, ``top_k``,
-                    ``intermediate_size``, ``norm_topk_prob``, ``shared_intermediate_size`` (moe.py's
+                    ``intermediate_size``, ``norm_topk_prob``, ``shared_intermediate_size`` (and for
+                    gpt-oss ``scoring``, ``router_bias``, ``expert_bias``, ``activation``,
+                    ``swiglu_limit``, ``layout``) (moe.py's
                     ``MoE``; ref's or fast's), giving a module called as ``m(h [T, hidden]) -> [T, hidden]``,
                     with ``set_batch_invariant(linear)`` for the mode and ``convert_checkpoint(tensors,
                     prefix)`` for a checkpoint's per-expert tensors
@@ -126,10 +138,11 @@ __all__ = ["ModelConfig", "DecoderLM", "LAYER_TYPES", "SUPPORTED_MODEL_TYPES", "
 
 LAYER_TYPES = ("attention", "linear")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5", "qwen3_moe", "qwen3_5_moe_text",
-                         "qwen3_5_moe")
+                         "qwen3_5_moe", "gpt_oss")
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")       # Gated DeltaNet + gated attention
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text")
-ROPE_TYPES = ("default", "llama3")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_5_moe_text", "gpt_oss")
+MOE_STYLES = ("qwen", "gpt_oss")
+ROPE_TYPES = ("default", "llama3", "yarn")
 WEIGHT_PREFIXES = ("model.", "model.language_model.")
 
 
@@ -166,6 +179,13 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    rope_beta_fast: float = 32.0            # yarn (gpt-oss): the ramp between extrapolated and interpolated
+    rope_beta_slow: float = 1.0             # frequencies, in rotations over rope_original_max_position
+    rope_truncate: bool = True              # yarn: the ramp's ends rounded to whole dims (gpt-oss: False)
+    o_proj_bias: bool = False               # gpt-oss (with qkv_bias: its attention_bias)
+    attention_sinks: bool = False           # gpt-oss: a learned logit per query head, a key with value 0
+    sliding_window: int = 0                 # gpt-oss: the sliding layers' window, in keys (0: none)
+    sliding_layers: tuple[int, ...] = ()    # the layers that attend within sliding_window
     linear_num_k_heads: int = 2             # the "linear" (Gated DeltaNet) layers' sizes
     linear_num_v_heads: int = 4
     linear_head_k_dim: int = 16
@@ -178,6 +198,8 @@ class ModelConfig:
     norm_topk_prob: bool = True             # the k chosen probabilities renormalised (Qwen3-MoE's flag)
     mlp_only_layers: tuple[int, ...] = ()   # an MoE model's dense layers (Qwen3-MoE)
     decoder_sparse_step: int = 1            # every step-th layer is MoE (Qwen3-MoE)
+    moe_style: str = "qwen"                 # "qwen" or "gpt_oss": router scoring, activation, biases, layout
+    swiglu_limit: float = 7.0               # gpt-oss's clamped SwiGLU
     weight_prefix: str = "model."           # where the text model's weights live in the checkpoint
 
     def __post_init__(self):
@@ -199,6 +221,19 @@ class ModelConfig:
             raise ValueError(f"mlp_only_layers must be layer indices in [0, {self.num_layers}), got "
                              f"{self.mlp_only_layers!r}")
         object.__setattr__(self, "mlp_only_layers", dense)
+        if self.rope_type == "yarn" and not (self.rope_factor > 0 and self.rope_beta_fast > self.rope_beta_slow > 0):
+            raise ValueError(f"yarn rope scaling needs rope_factor > 0 and rope_beta_fast > rope_beta_slow > 0, got "
+                             f"{self.rope_factor}, {self.rope_beta_fast}, {self.rope_beta_slow}")
+        if not _is_int(self.sliding_window) or self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be an int >= 0, got {self.sliding_window!r}")
+        sliding = tuple(self.sliding_layers)
+        if any(not _is_int(i) or not 0 <= i < self.num_layers for i in sliding) or (sliding and not (
+                _is_int(self.sliding_window) and self.sliding_window >= 1)):
+            raise ValueError(f"sliding_layers must be layer indices in [0, {self.num_layers}) with a sliding_window "
+                             f">= 1, got {self.sliding_layers!r} and {self.sliding_window!r}")
+        object.__setattr__(self, "sliding_layers", sliding)
+        if self.moe_style not in MOE_STYLES:
+            raise ValueError(f"moe_style must be one of {MOE_STYLES}, got {self.moe_style!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.linear_num_v_heads % self.linear_num_k_heads:
@@ -245,9 +280,13 @@ class ModelConfig:
 
     def moe_layer_sizes(self) -> dict:
         """The keywords a ``moe_layer`` is called with (moe.py's MoE's names)."""
-        return dict(hidden_size=self.hidden_size, num_experts=self.num_experts, top_k=self.num_experts_per_tok,
-                    intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                    shared_intermediate_size=self.shared_expert_intermediate_size)
+        sizes = dict(hidden_size=self.hidden_size, num_experts=self.num_experts, top_k=self.num_experts_per_tok,
+                     intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                     shared_intermediate_size=self.shared_expert_intermediate_size)
+        if self.moe_style == "gpt_oss":   # top-k of the logits then softmax; biases; the clamped SwiGLU; its layout
+            sizes.update(scoring="topk_softmax", router_bias=True, expert_bias=True, activation="gpt_oss",
+                         swiglu_limit=self.swiglu_limit, layout="gpt_oss")
+        return sizes
 
     def linear_layer_sizes(self) -> dict:
         """The keywords a ``linear_layer`` is called with (gated_deltanet.py's GatedDeltaNet's names)."""
@@ -287,6 +326,11 @@ def _hf_fields(raw: dict, max_seq_len) -> dict:
             return default
         return raw[key]
 
+    gpt_oss = model_type == "gpt_oss"
+    quantized = (get("quantization_config") or {}).get("quant_method")
+    if quantized is not None and not (gpt_oss and quantized == "mxfp4"):
+        raise ValueError(f"quantization_config quant_method={quantized!r} is not read ({model_type}): only gpt-oss's "
+                         f"mxfp4 experts are dequantized at load")
     if get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {get('hidden_act')!r} is not supported (silu only)")
     hidden, heads = get("hidden_size", required=True), get("num_attention_heads", required=True)
@@ -297,14 +341,16 @@ def _hf_fields(raw: dict, max_seq_len) -> dict:
     hf_types = get("layer_types") or (["full_attention"] * layers if not hybrid else
                                       ["full_attention" if (i + 1) % get("full_attention_interval", 4) == 0
                                        else "linear_attention" for i in range(layers)])
-    unknown = sorted({t for t in hf_types} - {"full_attention", "linear_attention"})
+    unknown = sorted({t for t in hf_types} - {"full_attention", "linear_attention"} -
+                     ({"sliding_attention"} if gpt_oss else set()))
     if unknown or (not hybrid and "linear_attention" in hf_types):
         raise ValueError(f"layer types {unknown or ['linear_attention']} are not supported for {model_type} "
-                         f"(sliding-window layers are not)")
+                         f"(sliding-window layers are gpt-oss's only)")
     if get("use_sliding_window", False):
         raise ValueError(f"use_sliding_window=True is not supported ({model_type}): full attention only")
-    if get("attention_bias", False):
-        raise ValueError(f"attention_bias=True is not supported ({model_type}): q/k/v biases exist only as Qwen2's")
+    if get("attention_bias", False) and not gpt_oss:
+        raise ValueError(f"attention_bias=True is not supported ({model_type}): q/k/v biases exist only as Qwen2's "
+                         f"and gpt-oss's")
     if get("mlp_bias", False):
         raise ValueError(f"mlp_bias=True is not supported ({model_type})")
     # rope: transformers >= 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling.
@@ -321,20 +367,41 @@ def _hf_fields(raw: dict, max_seq_len) -> dict:
         num_kv_heads=get("num_key_value_heads", heads), head_dim=get("head_dim", default_head_dim),
         max_seq_len=min(get("max_position_embeddings", 2048), max_seq_len or math.inf),
         rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))), rms_eps=float(get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(tie), qkv_bias=model_type == "qwen2", qk_norm=qwen3_family,
+        tie_embeddings=bool(tie), qkv_bias=model_type == "qwen2" or gpt_oss and bool(get("attention_bias", True)),
+        qk_norm=qwen3_family,
         attn_output_gate=hybrid, zero_centered_norm=hybrid,
         partial_rotary_factor=float(partial), rope_type=rope_type, weight_prefix=prefix,
         layer_types=None if "linear_attention" not in hf_types else
         tuple("linear" if t == "linear_attention" else "attention" for t in hf_types))
+    def scaling(key):
+        if rope.get(key) is None:
+            raise ValueError(f"{rope_type} rope scaling needs {key!r} in the config's rope parameters")
+        return rope[key]
     if rope_type == "llama3":
-        fields.update(rope_factor=float(rope["factor"]), rope_low_freq_factor=float(rope["low_freq_factor"]),
-                      rope_high_freq_factor=float(rope["high_freq_factor"]),
-                      rope_original_max_position=int(rope["original_max_position_embeddings"]))
+        fields.update(rope_factor=float(scaling("factor")), rope_low_freq_factor=float(scaling("low_freq_factor")),
+                      rope_high_freq_factor=float(scaling("high_freq_factor")),
+                      rope_original_max_position=int(scaling("original_max_position_embeddings")))
+    if rope_type == "yarn":
+        if any(rope.get(k) is not None for k in ("attention_factor", "mscale", "mscale_all_dim")):
+            raise ValueError("yarn rope with attention_factor / mscale / mscale_all_dim is not supported (gpt-oss's: "
+                             "factor, beta_fast, beta_slow, truncate, original_max_position_embeddings)")
+        fields.update(rope_factor=float(scaling("factor")), rope_beta_fast=float(rope.get("beta_fast") or 32.0),
+                      rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+                      rope_truncate=bool(rope.get("truncate", True)),
+                      rope_original_max_position=int(scaling("original_max_position_embeddings")))
+    if gpt_oss:   # attention sinks, every "sliding_attention" layer windowed, biases, the gpt-oss experts
+        fields.update(o_proj_bias=fields["qkv_bias"], attention_sinks=True,
+                      sliding_window=get("sliding_window", 128) if "sliding_attention" in hf_types else 0,
+                      sliding_layers=tuple(i for i, t in enumerate(hf_types) if t == "sliding_attention"),
+                      moe_style="gpt_oss", swiglu_limit=float(get("swiglu_limit", 7.0)))
+        if float(get("swiglu_alpha", 1.702)) != 1.702:
+            raise ValueError(f"swiglu_alpha={get('swiglu_alpha')} is not supported (gpt-oss: 1.702)")
     if moe:
         if not _is_int(experts) or experts < 1:
             raise ValueError(f"the {model_type} config needs num_experts >= 1, got {experts!r}")
         fields.update(num_experts=experts, num_experts_per_tok=get("num_experts_per_tok", required=True),
-                      moe_intermediate_size=get("moe_intermediate_size", required=True),
+                      moe_intermediate_size=get("moe_intermediate_size" if not gpt_oss else "intermediate_size",
+                                                required=True),
                       # Qwen3.5-MoE always renormalises the k probabilities and has the shared expert
                       norm_topk_prob=bool(get("norm_topk_prob", False)) if not hybrid else True,
                       shared_expert_intermediate_size=get("shared_expert_intermediate_size", required=True)
@@ -383,36 +450,63 @@ def rope_inv_freq(c: ModelConfig) -> torch.Tensor:
         blended = (1 - smooth) * scaled / c.rope_factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, blended, scaled)
+    if c.rope_type == "yarn":   # per dim pair, a linear ramp from extrapolated (theta^-2i/R) to interpolated (/ factor)
+        def dim_of(rotations):
+            return r * math.log(c.rope_original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(c.rope_theta))
+        low, high = dim_of(c.rope_beta_fast), dim_of(c.rope_beta_slow)
+        if c.rope_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, r - 1)
+        ramp = ((torch.arange(r // 2, dtype=torch.float32) - low) / (high - low if high > low else 0.001)).clamp(0, 1)
+        extrapolated = 1 - ramp
+        interpolated = 1.0 / (c.rope_factor * c.rope_theta ** (torch.arange(0, r, 2, dtype=torch.int64).float() / r))
+        inv_freq = interpolated * (1 - extrapolated) + inv_freq * extrapolated
     return inv_freq
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding on the first R = 2 * len(inv_freq) dims of each head, fp32 inside.
-    x [T, H, D]; positions [T] int -> [T, H, D]."""
+def rope_attention_factor(c: ModelConfig) -> float:
+    """What cos and sin are multiplied by: yarn's 0.1 ln(factor) + 1 (1 otherwise), as transformers."""
+    return 0.1 * math.log(c.rope_factor) + 1.0 if c.rope_type == "yarn" and c.rope_factor > 1 else 1.0
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, factor: float = 1.0) -> torch.Tensor:
+    """Rotate-half rotary embedding on the first R = 2 * len(inv_freq) dims of each head, fp32 inside, cos and
+    sin times ``factor`` (yarn's attention factor).  x [T, H, D]; positions [T] int -> [T, H, D]."""
     r = 2 * inv_freq.shape[0]
     angles = positions.to(torch.float32)[:, None] * inv_freq.to(x.device)[None]     # [T, R/2]
-    cos, sin = angles.cos()[:, None], angles.sin()[:, None]                         # [T, 1, R/2]
+    cos, sin = angles.cos()[:, None] * factor, angles.sin()[:, None] * factor       # [T, 1, R/2]
     xf = x.float()
     x1, x2, rest = xf[..., :r // 2], xf[..., r // 2:r], xf[..., r:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(x.dtype)
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool):
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool,
+                       window: int = 0, q_offset: int | None = None):
     """softmax(q k^T * scale) v with GQA, fp32 inside, and its log-sum-exp: (out [L_q, H_q, D] in q's
-    dtype, lse [H_q, L_q] fp32).  q [L_q, H_q, D]; k, v [L_k, H_kv, D].  Causal is bottom-right aligned
-    (query row i sees keys j <= i + L_k - L_q); a row that sees no key gets out 0 and lse -inf."""
+    dtype, lse [H_q, L_q] fp32).  q [L_q, H_q, D]; k, v [L_k, H_kv, D].  Query row i sits at key position
+    i + q_offset (default L_k - L_q: bottom-right aligned); causal: it sees keys j <= i + q_offset, and with
+    a ``window`` only the last ``window`` of them (j > i + q_offset - window); a row that sees no key gets
+    out 0 and lse -inf."""
     l_q, h_q, d = q.shape
-    group = h_q // k.shape[1]
+    l_k, group = k.shape[0], h_q // k.shape[1]
     kf, vf = (x.float().repeat_interleave(group, dim=1) for x in (k, v))     # [L_k, H_q, D]: head j reads j // G
     s = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale                   # [H_q, L_q, L_k], each head alone
     if causal:
-        l_k = k.shape[0]
-        future = torch.arange(l_k, device=q.device)[None] > torch.arange(l_q, device=q.device)[:, None] + (l_k - l_q)
-        s = s.masked_fill(future, float("-inf"))
+        at = torch.arange(l_q, device=q.device)[:, None] + (l_k - l_q if q_offset is None else q_offset)
+        key = torch.arange(l_k, device=q.device)[None]
+        hidden = (key > at) | ((key <= at - window) if window else False)
+        s = s.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)                                         # [H_q, L_q]
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     o = torch.einsum("hqk,khd->qhd", p, vf)                                  # [L_q, H_q, D]
     return o.to(q.dtype), lse
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink per head (gpt-oss): one more key, whose logit is sinks[h] and whose value is 0.
+    It adds e^s to the softmax's denominator and nothing to its numerator, so the output over the real keys
+    is scaled by e^lse / (e^lse + e^s) = sigmoid(lse - s).  out [L, H, D], lse [H, L], sinks [H]."""
+    return (out.float() * torch.sigmoid(lse - sinks.float()[:, None]).t()[..., None]).to(out.dtype)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -493,10 +587,12 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(c.hidden_size, q_out, bias=c.qkv_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_eps, c.zero_centered_norm)
             self.k_norm = RMSNorm(c.head_dim, c.rms_eps, c.zero_centered_norm)
+        if c.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(c.num_heads))
 
 
 class FeedForward(nn.Module):
@@ -662,7 +758,7 @@ class DecoderLM(nn.Module):
         they own the caches and the batch layout."""
         c, t = self.local_config, ids.shape[0]
         lin = invariant_linear if self.batch_invariant else None
-        inv_freq = rope_inv_freq(c)
+        inv_freq, factor = rope_inv_freq(c), rope_attention_factor(c)
         x = self.body.embed_tokens(ids)                                     # [T, hidden], every rank
         for i, block in enumerate(self.layers):
             h = self._to_ranks(block.input_layernorm(x, lin))
@@ -674,11 +770,12 @@ class DecoderLM(nn.Module):
                 v = self._linear(h, a.v_proj).view(t, c.num_kv_heads, c.head_dim)
                 if c.qk_norm:
                     q, k = a.q_norm(q, lin), a.k_norm(k, lin)
-                q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
+                q, k = rotary(q, positions, inv_freq, factor), rotary(k, positions, inv_freq, factor)
                 o = self._attend(attend, i, q, k, v).reshape(t, c.num_heads * c.head_dim)
                 if gate is not None:
                     o = o * _sigmoid(gate.reshape(t, -1), self.batch_invariant)
                 x = x + self._row_parallel(o, a.o_proj.weight, "o_proj")
+                x = x if a.o_proj.bias is None else x + a.o_proj.bias
             else:
                 x = x + self._reduce(mix(i, block.linear_attn, h))        # out_proj: row-parallel inside
             m, hm = block.mlp, self._to_ranks(block.post_attention_layernorm(x, lin))
@@ -776,13 +873,27 @@ class DecoderLM(nn.Module):
             longest = max((e - s for s, e in zip(bounds, bounds[1:])), default=0)
 
             def attend(i, q, k, v):
-                return self.varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0),
-                                        enable_gqa=True, **mode)
+                window, sinks = self.attention_window(i), self.attention_sinks(i)
+                extra = dict(mode, **({} if sinks is None else dict(sinks=sinks)))
+                return self.varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale,
+                                        window_size=(window - 1 if window else -1, 0), enable_gqa=True, **extra)
             return attend
 
         def attend(i, q, k, v):
-            return torch.cat([causal_attention(q[s:e], k[s:e], v[s:e], scale) for s, e in zip(bounds, bounds[1:])])
+            window, sinks, outs = self.attention_window(i), self.attention_sinks(i), []
+            for s, e in zip(bounds, bounds[1:]):
+                o, lse = attention_with_lse(q[s:e], k[s:e], v[s:e], scale, causal=True, window=window)
+                outs.append(o if sinks is None else with_sinks(o, lse, sinks))
+            return torch.cat(outs)
         return attend
+
+    def attention_window(self, i: int) -> int:
+        """Layer i's attention window in keys (0: every earlier key)."""
+        return self.config.sliding_window if i in self.config.sliding_layers else 0
+
+    def attention_sinks(self, i: int) -> torch.Tensor | None:
+        """Layer i's attention sinks [H_q] (gpt-oss), or None."""
+        return getattr(self.layers[i].self_attn, "sinks", None)
 
     # ------------------------------------------------------------------ what a trainer recomputes
 
@@ -840,14 +951,17 @@ class DecoderLM(nn.Module):
         prompts_attention = self._documents_attention(p_bounds)
 
         def attend(i, q, k, v):
-            t_p = p_bounds[-1]
+            t_p, window, sinks = p_bounds[-1], self.attention_window(i), self.attention_sinks(i)
             outs = [prompts_attention(i, q[:t_p], k[:t_p], v[:t_p])]
             for g, a, b in zip(group_of, c_bounds, c_bounds[1:]):
                 pa, pb = p_bounds[g], p_bounds[g + 1]
-                # Cascade: over the prompt's keys (all visible), over its own keys (causal), merged.
-                o_prefix, lse_prefix = attention_with_lse(q[a:b], k[pa:pb], v[pa:pb], scale, causal=False)
-                o_own, lse_own = attention_with_lse(q[a:b], k[a:b], v[a:b], scale, causal=True)
-                outs.append(merge_states(o_prefix, lse_prefix, o_own, lse_own)[0].to(q.dtype))
+                # Cascade: over the prompt's keys (every one, or those in the window: the completion's rows
+                # sit at positions pb - pa ...), over its own keys (causal), merged; a sink counts once.
+                o_prefix, lse_prefix = attention_with_lse(q[a:b], k[pa:pb], v[pa:pb], scale, causal=True,
+                                                          window=window, q_offset=pb - pa)
+                o_own, lse_own = attention_with_lse(q[a:b], k[a:b], v[a:b], scale, causal=True, window=window)
+                o, lse = merge_states(o_prefix, lse_prefix, o_own, lse_own)
+                outs.append((o if sinks is None else with_sinks(o, lse, sinks)).to(q.dtype))
             return torch.cat(outs)
 
         def mix(i, module, h):
@@ -945,9 +1059,10 @@ def local_config(c: ModelConfig, tp: int, batch_invariant: bool = False) -> Mode
         raise ValueError(f"the tensor-parallel size must be an int >= 1, got {tp!r}")
     if tp == 1:
         return c
-    if c.num_experts:
-        raise ValueError(f"tensor parallelism (tp={tp}) of Mixture-of-Experts models is not implemented (expert "
-                         f"parallelism is not written yet): MoE models run at tp = 1")
+    if c.num_experts or c.attention_sinks or c.sliding_layers or c.o_proj_bias:
+        raise ValueError(f"tensor parallelism (tp={tp}) of Mixture-of-Experts models (expert parallelism) and of "
+                         f"attention sinks, sliding windows and an o_proj bias (gpt-oss) is not implemented: such "
+                         f"models run at tp = 1")
     hybrid = "linear" in c.kinds
     problems = [f"{name}={n}" for name, n in (("num_heads", c.num_heads), ("intermediate_size", c.intermediate_size))
                 if n % tp]
@@ -1337,6 +1452,8 @@ def _init_std(name: str, c: ModelConfig) -> float | None:
     leaf = name.rsplit(".", 2)
     if ".linear_attn." in name or (name == "lm_head.weight" and c.tie_embeddings):
         return None
+    if name.endswith(".sinks"):
+        return 1.0
     if name.endswith("embed_tokens.weight"):
         return 2.0 / math.sqrt(c.hidden_size)
     if name == "lm_head.weight":

@@ -830,6 +830,9 @@ def _check_model(model) -> None:
     if not isinstance(model, nn.Module) or missing:
         raise TypeError(f"model must be an nn.Module with the engine's protocol (decoder_lm.py's DecoderLM); "
                         f"{type(model).__name__} lacks {missing or ['nn.Module']}")
+    if getattr(model.config, "attention_sinks", False) or getattr(model.config, "sliding_layers", ()):
+        raise ValueError("the engines do not serve attention sinks or sliding-window layers yet (gpt-oss): "
+                         "decoder_lm.py's DecoderLM computes them (training, token_logprobs)")
 
 
 def _tied_aliases(model: nn.Module) -> set:
