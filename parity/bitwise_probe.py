@@ -22,9 +22,9 @@ Checks (each reports the rows or requests that were bitwise out of those compare
   engine      Generator(model) on a DecoderLM(batch_invariant=True) under preemption == the same
               requests alone == DecoderLM.token_logprobs, on the real architectures' numerics: an
               attention-only model with Qwen2's q/k/v bias, Qwen3's q/k norms and Llama 3's rope
-              scaling, a Qwen3.5-style hybrid (Gated DeltaNet, the attention output gate, partial
-              rotary, zero-centred norms), and that hybrid with Qwen3.5-MoE's MLPs (routed experts on
-              fast/moe.py's kernels and the shared expert).
+              scaling, and a Qwen3.5-MoE-style hybrid (Gated DeltaNet, the attention output gate, partial
+              rotary, zero-centred norms, and MoE MLPs: routed experts on fast/moe.py's kernels beside the
+              shared expert).
 Prints one JSON line: {"corename", "aten", "checks": {name: {"bitwise", "total", "error"}}}.
 """
 from __future__ import annotations
@@ -162,10 +162,9 @@ def main(argv=None) -> int:
         "gdn": lambda: check_gdn(),
         "engine attention-only": lambda: check_engine(
             "attention", requests=args.requests, seed=args.seed, page_size=args.page_size),
-        "engine hybrid": lambda: check_engine(
-            "hybrid", requests=args.requests, seed=args.seed, page_size=args.page_size + 1),
-        "engine moe": lambda: check_engine(
-            "hybrid-moe", requests=args.requests, seed=args.seed, page_size=args.page_size + 2),
+        # the hybrid with MoE MLPs: Gated DeltaNet, gated attention and the expert kernels in one model
+        "engine hybrid-moe": lambda: check_engine(
+            "hybrid-moe", requests=args.requests, seed=args.seed, page_size=args.page_size + 1),
     }
     report = {"corename": openblas_corename(), "aten": torch.backends.cpu.get_cpu_capability(), "checks": {}}
     for name, run in checks.items():
