@@ -19,7 +19,7 @@ help:
 	@echo "                      small shapes less the cases marked slow, plus the sm_80/sm_90 build check"
 	@echo "  make parity-all     make parity with the slow cases too (CPU)                             ~50 min"
 	@echo "  make compile-check  ahead-of-time build of every kernel and every config (no GPU needed) ~10 min"
-	@echo "  make bench          every benchmark (FEATURE=name for one); prints its tables and writes ~21 min"
+	@echo "  make bench          every benchmark (FEATURE=name for one); prints its tables and writes ~35 min"
 	@echo "                      bench/results/latest/; RECORD=1 also appends to the committed CSVs"
 	@echo "                      and regenerates bench/README.md's tables and plots"
 	@echo "  make report         regenerate bench/README.md's tables and plots from the CSVs           ~1 s"
