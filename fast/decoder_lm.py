@@ -902,7 +902,7 @@ class DecoderLM(nn.Module):
             t_p, sinks = lay.prompt_rows, self.attention_sinks(i)
             qp, kp, vp, qc, kc, vc = q[:t_p], k[:t_p], v[:t_p], q[t_p:], k[t_p:], v[t_p:]
             out_p, lse_p = self._attention(qp, kp, vp, lay.cu_p, lay.cu_p, lay.max_p, lay.max_p, scale, causal=True)
-            out_p = out_p if sinks is None else _with_sinks(out_p, lse_p, sinks)
+            out_p = out_p if sinks is None else with_sinks(out_p, lse_p, sinks)
             if qc.shape[0] == 0:
                 return out_p
             # The prompt's keys: a group's completion rows packed as one query sequence read them once.
@@ -912,7 +912,7 @@ class DecoderLM(nn.Module):
                 o_a, lse_a = _value_with_gradient_of(self._rows_over_prompts(qc, kp, vp, lay, scale), (o_a, lse_a))
             o_b, lse_b = self._attention(qc, kc, vc, lay.cu_c, lay.cu_c, lay.max_c, lay.max_c, scale, causal=True)
             out_c, lse_c = _merge_states(o_a, lse_a, o_b, lse_b)
-            out_c = out_c if sinks is None else _with_sinks(out_c, lse_c, sinks)      # a sink counts once
+            out_c = out_c if sinks is None else with_sinks(out_c, lse_c, sinks)      # a sink counts once
             return torch.cat([out_p, out_c.to(out_p.dtype)])
         return attend
 
@@ -962,7 +962,7 @@ class DecoderLM(nn.Module):
             def attend(i, q, k, v):
                 window, sinks = self.attention_window(i), self.attention_sinks(i)
                 o, lse = self._attention(q, k, v, cu, cu, longest, longest, scale, causal=True, window=window)
-                return o if sinks is None else _with_sinks(o, lse, sinks)
+                return o if sinks is None else with_sinks(o, lse, sinks)
             return attend
         if self.varlen_attn is not None:
             # The keyword only in the mode: PyTorch's own varlen_attn, which has none, plugs in too.
@@ -1154,8 +1154,10 @@ def _value_with_gradient_of(exact: tuple, plain: tuple) -> tuple:
     return tuple(_ValueOf.apply(p, e) for p, e in zip(plain, exact))
 
 
-def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """The reference's ``with_sinks``: a sink key (logit sinks[h], value 0) scales out by sigmoid(lse - s)."""
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink per head (gpt-oss): one more key, whose logit is sinks[h] and whose value is 0.
+    It adds e^s to the softmax's denominator and nothing to its numerator, so the output over the real keys
+    is scaled by e^lse / (e^lse + e^s) = sigmoid(lse - s).  out [L, H, D], lse [H, L], sinks [H]."""
     return (out.float() * torch.sigmoid(lse - sinks.float()[:, None]).t()[..., None]).to(out.dtype)
 
 
