@@ -215,22 +215,15 @@ class ModelConfig:
         if self.num_experts and self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts "
                              f"({self.num_experts})")
-        dense = tuple(self.mlp_only_layers)
-        if any(not _is_int(i) or not 0 <= i < self.num_layers for i in dense):
-            raise ValueError(f"mlp_only_layers must be layer indices in [0, {self.num_layers}), got "
-                             f"{self.mlp_only_layers!r}")
-        object.__setattr__(self, "mlp_only_layers", dense)
+        self._layer_indices("mlp_only_layers")
         if self.rope_type == "yarn" and not (self.rope_factor > 0 and self.rope_beta_fast > self.rope_beta_slow > 0):
             raise ValueError(f"yarn rope scaling needs rope_factor > 0 and rope_beta_fast > rope_beta_slow > 0, got "
                              f"{self.rope_factor}, {self.rope_beta_fast}, {self.rope_beta_slow}")
         if not _is_int(self.sliding_window) or self.sliding_window < 0:
             raise ValueError(f"sliding_window must be an int >= 0, got {self.sliding_window!r}")
-        sliding = tuple(self.sliding_layers)
-        if any(not _is_int(i) or not 0 <= i < self.num_layers for i in sliding) or (sliding and not (
-                _is_int(self.sliding_window) and self.sliding_window >= 1)):
-            raise ValueError(f"sliding_layers must be layer indices in [0, {self.num_layers}) with a sliding_window "
-                             f">= 1, got {self.sliding_layers!r} and {self.sliding_window!r}")
-        object.__setattr__(self, "sliding_layers", sliding)
+        if self._layer_indices("sliding_layers") and self.sliding_window < 1:
+            raise ValueError(f"sliding_layers {self.sliding_layers!r} need a sliding_window >= 1, got "
+                             f"{self.sliding_window!r}")
         if self.moe_style not in MOE_STYLES:
             raise ValueError(f"moe_style must be one of {MOE_STYLES}, got {self.moe_style!r}")
         if self.num_heads % self.num_kv_heads:
@@ -267,6 +260,14 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """R: the rotated dims at the start of each head (the rest pass through)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def _layer_indices(self, name: str) -> tuple[int, ...]:
+        """Field ``name`` as a tuple of layer indices, checked."""
+        indices = tuple(getattr(self, name))
+        if any(not _is_int(i) or not 0 <= i < self.num_layers for i in indices):
+            raise ValueError(f"{name} must be layer indices in [0, {self.num_layers}), got {getattr(self, name)!r}")
+        object.__setattr__(self, name, indices)
+        return indices
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -308,7 +309,7 @@ def _hf_fields(raw: dict, max_seq_len) -> dict:
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not supported: this model reads {SUPPORTED_MODEL_TYPES} "
-                         f"(Llama 3 / Qwen2 / Qwen2.5 / Qwen3 / Qwen3.5 text, Qwen3-MoE / Qwen3.5-MoE; no vision)")
+                         f"(Llama 3 / Qwen2 / Qwen2.5 / Qwen3 / Qwen3.5 text, Qwen3-MoE / Qwen3.5-MoE, gpt-oss)")
     if isinstance(max_seq_len, bool) or not (max_seq_len is None or _is_int(max_seq_len) and max_seq_len >= 1):
         raise ValueError(f"max_seq_len must be None or an int >= 1, got {max_seq_len!r}")
     prefix, tie = "model.", raw.get("tie_word_embeddings", False)
