@@ -3,8 +3,9 @@
 A file copied into another project does not bring the README, so its own docstring shows the call.  The
 example is the first ``::`` block of the module docstring, within its opening lines; its first line names the
 files it needs (``# generator_engine.py and decoder_lm.py, copied next to this script``).  Each runs in an
-empty folder holding only those files of the same directory, in a fresh interpreter (fast/ through the
-Triton interpreter, ``TRITON_INTERPRET=1``, as on a machine without a GPU), and must finish without error.
+empty folder holding only those files of the same directory, as a fresh interpreter runs it (fast/ through the
+Triton interpreter, ``TRITON_INTERPRET=1``, as on a machine without a GPU; parity/warm_python.py forks it from a
+process that has imported torch and triton only), and must finish without error.
 """
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import ast
 import os
 import re
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from warm_python import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = sorted(p for folder in ("ref", "fast") for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py")
@@ -55,8 +56,7 @@ def test_docstring_example_runs(path, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["TRITON_INTERPRET"] = "1" if path.parent.name == "fast" else "0"
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
-    assert proc.returncode == 0, f"{path.parent.name}/{path.name}'s example failed:\n{proc.stdout}{proc.stderr[-4000:]}"
+    proc = run_script(tmp_path / "example.py", cwd=tmp_path, env=env, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, f"{path.parent.name}/{path.name}'s example failed:\n{proc.stdout[-6000:]}"
     assert proc.stdout.strip(), f"{path.name}'s example printed nothing"
     print(f"\n{path.parent.name}/{path.name}: {proc.stdout.strip()[-200:]}")

@@ -3,10 +3,11 @@
 A block's first line is a comment naming the files it needs, e.g.
 ``# ref/ or fast/ paged_varlen_attention.py, copied next to this script``.  For each directory
 named there (``ref/``, ``fast/``) the block runs once: the named files of that directory are
-copied into an empty folder, the block is written there as a script and run with a fresh
-interpreter from that folder, so it sees nothing of this repository but those files (the
-copy-one-file promise).  fast/ runs on the CPU through the Triton interpreter
-(``TRITON_INTERPRET=1``), as the README's CPU instructions say.  A block that uses Ray runs in a
+copied into an empty folder, the block is written there as a script and run as a fresh interpreter
+runs it from that folder (parity/warm_python.py forks it from a process that has imported torch and
+triton only), so it sees nothing of this repository but those files (the copy-one-file promise).
+fast/ runs on the CPU through the Triton interpreter (``TRITON_INTERPRET=1``), as the README's CPU
+instructions say.  A block that uses Ray runs in a
 private network namespace (parity/netns.py: loopback only), and so does one that starts tensor-parallel
 processes (``tensor_parallel_size``).  A block that names a checkpoint directory ``tiny-<family>`` (a path a
 user would point at their own checkpoint) finds one there: the test writes a tiny random Hugging Face
@@ -20,11 +21,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from warm_python import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = re.compile(r"#\s*((?:ref/|fast/)(?:\s+or\s+(?:ref/|fast/))?)\s+(.*?),\s*copied next to this script")
@@ -83,6 +85,5 @@ def test_readme_block_runs(line, source, where, files, tmp_path):
             pytest.skip(unavailable())
         proc = run_isolated(argv, timeout=TIMEOUT_S, cwd=tmp_path, env=env)
     else:
-        proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-        proc = subprocess.CompletedProcess(argv, proc.returncode, proc.stdout + proc.stderr, None)
+        proc = run_script(script, cwd=tmp_path, env=env, timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"README.md line {line} ({where}/) failed:\n{proc.stdout[-6000:]}"

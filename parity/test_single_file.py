@@ -1,8 +1,8 @@
 """The single-file rules of CONTRIBUTING.md, checked on every file in ref/ and fast/.
 
-1. Copyable alone: each file is copied into an empty directory and imported there by a
-   fresh interpreter that cannot see this repository.  The import must print nothing and
-   must not touch a device (``torch.cuda`` stays uninitialized).
+1. Copyable alone: each file is copied into an empty directory and imported there as a fresh
+   interpreter imports it, seeing nothing of this repository (parity/warm_python.py).  The import
+   must print nothing and must not touch a device (``torch.cuda`` stays uninitialized).
 2. Imports only the standard library, torch, triton, einops; no relative imports.
 3. A header docstring and an ``__all__`` whose names all exist.
 4. ref and fast share a contract: the same ``__all__``, and every public function, class
@@ -17,13 +17,14 @@ import importlib
 import inspect
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from warm_python import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLOWED_MODULES = {"torch", "triton", "einops", "__future__"} | set(sys.stdlib_module_names)
@@ -94,21 +95,23 @@ json.dump({
 
 
 def _import_alone(path: Path) -> dict:
+    """The probe above, run as a fresh interpreter runs it (parity/warm_python.py) from an empty folder that
+    holds the copy."""
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / path.name
         target.write_bytes(path.read_bytes())
         result_path = Path(tmp) / "result.json"
+        (Path(tmp) / "probe.py").write_text(_IMPORT_PROBE)
         env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "TRITON_INTERPRET"}}
-        proc = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, path.stem, str(result_path)],
-                              cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+        proc = run_script(Path(tmp) / "probe.py", argv=[path.stem, str(result_path)], cwd=tmp, env=env, timeout=300)
         result = json.loads(result_path.read_text()) if result_path.exists() else {}
-        result.update(returncode=proc.returncode, stdout=proc.stdout, stderr=proc.stderr, tmp=tmp)
+        result.update(returncode=proc.returncode, output=proc.stdout, tmp=tmp)
         return result
 
 
 @pytest.fixture(scope="module")
 def import_results():
-    # Each probe is a fresh interpreter importing torch: run them side by side.
+    # Each probe is a forked interpreter (parity/warm_python.py): run them side by side.
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         results = dict(zip(FILES, pool.map(_import_alone, FILES)))
     return results
@@ -117,10 +120,9 @@ def import_results():
 @pytest.mark.parametrize("path", FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_imports_alone_quietly(path, import_results):
     r = import_results[path]
-    assert r["returncode"] == 0, f"{path.name} does not import alone:\n{r['stderr'][-3000:]}"
+    assert r["returncode"] == 0, f"{path.name} does not import alone:\n{r['output'][-3000:]}"
     assert r["file"].startswith(r["tmp"]), f"{path.name} was imported from {r['file']}, not the copy"
-    assert r["stdout"] == "", f"importing {path.name} printed to stdout: {r['stdout'][:500]!r}"
-    assert r["stderr"] == "", f"importing {path.name} printed to stderr: {r['stderr'][:500]!r}"
+    assert r["output"] == "", f"importing {path.name} printed: {r['output'][:500]!r}"
     assert not r["cuda_initialized"], f"importing {path.name} initialized CUDA (no work at import)"
     assert r["all"], f"{path.name} has no __all__"
     assert not r["missing"], f"{path.name}: __all__ names that do not exist: {r['missing']}"
