@@ -116,8 +116,12 @@ Supported, and what raises
     receive failed (weights and version unchanged), ValueError for a request (or a group of n samples) that
     can never fit the KV pool, a group larger than ``max_batch_size``, a memory budget too small for one
     sequence, engine knobs out of range, a batch-invariant model without ``varlen_attn`` or
-    ``flash_decode``.  Inference only.  Limits: preemption recomputes (no swapping to host); a group's
-    samples are admitted together (n free rows).
+    ``flash_decode``, or with gpt-oss's sinks or sliding windows.  gpt-oss in the default mode: a sliding
+    layer's prefill attends within ``window_size=(W - 1, 0)``, its decode from ``cache_leftpad = used - W``
+    (never through ``cascade_decode``: the window may not reach a group's prompt), sinks on every layer.
+    Inference only.  Limits: preemption recomputes (no swapping to host); a group's samples are admitted
+    together (n free rows); the pages before a sliding layer's window stay allocated (the full layers
+    share them).
 
 References
     vLLM (Kwon et al., PagedAttention, 2023) and its scheduler (continuous batching, recompute
@@ -2117,10 +2121,12 @@ def _activation_peak(model: nn.Module, tokens: int, attention: _AttentionFns) ->
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     cu = torch.tensor([0, tokens], dtype=torch.int32, device=dev)
+    window, sinks = getattr(model, "attention_window", lambda i: 0), _sinks(model)    # (gpt-oss: the real path)
 
     def attend(i, q, k, v):
-        return attention.varlen(q, k, v, cu, cu, tokens, tokens, scale=c.head_dim ** -0.5, window_size=(-1, 0),
-                                enable_gqa=True, **attention.kw)
+        w = window(i)
+        return attention.varlen(q, k, v, cu, cu, tokens, tokens, scale=c.head_dim ** -0.5,
+                                window_size=(w - 1 if w else -1, 0), enable_gqa=True, **sinks[i], **attention.kw)
 
     def mix(i, module, h):
         return module(h[None], cu_seqlens=cu, cache=module.new_cache())[0]
