@@ -1,6 +1,7 @@
 """Real checkpoints: decoder_lm.py (ref and fast) and the generator engines on Hugging Face checkpoints of
-Llama 3, Qwen2 / Qwen2.5, Qwen3, Qwen3.5 (text, and the text model of the multimodal checkpoint), Qwen3-MoE
-and Qwen3.5-MoE (text and multimodal: Gated DeltaNet + MoE with the shared expert).
+Llama 3, Qwen2 / Qwen2.5, Qwen3, Qwen3.5 (text, and the text model of the multimodal checkpoint), Qwen3-MoE,
+Qwen3.5-MoE (text and multimodal: Gated DeltaNet + MoE with the shared expert) and gpt-oss (sinks, sliding
+windows: served by both engines in their default mode, refused by the batch-invariant one).
 
 The oracle is transformers itself, on tiny random models every parameter of which is perturbed
 (parity/hf_models.py), written with ``save_pretrained`` (one file, and sharded) and read back by this repo's
