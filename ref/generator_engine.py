@@ -95,7 +95,7 @@ Supported, and what raises
     ``submit`` and ``load_weights``.  ValueError for an empty prompt, a token id >= vocab_size, a
     prompt of max_seq_len tokens or more (no room to generate), a state dict with missing, unexpected
     or mis-shaped tensors, a version below the current one, a batch-invariant model with sinks or
-    sliding windows (that mode does not compute them: decoder_lm.py refuses it too);
+    sliding windows (the fast engine's mode does not compute them; the same check in both engines);
     TypeError for a model without the protocol, a request without the Request fields, non-tensor or
     non-floating state-dict values, a non-int version; RuntimeError after ``close()``.
 
