@@ -30,7 +30,7 @@ What it changes
                   sliding windows and sinks: the varlen plug-in's window (or PyTorch per document) and its
                   lse, each row scaled by sigmoid(lse - sink); ``token_logprobs`` of a model with sliding
                   layers packs whole sequences (its shared-prompt path has no per-row window); the
-                  batch-invariant mode and the engines refuse sinks and windows (ValueError).
+                  batch-invariant mode refuses sinks and windows (ValueError), here and in the engines.
 
 Batch-invariant mode: bitwise on-policy (``DecoderLM(..., batch_invariant=True, varlen_attn=...)``)
     ``token_logprobs`` then equals the logprobs the fast engine (generator_engine.py's

@@ -116,8 +116,12 @@ Supported, and what raises
     receive failed (weights and version unchanged), ValueError for a request (or a group of n samples) that
     can never fit the KV pool, a group larger than ``max_batch_size``, a memory budget too small for one
     sequence, engine knobs out of range, a batch-invariant model without ``varlen_attn`` or
-    ``flash_decode``.  Inference only.  Limits: preemption recomputes (no swapping to host); a group's
-    samples are admitted together (n free rows).
+    ``flash_decode``, or with gpt-oss's sinks or sliding windows.  gpt-oss in the default mode: a sliding
+    layer's prefill attends within ``window_size=(W - 1, 0)``, its decode from ``cache_leftpad = used - W``
+    (never through ``cascade_decode``: the window may not reach a group's prompt), sinks on every layer.
+    Inference only.  Limits: preemption recomputes (no swapping to host); a group's samples are admitted
+    together (n free rows); the pages before a sliding layer's window stay allocated (the full layers
+    share them).
 
 References
     vLLM (Kwon et al., PagedAttention, 2023) and its scheduler (continuous batching, recompute
@@ -1488,6 +1492,10 @@ class ModelRunner:
         self.pools, self.attention, self.batch_invariant, self.tp = pools, attention, batch_invariant, tp
         self.config, self.device, self.page_size = model.config, pools.device, plan.page_size
         self.scale = model.config.head_dim ** -0.5
+        # Layer i's attention window in keys (gpt-oss's sliding layers; 0 = full): the config's, fixed.  Its
+        # sinks are weights, read each pass from the model that pass runs (a hot swap brings another one).
+        window = getattr(model, "attention_window", lambda i: 0)
+        self.windows = [window(i) if kind == "attention" else 0 for i, kind in enumerate(model.config.kinds)]
         self.samples = tp is None or tp.rank == 0
         self.staging = _Staging(pools.device)
         self.table = torch.zeros(plan.max_batch_size, pools.pages_per_seq, dtype=torch.int32, device=pools.device)
@@ -1514,13 +1522,16 @@ class ModelRunner:
         # their keys in the decode's two segments.
         completions = [(n, max(c.start, c.seq.n_prompt)) for n, c in enumerate(work)
                        if self.batch_invariant and c.end > c.seq.n_prompt]
+        sinks = _sinks(model)
 
         def attend(i, q, k, v):
             kc, vc = pools.kv(i)
             kc.view(-1, *kc.shape[-2:]).index_copy_(0, kv_index, k)
             vc.view(-1, *vc.shape[-2:]).index_copy_(0, kv_index, v)
-            out = self.attention.varlen(q, kc, vc, cu, None, longest, keys, scale=self.scale, window_size=(-1, 0),
-                                        enable_gqa=True, seqused_k=used, block_table=table, **self.attention.kw)
+            w = self.windows[i]     # a sliding layer: position p sees keys p - w + 1 .. p (varlen's left = w - 1)
+            out = self.attention.varlen(q, kc, vc, cu, None, longest, keys, scale=self.scale,
+                                        window_size=(w - 1 if w else -1, 0), enable_gqa=True, seqused_k=used,
+                                        block_table=table, **sinks[i], **self.attention.kw)
             for n, first in completions:
                 span = slice(int(cu[n]) + first - work[n].start, int(cu[n + 1]))
                 out[span] = self._two_segments(q[span][None], kc, vc, used[n:n + 1], table[n:n + 1],
@@ -1592,12 +1603,18 @@ class ModelRunner:
         torch.index_select(self.pools.table, 0, rows, out=self.table[:b])
         table = self.table[:b, :max(len(s.pages) for s in seqs)]
         groups = self._decode_groups(seqs) if at.cascade is not None and not self.batch_invariant else None
+        sinks = _sinks(model)
+        # A sliding layer's keys start w before the new token's end (the pages before stay allocated, unread).
+        first_key = {w: (used - w).clamp(min=0) for w in set(self.windows) if w}
 
         def attend(i, q, k, v):
             kc, vc = self.pools.kv(i)
-            new = dict(k_new=k[:, None], v_new=v[:, None], scale=self.scale)
+            new = dict(k_new=k[:, None], v_new=v[:, None], scale=self.scale, **sinks[i])
             if self.batch_invariant:
                 return self._two_segments(q[:, None], kc, vc, used, table, prompts, new)[:, 0]
+            if self.windows[i]:     # (no cascade: a group's shared prompt may lie outside the window)
+                return at.decode(q[:, None], kc, vc, used, block_table=table, cache_leftpad=first_key[self.windows[i]],
+                                 **new)[:, 0]
             if groups is not None:
                 return at.cascade(q[:, None], kc, vc, used, block_table=table, cu_groups=groups[0],
                                   prefix_lens=groups[1], **new)[:, 0]
@@ -1667,6 +1684,14 @@ class ModelRunner:
         if self.tp is not None:
             tokens = self.tp.share_tokens(self.staging.put("tokens", tokens, torch.int64))
         return tokens, logprobs
+
+
+def _sinks(model) -> list:
+    """Per layer, the attention plug-ins' sinks keyword: {"sinks": [H_q]} on gpt-oss's layers, else {} (no
+    keyword: a plug-in without one, PyTorch's own varlen_attn, still serves other models)."""
+    sinks = getattr(model, "attention_sinks", lambda i: None)
+    return [dict(sinks=s) if kind == "attention" and (s := sinks(i)) is not None else {}
+            for i, kind in enumerate(model.config.kinds)]
 
 
 # ----------------------------------------------------------------------------- batched sampling
@@ -1749,11 +1774,13 @@ def _torch_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, r
                        window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None,
                        softcap=0.0, sinks=None):
     """The default prefill attention: ``varlen_attn``'s signature in plain PyTorch, one sequence at
-    a time.  It supports what the engine asks for (causal window (-1, 0), packed or paged keys, GQA)
-    and raises NotImplementedError for the rest (plug in fast/paged_varlen_attention.varlen_attn)."""
-    if (return_aux is not None and return_aux.lse) or softcap or sinks is not None or tuple(window_size) != (-1, 0):
-        raise NotImplementedError("the in-file default varlen_attn does causal attention only (window (-1, 0), "
-                                  "no lse, softcap or sinks); plug in fast/paged_varlen_attention.varlen_attn")
+    a time.  It supports what the engine asks for (causal, within a left window (left, 0) or not, packed or
+    paged keys, GQA, sinks) and raises NotImplementedError for the rest (plug in
+    fast/paged_varlen_attention.varlen_attn)."""
+    left, right = window_size
+    if (return_aux is not None and return_aux.lse) or softcap or right != 0 or left < -1:
+        raise NotImplementedError("the in-file default varlen_attn does causal attention only (window (left, 0), "
+                                  "no lse or softcap); plug in fast/paged_varlen_attention.varlen_attn")
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     q_bounds = cu_seq_q.tolist()
     used = None if seqused_k is None else seqused_k.tolist()
@@ -1769,22 +1796,28 @@ def _torch_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, r
             start = k_bounds[b]
             n = used[b] if used is not None else k_bounds[b + 1] - start
             k, v = key[start:start + n], value[start:start + n]
-        # SDPA wants [1, H, L, D]; causal bottom-right: query i of L_q sees keys j <= i + L_k - L_q
+        # Bottom-right: query i of L_q sits at key position p = i + L_k - L_q and sees keys p - left .. p
         l_q, l_k = q.shape[0], k.shape[0]
-        visible = torch.arange(l_k, device=q.device)[None] <= torch.arange(l_q, device=q.device)[:, None] + (l_k - l_q)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           attn_mask=visible, scale=scale, enable_gqa=True)
-        outs.append(o[0].transpose(0, 1))
+        p = torch.arange(l_q, device=q.device)[:, None] + (l_k - l_q)
+        j = torch.arange(l_k, device=q.device)[None]
+        visible = (j <= p) & ((j >= p - left) if left >= 0 else True)                 # [L_q, L_k]
+        if sinks is None:   # SDPA wants [1, H, L, D]; its fused kernels keep no [L_q, L_k] scores
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None], attn_mask=visible, scale=scale, enable_gqa=True)
+            outs.append(o[0].transpose(0, 1))
+        else:
+            outs.append(_masked_attention(q[None], k[None], v[None], visible[None], scale, sinks)[0])
     return torch.cat(outs) if outs else query.new_zeros(query.shape)
 
 
 def _torch_flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None, v_new=None, scale=None,
-                        num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None):
+                        num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None, cache_leftpad=None):
     """The default decode attention: ``flash_decode``'s signature in plain PyTorch, the whole batch at
     once (keys gathered from the pages, padded to the longest sequence, masked).  k_new / v_new are
-    written into the cache first.  No lse, softcap or sinks (NotImplementedError)."""
-    if return_lse or softcap or sinks is not None:
-        raise NotImplementedError("the in-file default flash_decode has no lse, softcap or sinks; plug in "
+    written into the cache first; ``cache_leftpad [B]``: sequence b's keys start there (a sliding
+    window); sinks as varlen_attn's.  No lse or softcap (NotImplementedError)."""
+    if return_lse or softcap:
+        raise NotImplementedError("the in-file default flash_decode has no lse or softcap; plug in "
                                   "fast/flash_decoding.flash_decode")
     b, s_q, h_q, d = q.shape
     h_kv = k_cache.shape[-2]
@@ -1810,15 +1843,29 @@ def _torch_flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_n
         v = v_cache[pages].flatten(1, 2)[:, :longest]
     else:
         k, v = k_cache[:, :longest], v_cache[:, :longest]
-    qf = q.float().view(b, s_q, h_kv, h_q // h_kv, d)
-    s = torch.einsum("bqhgd,bkhd->bhgqk", qf, k.float()) * scale                # [B, H_kv, G, S_q, L]
-    hidden = torch.arange(longest, device=q.device)[None, None] > pos[:, :, None]   # [B, S_q, L]
-    p = torch.softmax(s.masked_fill(hidden[:, None, None], float("-inf")), dim=-1).nan_to_num(0.0)
-    o = torch.einsum("bhgqk,bkhd->bqhgd", p, v.float()).reshape(b, s_q, h_q, d).to(q.dtype)
+    j = torch.arange(longest, device=q.device)[None, None]
+    first = cache_leftpad.long()[:, None, None] if cache_leftpad is not None else 0
+    o = _masked_attention(q, k, v, (j <= pos[:, :, None]) & (j >= first), scale, sinks)   # visible [B, S_q, L]
     if out is not None:
         out.copy_(o)
         return out
     return o
+
+
+def _masked_attention(q, k, v, visible, scale, sinks):
+    """softmax(q k^T * scale) v over the visible keys, GQA, fp32 inside: q [B, L_q, H_q, D]; k, v [B, L_k, H_kv, D];
+    visible [B, L_q, L_k] bool -> [B, L_q, H_q, D] in q's dtype; a row that sees no key gets 0.  sinks [H_q]
+    (gpt-oss): one more key per head, of logit sinks[h] and value 0 (it takes its share of the mass, adds
+    nothing)."""
+    b, l_q, h_q, d = q.shape
+    h_kv, l_k = k.shape[2], k.shape[1]
+    qf = q.float().view(b, l_q, h_kv, h_q // h_kv, d)                            # head h reads kv head h // G
+    s = torch.einsum("bqhgd,bkhd->bhgqk", qf, k.float()) * scale                # [B, H_kv, G, L_q, L_k]
+    s = s.masked_fill(~visible[:, None, None], float("-inf"))
+    if sinks is not None:                                                       # the sinks' column
+        s = torch.cat([s, sinks.float().view(1, h_kv, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)[..., :l_k]                     # the sink's value is 0: dropped
+    return torch.einsum("bhgqk,bkhd->bqhgd", p, v.float()).reshape(b, l_q, h_q, d).to(q.dtype)
 
 
 # ----------------------------------------------------------------------------- memory budget
@@ -2074,10 +2121,12 @@ def _activation_peak(model: nn.Module, tokens: int, attention: _AttentionFns) ->
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     cu = torch.tensor([0, tokens], dtype=torch.int32, device=dev)
+    window, sinks = getattr(model, "attention_window", lambda i: 0), _sinks(model)    # (gpt-oss: the real path)
 
     def attend(i, q, k, v):
-        return attention.varlen(q, k, v, cu, cu, tokens, tokens, scale=c.head_dim ** -0.5, window_size=(-1, 0),
-                                enable_gqa=True, **attention.kw)
+        w = window(i)
+        return attention.varlen(q, k, v, cu, cu, tokens, tokens, scale=c.head_dim ** -0.5,
+                                window_size=(w - 1 if w else -1, 0), enable_gqa=True, **sinks[i], **attention.kw)
 
     def mix(i, module, h):
         return module(h[None], cu_seqlens=cu, cache=module.new_cache())[0]
@@ -2500,9 +2549,10 @@ def _check_model(model) -> None:
     if not isinstance(model, nn.Module) or missing:
         raise TypeError(f"model must be an nn.Module with the engine's protocol (decoder_lm.py's DecoderLM); "
                         f"{type(model).__name__} lacks {missing or ['nn.Module']}")
-    if getattr(model.config, "attention_sinks", False) or getattr(model.config, "sliding_layers", ()):
-        raise ValueError("the engines do not serve attention sinks or sliding-window layers yet (gpt-oss): "
-                         "decoder_lm.py's DecoderLM computes them (training, token_logprobs)")
+    gpt_oss = getattr(model.config, "attention_sinks", False) or getattr(model.config, "sliding_layers", ())
+    if gpt_oss and getattr(model, "batch_invariant", False):
+        raise ValueError("the batch-invariant mode does not serve attention sinks or sliding-window layers (gpt-oss): "
+                         "the default mode (batch_invariant=False) serves them")
 
 
 def _tied_aliases(model: nn.Module) -> set:

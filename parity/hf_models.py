@@ -12,8 +12,6 @@ import torch
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5", "qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe",
             "gpt_oss")
 MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe", "gpt_oss")
-# Model families only the trainer computes (the engines refuse them: gpt-oss's sinks and sliding windows).
-TRAINER_ONLY = ("gpt_oss",)
 # Router weights are scaled up by this much after the perturbation: logits spread over a few units, so the
 # top-k has no near-ties a 1e-6 rounding difference could flip (the tests measure the smallest margin).
 ROUTER_SCALE = 30.0

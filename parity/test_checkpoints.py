@@ -1,6 +1,7 @@
 """Real checkpoints: decoder_lm.py (ref and fast) and the generator engines on Hugging Face checkpoints of
-Llama 3, Qwen2 / Qwen2.5, Qwen3, Qwen3.5 (text, and the text model of the multimodal checkpoint), Qwen3-MoE
-and Qwen3.5-MoE (text and multimodal: Gated DeltaNet + MoE with the shared expert).
+Llama 3, Qwen2 / Qwen2.5, Qwen3, Qwen3.5 (text, and the text model of the multimodal checkpoint), Qwen3-MoE,
+Qwen3.5-MoE (text and multimodal: Gated DeltaNet + MoE with the shared expert) and gpt-oss (sinks, sliding
+windows: served by both engines in their default mode, refused by the batch-invariant one).
 
 The oracle is transformers itself, on tiny random models every parameter of which is perturbed
 (parity/hf_models.py), written with ``save_pretrained`` (one file, and sharded) and read back by this repo's
@@ -36,7 +37,7 @@ import ref.gated_deltanet as ref_gdn
 import ref.generator_engine as ref_ge
 import ref.moe as ref_moe
 from conftest import DEVICE, check_close, requires_gpu
-from hf_models import FAMILIES, MOE_FAMILIES, TRAINER_ONLY, VOCAB, hf_greedy, hf_logprobs, hf_model, hf_router_margin
+from hf_models import FAMILIES, MOE_FAMILIES, VOCAB, hf_greedy, hf_logprobs, hf_model, hf_router_margin
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -51,6 +52,18 @@ MIN_ROUTER_MARGIN = 1e-4    # the top-k's smallest logit gap must dwarf fp32 rou
 def _prompts(seed: int, lengths=(5, 17, 33)) -> list:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _greedy_error(hf, prompts: list, completions: list, n: int, family: str) -> float:
+    """Every sample's n tokens equal transformers' greedy ``generate``; returns the largest |logprob -
+    transformers' logprob| (teacher-forced on the sample)."""
+    worst = 0.0
+    for p, c in zip(prompts, completions):
+        for sample in c if isinstance(c, list) else [c]:
+            assert sample.token_ids == hf_greedy(hf, p, n), f"{family}: tokens differ from transformers' generate"
+            hf_lp = hf_logprobs(hf, p + sample.token_ids, len(p))
+            worst = max(worst, (torch.tensor(sample.logprobs) - hf_lp).abs().max().item())
+    return worst
 
 
 @pytest.fixture(scope="module")
@@ -96,20 +109,13 @@ def test_token_logprobs_equal_transformers(checkpoints, family, impl):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_greedy_equals_transformers_generate(checkpoints, family, impl):
     """Greedy tokens equal generate(do_sample=False); each logprob within TOL of transformers' forward.  (gpt-oss:
-    the engines refuse its sinks and sliding windows, saying so.)"""
+    prompts and outputs run past its window of 5 keys.)"""
     lm, ge = impl
     hf, path = checkpoints[family]
-    if family in TRAINER_ONLY:
-        with pytest.raises(ValueError, match="do not serve attention sinks or sliding-window layers"):
-            ge.Generator.from_pretrained(path, model_class=lm.DecoderLM, **PLUGINS)
-        return
     prompts = _prompts(7)
     with ge.Generator.from_pretrained(path, model_class=lm.DecoderLM, **PLUGINS) as g:
         got = g.generate([ge.Request(p, ge.SamplingParams(max_new_tokens=12)) for p in prompts])
-    worst = 0.0
-    for p, c in zip(prompts, got):
-        assert c.token_ids == hf_greedy(hf, p, 12), f"{family}: tokens differ from transformers' generate"
-        worst = max(worst, (torch.tensor(c.logprobs) - hf_logprobs(hf, p + c.token_ids, len(p))).abs().max().item())
+    worst = _greedy_error(hf, prompts, got, 12, family)
     print(f"{family} {ge.__name__}: max |engine logprob - transformers| = {worst:.2e}")
     assert worst <= TOL
 
@@ -118,16 +124,8 @@ def test_engine_greedy_equals_transformers_generate(checkpoints, family, impl):
 def test_fast_engine_on_this_repos_kernels_equals_transformers(checkpoints, family):
     """The fast engine with fast/paged_varlen_attention, fast/flash_decoding and fast/gated_deltanet plugged
     in (Triton interpreter): greedy tokens equal transformers', logprobs within TOL, with a group and a
-    prefix-cache hit in the mix."""
+    prefix-cache hit in the mix (gpt-oss: every prompt longer than its window, the hit's prefill too)."""
     hf, path = checkpoints[family]
-    if family in TRAINER_ONLY:   # the trainer on the kernels: windows and sinks through varlen_attn, gpt-oss experts
-        model = fast_lm.DecoderLM.from_pretrained(path, moe_layer=fast_moe.MoE, varlen_attn=fast_pva.varlen_attn)
-        seqs = _prompts(11, lengths=(19, 30))
-        got = model.token_logprobs(seqs, [6, 6], temperature=0.0)
-        worst = max((g - hf_logprobs(hf, q, 6)).abs().max().item() for g, q in zip(got, seqs))
-        print(f"{family} trainer + kernels: max |logprob - transformers| = {worst:.2e}")
-        assert worst <= TOL
-        return
     prompts = _prompts(11, lengths=(6, 19))
     prompts.append(prompts[1][:16] + [5, 6, 7])             # shares the second prompt's first page
     with fast_ge.Generator.from_pretrained(path, model_class=fast_lm.DecoderLM, linear_layer=FAST_GDN,
@@ -136,14 +134,71 @@ def test_fast_engine_on_this_repos_kernels_equals_transformers(checkpoints, fami
         got = [g.generate([fast_ge.Request(p, fast_ge.SamplingParams(max_new_tokens=6, n=2 if i == 0 else 1))])[0]
                for i, p in enumerate(prompts)]
         assert g.stats()["prefix_hit_tokens"] >= 16
-    worst = 0.0
-    for p, c in zip(prompts, got):
-        for sample in c if isinstance(c, list) else [c]:
-            assert sample.token_ids == hf_greedy(hf, p, 6)
-            hf_lp = hf_logprobs(hf, p + sample.token_ids, len(p))
-            worst = max(worst, (torch.tensor(sample.logprobs) - hf_lp).abs().max().item())
+    worst = _greedy_error(hf, prompts, got, 6, family)
     print(f"{family} fast engine + kernels: max |logprob - transformers| = {worst:.2e}")
     assert worst <= TOL
+
+
+def test_gpt_oss_trainer_on_this_repos_kernels_equals_transformers(checkpoints):
+    """The trainer on the kernels: gpt-oss's windows and sinks through varlen_attn (its lse), its experts on
+    fast/moe.py."""
+    hf, path = checkpoints["gpt_oss"]
+    model = fast_lm.DecoderLM.from_pretrained(path, moe_layer=fast_moe.MoE, varlen_attn=fast_pva.varlen_attn)
+    seqs = _prompts(11, lengths=(19, 30))
+    got = model.token_logprobs(seqs, [6, 6], temperature=0.0)
+    worst = max((g - hf_logprobs(hf, q, 6)).abs().max().item() for g, q in zip(got, seqs))
+    print(f"gpt_oss trainer + kernels: max |logprob - transformers| = {worst:.2e}")
+    assert worst <= TOL
+
+
+@pytest.mark.parametrize("attention", ["torch", "kernels"])
+def test_gpt_oss_engine_through_chunks_groups_and_preemption(checkpoints, attention):
+    """gpt-oss in the fast engine where a window could slip: prompts prefilled in chunks of at most 10 tokens
+    (past the window of 5, across pages of 4), prefix-cache hits, a group of two (kernels: cascade_decode on
+    the full layers, flash_decode from the window's first key on the sliding ones) and a pool too small for
+    the batch (preemption, then recomputation).  Greedy tokens equal transformers' generate, logprobs within
+    TOL.  torch: the engine's in-file default attention; kernels: this repo's (Triton interpreter)."""
+    hf, path = checkpoints["gpt_oss"]
+    calls = {"cascade": 0, "window": 0}
+
+    def cascade(*args, **kw):
+        calls["cascade"] += 1
+        return fast_fd.cascade_decode(*args, **kw)
+
+    def decode(*args, **kw):
+        calls["window"] += kw.get("cache_leftpad") is not None
+        return fast_fd.flash_decode(*args, **kw)
+    plug = (dict(moe_layer=fast_moe.MoE, varlen_attn=fast_pva.varlen_attn, flash_decode=decode, cascade_decode=cascade)
+            if attention == "kernels" else PLUGINS)
+    base = _prompts(13, lengths=(11, 26))
+    prompts = [base[0], base[1], base[1][:12] + [3, 4], base[0][:8] + [9] * 9]
+    reqs = [fast_ge.Request(p, fast_ge.SamplingParams(max_new_tokens=6, n=2 if i == 1 else 1))
+            for i, p in enumerate(prompts)]
+    with fast_ge.Generator.from_pretrained(path, model_class=fast_lm.DecoderLM, page_size=4, num_pages=14,
+                                           max_prefill_tokens=10, **plug) as g:
+        got = g.generate(reqs)
+        stats = g.stats()
+    assert stats["preemptions"] >= 1 and stats["prefix_hit_tokens"] > 0, stats
+    if attention == "kernels":
+        assert calls["cascade"] and calls["window"], calls
+    worst = _greedy_error(hf, prompts, got, 6, "gpt_oss")
+    print(f"gpt_oss fast engine ({attention}), chunks, group, preemption: max |logprob - transformers| = {worst:.2e}")
+    assert worst <= TOL
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_batch_invariant_mode_refuses_gpt_oss(checkpoints, impl):
+    """The batch-invariant mode computes no sinks or windows: the fast model refuses the mode for gpt-oss, and
+    both engines refuse a gpt-oss model flagged batch-invariant, naming the default mode that serves it."""
+    lm, ge = impl
+    _, path = checkpoints["gpt_oss"]
+    with pytest.raises(ValueError, match="batch_invariant=True with attention sinks"):
+        fast_lm.DecoderLM.from_pretrained(path, moe_layer=fast_moe.MoE, batch_invariant=True,
+                                          varlen_attn=fast_pva.varlen_attn)
+    model = lm.DecoderLM.from_pretrained(path, **PLUGINS)
+    model.batch_invariant = True
+    with pytest.raises(ValueError, match="batch-invariant mode does not serve attention sinks.*default mode"):
+        ge.Generator(model)
 
 
 # ----------------------------------------------------------------------------- names, state dicts, dtypes
@@ -162,11 +217,6 @@ def test_state_dict_uses_the_checkpoints_names(checkpoints, family, impl):
     assert all(torch.equal(model.state_dict()[n], hf_sd[n]) for n in text)
     trained = hf_model(family, seed=99)
     prompt = _prompts(5, lengths=(9,))[0]
-    if family in TRAINER_ONLY:
-        model.load_state_dict(trained.state_dict())
-        seq = prompt + hf_greedy(trained, prompt, 5)
-        assert (model.token_logprobs([seq], [9])[0] - hf_logprobs(trained, seq, 9)).abs().max() <= TOL
-        return
     with ge.Generator(model) as g:
         g.load_weights(trained.state_dict(), 1)
         c = g.generate([ge.Request(prompt, ge.SamplingParams(max_new_tokens=5))])[0]

@@ -23,8 +23,10 @@ What is compared, and how exactly
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -531,6 +533,95 @@ def test_callbacks_may_submit_and_close_fails_the_rest(rg):
     gen.close()
     outcomes = [f.exception(TIMEOUT) for f in many]
     assert any(isinstance(e, RuntimeError) and "closed" in str(e) for e in outcomes)
+
+
+# ----------------------------------------------------------------------------- the in-file attention: windows, sinks
+
+def dense_attention(q, k, v, positions, first, scale, sinks=None):
+    """Row by row in fp64, the definition: query row r (head h reads KV head h // G) at key position
+    positions[r] sees keys first[r] .. positions[r]; a sink is one more logit, sinks[h], whose value is 0."""
+    h_q, group = q.shape[1], q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for r, (p, f) in enumerate(zip(positions, first)):
+        for h in range(h_q):
+            kh, vh = k[f:p + 1, h // group].double(), v[f:p + 1, h // group].double()
+            logits = kh @ q[r, h].double() * scale
+            if sinks is not None:
+                logits = torch.cat([logits, sinks[h:h + 1].double()])
+            weights = torch.softmax(logits, dim=0)[:p + 1 - f]
+            out[r, h] = weights @ vh
+    return out
+
+
+def paged(keys: list, values: list, page_size: int, gen):
+    """Sequences' keys and values [L_b, H, D] over pools of pages in a shuffled order (two pages nobody uses,
+    random): (k_pool, v_pool, block_table)."""
+    widths = [-(-k.shape[0] // page_size) for k in keys]
+    order = torch.randperm(sum(widths) + 2, generator=gen).to(torch.int32)
+    table = torch.zeros(len(keys), max(widths), dtype=torch.int32)
+    pools = [torch.randn(len(order), page_size, *keys[0].shape[1:], generator=gen) for _ in range(2)]
+    for b, (width, start) in enumerate(zip(widths, itertools.accumulate([0, *widths]))):
+        table[b, :width] = order[start:start + width]
+        for pool, x in zip(pools, (keys[b], values[b])):                     # [L, H, D] -> [width, page, H, D]
+            pool[table[b, :width].long()] = torch.cat([x, x.new_zeros(width * page_size - len(x), *x.shape[1:])]
+                                                      ).view(width, page_size, *x.shape[1:])
+    return pools[0], pools[1], table
+
+
+@pytest.mark.parametrize("window", [0, 1, 4, 40], ids=["full", "window1", "window4", "window-past-the-sequence"])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+def test_default_attention_windows_and_sinks(window, with_sinks):
+    """The fast engine's in-file attention (used without plug-ins) and the reference engine's: a layer's
+    window W (position p sees keys p - W < j <= p: varlen's window_size (W - 1, 0), flash_decode's
+    cache_leftpad = used - W) and sinks, against the row-by-row definition.  Odd sizes: GQA 3, D 10, pages of
+    3, a prefill chunk continuing cached keys, a one-token sequence, a full prompt."""
+    gen = torch.Generator().manual_seed(window + 10 * with_sinks)
+    h_q, h_kv, d, ps, scale = 6, 2, 10, 3, 10 ** -0.5
+    sinks = torch.randn(h_q, generator=gen) * 2 if with_sinks else None
+    left = window - 1 if window else -1
+    # Prefill: 3 queries after 4 cached keys, a 1-token prompt, an 11-token prompt.
+    n_keys, n_q = [7, 1, 11], [3, 1, 11]
+    keys = [torch.randn(n, h_kv, d, generator=gen) for n in n_keys]
+    values = [torch.randn(n, h_kv, d, generator=gen) for n in n_keys]
+    q = torch.randn(sum(n_q), h_q, d, generator=gen)
+    k_pool, v_pool, table = paged(keys, values, ps, gen)
+    cu = torch.tensor([0, 3, 4, 15], dtype=torch.int32)
+    got = fast_ge._torch_varlen_attn(q, k_pool, v_pool, cu, None, 11, 11, scale=scale, window_size=(left, 0),
+                                     enable_gqa=True, seqused_k=torch.tensor(n_keys, dtype=torch.int32),
+                                     block_table=table, sinks=sinks)
+    for b in range(3):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        positions = range(n_keys[b] - n_q[b], n_keys[b])
+        first = [max(p - window + 1, 0) if window else 0 for p in positions]
+        want = dense_attention(q[rows], keys[b], values[b], positions, first, scale, sinks)
+        torch.testing.assert_close(got[rows].double(), want, rtol=1e-5, atol=1e-5)
+        ref = ref_ge.causal_attention(q[rows], keys[b], values[b], scale, window=window, sinks=sinks)
+        torch.testing.assert_close(ref.double(), want, rtol=1e-5, atol=1e-5)
+    # Decode: one new token per sequence, written into the pages first; the window through cache_leftpad.
+    used = torch.tensor(n_keys, dtype=torch.int32)
+    k_new, v_new = (torch.randn(3, 1, h_kv, d, generator=gen) for _ in range(2))
+    for b in range(3):
+        keys[b][-1], values[b][-1] = k_new[b, 0], v_new[b, 0]
+    q1 = torch.randn(3, 1, h_q, d, generator=gen)
+    leftpad = (used - window).clamp(min=0) if window else None
+    got = fast_ge._torch_flash_decode(q1, k_pool, v_pool, used, block_table=table, k_new=k_new, v_new=v_new,
+                                      scale=scale, sinks=sinks, cache_leftpad=leftpad)
+    for b in range(3):
+        p = n_keys[b] - 1
+        want = dense_attention(q1[b], keys[b], values[b], [p], [int(leftpad[b]) if window else 0], scale, sinks)
+        torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_default_attention_refuses_what_it_does_not_compute():
+    q, k = torch.randn(4, 2, 8), torch.randn(4, 1, 8)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    for kw in (dict(window_size=(-1, -1)), dict(window_size=(2, 1)), dict(window_size=(-1, 0), softcap=5.0),
+               dict(window_size=(-1, 0), return_aux=SimpleNamespace(lse=True))):
+        with pytest.raises(NotImplementedError, match="varlen_attn"):
+            fast_ge._torch_varlen_attn(q, k, k, cu, cu, 4, 4, **kw)
+    for kw in (dict(softcap=5.0), dict(return_lse=True)):
+        with pytest.raises(NotImplementedError, match="flash_decode"):
+            fast_ge._torch_flash_decode(q[None, :1], k[None], k[None], torch.tensor([4], dtype=torch.int32), **kw)
 
 
 # ----------------------------------------------------------------------------- the repo's kernels plugged in

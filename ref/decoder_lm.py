@@ -52,10 +52,10 @@ Checkpoints (``ModelConfig.from_hf``, ``DecoderLM.from_pretrained``)
                   qwen3_5_moe (Qwen3.5's layers with MoE MLPs and the shared expert), gpt_oss (sinks,
                   alternating sliding / full layers, yarn rope, q/k/v/o biases, the clamped SwiGLU experts
                   with biases and a router with a bias; its MXFP4 experts dequantized at load; the engines
-                  do not serve it yet).  Anything else raises ValueError: other sliding-window layers, other
-                  rope types and quantizations, biases other than Qwen2's q/k/v and gpt-oss's.  MoE
-                  experts load from per-expert tensors (``experts.{i}.gate_proj.weight``) or transformers'
-                  fused ones (``experts.gate_up_proj``); the state dict has the fused names.
+                  serve it, except in the batch-invariant mode).  Anything else raises ValueError: other
+                  sliding-window layers, other rope types and quantizations, biases other than Qwen2's q/k/v
+                  and gpt-oss's.  MoE experts load from per-expert tensors (``experts.{i}.gate_proj.weight``)
+                  or transformers' fused ones (``experts.gate_up_proj``); the state dict has the fused names.
     weights       config.json + safetensors, one file or sharded (model.safetensors.index.json), read by
                   the reader in this file: memory-mapped, every header field checked before any tensor
                   is viewed (a checkpoint is untrusted input), copied straight into the parameters.

@@ -32,6 +32,10 @@ The model protocol (what the engine reads of the model it is given)
     model.layers[i]         .linear_attn.new_cache() for a "linear" layer (its state between calls)
     model.state_dict()      the weights ``load_weights`` validates and copies into (a tied lm_head may
                             be left out of a loaded state dict: it is the embedding)
+    model.attention_window  (optional, gpt-oss) i -> layer i's window W in keys, 0 = full: a sliding layer's
+                            token at position p attends to keys p - W < j <= p
+    model.attention_sinks   (optional, gpt-oss) i -> layer i's sinks [H_q] or None: one more key per head,
+                            of logit sinks[h] and value 0 (``causal_attention`` states the math)
     The engine owns the model it is given (``load_weights`` writes into it): give it its own instance.
 
 Sampling (per request; ``logits`` fp32 [V] at the last position)
@@ -86,16 +90,19 @@ Tensors and types
     by its fields, so either file's ``Request`` is served.)
 
 Supported, and what raises
-    Any model with the protocol; fp32 / fp16 / bf16 weights on any device (sampling math in fp32/fp64).
-    Inference only.  Many threads may call ``submit`` and ``load_weights``.  ValueError for an empty
-    prompt, a token id >= vocab_size, a prompt of max_seq_len tokens or more (no room to generate), a
-    state dict with missing, unexpected or mis-shaped tensors, a version below the current one;
+    Any model with the protocol (gpt-oss's sinks and sliding windows included); fp32 / fp16 / bf16
+    weights on any device (sampling math in fp32/fp64).  Inference only.  Many threads may call
+    ``submit`` and ``load_weights``.  ValueError for an empty prompt, a token id >= vocab_size, a
+    prompt of max_seq_len tokens or more (no room to generate), a state dict with missing, unexpected
+    or mis-shaped tensors, a version below the current one, a batch-invariant model with sinks or
+    sliding windows (the fast engine's mode does not compute them; the same check in both engines);
     TypeError for a model without the protocol, a request without the Request fields, non-tensor or
     non-floating state-dict values, a non-int version; RuntimeError after ``close()``.
 
 References
     gpt-fast (PyTorch Labs, 2023): prefill + decode loop over a static KV cache; Holtzman et al., The
-    Curious Case of Neural Text Degeneration (nucleus sampling, 2020).
+    Curious Case of Neural Text Degeneration (nucleus sampling, 2020); OpenAI, gpt-oss-120b & gpt-oss-20b
+    Model Card (2025: attention sinks, alternating sliding-window and full layers).
 """
 from __future__ import annotations
 
@@ -240,17 +247,28 @@ class Completion:
 
 # ----------------------------------------------------------------------------- attention over the cache
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, window: int = 0,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v with GQA, causal and bottom-right aligned, fp32 inside.  q [L_q, H_q, D];
-    k, v [L_k, H_kv, D] -> [L_q, H_q, D] in q's dtype.  Query row i sees keys j <= i + L_k - L_q: the
-    whole prompt in a prefill, every cached key in a decode step (decoder_lm.py computes the same)."""
+    k, v [L_k, H_kv, D] -> [L_q, H_q, D] in q's dtype.  Query row i sits at position p = i + L_k - L_q and
+    sees keys j <= p: the whole prompt in a prefill, every cached key in a decode step (decoder_lm.py
+    computes the same).  gpt-oss's layers add two things:
+        window   (a sliding layer, W keys) row p sees only p - W < j <= p, its own key included
+        sinks    [H_q]: one more key per head, of logit sinks[h] and value 0.  It joins the softmax's
+                 denominator and adds nothing to the sum: p_j = e^(s_j) / (e^sinks[h] + sum_j' e^(s_j'))"""
     l_q, h_q, d = q.shape
     l_k, h_kv = k.shape[0], k.shape[1]
     qf = q.float().view(l_q, h_kv, h_q // h_kv, d)                            # [L_q, H_kv, G, D]
     s = torch.einsum("qhgd,khd->hgqk", qf, k.float()) * scale                 # [H_kv, G, L_q, L_k]
-    future = torch.arange(l_k, device=q.device)[None] > torch.arange(l_q, device=q.device)[:, None] + (l_k - l_q)
-    p = torch.softmax(s.masked_fill(future, float("-inf")), dim=-1).nan_to_num(0.0)
-    o = torch.einsum("hgqk,khd->qhgd", p, v.float())                         # [L_q, H_kv, G, D]
+    p = torch.arange(l_q, device=q.device)[:, None] + (l_k - l_q)             # [L_q, 1] each row's position
+    j = torch.arange(l_k, device=q.device)[None]                              # [1, L_k]
+    hidden = (j > p) | ((j <= p - window) if window else False)
+    s = s.masked_fill(hidden, float("-inf"))
+    if sinks is not None:                                                     # the sink's column, value 0
+        sink = sinks.float().view(h_kv, h_q // h_kv, 1, 1).expand(h_kv, h_q // h_kv, l_q, 1)
+        s = torch.cat([s, sink], dim=-1)                                      # [H_kv, G, L_q, L_k + 1]
+    weights = torch.softmax(s, dim=-1).nan_to_num(0.0)[..., :l_k]             # (drop the sink: its value is 0)
+    o = torch.einsum("hgqk,khd->qhgd", weights, v.float())                    # [L_q, H_kv, G, D]
     return o.reshape(l_q, h_q, d).to(q.dtype)
 
 
@@ -445,6 +463,11 @@ class KVCache:
     def __init__(self, model: nn.Module, capacity: int):
         c, w = model.config, next(model.parameters())
         self.k, self.v, self.linear = {}, {}, {}
+        # gpt-oss: each attention layer's window (0: full) and sinks (None: none), when the model has them
+        window = getattr(model, "attention_window", lambda i: 0)
+        sinks = getattr(model, "attention_sinks", lambda i: None)
+        self.window = {i: window(i) for i, kind in enumerate(c.kinds) if kind == "attention"}
+        self.sinks = {i: sinks(i) for i, kind in enumerate(c.kinds) if kind == "attention"}
         for i, kind in enumerate(c.kinds):
             if kind == "attention":
                 self.k[i] = torch.zeros(capacity, c.num_kv_heads, c.head_dim, device=w.device, dtype=w.dtype)
@@ -462,7 +485,8 @@ class KVCache:
     def attend(self, i, q, k, v):
         self.k[i][self.start:self.length] = k
         self.v[i][self.start:self.length] = v
-        return causal_attention(q, self.k[i][:self.length], self.v[i][:self.length], self.scale)
+        return causal_attention(q, self.k[i][:self.length], self.v[i][:self.length], self.scale,
+                                window=self.window[i], sinks=self.sinks[i])
 
     def mix(self, i, module, h):
         if self.start == 0:  # the first tokens: one document
@@ -830,9 +854,10 @@ def _check_model(model) -> None:
     if not isinstance(model, nn.Module) or missing:
         raise TypeError(f"model must be an nn.Module with the engine's protocol (decoder_lm.py's DecoderLM); "
                         f"{type(model).__name__} lacks {missing or ['nn.Module']}")
-    if getattr(model.config, "attention_sinks", False) or getattr(model.config, "sliding_layers", ()):
-        raise ValueError("the engines do not serve attention sinks or sliding-window layers yet (gpt-oss): "
-                         "decoder_lm.py's DecoderLM computes them (training, token_logprobs)")
+    gpt_oss = getattr(model.config, "attention_sinks", False) or getattr(model.config, "sliding_layers", ())
+    if gpt_oss and getattr(model, "batch_invariant", False):
+        raise ValueError("the batch-invariant mode does not serve attention sinks or sliding-window layers (gpt-oss): "
+                         "the default mode (batch_invariant=False) serves them")
 
 
 def _tied_aliases(model: nn.Module) -> set:
