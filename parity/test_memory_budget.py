@@ -52,18 +52,22 @@ def _child(path: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def real_checkpoints(tmp_path_factory):
+def real_checkpoint(tmp_path_factory):
+    """shape -> the directory of a real-size random checkpoint of it, written on first use."""
     root = tmp_path_factory.mktemp("real-size")
-    for shape in REAL_SIZES:
-        write_real_size_checkpoint(shape, root / shape)
-    return root
+
+    def path(shape):
+        if not (root / shape).exists():
+            write_real_size_checkpoint(shape, root / shape)
+        return root / shape
+    return path
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU's budget (the GPU's is checked by arithmetic below and on a GPU)")
 @pytest.mark.parametrize("shape", list(REAL_SIZES))
-def test_real_size_checkpoint_with_default_arguments(real_checkpoints, shape):
+def test_real_size_checkpoint_with_default_arguments(real_checkpoint, shape):
     script = (f"import sys; sys.path[:0] = [{str(ROOT / 'parity')!r}, {str(ROOT)!r}]; import conftest; "
-              f"import test_memory_budget as t; t._child({str(real_checkpoints / shape)!r})")
+              f"import test_memory_budget as t; t._child({str(real_checkpoint(shape))!r})")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "MALLOC_ARENA_MAX": "2"})
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FACTS ")]
