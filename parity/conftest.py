@@ -304,12 +304,9 @@ LATE = ("test_bitwise_blas.py", "test_numerics_blas.py", "test_gpu_builds_run_th
 # reports (its core then runs them), while the other worker takes the files in the order below, the longest
 # first, so that the two end together.  Without xdist, the order above.
 BACKGROUND = ("test_bitwise_blas.py", "test_numerics_blas.py", "test_compile.py")
-LONGEST_FIRST = ("test_gated_deltanet_backward.py", "test_batch_invariant_engine.py", "test_checkpoints.py",
-                 "test_gated_deltanet.py", "test_tensor_parallel.py", "test_weight_sync.py", "test_ray_fleet.py",
-                 "test_flash_decoding.py", "test_prefix_cache.py", "test_paged_varlen_attention_backward.py",
-                 "test_batch_invariant_attention.py", "test_readme.py", "test_large_index.py", "test_moe.py",
-                 "test_paged_varlen_attention.py", "test_cascade_decode.py", "test_examples.py",
-                 "test_memory_budget.py")
+LONGEST_FIRST = ("test_gated_deltanet_backward.py", "test_checkpoints.py", "test_batch_invariant_engine.py",
+                 "test_gated_deltanet.py", "test_tensor_parallel.py", "test_weight_sync.py", "test_flash_decoding.py",
+                 "test_ray_fleet.py", "test_readme.py")
 
 
 # What `make parity` leaves out on a CPU (`-m "not slow"`; `make parity-all` runs everything): the longer cases of
