@@ -53,10 +53,10 @@ install:
 
 # make parity leaves out the tests marked slow (longer sweeps of what it checks on fewer cases, so that it
 # stays under 20 minutes on a 2-core CPU machine); make parity-all runs everything.  Both run PARITY_WORKERS
-# pytest workers (pytest-xdist; the Triton interpreter is single-threaded; PARITY_WORKERS=0: one process), each
-# taking whole files in parity/conftest.py's order: those that read the background runs first, then the longest.
+# pytest workers (pytest-xdist; the Triton interpreter is single-threaded; PARITY_WORKERS=0: one process) with
+# parity/conftest.py's order: the group that reads the background runs first, then the longest files.
 PARITY_WORKERS ?= 2
-XDIST = $(shell $(PYTHON) -c "import xdist" 2>/dev/null && echo "-n $(PARITY_WORKERS) --dist loadscope --no-loadscope-reorder")
+XDIST = $(shell $(PYTHON) -c "import xdist" 2>/dev/null && echo "-n $(PARITY_WORKERS) --dist loadgroup --no-loadscope-reorder")
 
 parity:
 	$(PYTHON) -m pytest parity -m "not slow" $(XDIST) $(PYTEST_ARGS)

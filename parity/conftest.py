@@ -298,11 +298,10 @@ def stop_background(runs: dict) -> None:
 # (test_bitwise_blas.py's probes start in the background at collection: its tests, late, read their reports).
 LATE = ("test_bitwise_blas.py", "test_numerics_blas.py", "test_gpu_builds_run_the_same_arithmetic")
 
-# make parity runs two pytest workers (pytest-xdist, ``-n 2 --dist loadscope``, with the scheduler below: whole
-# files as units, so a file's fixtures are built once).  The files that read the background runs form one unit,
-# which one worker takes first: it starts those runs as it reaches the unit's first test and waits on their
-# reports (its core then runs them), while the other worker takes the files in the order below, the longest
-# first, so that the two end together.  Without xdist, the order above.
+# make parity runs two pytest workers (pytest-xdist, ``-n 2 --dist loadgroup``).  The tests that read the
+# background runs form one group, which one worker takes first: it starts those runs as it reaches the group's
+# first test and waits on their reports (its core then runs them), while the other worker takes the files in
+# the order below, the longest first, so that the two end together.  Without xdist, the order above.
 BACKGROUND = ("test_bitwise_blas.py", "test_numerics_blas.py", "test_compile.py")
 LONGEST_FIRST = ("test_gated_deltanet_backward.py", "test_checkpoints.py", "test_batch_invariant_engine.py",
                  "test_gated_deltanet.py", "test_tensor_parallel.py", "test_weight_sync.py", "test_flash_decoding.py",
@@ -416,23 +415,12 @@ def pytest_collection_modifyitems(session, config, items):
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     if _xdist_worker(config):
+        for item in items:
+            if item.path.name in BACKGROUND:
+                item.add_marker(pytest.mark.xdist_group("background"))
         items.sort(key=parallel_rank)
     else:
         items.sort(key=rank)   # (stable: the order within each rank is kept)
-
-
-@pytest.hookimpl(optionalhook=True)   # (a hook of pytest-xdist, which a run without it does not load)
-def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadscope`` for make parity: a file is a unit, and the files of BACKGROUND are one unit."""
-    if config.getoption("dist") != "loadscope":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class Files(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "background" if Path(path).name in BACKGROUND else path
-    return Files(config, log)
 
 
 def _start_background(session) -> None:
