@@ -37,10 +37,9 @@ help:
 
 # A PyTorch that is already installed is kept: GPU machines bring their own CUDA build.
 # Where none is installed we ask for torch==2.13.0 (a CPU build on the CI machines).
-# pytest-xdist runs make parity's two workers; ray (2.40 .. 2.x; tested with 2.60) runs the generator fleet
-# (fast/routed_generator.py's ray_generators) and its test; transformers (5.24 .. 5.x, with safetensors) is the
-# oracle of the checkpoint tests (parity/test_checkpoints.py builds tiny models with it); nothing in ref/ or
-# fast/ needs any of them at import.
+# ray (2.40 .. 2.x; tested with 2.60) runs the generator fleet (fast/routed_generator.py's
+# ray_generators) and its test; transformers (5.24 .. 5.x, with safetensors) is the oracle of the checkpoint
+# tests (parity/test_checkpoints.py builds tiny models with it); nothing in ref/ or fast/ needs either at import.
 install:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 		echo "keeping torch $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
@@ -48,21 +47,16 @@ install:
 		$(PIP) install "torch==2.13.0"; \
 	fi
 	@$(PYTHON) -c "import triton" 2>/dev/null || $(PIP) install "triton>=3.4"
-	$(PIP) install "einops>=0.7" "pytest>=7.4" "pytest-xdist>=3.5" "ray>=2.40,<3" "matplotlib>=3.7" "ruff>=0.6" "vulture>=2.10" \
+	$(PIP) install "einops>=0.7" "pytest>=7.4" "ray>=2.40,<3" "matplotlib>=3.7" "ruff>=0.6" "vulture>=2.10" \
 		"transformers>=5.24,<6"
 
 # make parity leaves out the tests marked slow (longer sweeps of what it checks on fewer cases, so that it
-# stays under 20 minutes on a 2-core CPU machine); make parity-all runs everything.  Both run PARITY_WORKERS
-# pytest workers (pytest-xdist; the Triton interpreter is single-threaded; PARITY_WORKERS=0: one process) with
-# parity/conftest.py's order: the group that reads the background runs first, then the longest files.
-PARITY_WORKERS ?= 2
-XDIST = $(shell $(PYTHON) -c "import xdist" 2>/dev/null && echo "-n $(PARITY_WORKERS) --dist loadgroup --no-loadscope-reorder")
-
+# stays under 20 minutes on a 2-core CPU machine); make parity-all runs everything.
 parity:
-	$(PYTHON) -m pytest parity -m "not slow" $(XDIST) $(PYTEST_ARGS)
+	$(PYTHON) -m pytest parity -m "not slow" $(PYTEST_ARGS)
 
 parity-all:
-	$(PYTHON) -m pytest parity $(XDIST) $(PYTEST_ARGS)
+	$(PYTHON) -m pytest parity $(PYTEST_ARGS)
 
 compile-check:
 	TWOFOLD_COMPILE_ALL=1 $(PYTHON) -m pytest parity/test_compile.py $(PYTEST_ARGS)

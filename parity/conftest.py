@@ -298,15 +298,6 @@ def stop_background(runs: dict) -> None:
 # (test_bitwise_blas.py's probes start in the background at collection: its tests, late, read their reports).
 LATE = ("test_bitwise_blas.py", "test_numerics_blas.py", "test_gpu_builds_run_the_same_arithmetic")
 
-# make parity runs two pytest workers (pytest-xdist, ``-n 2 --dist loadgroup``).  The tests that read the
-# background runs form one group, which one worker takes first: it starts those runs as it reaches the group's
-# first test and waits on their reports (its core then runs them), while the other worker takes the files in
-# the order below, the longest first, so that the two end together.  Without xdist, the order above.
-BACKGROUND = ("test_bitwise_blas.py", "test_numerics_blas.py", "test_compile.py")
-LONGEST_FIRST = ("test_gated_deltanet_backward.py", "test_checkpoints.py", "test_batch_invariant_engine.py",
-                 "test_gated_deltanet.py", "test_tensor_parallel.py", "test_weight_sync.py", "test_flash_decoding.py",
-                 "test_ray_fleet.py", "test_readme.py")
-
 
 # What `make parity` leaves out on a CPU (`-m "not slow"`; `make parity-all` runs everything): the longer cases of
 # properties it checks on fewer cases, so that it stays under 20 minutes on a 2-core CPU machine.  Each line
@@ -391,15 +382,10 @@ def _mark_slow(items) -> None:
         raise pytest.UsageError(f"conftest.SLOW names tests that were not collected: {stale}")
 
 
-def _xdist_worker(config) -> bool:
-    return hasattr(config, "workerinput")
-
-
 @pytest.hookimpl(tryfirst=True)   # before -m deselects by marker
 def pytest_collection_modifyitems(session, config, items):
     """The tests of SLOW are marked ``slow``; the multi-process tests (LATE) run after the others, and the
-    ahead-of-time GPU build check (test_compile.py) last ... (under xdist: the background group first, then the
-    longest files)."""
+    ahead-of-time GPU build check (test_compile.py) last ..."""
     if not ON_GPU:
         _mark_slow(items)
 
@@ -407,54 +393,21 @@ def pytest_collection_modifyitems(session, config, items):
         if item.path.name == "test_compile.py":
             return 2
         return int(item.path.name in LATE or item.originalname in LATE)
-
-    def parallel_rank(item):
-        name = item.path.name
-        if name in BACKGROUND:
-            return -1
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    if _xdist_worker(config):
-        for item in items:
-            if item.path.name in BACKGROUND:
-                item.add_marker(pytest.mark.xdist_group("background"))
-        items.sort(key=parallel_rank)
-    else:
-        items.sort(key=rank)   # (stable: the order within each rank is kept)
-
-
-def _start_background(session) -> None:
-    """The builds of test_compile.py and the BLAS-family runs of test_bitwise_blas.py and test_numerics_blas.py,
-    for the selected tests, in background processes whose reports those tests read."""
-    builds = [item for item in session.items if item.path.name == "test_compile.py"]
-    if builds:
-        builds[0].module.start_builds()
-    for name, start in (("test_bitwise_blas.py", "start_probes"), ("test_numerics_blas.py", "start_runs")):
-        items = [item for item in session.items if item.path.name == name]
-        if items:
-            getattr(items[0].module, start)()
+    items.sort(key=rank)   # (stable: the order within each rank is kept)
 
 
 def pytest_collection_finish(session):
     """... and its builds start now (after -k / -m deselection), in background processes: compiling
     uses the cores the single-threaded interpreter tests leave idle (and so do the BLAS-family probes of
-    test_bitwise_blas.py, whose tests then read their reports).  Under xdist, in the worker that takes the
-    background group, at its first test (``pytest_runtest_setup``)."""
-    if session.config.option.collectonly:
-        return
-    if _xdist_worker(session.config):
-        _BACKGROUND_SESSION.append(session)
-    else:
-        _start_background(session)
+    test_bitwise_blas.py, whose tests then read their reports)."""
+    builds = [item for item in session.items if item.path.name == "test_compile.py"]
+    if builds and not session.config.option.collectonly:
+        builds[0].module.start_builds()
+    for name, start in (("test_bitwise_blas.py", "start_probes"), ("test_numerics_blas.py", "start_runs")):
+        items = [item for item in session.items if item.path.name == name]
+        if items and not session.config.option.collectonly:
+            getattr(items[0].module, start)()   # the BLAS-family runs, likewise in the background
     _start_progress(session)
-
-
-_BACKGROUND_SESSION: list = []
-
-
-def pytest_runtest_setup(item):
-    if _BACKGROUND_SESSION and item.path.name in BACKGROUND:
-        _start_background(_BACKGROUND_SESSION.pop())
 
 
 # ----------------------------------------------------------------------------- progress
