@@ -115,6 +115,7 @@ References
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import operator
 import os
@@ -154,6 +155,10 @@ _CASCADE_SPLIT_TRAFFIC = 0.075
 _CASCADE_SPLITS = None       # tests only: (prefix splits, suffix splits) instead of _cascade_splits'
 _CASCADE_REVERSE = False     # tests only: the suffix programs run first, so that prefix programs merge
 _LOG2E = tl.constexpr(1.4426950408889634)   # log2(e): kernels use it as is, the host as .value
+# tl.math.fdiv's approx flag (div.approx.f32) is newer than Triton 3.6, whose fdiv (div.full.f32) has no
+# such flag; _div_2ulp takes whichever the installed Triton has.  Both are within 2 ulp and skip the slow
+# path of a correctly rounded division; their bits may differ, so a bitwise comparison holds within one install.
+_FDIV_APPROX = tl.constexpr("approx" in inspect.signature(tl.math.fdiv).parameters)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -1240,12 +1245,22 @@ def _inv_block_step(acc, l_i, m_i, b_s, b_v, b_ones, DOT_PRECISION: tl.constexpr
 
 
 @triton.jit
+def _div_2ulp(x, y):
+    """x / y within 2 ulp, without the slow path of a correctly rounded division (see _FDIV_APPROX)."""
+    if _FDIV_APPROX:
+        q = tl.math.fdiv(x, y, approx=True)
+    else:
+        q = tl.math.fdiv(x, y)
+    return q
+
+
+@triton.jit
 def _inv_segment_state(acc, l_i, m_i):
     """A segment's state: (out = acc / l, lse = (m + log2 l) ln 2), out 0 and lse -inf where it saw nothing.
     The caller rounds out to the input dtype, as a decode's partial is stored."""
     empty = l_i == 0.0                                  # tested as == 0, so that a NaN stays NaN
     l_safe = tl.where(empty, 1.0, l_i)
-    b_o = tl.math.fdiv(acc, tl.expand_dims(l_safe, -1), approx=True)    # l >= 1: 2 ulp, no slow path
+    b_o = _div_2ulp(acc, tl.expand_dims(l_safe, -1))    # l >= 1: 2 ulp, no slow path
     b_lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     return b_o, b_lse
 
@@ -1274,7 +1289,7 @@ def _inv_fold_finish(acc, den, m, sink, HAS_SINKS: tl.constexpr):
         m = m_fin
     empty = den == 0                                              # no key and no sink (or one of -inf)
     den_safe = tl.where(empty, 1.0, den)
-    b_o = tl.math.fdiv(acc, tl.expand_dims(den_safe, -1), approx=True)   # den >= 1 (or a sink's share)
+    b_o = _div_2ulp(acc, tl.expand_dims(den_safe, -1))   # den >= 1 (or a sink's share)
     b_lse = tl.where(empty, float("-inf"), m + tl.log(den_safe))
     return b_o, b_lse
 
