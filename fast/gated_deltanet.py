@@ -291,7 +291,11 @@ def _recurrent_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqle
                        output_final_state: bool, use_l2norm: bool, beta_act: int, state_v_first: bool):
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
-        initial_state = initial_state.contiguous()
+        # The kernel reads an fp32 state whatever the caller's dtype.  On a GPU the register layout of the
+        # state tile follows the load that fills it (a 16-bit load is vectorised wider), and the order of
+        # the sums over K follows that layout: a 16-bit state read as is would change the bits of every
+        # token after it (seen on an H200), where the same values in fp32 must give the same outputs.
+        initial_state = initial_state.to(torch.float32).contiguous()
     b, t, h, dk = q.shape
     hv, dv = v.shape[2:]
     n, cu = _recurrent_sequences(b, t, cu_seqlens, cu_seqlens_cpu, q.device)
