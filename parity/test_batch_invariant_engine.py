@@ -76,7 +76,7 @@ def make_model(kind, invariant=True):
     serves and what the trainer recomputes with."""
     return fast_lm.DecoderLM(config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"],
                              moe_layer=MODELS[kind].get("moe_layer"), batch_invariant=invariant,
-                             varlen_attn=varlen_attn)
+                             varlen_attn=varlen_attn, device=DEVICE)
 
 
 def requests(seed, n=N_REQUESTS):
@@ -126,7 +126,7 @@ def trainer_logprobs(trainer, reqs, completions, groups=3):
 
 
 def largest_mismatch(completions, recomputed):
-    return max(float((torch.tensor(c.logprobs, dtype=torch.float32) - recomputed[c.request_id]).abs().max())
+    return max(float((torch.tensor(c.logprobs, dtype=torch.float32) - recomputed[c.request_id].cpu()).abs().max())
                for c in completions)
 
 
@@ -150,7 +150,7 @@ def test_engine_logprobs_equal_the_trainers_bitwise(kind, page_size, n):
         recomputed = trainer_logprobs(trainer, reqs, busy)
     for c in busy:
         assert len(c.token_ids) >= 1
-        assert torch.equal(torch.tensor(c.logprobs, dtype=torch.float32), recomputed[c.request_id]), (
+        assert torch.equal(torch.tensor(c.logprobs, dtype=torch.float32), recomputed[c.request_id].cpu()), (
             f"{c.request_id}: engine {c.logprobs} vs trainer {recomputed[c.request_id].tolist()}")
     # The trainer's logprobs are differentiable: a policy-gradient step can run on them.
     lp = trainer.token_logprobs([busy[0].prompt_token_ids + busy[0].token_ids], [len(busy[0].prompt_token_ids)])
@@ -179,8 +179,8 @@ def test_invariant_linear_rows_do_not_depend_on_the_row_count():
     """The CPU product and the fixed-tile Triton kernel (interpreter): a row's bits alike in M = 1, 7
     and 45, close to x @ W^T."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(45, 40, generator=gen)
-    w = torch.randn(24, 40, generator=gen)
+    x = torch.randn(45, 40, generator=gen).to(DEVICE)
+    w = torch.randn(24, 40, generator=gen).to(DEVICE)
     for fn in (fast_lm._invariant_linear, fast_lm._triton_invariant_matmul):
         full = fn(x, w)
         torch.testing.assert_close(full, x @ w.t(), rtol=1e-5, atol=1e-5)
@@ -206,12 +206,12 @@ def test_gated_deltanet_layer_is_batch_and_split_invariant(kernels, lengths, pre
     followed by batched one-token decode steps give every token's output bit for bit alike; so does a
     second prefill continuing from the first cut (the cache of a prefill continued by a prefill)."""
     torch.manual_seed(0)
-    layer = (gdn_layer if kernels == "ref" else fast_gdn_layer)(**config("hybrid").linear_layer_sizes())
+    layer = (gdn_layer if kernels == "ref" else fast_gdn_layer)(**config("hybrid").linear_layer_sizes()).to(DEVICE)
     layer.set_batch_invariant(fast_lm._invariant_linear)
-    docs = [torch.randn(1, n, 32) for n in lengths]
+    docs = [torch.randn(1, n, 32).to(DEVICE) for n in lengths]
 
     def cu(ns):
-        return torch.tensor([0, *torch.tensor(ns).cumsum(0).tolist()], dtype=torch.int32)
+        return torch.tensor([0, *torch.tensor(ns).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
 
     with torch.no_grad():
         packed = layer(torch.cat(docs, 1), cu_seqlens=cu(lengths))[0].split(lengths)
@@ -261,12 +261,12 @@ def test_ref_token_logprobs_are_its_engines_logprobs():
     temps = [r.sampling.temperature for r in reqs]
     with torch.no_grad():
         ref_lps = ref_lm.DecoderLM(ref_lm.ModelConfig(**kw), seed=3).token_logprobs(seqs, prompts, temperature=temps)
-        fast_lps = fast_lm.DecoderLM(fast_lm.ModelConfig(**kw), seed=3, batch_invariant=True, varlen_attn=varlen_attn
-                                     ).token_logprobs(seqs, prompts, temperature=temps)
+        fast_lps = fast_lm.DecoderLM(fast_lm.ModelConfig(**kw), seed=3, batch_invariant=True, varlen_attn=varlen_attn,
+                                     device=DEVICE).token_logprobs(seqs, prompts, temperature=temps)
     for c, r, f in zip(done, ref_lps, fast_lps):
         engine = torch.tensor(c.logprobs, dtype=torch.float32)
         torch.testing.assert_close(r, engine, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(f, r, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(f.cpu(), r, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("lm", [ref_lm, fast_lm], ids=["ref", "fast"])
@@ -376,7 +376,7 @@ def test_bitwise_with_groups_prefix_cache_and_chunks(kind):
     reqs = grpo_requests(seed=21)
     runs, stats = {}, {}
     kw = dict(page_size=3, max_batch_size=8, flash_decode=flash_decode)
-    with fast_ge.Generator(make_model(kind), prefix_caching=False, **kw) as gen:
+    with fast_ge.Generator(make_model(kind), prefix_caching=False, num_pages=128, **kw) as gen:   # room to spare
         runs["cache off"] = by_sample(gen.generate(reqs))
     with fast_ge.Generator(make_model(kind), num_pages=12, max_prefill_tokens=5, **kw) as gen:
         runs["cold, chunks of 5, preempting"] = by_sample(gen.generate(reqs))
@@ -405,7 +405,7 @@ def test_bitwise_with_groups_prefix_cache_and_chunks(kind):
                                      [len(prompts[k[0]].prompt_token_ids) for k in keys],
                                      temperature=[prompts[k[0]].sampling.temperature for k in keys])
     for k, lp in zip(keys, lps):
-        assert torch.equal(torch.tensor(base[k][1], dtype=torch.float32), lp), k
+        assert torch.equal(torch.tensor(base[k][1], dtype=torch.float32), lp.cpu()), k
 
 
 # ----------------------------------------------------------------------------- across Gated DeltaNet chunks
@@ -458,10 +458,11 @@ def test_bitwise_across_gated_deltanet_chunks(kind, full, wide_interpreter_segme
     reqs = long_requests(seed=31)
     runs, stats = {}, {}
     long_model = fast_lm.DecoderLM(long_config(kind), seed=3, linear_layer=MODELS[kind]["linear_layer"],
-                                   batch_invariant=True, varlen_attn=varlen_attn)
+                                   batch_invariant=True, varlen_attn=varlen_attn, device=DEVICE)
     kw = dict(max_batch_size=8, flash_decode=flash_decode)
     if full:
-        with fast_ge.Generator(long_model, page_size=16, max_prefill_tokens=64, prefix_caching=False, **kw) as gen:
+        with fast_ge.Generator(long_model, page_size=16, num_pages=96, max_prefill_tokens=64, prefix_caching=False,
+                               **kw) as gen:
             runs["cache off, cuts at chunk boundaries"] = by_sample(gen.generate(reqs))
     with fast_ge.Generator(long_model, page_size=5, num_pages=32, max_prefill_tokens=23, **kw) as gen:
         runs["cold, pages of 5, cuts of 23, preempting"] = by_sample(gen.generate(reqs))
@@ -495,4 +496,4 @@ def test_bitwise_across_gated_deltanet_chunks(kind, full, wide_interpreter_segme
                                         [len(prompts[k[0]].prompt_token_ids) for k in keys],
                                         temperature=[prompts[k[0]].sampling.temperature for k in keys])
     for k, lp in zip(keys, lps):
-        assert torch.equal(torch.tensor(base[k][1], dtype=torch.float32), lp), k
+        assert torch.equal(torch.tensor(base[k][1], dtype=torch.float32), lp.cpu()), k

@@ -202,9 +202,10 @@ def test_poisoned_partials(monkeypatch):
                 torch.full(lse_shape, float("nan"), device=device))
 
     monkeypatch.setattr(fast, "_new_partials", poisoned)
-    case64 = build_case(batch=4, s_q=3, h_q=4, h_kv=2, d=40, page_size=7, max_len=100, seed=5)
     for dtype in (torch.float32, torch.float16):
         calls.clear()
+        case64 = build_case(batch=4, s_q=3, h_q=4, h_kv=2, d=40, page_size=7, max_len=100 * blocks_of_16(40, dtype),
+                            seed=5)               # (at least 5 key blocks: a split count is capped at the blocks)
         case = as_dtype(case64, dtype)
         o64, lse64 = run(ref, case64, sinks=case64["sinks"])
         o_low, lse_low = run(ref, case, sinks=case["sinks"], upcast=False)
@@ -215,8 +216,10 @@ def test_poisoned_partials(monkeypatch):
 
 
 # The fused split merge (flash_decode's default): (id, page_size or None, H_q, H_kv, S_q, D, softcap, sinks,
-# num_splits, lengths).  Lengths 0 and shorter than a split (the interpreter's 16-key blocks: fewer blocks
-# than splits leaves splits empty), GQA, MHA, speculative rows over two query tiles, sinks, softcap.
+# num_splits, lengths).  Lengths 0 and shorter than a split (fewer key blocks than splits leaves splits empty),
+# GQA, MHA, speculative rows over two query tiles, sinks, softcap.  Lengths count 16-key blocks (the
+# interpreter's); on a GPU, whose key blocks hold 16 to 128 keys by dtype and head dim, they are scaled
+# to the same number of blocks (blocks_of_16).
 FUSED_CASES = [
     ("page16-gqa4-auto", 16, 8, 2, 1, 64, 0.0, False, None, [150, 0, 77, 9]),
     ("page5-gqa2-sinks-3", 5, 4, 2, 2, 32, 0.0, True, 3, [40, 31, 0, 2]),
@@ -237,6 +240,7 @@ def test_fused_merge_is_the_merge_kernel(monkeypatch, name, page, h_q, h_kv, s_q
     program arrives last (``_SPLIT_ROTATE`` shifts the split each program computes, so that the interpreter,
     which runs programs in order, makes other splits' programs the merger); and agrees with the
     reference."""
+    lengths = [n * blocks_of_16(d, dtype) for n in lengths]
     case = as_dtype(build_case(batch=len(lengths), s_q=s_q, h_q=h_q, h_kv=h_kv, d=d, page_size=page,
                                max_len=max(lengths), seed=sum(map(ord, name)), lengths=lengths), dtype)
     kw = dict(softcap=softcap, sinks=case["sinks"] if use_sinks else None, num_splits=splits)
@@ -250,9 +254,10 @@ def test_fused_merge_is_the_merge_kernel(monkeypatch, name, page, h_q, h_kv, s_q
 
 def test_fused_merge_with_cache_leftpad(monkeypatch):
     """The same with cache_leftpad (keys before it skipped): split shares follow the remaining keys."""
-    case = as_dtype(build_case(batch=3, s_q=2, h_q=4, h_kv=2, d=32, page_size=8, max_len=90, seed=33,
-                               lengths=[90, 41, 0]), torch.float16)
-    leftpad = torch.tensor([7, 30, 0], dtype=torch.int32, device=DEVICE)
+    x = blocks_of_16(32, torch.float16)
+    case = as_dtype(build_case(batch=3, s_q=2, h_q=4, h_kv=2, d=32, page_size=8, max_len=90 * x, seed=33,
+                               lengths=[90 * x, 41 * x, 0]), torch.float16)
+    leftpad = torch.tensor([7 * x, 30 * x, 0], dtype=torch.int32, device=DEVICE)
     assert_fused_is_merge_kernel(monkeypatch, case, dict(sinks=case["sinks"], num_splits=4, cache_leftpad=leftpad))
 
 
@@ -265,7 +270,7 @@ def assert_fused_is_merge_kernel(monkeypatch, case, kw):
                                                                                          device=device)) or seen[-1])
     fused = run_fast(case, **kw)
     assert seen, "the fused merge did not run"
-    s = run_splits(case, **kw)                  # the launch's split count (at most the cache's key blocks)
+    s = run_splits(monkeypatch, case, **kw)     # the launch's split count (at most the cache's key blocks)
     # Every program took a ticket (low 16 bits); all but the last counted themselves done (high bits).
     assert torch.equal(seen[0], torch.full_like(seen[0], ((s - 1) << 16) + s))
     monkeypatch.setattr(fast, "_FUSED_MERGE", False)                # (the shape gate's cap differs: pass s)
@@ -282,13 +287,20 @@ def assert_fused_is_merge_kernel(monkeypatch, case, kw):
     return fused
 
 
-def run_splits(case, **kw) -> int:
-    """The split count a launch on ``case`` runs (its grid's second axis)."""
-    from observatory import observe
-    with observe(unique=False) as obs:
-        run_fast(case, **kw)
-    [launch] = [r for r in obs.launches if r.kernel == "_decode_fwd_kernel"]
-    return launch.grid[1]
+def run_splits(monkeypatch, case, **kw) -> int:
+    """The split count a launch on ``case`` runs: the split axis of the partials it asks for (1 when it
+    asks for none)."""
+    shapes, new_partials = [], fast._new_partials
+    monkeypatch.setattr(fast, "_new_partials", lambda o, lse, *a: shapes.append(lse) or new_partials(o, lse, *a))
+    run_fast(case, **kw)
+    monkeypatch.setattr(fast, "_new_partials", new_partials)
+    return shapes[0][-1] if shapes else 1
+
+
+def blocks_of_16(d: int, dtype: torch.dtype) -> int:
+    """How many 16-key blocks one of the decode kernel's key blocks holds at head dim ``d`` (1 under the
+    interpreter): a test that needs n key blocks asks for 16 n times this many keys."""
+    return fast._fwd_config(d, dtype, 1, False, 1, DEVICE)["BLOCK_N"] // 16
 
 
 def test_fused_merge_stores_no_partial_of_its_own(monkeypatch):
@@ -302,11 +314,13 @@ def test_fused_merge_stores_no_partial_of_its_own(monkeypatch):
         return held[-1]
 
     monkeypatch.setattr(fast, "_new_partials", poisoned)
-    case = as_dtype(build_case(batch=3, s_q=2, h_q=4, h_kv=2, d=32, page_size=8, max_len=90, seed=31,
-                               lengths=[90, 40, 0]), torch.float32)
+    x = blocks_of_16(32, torch.float32)
+    case = as_dtype(build_case(batch=3, s_q=2, h_q=4, h_kv=2, d=32, page_size=8, max_len=90 * x, seed=31,
+                               lengths=[90 * x, 40 * x, 0]), torch.float32)
     out, lse = run_fast(case, sinks=case["sinks"], num_splits=4)
     _, lse_part = held[0]                                       # [B, S_q, H_q, splits]
-    assert torch.equal(torch.isnan(lse_part).sum(-1), torch.ones(lse_part.shape[:-1], dtype=torch.int64))
+    assert lse_part.shape[-1] == 4
+    assert torch.equal(torch.isnan(lse_part).sum(-1).cpu(), torch.ones(lse_part.shape[:-1], dtype=torch.int64))
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
 
 

@@ -330,7 +330,7 @@ def test_fast_chunk_gates_and_saved_blocks_match_ref_steps():
     gp, bp = (ref._chunked(F.pad(x, (0, 0, 0, pad)), 2) for x in (g, beta))
     reset = torch.isneginf(gp)
     gc_ref = torch.where(reset, 0, gp).cumsum(-1)
-    gr_ref = torch.where(reset, torch.arange(ref.CHUNK), -1).cummax(-1).values
+    gr_ref = torch.where(reset, torch.arange(ref.CHUNK, device=gp.device), -1).cummax(-1).values
     _, pair_decay, end_decay, _ = ref._decays(gp)
     a_ref = ref._wy_inverse(kp, pair_decay, bp)                           # [B, HV, NC, C, C]
 
@@ -969,8 +969,8 @@ def test_aligned_chunks_equal_the_recurrence():
     o, state, buffered, counts = ref._aligned_chunks(rule, tuple(y[:37] for y in tokens), [37], None, buffered, [0])
     outs.append(o)
     assert state is None and counts == [37]
-    count = torch.tensor(counts)
-    state = torch.zeros(1, hv, dk, dv)
+    count = torch.tensor(counts, device=DEVICE)
+    state = torch.zeros(1, hv, dk, dv, device=DEVICE)
     for p in range(37, 70):
         o, state, buffered, count = ref._aligned_decode_step(rule, tuple(y[p:p + 1] for y in tokens), state, buffered,
                                                              count)

@@ -59,7 +59,10 @@ def small_config(rg, **kw):
 
 def engine(rg, config, *, seed=0, linear_layer=None, device=None, dtype=None, **kw):
     """rg's Generator serving its own DecoderLM (the same side's decoder_lm.py) with seeded random
-    weights; ``kw`` are the engine's knobs."""
+    weights; ``kw`` are the engine's knobs.  On a GPU the KV pool is 1 GiB unless ``kw`` sizes it (the
+    default, 90% of the GPU, fails beside other processes: pytest-xdist's workers, say)."""
+    if torch.device(device or "cpu").type == "cuda" and not {"num_pages", "kv_cache_memory"} & set(kw):
+        kw["kv_cache_memory"] = 1 << 30
     return rg.Generator(LM[rg].DecoderLM(config, seed=seed, linear_layer=linear_layer, device=device, dtype=dtype),
                         **kw)
 
@@ -637,8 +640,9 @@ def test_fast_engine_with_the_repos_attention_kernels(kernels):
         plug["flash_decode"] = flash_decode
     reqs_ref = make_requests(ref_ge, seed=40, n=5, max_prompt=12, max_new=6)
     reqs_fast = make_requests(fast_ge, seed=40, n=5, max_prompt=12, max_new=6)
-    expect = run(engine(ref_ge, small_config(ref_ge), seed=6), reqs_ref)
-    gen = engine(fast_ge, small_config(fast_ge), seed=6, page_size=3, num_pages=40, max_batch_size=4, **plug)
+    expect = run(engine(ref_ge, small_config(ref_ge), seed=6, device=DEVICE), reqs_ref)
+    gen = engine(fast_ge, small_config(fast_ge), seed=6, page_size=3, num_pages=40, max_batch_size=4, device=DEVICE,
+                 **plug)
     with gen:
         got = gen.generate(reqs_fast)
         stats = gen.stats()
@@ -662,10 +666,10 @@ def test_hybrid_gated_deltanet_fast_engine_equals_ref_engine():
                  linear_head_v_dim=16)
     reqs_ref = make_requests(ref_ge, seed=70, n=4, max_prompt=10, max_new=5, sampled=False, stops=False)
     reqs_fast = make_requests(fast_ge, seed=70, n=4, max_prompt=10, max_new=5, sampled=False, stops=False)
-    expect = run(engine(ref_ge, small_config(ref_ge, **sizes), seed=7,
+    expect = run(engine(ref_ge, small_config(ref_ge, **sizes), seed=7, device=DEVICE,
                         linear_layer=layer(ref_gdn.chunk_gated_delta_rule,
                                            ref_gdn.fused_recurrent_gated_delta_rule)), reqs_ref)
-    got = run(engine(fast_ge, small_config(fast_ge, **sizes), seed=7, page_size=4, num_pages=24,
+    got = run(engine(fast_ge, small_config(fast_ge, **sizes), seed=7, page_size=4, num_pages=24, device=DEVICE,
                      linear_layer=layer(fast_gdn.chunk_gated_delta_rule,
                                         fast_gdn.fused_recurrent_gated_delta_rule)), reqs_fast)
     for e, g in zip(expect, got):
