@@ -50,3 +50,14 @@ def test_gpu_run_refuses_without_cuda():
     proc = subprocess.run([sys.executable, "bench/gpu_evidence.py"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "needs a CUDA device" in proc.stdout
+
+
+def test_test_parts_take_workers_and_benchmarks_never_do():
+    pytest_part = next(p for p in gpu_evidence.PARTS if p.name == "bitwise-gpu")
+    bench_part = next(p for p in gpu_evidence.PARTS if p.name == "bench-decode")
+    argv = gpu_evidence.with_workers(pytest_part.argv, 12)
+    assert argv[:4] == ["-m", "pytest", "-n", "12"] and argv[4:] == pytest_part.argv[2:]
+    assert gpu_evidence.with_workers(pytest_part.argv, 0) == pytest_part.argv
+    assert gpu_evidence.with_workers(pytest_part.argv, 1) == pytest_part.argv
+    assert gpu_evidence.with_workers(bench_part.argv, 12) == bench_part.argv
+    assert 0 <= gpu_evidence.default_workers() <= 14
