@@ -3,6 +3,7 @@
     python bench/flash_decoding.py               # the full grid on a GPU (bench/run.py calls this)
     python bench/flash_decoding.py --quick       # B in {1, 16}, contexts {8k, 32k}, 32/8 heads
     python bench/flash_decoding.py --flex-all    # FlexAttention on every case (one compile per shape)
+    python bench/flash_decoding.py --quick --programs-per-sm 2 3 4   # the gate's programs per SM, swept
 
 Grid: B in {1, 4, 16, 64, 256} x context in {1k, 8k, 32k, 128k} x H_q/H_kv in
 {32/8, 64/8}, D = 128, bf16, one query row, paged cache with 16-key pages handed out as a random
@@ -105,7 +106,7 @@ def time_graphs(fns):
     return time_ms(rotating(lambda g: g.replay(), [(g,) for g in graphs]))
 
 
-def gpu_case(rec, fast, b, ctx, h_q, h_kv, *, peers, flex_all, ceilings):
+def gpu_case(rec, fast, b, ctx, h_q, h_kv, *, peers, flex_all, ceilings, programs_per_sm=()):
     name = case_name(b, ctx, h_q, h_kv)
     set_bytes = kv_bytes(b, ctx, h_kv)
     free, _ = torch.cuda.mem_get_info()
@@ -128,6 +129,13 @@ def gpu_case(rec, fast, b, ctx, h_q, h_kv, *, peers, flex_all, ceilings):
     times["fast"] = time_graphs([fast_fn(s, o, None) for s, o in zip(sets, outs)])
     times["fast eager"] = time_ms(rotating(lambda f: f(), [(fast_fn(s, o, None),) for s, o in zip(sets, outs)]))
     times["fast splits=1"] = time_graphs([fast_fn(s, o, 1) for s, o in zip(sets, outs)])
+    planned = fast._PROGRAMS_PER_SM
+    for per_sm in programs_per_sm:          # --programs-per-sm: the gate planning more programs per SM
+        fast._PROGRAMS_PER_SM = per_sm
+        try:
+            times[f"fast {per_sm} programs/SM"] = time_graphs([fast_fn(s, o, None) for s, o in zip(sets, outs)])
+        finally:
+            fast._PROGRAMS_PER_SM = planned
     rows = fast._fwd_config(HEAD_DIM, torch.bfloat16, h_q // h_kv, True, 16, DEVICE)
     splits = fast.choose_num_splits(b, h_kv, ctx, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
                                     num_q_tiles=rows["num_q_tiles"], block_n=rows["BLOCK_N"],
@@ -244,12 +252,16 @@ def bench_gpu(rec: Recorder, args):
     for h_q, h_kv in heads:
         for ctx in contexts:
             for b in batches:
-                gpu_case(rec, fast, b, ctx, h_q, h_kv, peers=peers, flex_all=args.flex_all, ceilings=ceilings)
+                gpu_case(rec, fast, b, ctx, h_q, h_kv, peers=peers, flex_all=args.flex_all, ceilings=ceilings,
+                         programs_per_sm=args.programs_per_sm)
 
 
 def _flags(ap):
     ap.add_argument("--flex-all", action="store_true", help="FlexAttention on every case")
     ap.add_argument("--no-peers", action="store_true", help="only fast and ref")
+    ap.add_argument("--programs-per-sm", type=int, nargs="+", default=(), metavar="N",
+                    help="also time fast with the shape gate planning N programs per SM (a 'fast N programs/SM' "
+                         "row per N; the shipped value is fast._PROGRAMS_PER_SM)")
 
 
 if __name__ == "__main__":

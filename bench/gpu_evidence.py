@@ -80,7 +80,7 @@ PARTS = [
     Part("bench-prefill", "benchmark: paged varlen attention vs PyTorch varlen_attn / SDPA, flash-attn, FlashInfer",
          _bench("paged_varlen_attention"), 300, ("bench/paged_varlen_attention.py",)),
     Part("bench-decode", "benchmark: FlashDecoding vs PyTorch, flash-attn's kvcache kernel, FlashInfer",
-         _bench("flash_decoding"), 240, ("bench/flash_decoding.py",)),
+         [*_bench("flash_decoding"), "--programs-per-sm", "2", "3", "4"], 240, ("bench/flash_decoding.py",)),
     Part("bench-gdn", "benchmark: Gated DeltaNet vs fla-core", _bench("gated_deltanet"), 300,
          ("bench/gated_deltanet.py",)),
     Part("bench-offload", "benchmark: the activation offload's overhead and memory saved",
