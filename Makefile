@@ -30,6 +30,7 @@ help:
 	@echo "  make gpu-evidence   on a lent GPU: parity (bf16 grid), the bitwise GPU tier, the kernel     <= 9.5 min"
 	@echo "                      and offload benchmarks, the report; parts of <= 9 min, resumable (run"
 	@echo "                      again to go on); DRY_RUN=1 lists them with their GPU budgets (43 min)    ~1 s"
+	@echo "                      QUICK=1: the benchmarks' quick grids (a loan of about 15 minutes)"
 	@echo "  make demo           the end-to-end RL-style loop (bench/rl_loop.py; DEMO_ARGS=--ray for a  ~40 s"
 	@echo "                      Ray fleet)"
 	@echo "  make lint           ruff, dead code (vulture), byte-compilation, the single-file rules     ~15 s"
@@ -83,7 +84,7 @@ demo:
 # The GPU kit (bench/gpu_evidence.py): the figures owed to a GPU in parts of at most 9 minutes, resumable
 # (bench/results/latest/gpu-evidence.json); DRY_RUN=1 lists the parts, their CPU-side cost and GPU budget.
 gpu-evidence:
-	$(PYTHON) bench/gpu_evidence.py $(if $(filter 1,$(DRY_RUN)),--dry-run)
+	$(PYTHON) bench/gpu_evidence.py $(if $(filter 1,$(DRY_RUN)),--dry-run) $(if $(filter 1,$(QUICK)),--quick)
 
 lint:
 	$(PYTHON) -m ruff check .

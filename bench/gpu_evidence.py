@@ -6,6 +6,7 @@
     python bench/gpu_evidence.py --part bitwise-gpu      # one part (again, even if it finished)
     python bench/gpu_evidence.py --restart    # forget the finished parts
     python bench/gpu_evidence.py --workers 0  # the test parts in one process (default: xdist workers)
+    python bench/gpu_evidence.py --quick      # the benchmarks' quick grids (a loan of about 15 minutes)
 
 A GPU is lent rarely, for 15 to 45 GPU-minutes at a time and at most 10 minutes per command.  So the
 work is cut into parts of at most 9 minutes each (a part that runs past its limit is stopped and
@@ -154,7 +155,12 @@ def with_workers(argv: list, workers: int) -> list:
     return [*argv[:2], "-n", str(workers), *argv[2:]] if workers > 1 and argv[:2] == ["-m", "pytest"] else argv
 
 
-def run(parts, *, window_s: int, force: bool, workers: int) -> int:
+def quick_argv(argv: list) -> list:
+    """A benchmark part's command with its script's quick grid (``--quick``); a test part's as it is."""
+    return [*argv, "--quick"] if argv[:2] != ["-m", "pytest"] and "--record" in argv else argv
+
+
+def run(parts, *, window_s: int, force: bool, workers: int, quick: bool = False) -> int:
     import torch
     if not torch.cuda.is_available():
         print("make gpu-evidence needs a CUDA device (this machine has none); "
@@ -177,7 +183,7 @@ def run(parts, *, window_s: int, force: bool, workers: int) -> int:
             break
         print(f"== {part.name}: {part.what} (budget {part.budget_s} s)", flush=True)
         t0 = time.perf_counter()
-        argv = with_workers(part.argv, workers)
+        argv = with_workers(quick_argv(part.argv) if quick else part.argv, workers)
         try:
             rc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, timeout=PART_LIMIT_S).returncode
         except subprocess.TimeoutExpired:
@@ -201,6 +207,8 @@ def main(argv=None) -> int:
     ap.add_argument("--part", action="append", choices=[p.name for p in PARTS], help="run only this part")
     ap.add_argument("--restart", action="store_true", help="forget the finished parts")
     ap.add_argument("--window", type=int, default=WINDOW_S, help="seconds one command may run parts for")
+    ap.add_argument("--quick", action="store_true",
+                    help="the benchmarks' quick grids (--quick): for a loan of about 15 minutes")
     ap.add_argument("--workers", type=int, default=None,
                     help="pytest-xdist workers for the test parts (default: cores - 2, at most 14, where xdist is "
                          "installed; 0: one process)")
@@ -211,7 +219,7 @@ def main(argv=None) -> int:
     if args.restart and STATE.exists():
         STATE.unlink()
     workers = default_workers() if args.workers is None else args.workers
-    return run(parts, window_s=args.window, force=bool(args.part), workers=workers)
+    return run(parts, window_s=args.window, force=bool(args.part), workers=workers, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -61,3 +61,12 @@ def test_test_parts_take_workers_and_benchmarks_never_do():
     assert gpu_evidence.with_workers(pytest_part.argv, 1) == pytest_part.argv
     assert gpu_evidence.with_workers(bench_part.argv, 12) == bench_part.argv
     assert 0 <= gpu_evidence.default_workers() <= 14
+
+
+def test_quick_runs_the_benchmarks_quick_grids_only():
+    for part in gpu_evidence.PARTS:
+        argv = gpu_evidence.quick_argv(part.argv)
+        if part.argv[:2] == ["-m", "pytest"] or part.name == "report":
+            assert argv == part.argv, part.name
+        else:
+            assert argv == [*part.argv, "--quick"], part.name
