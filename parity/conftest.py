@@ -377,6 +377,9 @@ SLOW = (
     "parity/test_memory_budget.py::test_real_size_checkpoint_with_default_arguments[qwen3-0.6b]",
     # the prefix cache's leak check: with recompute on swap
     "parity/test_prefix_cache.py::test_nothing_leaks_after_random_traffic[keep]",
+    # the ahead-of-time builds for sm_80 (about a third of the build CPU): sm_90's stay; make compile-check
+    # builds every config for both
+    "parity/test_compile.py::test_kernels_build_for_gpus[*-sm80]",
 )
 
 
@@ -416,13 +419,11 @@ def pytest_collection_finish(session):
     """... and its builds start now (after -k / -m deselection), in background processes: compiling
     uses the cores the single-threaded interpreter tests leave idle (and so do the BLAS-family probes of
     test_bitwise_blas.py, whose tests then read their reports)."""
-    builds = [item for item in session.items if item.path.name == "test_compile.py"]
-    if builds and not session.config.option.collectonly:
-        builds[0].module.start_builds()
-    for name, start in (("test_bitwise_blas.py", "start_probes"), ("test_numerics_blas.py", "start_runs")):
+    for name, start in (("test_compile.py", "start_builds"), ("test_bitwise_blas.py", "start_probes"),
+                        ("test_numerics_blas.py", "start_runs")):
         items = [item for item in session.items if item.path.name == name]
         if items and not session.config.option.collectonly:
-            getattr(items[0].module, start)()   # the BLAS-family runs, likewise in the background
+            getattr(items[0].module, start)(items)   # what the selected tests read, in the background
     _start_progress(session)
 
 

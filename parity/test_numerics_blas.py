@@ -84,9 +84,10 @@ def chosen_families() -> list[str]:
     return [f for f in candidates if f != own][:2]
 
 
-def start_runs() -> dict:
+def start_runs(items=None) -> dict:
     """The chosen families' runs, started at once in the background at the lowest priority when the session's
-    tests are collected (conftest.py); the tests below read their reports."""
+    tests are collected (conftest.py); the tests below read their reports (every selected test reads every
+    run: ``items`` changes nothing)."""
     if _RUNS or ON_GPU or not TIGHTEST:
         return _RUNS
     out = Path(tempfile.mkdtemp(prefix="twofold-numerics-"))
