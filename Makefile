@@ -15,7 +15,7 @@ DRY_RUN ?= 0
 help:
 	@echo "Targets (durations measured on a 2-core CPU machine without a GPU; parity/make_durations.py):"
 	@echo "  make install        dependencies into the active Python (keeps an installed torch)        ~1 min"
-	@echo "  make parity         the parity tests: every case on CUDA, else the Triton interpreter on  ~25 min"
+	@echo "  make parity         the parity tests: every case on CUDA, else the Triton interpreter on  ~28 min"
 	@echo "                      small shapes less the cases marked slow, plus the sm_90 build check"
 	@echo "  make parity-all     make parity with the slow cases too (CPU)                             ~50 min"
 	@echo "  make compile-check  ahead-of-time build of every kernel and every config (no GPU needed) ~10 min"
