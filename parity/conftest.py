@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -497,3 +498,24 @@ def interpreter_sanitizer():
     with observe(unique=False) as obs:
         yield obs
     assert not obs.violations, "out-of-bounds accesses:\n" + "\n".join(obs.violations)
+
+
+def on_threads(fns: list) -> list:
+    """Run one function per rank, each on its own thread (decoder_lm.py's LocalGroup ranks meet at a barrier);
+    their results in order, or the first error raised."""
+    out, errors = [None] * len(fns), []
+
+    def run(i):
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 (re-raised below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return out

@@ -337,8 +337,8 @@ def test_unsupported_configs_raise(lm):
         lm.DecoderLM(lm.ModelConfig(layer_types=("linear", "attention")))
     with pytest.raises(ValueError, match="moe_layer=MoE"):
         lm.DecoderLM(lm.ModelConfig(num_experts=4))
-    with pytest.raises(ValueError, match="not implemented"):           # no expert parallelism yet
-        lm.DecoderLM(lm.ModelConfig(num_experts=4), moe_layer=ref_moe.MoE, tp_group=lm.LocalGroup(2).ranks()[0])
+    with pytest.raises(ValueError, match="divide num_experts=6"):     # experts shard whole over the ranks
+        lm.DecoderLM(lm.ModelConfig(num_experts=6), moe_layer=ref_moe.MoE, tp_group=lm.LocalGroup(4).ranks()[0])
     assert lm.ModelConfig.from_hf(base).qk_norm
 
 

@@ -19,6 +19,11 @@
    torch.compile(fullgraph=True) traces the fast ops, forward and backward; a NaN token stays in its token;
    T = 0; the backward is bitwise repeatable; where the host check of ids is off (graph capture, compile)
    an id outside [0, E) drops its pair without leaving the tensors (the interpreter's sanitizer).
+7. Expert parallelism: the layer over 2, 3 and 6 ranks (decoder_lm.py's LocalGroup threads; each rank holds
+   E / ranks experts, loaded from the whole layer's fused or per-expert tensors) equals the one-rank layer:
+   bitwise in the mode, to fp32 rounding otherwise, for T = 0, 1 (fewer tokens than ranks) and 7; gradients
+   are the one-rank ones (the experts' their slices; x's, the router's and the shared expert's summed over
+   the ranks).  parity/test_tensor_parallel.py runs fast/moe.py's copy over gloo processes in the models.
 Interpreter tier: fp32 / fp16, small shapes, about a minute on 2 cores.  GPU tier: bf16, and a
 Qwen3-30B-A3B layer's shapes (E = 128, k = 8, H = 2048, I = 768) at T = 16, 64, 1000.
 """
@@ -29,7 +34,8 @@ import torch
 
 import fast.moe as fast
 import ref.moe as ref
-from conftest import DEVICE, INTERPRET, check_close, dtype_params, gpu_case, make_generator, nan_allocations, randn
+from conftest import (DEVICE, INTERPRET, check_close, dtype_params, gpu_case, make_generator, nan_allocations,
+                      on_threads, randn)
 
 HF_ATOL = 1e-5
 MARGIN = 0.01         # the smallest top-k logit gap the layer tests accept: far above fp32 / fp64 rounding
@@ -404,6 +410,63 @@ def test_batch_invariant_mode_is_bitwise(module, dtype):
         assert torch.equal(y3[n], alone[j]), f"token {j}: among 3 != alone"
         assert torch.equal(rows40[j], alone[j]), f"token {j}: among 40 != alone"
     assert not torch.equal(alone[picked[0]], alone[picked[1]])
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 6])
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
+def test_expert_parallel_layer_equals_one_rank(ranks, invariant):
+    from fast.decoder_lm import LocalGroup, _invariant_linear
+    whole = make_layer(ref, "gpt_oss", torch.float32)            # E = 6 experts, a shared expert, biases
+    state = whole.state_dict()
+    per_expert = {**{k: v for k, v in state.items() if not k.startswith("experts.")}, **_per_expert(whole)}
+    shards = []
+    for n, group in enumerate(LocalGroup(ranks).ranks()):
+        shard = ref.MoE(H, num_experts=E, top_k=K, intermediate_size=FFN, scoring="topk_softmax", router_bias=True,
+                        expert_bias=True, activation="gpt_oss", swiglu_limit=1.5, shared_intermediate_size=SHARED,
+                        layout="gpt_oss", expert_group=group)
+        shard.load_state_dict(per_expert if n % 2 else state, strict=True)     # either layout, whole-layer tensors
+        shards.append(shard)
+    for layer in [whole, *shards] if invariant else []:
+        layer.set_batch_invariant(_invariant_linear)
+    local = E // ranks
+    assert all(s.experts.gate_up_proj.shape[0] == local and s.first_expert == n * local for n, s in enumerate(shards))
+    gen = make_generator(11)
+    for t in (0, 1, 7):
+        x = randn(t, H, gen=gen, dtype=torch.float32)
+        dy = randn(t, H, gen=gen, dtype=torch.float32)
+
+        def step(layer):
+            layer.zero_grad()
+            xs = x.clone().requires_grad_(True)
+            out = layer(xs)
+            (out * dy).sum().backward()
+            return out.detach(), xs.grad, {n: torch.zeros_like(p) if p.grad is None else p.grad    # (T = 0)
+                                           for n, p in layer.named_parameters()}
+        want, want_dx, want_grads = step(whole)
+        got = on_threads([lambda s=s: step(s) for s in shards])
+        for n, (out, _, grads) in enumerate(got):
+            if invariant:
+                assert torch.equal(out, want), (t, n)
+            else:
+                torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+            for name, g in grads.items():
+                if name.startswith("experts."):              # this rank's experts: every token's pairs came here
+                    torch.testing.assert_close(g, want_grads[name][n * local:(n + 1) * local], atol=1e-5, rtol=1e-5)
+        summed_dx = sum(dx for _, dx, _ in got)               # each rank's tokens' part (Megatron's f sums them)
+        torch.testing.assert_close(summed_dx, want_dx, atol=1e-5, rtol=1e-5)
+        for name in want_grads:
+            if not name.startswith("experts."):              # router and shared expert: replicated, partial
+                summed = sum(grads[name] for _, _, grads in got)
+                torch.testing.assert_close(summed, want_grads[name], atol=1e-5, rtol=1e-5)
+
+
+def test_expert_parallel_layer_refuses_what_it_cannot_split():
+    from fast.decoder_lm import LocalGroup
+    for module in (ref, fast):
+        with pytest.raises(ValueError, match="expert parallelism over 4 ranks.*num_experts=6"):
+            module.MoE(H, num_experts=6, top_k=2, intermediate_size=8, expert_group=LocalGroup(4).ranks()[0])
+        with pytest.raises(TypeError, match="expert_group must be a process group"):
+            module.MoE(H, num_experts=6, top_k=2, intermediate_size=8, expert_group=2)
 
 
 # ----------------------------------------------------------------------------- 5. MXFP4

@@ -9,7 +9,10 @@ loopback only, bounded in time): fast/decoder_lm.py used SPMD as a torchrun trai
 fast/generator_engine.py's ``Generator(..., tensor_parallel_size=N)`` through groups, prefix-cache hits,
 chunked prefill, preemption and a weight load, bitwise against tp = 1 and against the trainer in the mode;
 a worker killed or hung mid-step fails its generator within ``tp_timeout_s``.  tp = 4 on models with 2 KV
-heads (and 2 Gated DeltaNet key heads) replicates them on two ranks each.
+heads (and 2 Gated DeltaNet key heads) replicates them on two ranks each.  Mixture-of-Experts blocks shard
+their experts (expert parallelism: E / tp whole experts a rank, tokens dispatched and combined with
+all-to-all): the "moe" kind (the hybrid with Qwen3.5-MoE blocks) in the reference, the trainer and the engine,
+Qwen3-MoE's per-expert checkpoint tensors read by their experts' ranks only, and gpt-oss (sinks, windows, biases).
 """
 from __future__ import annotations
 
@@ -17,7 +20,6 @@ import dataclasses
 import functools
 import json
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,9 @@ import torch
 
 import ref.decoder_lm as ref_lm
 import ref.gated_deltanet as ref_gdn
+import ref.moe as ref_moe
 import tp_models
+from conftest import on_threads
 from netns import run_isolated, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,35 +39,16 @@ def _config(kind: str) -> ref_lm.ModelConfig:
     return tp_models.config(kind, ref_lm)
 
 
-def _on_threads(fns: list) -> list:
-    """Run one function per rank, each on its own thread (LocalGroup's ranks meet at a barrier)."""
-    out, errors = [None] * len(fns), []
-
-    def run(i):
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:  # noqa: BLE001 (re-raised below)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return out
-
-
 # ----------------------------------------------------------------------------- the layout (the specification)
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+@pytest.mark.parametrize("kind", ["attention", "hybrid", "moe"])
 def test_shards_tile_the_full_tensors(kind, tp):
     """Every rank's slices, put back at the places shard_spec names, rebuild each full tensor: sharded ones
-    exactly once, replicated ones (norms, embeddings, replicated KV / key heads) whole on their ranks."""
+    exactly once, replicated ones (norms, embeddings, replicated KV / key heads, an MoE block's router and
+    shared expert) whole on their ranks; experts by the expert dim, E / tp whole experts a rank."""
     c = _config(kind)
-    full = ref_lm.DecoderLM(c, seed=3, linear_layer=ref_gdn.GatedDeltaNet).state_dict()
+    full = ref_lm.DecoderLM(c, seed=3, linear_layer=ref_gdn.GatedDeltaNet, moe_layer=ref_moe.MoE).state_dict()
     for name, t in full.items():
         seen = torch.zeros(t.shape, dtype=torch.int64)
         for rank in range(tp):
@@ -99,6 +84,34 @@ def test_fused_gdn_projection_is_split_by_section_before_slicing():
     assert ref_lm.shard_spec("model.layers.1.self_attn.k_proj.weight", c, 4, 3) == (0, ((8, 16),))
 
 
+def test_experts_shard_whole_by_the_expert_dim():
+    """Fused expert tensors (and gpt-oss's MXFP4 blocks and scales) by dim 0, E / tp experts a rank; a checkpoint's
+    per-expert tensor on its expert's rank only; the router and the shared expert replicated; a dense layer's
+    MLP of an MoE model by its FFN dim as before."""
+    c = _config("moe")                                   # 8 experts
+    spec = functools.partial(ref_lm.shard_spec, c=c)
+    assert spec("model.layers.1.mlp.experts.gate_up_proj", tp=4, rank=3) == (0, ((6, 8),))
+    assert spec("model.layers.1.mlp.experts.down_proj_bias", tp=2, rank=1) == (0, ((4, 8),))
+    assert spec("model.layers.1.mlp.experts.gate_up_proj_blocks", tp=2, rank=0) == (0, ((0, 4),))
+    assert spec("model.layers.1.mlp.experts.5.up_proj.weight", tp=4, rank=2) == (None, ())
+    assert spec("model.layers.1.mlp.experts.5.up_proj.weight", tp=4, rank=1) == (0, ())
+    assert ref_lm.shard(torch.zeros(3), (0, ())) is None
+    for name in ("mlp.gate.weight", "mlp.router.bias", "mlp.shared_expert.down_proj.weight",
+                 "mlp.shared_expert_gate.weight"):
+        assert spec(f"model.layers.0.{name}", tp=4, rank=1) == (None, ())
+    assert spec("model.layers.0.mlp.gate_proj.weight", tp=4, rank=1) == (0, ((12, 24),))   # dense: I / tp rows
+    model = ref_lm.DecoderLM(c, device="meta", linear_layer=ref_gdn.GatedDeltaNet, moe_layer=ref_moe.MoE)
+    per_expert = {f"model.layers.1.mlp.experts.{n}.gate_proj.weight": torch.zeros(12, 32) for n in range(8)}
+    assert sorted(model.shard_state_dict(per_expert, rank=1)) == [
+        f"model.layers.1.mlp.experts.{n}.gate_proj.weight" for n in range(8)]       # tp = 1: everything
+    shard = ref_lm.DecoderLM(c, device="meta", linear_layer=ref_gdn.GatedDeltaNet, moe_layer=ref_moe.MoE,
+                             tp_group=ref_lm.LocalGroup(4).ranks()[1])
+    assert sorted(shard.shard_state_dict(per_expert)) == [f"model.layers.1.mlp.experts.{n}.gate_proj.weight"
+                                                          for n in (2, 3)]
+    assert shard.layers[1].mlp.experts.gate_up_proj.shape == (2, 24, 32)            # experts 2 and 3
+    assert (shard.layers[1].mlp.first_expert, shard.layers[1].mlp.num_local_experts) == (2, 2)
+
+
 @pytest.mark.parametrize("lm", ["ref", "fast"])
 def test_degrees_that_do_not_fit_raise(lm):
     import fast.decoder_lm as fast_lm
@@ -113,20 +126,25 @@ def test_degrees_that_do_not_fit_raise(lm):
     assert mod.local_config(odd, 3).num_heads == 4                     # the default mode: any divisor
     with pytest.raises(ValueError, match=r"batch_invariant=True at tp=3.*o_proj"):
         mod.local_config(odd, 3, batch_invariant=True)                  # 12 heads: a tree of 4 segments
+    with pytest.raises(ValueError, match=r"tp=4 .*num_experts=6"):       # experts shard whole
+        mod.local_config(mod.ModelConfig(num_experts=6, intermediate_size=64), 4)
 
 
 # ----------------------------------------------------------------------------- the reference, one process
 
-@pytest.mark.parametrize("invariant", [False, True], ids=["default", "invariant"])
-@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+@pytest.mark.parametrize("kind,invariant", [(kind, invariant) for kind in ("attention", "hybrid", "moe")
+                                            for invariant in (False, True)] + [("gpt_oss", False)])
 def test_reference_tensor_parallel_equals_tp1(kind, invariant):
     """ref/decoder_lm.py at tp = 2 and 4 (LocalGroup threads) against tp = 1: logits and token_logprobs to fp32
-    rounding (bitwise in the batch-invariant mode: the segment tree), gradients equal the tp = 1 gradients'
-    slices (the shared ones summed across the ranks that hold them)."""
-    c, ids, cu = _config(kind), torch.randint(0, 61, (1, 23), generator=torch.Generator().manual_seed(0)), \
+    rounding (bitwise in the batch-invariant mode: the segment tree, and a token's experts computed and
+    combined alike on whichever rank), gradients equal the tp = 1 gradients' slices (the shared ones summed
+    across the ranks that hold them: an MoE block's router and shared expert see each rank's tokens).
+    gpt-oss (sinks and windows: the default mode only): sinks by head, o_proj's bias once, biased router."""
+    c = _gpt_oss_config() if kind == "gpt_oss" else _config(kind)
+    ids, cu = torch.randint(0, 61, (1, 23), generator=torch.Generator().manual_seed(0)), \
         torch.tensor([0, 9, 23], dtype=torch.int32)
     seqs, prompts = [list(range(3, 20)), list(range(3, 12)) + [5, 6, 7]], [9, 9]
-    kw = dict(seed=1, linear_layer=ref_gdn.GatedDeltaNet, batch_invariant=invariant)
+    kw = dict(seed=1, linear_layer=ref_gdn.GatedDeltaNet, moe_layer=ref_moe.MoE, batch_invariant=invariant)
 
     def run(model):
         logits = model(ids, cu_seqlens=cu)
@@ -138,7 +156,7 @@ def test_reference_tensor_parallel_equals_tp1(kind, invariant):
     exact = run(ref_lm.DecoderLM(c, dtype=torch.float64, **kw))[2]          # fp64: how far fp32 rounding goes
     for tp in (2, 4):
         shards = [ref_lm.DecoderLM(c, tp_group=g, **kw) for g in ref_lm.LocalGroup(tp).ranks()]
-        results = _on_threads([functools.partial(run, m) for m in shards])
+        results = on_threads([functools.partial(run, m) for m in shards])
         for m, (logits, lps, grads) in zip(shards, results):
             if invariant:
                 assert torch.equal(logits, want_logits) and all(torch.equal(a, b) for a, b in zip(lps, want_lps))
@@ -148,6 +166,16 @@ def test_reference_tensor_parallel_equals_tp1(kind, invariant):
                 want, want64 = m.shard_tensor(n, want_grads[n]), m.shard_tensor(n, exact[n])
                 bound = 3 * (want - want64).abs().max() + 1e-6 * want64.abs().max()
                 assert (g - want64).abs().max() <= bound, (tp, n, (g - want64).abs().max().item(), bound.item())
+
+
+def _gpt_oss_config() -> ref_lm.ModelConfig:
+    """gpt-oss at test size: a sliding layer (window 5) then a full one, sinks, q/k/v/o biases, 4 experts (top 2,
+    the clamped SwiGLU with a small limit so that clamps bite)."""
+    return ref_lm.ModelConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=8, max_seq_len=64, tie_embeddings=False, qkv_bias=True,
+                              o_proj_bias=True, attention_sinks=True, sliding_window=5, sliding_layers=(0,),
+                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, moe_style="gpt_oss",
+                              swiglu_limit=1.5)
 
 
 def test_reference_tensor_parallel_invariant_across_gdn_chunks():
@@ -168,7 +196,7 @@ def test_reference_tensor_parallel_invariant_across_gdn_chunks():
     want_logits, want_lps = run(ref_lm.DecoderLM(c, **kw))
     for tp in (2, 4):
         shards = [ref_lm.DecoderLM(c, tp_group=g, **kw) for g in ref_lm.LocalGroup(tp).ranks()]
-        for logits, lps in _on_threads([functools.partial(run, m) for m in shards]):
+        for logits, lps in on_threads([functools.partial(run, m) for m in shards]):
             assert torch.equal(logits, want_logits), tp
             assert all(torch.equal(a, b) for a, b in zip(lps, want_lps)), tp
 
@@ -187,11 +215,12 @@ def _probe(*args, timeout: float = 600) -> dict:
     return facts
 
 
-@pytest.mark.parametrize("kind,mode", [("hybrid", "invariant"), ("attention", "default")])
+@pytest.mark.parametrize("kind,mode", [("moe", "invariant"), ("attention", "default")])
 def test_fast_trainer_spmd(kind, mode):
     """DecoderLM(tp_group=...) on 2 and 4 gloo processes: every rank returns the full logits and logprobs
     (bitwise the tp = 1 ones in the batch-invariant mode, to fp32 rounding otherwise) and holds its shards'
-    gradients (the tp = 1 gradients' slices)."""
+    gradients (the tp = 1 gradients' slices).  The "moe" kind: Gated DeltaNet, gated attention and
+    fast/moe.py's experts (all-to-all over gloo, the kernels in the interpreter)."""
     facts = _probe("trainer", kind, mode, 2, 4)
     for tp in ("2", "4"):
         f = facts[tp]
@@ -203,10 +232,10 @@ def test_fast_trainer_spmd(kind, mode):
         assert f["grad_max_rel_err"] < 1e-4, f
 
 
-@pytest.mark.parametrize("kind,mode,tps", [("hybrid", "invariant", (2,)), ("hybrid", "invariant", (4,)),
-                                           ("attention", "invariant", (4,)), ("hybrid", "default", (2,))],
-                         ids=["hybrid-invariant-tp2", "hybrid-invariant-tp4", "attention-invariant-tp4",
-                              "hybrid-default-tp2"])
+@pytest.mark.parametrize("kind,mode,tps", [("moe", "invariant", (2,)), ("moe", "invariant", (4,)),
+                                           ("attention", "invariant", (4,)), ("moe", "default", (2,))],
+                         ids=["moe-invariant-tp2", "moe-invariant-tp4", "attention-invariant-tp4",
+                              "moe-default-tp2"])
 def test_fast_engine_tensor_parallel(kind, mode, tps):
     """Generator(model, tensor_parallel_size=tp) serves the request mix (a group of 3, a prefix-cache hit, a
     prompt in chunks, preemption in a small pool, then a weight load) with the tp = 1 engine's tokens; in the
@@ -239,11 +268,13 @@ def test_a_dead_or_hung_worker_fails_its_generator():
     assert facts["kill"]["failed_after_s"] < facts["kill"]["timeout_s"], facts["kill"]   # death: no timeout waited
 
 
-def test_sharded_loading_from_a_checkpoint(tmp_path):
-    """Generator.from_pretrained(path, tensor_parallel_size=2) on a Qwen3.5 checkpoint (each rank reads its
-    shard): greedy tokens equal the tp = 1 generator's and transformers' generate."""
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_moe", "gpt_oss"])
+def test_sharded_loading_from_a_checkpoint(tmp_path, family):
+    """Generator.from_pretrained(path, tensor_parallel_size=2) on a Qwen3.5, a Qwen3-MoE (per-expert tensors on
+    disk: each rank reads its experts' only) and a gpt-oss checkpoint (sinks, a sliding window, biases, fused
+    experts): greedy tokens equal the tp = 1 generator's and transformers' generate."""
     from hf_models import hf_greedy, hf_model
-    hf = hf_model("qwen3_5_text", seed=4)
+    hf = hf_model(family, seed=4)
     hf.save_pretrained(tmp_path)
     facts = _probe("checkpoint", tmp_path, 2)
     prompts = [[5, 17, 3, 44, 2, 9], list(range(20, 41))]

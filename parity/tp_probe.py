@@ -9,10 +9,11 @@ network namespace (loopback only).  Each command prints one JSON line of facts; 
   faults                    a worker killed mid-step, a worker hung (SIGSTOP) mid-step: how long until the
                             generator fails, what its requests and a later submit get, how long close() takes
   checkpoint PATH TP        Generator.from_pretrained(PATH, tensor_parallel_size=TP) greedy tokens, each rank
-                            reading its shard of the checkpoint
+                            reading its shard of the checkpoint (an MoE one's experts: its own only)
 
-KIND: attention (4 query heads, 2 KV heads) or hybrid (Qwen3.5-like: Gated DeltaNet with Hk = 2, Hv = 4, then
-gated attention with 4 / 2 heads); MODE: default or invariant.  tp = 4 replicates the KV heads (and the
+KIND: attention (4 query heads, 2 KV heads), hybrid (Qwen3.5-like: Gated DeltaNet with Hk = 2, Hv = 4, then
+gated attention with 4 / 2 heads) or moe (the hybrid with Qwen3.5-MoE blocks: 8 experts, top 3, a shared
+expert; expert parallelism over the same ranks); MODE: default or invariant.  tp = 4 replicates the KV heads (and the
 Gated DeltaNet key heads) on two ranks each.
 """
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch  # noqa: E402
 import fast.decoder_lm as lm  # noqa: E402
 import fast.flash_decoding as fd  # noqa: E402
 import fast.generator_engine as ge  # noqa: E402
+import fast.moe as fast_moe  # noqa: E402
 import fast.paged_varlen_attention as pva  # noqa: E402
 import ref.gated_deltanet as gdn  # noqa: E402
 import tp_models  # noqa: E402
@@ -44,8 +46,9 @@ def config(kind: str) -> lm.ModelConfig:
 
 
 def model_kw(mode: str) -> dict:
+    """The layers' plug-ins: the reference Gated DeltaNet, fast/moe.py's MoE (its kernels in the interpreter)."""
     invariant = mode == "invariant"
-    return dict(linear_layer=gdn.GatedDeltaNet, batch_invariant=invariant,
+    return dict(linear_layer=gdn.GatedDeltaNet, moe_layer=fast_moe.MoE, batch_invariant=invariant,
                 varlen_attn=pva.varlen_attn if invariant else None)
 
 
@@ -131,7 +134,7 @@ def trainer(kind: str, mode: str, tps: list) -> dict:
                          key=lambda r: r[0])
         for p in procs:
             p.join(60)
-        shard_of = lm.DecoderLM(config(kind), device="meta", linear_layer=gdn.GatedDeltaNet)
+        shard_of = lm.DecoderLM(config(kind), device="meta", linear_layer=gdn.GatedDeltaNet, moe_layer=fast_moe.MoE)
         grad_err = 0.0
         for rank, _, _, g in results:
             for name, got in g.items():
@@ -238,7 +241,7 @@ def checkpoint(path: str, tp: int) -> dict:
     out = {}
     for size in (1, tp):
         with ge.Generator.from_pretrained(path, model_class=lm.DecoderLM, linear_layer=gdn.GatedDeltaNet,
-                                          tensor_parallel_size=size, page_size=8) as g:
+                                          moe_layer=fast_moe.MoE, tensor_parallel_size=size, page_size=8) as g:
             done = g.generate([ge.Request(p, ge.SamplingParams(max_new_tokens=8)) for p in prompts])
             out[size] = dict(tokens=[c.token_ids for c in done], logprobs=[c.logprobs for c in done])
     return out

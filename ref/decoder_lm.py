@@ -670,6 +670,8 @@ class DecoderLM(nn.Module):
         self.init_kwargs = dict(linear_layer=linear_layer, moe_layer=moe_layer, batch_invariant=batch_invariant,
                                 varlen_attn=varlen_attn)
         self.tp_traffic = dict(reductions=0, payload_bytes=0)   # row-parallel sums so far (forward)
+        if moe_layer is not None and self.tp_size > 1:          # expert parallelism over the same ranks
+            moe_layer = functools.partial(moe_layer, expert_group=tp_group)
         meta = torch.device(device).type == "meta" if device is not None else False
         with torch.device("meta") if meta else _no_context():
             body = TextModel(self.local_config, linear_layer, moe_layer, seed)
@@ -685,7 +687,8 @@ class DecoderLM(nn.Module):
             self._init_weights(seed)
         elif not meta:                                           # a shard of the tp = 1 model's weights
             with torch.no_grad():
-                full = DecoderLM(config, seed=seed, linear_layer=linear_layer).state_dict()
+                full = DecoderLM(config, seed=seed, linear_layer=linear_layer,
+                                 moe_layer=self.init_kwargs["moe_layer"]).state_dict()
                 for name, p in self.state_dict().items():
                     p.copy_(self.shard_tensor(name, full[name]))
         self.to(device=device, dtype=dtype)
@@ -729,7 +732,8 @@ class DecoderLM(nn.Module):
         if self.tp_size == 1:
             return tuple(local_shape)
         if not hasattr(self, "_full_shapes"):
-            full = DecoderLM(self.config, linear_layer=self.init_kwargs["linear_layer"], device="meta")
+            full = DecoderLM(self.config, linear_layer=self.init_kwargs["linear_layer"],
+                             moe_layer=self.init_kwargs["moe_layer"], device="meta")
             self._full_shapes = {n: tuple(t.shape) for n, t in full.state_dict().items()}
         return self._full_shapes[name]
 
@@ -739,8 +743,10 @@ class DecoderLM(nn.Module):
 
     def shard_state_dict(self, state_dict: Mapping, rank: int | None = None) -> dict:
         """Rank ``rank``'s slices (this rank's by default) of a full (tp = 1) state dict, under the same
-        names; names this model does not have (a vision tower) pass through for the caller's checks."""
-        return {n: self.shard_tensor(n, t, rank) for n, t in state_dict.items()}
+        names; names this model does not have (a vision tower) pass through for the caller's checks; tensors the
+        rank holds none of (another rank's per-expert tensors) are left out."""
+        shards = {n: self.shard_tensor(n, t, rank) for n, t in state_dict.items()}
+        return {n: t for n, t in shards.items() if t is not None}
 
     def to_empty(self, *, device, recurse: bool = True):
         """nn.Module.to_empty, keeping a tied lm_head the embedding (to_empty gives every name a tensor)."""
@@ -1060,13 +1066,9 @@ def local_config(c: ModelConfig, tp: int, batch_invariant: bool = False) -> Mode
         raise ValueError(f"the tensor-parallel size must be an int >= 1, got {tp!r}")
     if tp == 1:
         return c
-    if c.num_experts or c.attention_sinks or c.sliding_layers or c.o_proj_bias:
-        raise ValueError(f"tensor parallelism (tp={tp}) of Mixture-of-Experts models (expert parallelism) and of "
-                         f"attention sinks, sliding windows and an o_proj bias (gpt-oss) is not implemented: such "
-                         f"models run at tp = 1")
     hybrid = "linear" in c.kinds
-    problems = [f"{name}={n}" for name, n in (("num_heads", c.num_heads), ("intermediate_size", c.intermediate_size))
-                if n % tp]
+    problems = [f"{name}={n}" for name, n in (("num_heads", c.num_heads), ("intermediate_size", c.intermediate_size),
+                                              ("num_experts", c.num_experts)) if n % tp]
     problems += [f"num_kv_heads={c.num_kv_heads}"] if c.num_kv_heads % tp and tp % c.num_kv_heads else []
     if hybrid:
         problems += [f"linear_num_v_heads={c.linear_num_v_heads}"] if c.linear_num_v_heads % tp else []
@@ -1109,9 +1111,21 @@ def shard_spec(name: str, c: ModelConfig, tp: int, rank: int):
             return 0, (span(d * (2 if c.attn_output_gate else 1), rank * heads, heads),)
         if rest.startswith(("k_proj.", "v_proj.")):
             return 0, (span(d, *_heads_of(c.num_kv_heads, tp, rank)),)
+        if rest == "o_proj.bias":                   # added once, after the sum over the ranks
+            return None, ()
         if rest.startswith("o_proj."):
             return 1, (span(d, rank * heads, heads),)
+        if rest == "sinks":                         # gpt-oss: one per query head
+            return 0, (span(1, rank * heads, heads),)
         return None, ()
+    if ".mlp.experts." in name:                   # expert parallelism: E / tp experts whole on each rank
+        local = c.num_experts // tp
+        index = name.split(".mlp.experts.", 1)[1].split(".")[0]
+        if index.isdigit():                         # a per-expert tensor: on its expert's rank only
+            return (None, ()) if int(index) // local == rank else (0, ())
+        return 0, (span(local, rank, 1),)
+    if any(f".mlp.{part}" in name for part in ("gate.", "router.", "shared_expert")):
+        return None, ()                             # an MoE block's router and shared expert: replicated
     if ".mlp." in name:
         i = c.intermediate_size // tp
         return (1 if ".down_proj." in name else 0), (span(i, rank, 1),)
@@ -1136,20 +1150,26 @@ def shard_spec(name: str, c: ModelConfig, tp: int, rank: int):
     return None, ()
 
 
-def shard(t: torch.Tensor, spec) -> torch.Tensor:
-    """The pieces of ``t`` a shard spec names, concatenated (``t`` itself when replicated)."""
+def shard(t: torch.Tensor, spec) -> torch.Tensor | None:
+    """The pieces of ``t`` a shard spec names, concatenated (``t`` itself when replicated; None when the
+    rank holds none of it: another rank's expert)."""
     dim, ranges = spec
     if dim is None:
         return t
+    if not ranges:
+        return None
     return torch.cat([t.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
 
 
 def _shared_grad(name: str, c: ModelConfig, tp: int) -> bool:
     """Whether a parameter's rows are held by several ranks that each see only their heads, so that its
     gradient must be summed across them: q_norm, k_norm and the Gated DeltaNet norm (replicated), a
-    replicated KV head's k_proj / v_proj rows, a replicated key head's q / k rows of in_proj_qkv and conv1d."""
+    replicated KV head's k_proj / v_proj rows, a replicated key head's q / k rows of in_proj_qkv and conv1d,
+    and an MoE block's router and shared expert (expert parallelism: each rank routes a slice of the tokens)."""
     if name.endswith(("q_norm.weight", "k_norm.weight", "linear_attn.norm.weight")):
         return True
+    if any(f".mlp.{part}" in name for part in ("gate.", "router.", "shared_expert")):
+        return True                     # an MoE block's router and shared expert: each rank routes its tokens
     if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
         return tp > c.num_kv_heads
     return name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")) and tp > c.linear_num_k_heads
@@ -1230,9 +1250,10 @@ class _CopyToRanks(torch.autograd.Function):
 
 class LocalGroup:
     """tp ranks as threads of one process: the single-process specification of tensor parallelism (and its
-    test).  ``LocalGroup(tp).ranks()`` gives one handle per rank with ``rank()``, ``size()`` and the two
-    collectives the model calls, ``allreduce`` (sum in rank order) and ``allgather``, with a
-    torch.distributed ProcessGroup's method names; the threads meet at a barrier."""
+    test).  ``LocalGroup(tp).ranks()`` gives one handle per rank with ``rank()``, ``size()`` and the
+    collectives the model calls, ``allreduce`` (sum in rank order), ``allgather`` and ``alltoall_base``
+    (moe.py's expert parallelism), with a torch.distributed ProcessGroup's method names; the threads meet
+    at a barrier."""
 
     def __init__(self, size: int):
         self._size, self._barrier, self._slots = size, threading.Barrier(size), [None] * size
@@ -1251,9 +1272,9 @@ class _LocalRank:
     def size(self) -> int:
         return self._group._size
 
-    def _exchange(self, t: torch.Tensor) -> list:
+    def _exchange(self, t) -> list:
         g = self._group
-        g._slots[self._rank] = t.clone()
+        g._slots[self._rank] = t.clone() if isinstance(t, torch.Tensor) else [p.clone() for p in t]
         g._barrier.wait()
         out = list(g._slots)
         g._barrier.wait()                      # nobody overwrites a slot before everyone has read it
@@ -1262,6 +1283,15 @@ class _LocalRank:
     def allgather(self, outs, tensors):
         for o, t in zip(outs[0], self._exchange(tensors[0])):
             o.copy_(t)
+        return self
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes):
+        pieces = self._exchange(input.split(list(input_split_sizes)))      # every rank's pieces, one per rank
+        mine = [theirs[self._rank] for theirs in pieces]
+        if [p.shape[0] for p in mine] != list(output_split_sizes):
+            raise ValueError(f"alltoall_base: rank {self._rank} expected {list(output_split_sizes)} rows from the "
+                             f"ranks, they sent {[p.shape[0] for p in mine]}")
+        output.copy_(torch.cat(mine))
         return self
 
     def allreduce(self, tensors):
@@ -1390,11 +1420,11 @@ def load_checkpoint(model: nn.Module, path) -> None:
     ``lm_head.weight`` may be absent (it is the embedding)."""
     tensors = {n: t for n, t in checkpoint_tensors(path).items()
                if not n.startswith(getattr(model, "ignored_weight_prefixes", ()))}
+    if getattr(model, "tp_size", 1) > 1:                    # this rank's slices (views: only their bytes are read)
+        tensors = model.shard_state_dict(tensors)
     for name, module in model.named_modules():     # a plug-in's own checkpoint layouts (moe.py's per-expert tensors)
         if callable(getattr(module, "convert_checkpoint", None)):
             module.convert_checkpoint(tensors, name + ".")
-    if getattr(model, "tp_size", 1) > 1:                    # this rank's slices (views: only their bytes are read)
-        tensors = model.shard_state_dict(tensors)
     params = model.state_dict()
     tied = _tied_aliases(model)
     problems = {"missing": sorted(n for n in params.keys() - tensors.keys() if n not in tied),

@@ -220,12 +220,15 @@ class MoE(nn.Module):
     gate_up and down), ``activation`` ("silu" / "gpt_oss", with ``swiglu_limit`` and ``swiglu_alpha``),
     ``shared_intermediate_size`` (0: no shared expert), ``layout`` ("qwen": router ``gate``, experts
     [E, 2I, H] / [E, H, I]; "gpt_oss": router ``router``, experts [E, H, 2I] interleaved / [E, I, H]).
-    ``route_fn`` / ``experts_fn`` have this file's ``route`` / ``moe_experts`` signatures."""
+    ``route_fn`` / ``experts_fn`` have this file's ``route`` / ``moe_experts`` signatures.
+    ``expert_group``: a process group (torch.distributed's, or decoder_lm.py's ``LocalGroup`` rank) to shard
+    the experts over: expert parallelism (the module docstring's section); this rank holds experts
+    ``first_expert`` .. ``first_expert + num_local_experts - 1`` under the same names."""
 
     def __init__(self, hidden_size, *, num_experts=128, top_k=8, intermediate_size=768, scoring="softmax_topk",
                  norm_topk_prob=True, router_bias=False, expert_bias=False, activation="silu", swiglu_limit=7.0,
                  swiglu_alpha=1.702, shared_intermediate_size=0, layout="qwen", route_fn=route,
-                 experts_fn=moe_experts, device=None, dtype=None):
+                 experts_fn=moe_experts, expert_group=None, device=None, dtype=None):
         super().__init__()
         _check_sizes(hidden_size=hidden_size, num_experts=num_experts, top_k=top_k,
                      intermediate_size=intermediate_size, shared_intermediate_size=shared_intermediate_size)
@@ -239,10 +242,17 @@ class MoE(nn.Module):
         self.scoring, self.norm_topk_prob, self.layout, self.activation = scoring, norm_topk_prob, layout, activation
         self.swiglu_limit, self.swiglu_alpha = float(swiglu_limit), float(swiglu_alpha)
         self.route_fn, self.experts_fn = route_fn, experts_fn
+        ranks, rank = _group_shape(expert_group)
+        if num_experts % ranks:
+            raise ValueError(f"expert parallelism over {ranks} ranks needs the rank count to divide num_experts="
+                             f"{num_experts}")
+        self.expert_group = expert_group if ranks > 1 else None
+        self.num_local_experts = num_experts // ranks
+        self.first_expert = rank * self.num_local_experts
         kw = dict(device=device, dtype=dtype)
         router = nn.Linear(hidden_size, num_experts, bias=router_bias, **kw)
         setattr(self, "router" if layout == "gpt_oss" else "gate", router)       # transformers' names
-        self.experts = _Experts(num_experts, hidden_size, intermediate_size, layout, expert_bias, kw)
+        self.experts = _Experts(self.num_local_experts, hidden_size, intermediate_size, layout, expert_bias, kw)
         if shared_intermediate_size:
             self.shared_expert = _SharedExpert(hidden_size, shared_intermediate_size, kw)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, **kw)
@@ -284,20 +294,123 @@ class MoE(nn.Module):
             raise ValueError(f"x must be [..., hidden_size={self.hidden_size}], got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         shape, x = x.shape, x.reshape(-1, self.hidden_size)                     # [T, H]
+        if self.expert_group is None:
+            return self._tokens_forward(x).reshape(shape)
+        group = self.expert_group                   # every rank holds the same x: each routes a slice of it
+        lo, hi = _token_slice(x.shape[0], group.size(), group.rank())
+        return _GatherTokens.apply(self._tokens_forward(x[lo:hi]), group, x.shape[0]).reshape(shape)
+
+    def _tokens_forward(self, x):
+        """The block on tokens x [T, H] (all of them, or this rank's slice under expert parallelism)."""
         invariant = self.invariant_linear is not None
         logits = self._project(x, self.router_linear)                            # [T, E]
         weights, ids = self.route_fn(logits, self.top_k, scoring=self.scoring, norm_topk_prob=self.norm_topk_prob)
         ex = self.experts
-        out = self.experts_fn(x, weights, ids, ex.gate_up_proj, ex.down_proj, getattr(ex, "gate_up_proj_bias", None),
-                              getattr(ex, "down_proj_bias", None), layout=self.layout, activation=self.activation,
-                              swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha,
-                              batch_invariant=invariant)
+        experts = (ex.gate_up_proj, ex.down_proj, getattr(ex, "gate_up_proj_bias", None),
+                   getattr(ex, "down_proj_bias", None))
+        kw = dict(layout=self.layout, activation=self.activation, swiglu_limit=self.swiglu_limit,
+                  swiglu_alpha=self.swiglu_alpha, batch_invariant=invariant)
+        if self.expert_group is None:
+            out = self.experts_fn(x, weights, ids, *experts, **kw)
+        else:
+            out = self._dispatch_and_combine(x, weights, ids, experts, kw)
         if hasattr(self, "shared_expert"):
             se = self.shared_expert
             a = _silu(self._project(x, se.gate_proj), invariant) * self._project(x, se.up_proj)
             out = out + _sigmoid(self._project(x, self.shared_expert_gate), invariant) * self._project(
                 a, se.down_proj, out=True)
-        return out.reshape(shape)
+        return out
+
+    def _dispatch_and_combine(self, x, weights, ids, experts, kw):
+        """Expert parallelism: every (token, slot) pair goes to the rank that holds its expert (all-to-all),
+        is computed there as a one-slot token of its local expert, comes back (all-to-all), and a token's k
+        outputs are summed here in slot order (expert-index order), as ``experts_fn``'s combine sums them."""
+        group, local = self.expert_group, self.num_local_experts
+        t, k = ids.shape
+        dest = ids.reshape(-1) // local                                         # [T k]: each pair's rank
+        order = torch.sort(dest, stable=True).indices           # the pairs by rank, (token, slot) order within
+        sent = torch.bincount(dest, minlength=group.size())
+        received = _all_to_all(sent, group, [1] * group.size(), [1] * group.size()).tolist()   # pairs per source
+        sent = sent.tolist()
+        pair_x, pair_w = _AllToAll.apply(group, received, sent, x[order // k], weights.reshape(-1)[order, None])
+        pair_ids = _all_to_all((ids.reshape(-1) - dest * local)[order, None], group, received, sent)   # local ids
+        if pair_ids.shape[0]:
+            y = self.experts_fn(pair_x, pair_w, pair_ids, *experts, **kw)                    # [P, H]: w y_e
+        else:       # no pair came here: the empty product keeps this rank's backward in every exchange
+            y = (pair_x * pair_w).to(x.dtype)
+        back, = _AllToAll.apply(group, sent, received, y)                       # [T k, H], the pairs in `order`
+        rows = back[torch.argsort(order)].view(t, k, x.shape[1])                # [T, k, H], slot order
+        wide = torch.promote_types(x.dtype, torch.float32)
+        out = rows[:, 0].to(wide)
+        for s in range(1, k):
+            out = out + rows[:, s].to(wide)
+        return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- expert parallelism's collectives
+# A process group's own methods (torch.distributed's ProcessGroup, or decoder_lm.py's LocalGroup ranks): no
+# default group is assumed, and a rank's tensors never leave its device.
+
+def _group_shape(group) -> tuple[int, int]:
+    """(size, rank) of an expert group; (1, 0) for None."""
+    if group is None:
+        return 1, 0
+    if not all(callable(getattr(group, m, None)) for m in ("size", "rank", "allgather", "alltoall_base")):
+        raise TypeError(f"expert_group must be a process group (size, rank, allgather, alltoall_base), got "
+                        f"{type(group).__name__}")
+    return group.size(), group.rank()
+
+
+def _token_slice(t: int, ranks: int, rank: int) -> tuple[int, int]:
+    """[lo, hi): the tokens rank ``rank`` routes, T / ranks each, the first T % ranks ranks one more."""
+    base, extra = divmod(t, ranks)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (rank < extra)
+
+
+def _all_to_all(t, group, out_splits, in_splits):
+    """Rows in_splits[r] of ``t`` (in rank order) to rank r; out_splits[r] rows from rank r, in rank order."""
+    out = t.new_empty((sum(out_splits), *t.shape[1:]))
+    group.alltoall_base(out, t.contiguous(), list(out_splits), list(in_splits)).wait()
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """The all-to-all of tensors with the same row splits, in argument order; backward: their gradients'
+    rows sent back the way they came, in the same order.  One node for them all, so every rank's backward
+    runs the exchanges in one order (autograd orders separate nodes by readiness, which differs by rank)."""
+
+    @staticmethod
+    def forward(ctx, group, out_splits, in_splits, *tensors):
+        ctx.group, ctx.splits = group, (out_splits, in_splits)
+        return tuple(_all_to_all(t, group, out_splits, in_splits) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out_splits, in_splits = ctx.splits
+        return (None, None, None, *(_all_to_all(g, ctx.group, in_splits, out_splits) for g in grads))
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Each rank's token slice gathered: [T_rank, H] -> [T, H] on every rank (padded to equal parts for the
+    all-gather); backward: this rank's rows of the gradient (every rank holds the whole gradient of the
+    replicated output, so nothing is summed here; the rest of x's gradient comes from the other ranks)."""
+
+    @staticmethod
+    def forward(ctx, mine, group, t):
+        ranks = group.size()
+        ctx.rows = _token_slice(t, ranks, group.rank())
+        padded = mine.new_zeros(-(-t // ranks), mine.shape[1])
+        padded[:mine.shape[0]] = mine
+        parts = [torch.empty_like(padded) for _ in range(ranks)]
+        group.allgather([parts], [padded]).wait()
+        bounds = [_token_slice(t, ranks, r) for r in range(ranks)]
+        return torch.cat([p[:hi - lo] for p, (lo, hi) in zip(parts, bounds)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        lo, hi = ctx.rows
+        return grad[lo:hi], None, None
 
 
 def _load_checkpoint_tensors(module: MoE, state_dict, prefix, *args) -> None:
@@ -306,6 +419,11 @@ def _load_checkpoint_tensors(module: MoE, state_dict, prefix, *args) -> None:
     ex, m = prefix + "experts.", module
     if any(k.startswith(ex) and k[len(ex):].split(".")[0].isdigit() for k in state_dict):
         _fuse_per_expert(m, state_dict, ex)
+    if m.num_local_experts < m.num_experts:      # expert parallelism: this rank's experts of whole tensors
+        for key in [k for k in state_dict if k.startswith(ex) and "." not in k[len(ex):]]:
+            t = state_dict[key]
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == m.num_experts:
+                state_dict[key] = t.narrow(0, m.first_expert, m.num_local_experts)
     for proj in ("gate_up_proj", "down_proj"):
         blocks, scales = f"{ex}{proj}_blocks", f"{ex}{proj}_scales"
         if blocks not in state_dict and scales not in state_dict:
@@ -326,18 +444,25 @@ def _load_checkpoint_tensors(module: MoE, state_dict, prefix, *args) -> None:
 
 def _fuse_per_expert(m: MoE, state_dict, ex: str) -> None:
     """experts.{n}.{gate,up,down}_proj.{weight,bias} for n < E (transformers' qwen2_moe conversion: stacked
-    over n, gate and up concatenated) -> the layout's fused tensors, in place."""
+    over n, gate and up concatenated) -> the layout's fused tensors, in place; under expert parallelism
+    this rank's experts (another rank's tensors may be absent, and are dropped)."""
     e, i, h = m.num_experts, m.intermediate_size, m.hidden_size
     bias = hasattr(m.experts, "down_proj_bias")
-    want = {}
-    for n in range(e):
-        want.update({f"{ex}{n}.gate_proj.weight": (i, h), f"{ex}{n}.up_proj.weight": (i, h),
-                     f"{ex}{n}.down_proj.weight": (h, i)})
+    mine = range(m.first_expert, m.first_expert + m.num_local_experts)
+
+    def tensors_of(n: int) -> dict:                                 # expert n's names and shapes
+        names = {f"{ex}{n}.gate_proj.weight": (i, h), f"{ex}{n}.up_proj.weight": (i, h),
+                 f"{ex}{n}.down_proj.weight": (h, i)}
         if bias:
-            want.update({f"{ex}{n}.gate_proj.bias": (i,), f"{ex}{n}.up_proj.bias": (i,),
-                         f"{ex}{n}.down_proj.bias": (h,)})
+            names.update({f"{ex}{n}.gate_proj.bias": (i,), f"{ex}{n}.up_proj.bias": (i,),
+                          f"{ex}{n}.down_proj.bias": (h,)})
+        return names
+    want = {k: v for n in mine for k, v in tensors_of(n).items()}
+    others = {k for n in range(e) if n not in mine for k in tensors_of(n)}
     have = {k for k in state_dict if k.startswith(ex) and k[len(ex):].split(".")[0].isdigit()}
-    missing, extra = sorted(set(want) - have), sorted(have - set(want))
+    missing, extra = sorted(set(want) - have), sorted(have - set(want) - others)
+    for key in have & others:
+        del state_dict[key]                                         # another rank's expert
     if missing or extra:
         raise ValueError(f"per-expert tensors under {ex!r}: missing {missing[:4]}, unexpected {extra[:4]}")
     for key, shape in want.items():
@@ -346,7 +471,7 @@ def _fuse_per_expert(m: MoE, state_dict, ex: str) -> None:
             raise ValueError(f"{key}: expected a float tensor of shape {shape}, got "
                              f"{f'{t.dtype} {tuple(t.shape)}' if isinstance(t, torch.Tensor) else type(t).__name__}")
     for kind, suffix in (("weight", ""), ("bias", "_bias"))[:2 if bias else 1]:
-        gate, up, down = (torch.stack([state_dict.pop(f"{ex}{n}.{p}_proj.{kind}") for n in range(e)])
+        gate, up, down = (torch.stack([state_dict.pop(f"{ex}{n}.{p}_proj.{kind}") for n in mine])
                           for p in ("gate", "up", "down"))          # [E, I, (H)], [E, I, (H)], [E, H, (I)]
         if m.layout == "qwen":
             fused = torch.cat([gate, up], dim=1)                    # [E, 2I, (H)]: gate rows, then up rows
