@@ -90,8 +90,11 @@ Tensor parallelism (``DecoderLM(config, tp_group=group)``: any torch.distributed
     4).  Under it the invariant matmul on a CPU runs in blocks of 8 columns, so a column-parallel shard rounds
     as the whole matrix does; with a replicated KV head the rank's query heads are padded to the GQA group, so
     an attention kernel lays rows out as at tp = 1.  Fused weights are sharded part by part (q, k, v; gate,
-    up), under the checkpoint's names.  fast/generator_engine.py's ``Generator(model,
-    tensor_parallel_size=N)`` builds the shards itself.
+    up), under the checkpoint's names.  Mixture-of-Experts blocks are expert-parallel over the same ranks
+    (the reference's layout: E / tp whole experts a rank, tokens dispatched and combined with all-to-all over
+    the group, gloo on CPUs and NCCL on GPUs; a rank reads only its experts' bytes of a checkpoint, per-expert
+    tensors included).  fast/generator_engine.py's ``Generator(model, tensor_parallel_size=N)`` builds the
+    shards itself.
 
 Cost
     Per token, FLOPs ~ 2 * (non-embedding parameters + hidden * vocab) + 4 * L_ctx * H_q * D per

@@ -50,6 +50,28 @@ Batch invariance (``moe_experts(..., batch_invariant=True)``; ref/moe.py's ``MoE
 Tensors: ref/moe.py's (x, logits, weights, ids, gate_up_proj, down_proj, biases, blocks, scales), with x
 and the expert weights in fp16 / bf16 / fp32 (one dtype; fp64 raises TypeError); weights are fp32.
 
+Expert parallelism (ref/moe.py's section: the same code; ``MoE(..., expert_group=group)``)
+    N ranks, E / N whole experts each (rank r: experts r E / N .. (r + 1) E / N - 1, under the same names; a
+    whole layer's state dict, fused or per-expert, loads with the other ranks' experts dropped).  The input
+    x [T, H] is the same on every rank (tensor parallelism's replicated activations), so:
+        1. rank r takes tokens [r T / N, (r + 1) T / N) (the first T mod N ranks one more), routes them
+           (the router is replicated) and sorts its (token, slot) pairs by the rank holding their expert
+        2. dispatch   all-to-all of the pairs' rows of x, their weights and local expert ids (the counts
+                      first: an all-to-all of N integers, read on the host to size the buffers)
+        3. experts    ``experts_fn`` over the pairs received, each a one-slot token of a local expert
+        4. return     all-to-all back; each token's k rows summed in slot order (expert-index order), in
+                      fp32 (fp64 for fp64), as the combine kernel sums them; the shared expert added
+        5. gather     all-gather of the ranks' token slices: every rank holds the whole [T, H] again
+    A token's row is computed by the same arithmetic on whichever rank (the mode's kernels round a row alike
+    whatever shares its tile), so the mode's bits are the one-rank layer's at any N.  Per token and layer the
+    wire carries k rows of H out and back, plus H in the gather.  Backward: the exchanges run in reverse (one
+    autograd node per exchange, so every rank's backward joins them in one order; a rank that received no pair
+    still takes part).  x's gradient holds this rank's tokens' part and the router's and shared expert's
+    gradients this rank's tokens' part: the caller sums them over the group (decoder_lm.py does, as for its
+    other replicated weights).  The group is any object with torch.distributed ProcessGroup's ``size``,
+    ``rank``, ``allgather`` and ``alltoall_base`` (gloo on CPUs, NCCL on GPUs, decoder_lm.py's LocalGroup).
+    A limit: the pair counts are read on the host each layer (a sync per layer, not CUDA-graph capturable).
+
 Supported, and what raises
     CUDA tensors (CPU tensors only under TRITON_INTERPRET=1), E <= 1024, any T, H, I, k (k <= E for the
     router); the reference's errors for bad shapes, dtypes, sizes and options; ids outside [0, E) raise

@@ -77,6 +77,10 @@ Tensor parallelism (``DecoderLM(config, tp_group=group)``, ``from_pretrained(pat
     this file is the specification; fast/decoder_lm.py runs it over torch.distributed.  Used SPMD: every rank
     returns the full logits and keeps its shards' gradients.  In the batch-invariant mode every row-parallel
     sum is a fixed tree of segments whose subtrees are the ranks' shards: the same bits at tp = 1, 2, 4.
+    Mixture-of-Experts blocks are expert-parallel over the same ranks (moe.py's ``expert_group``): E / tp
+    whole experts a rank, the router and a shared expert replicated, each rank routing a slice of the
+    (replicated) tokens and exchanging the (token, slot) pairs with all-to-all, so the mode's bits hold at
+    any tp there too.  gpt-oss's sinks shard with their heads; o_proj's bias is added once, after the sum.
 
 Tensors and types
     input_ids       [B, T] int64, or [1, T] with cu_seqlens [N + 1] int32 (documents packed along T)
@@ -108,7 +112,7 @@ Tensors and types
 Supported, and what raises
     fp32 / fp16 / bf16 weights on any device.  ValueError for bad config values, an unsupported
     checkpoint (naming what is supported), a hybrid model without ``linear_layer``, an MoE model without
-    ``moe_layer`` or at tp > 1 (expert parallelism is not implemented), a checkpoint with
+    ``moe_layer`` (or at a tp that does not divide its experts), a checkpoint with
     missing, unexpected or mis-shaped tensors (one error listing them), a corrupted or truncated
     safetensors file (naming the file and tensor), ``token_logprobs`` inputs out of range.
 
