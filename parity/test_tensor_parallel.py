@@ -239,7 +239,8 @@ def test_fast_trainer_spmd(kind, mode):
 def test_fast_engine_tensor_parallel(kind, mode, tps):
     """Generator(model, tensor_parallel_size=tp) serves the request mix (a group of 3, a prefix-cache hit, a
     prompt in chunks, preemption in a small pool, then a weight load) with the tp = 1 engine's tokens; in the
-    batch-invariant mode its logprobs are bitwise the tp = 1 engine's and the trainer's token_logprobs."""
+    batch-invariant mode its logprobs are bitwise the tp = 1 engine's and the trainer's token_logprobs.  The
+    "moe" kind's experts: ref/moe.py's layer (its expert-parallel code is fast/moe.py's, test_copies.py)."""
     facts = _probe("engine", kind, mode, *tps)
     assert facts["1"]["preemptions"] >= 1 and facts["1"]["prefix_hit_tokens"] > 0, facts["1"]
     for tp in map(str, tps):
