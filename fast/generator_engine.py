@@ -2144,11 +2144,12 @@ def _activation_peak(model: nn.Module, tokens: int, attention: _AttentionFns) ->
 # ----------------------------------------------------------------------------- tensor parallelism
 # Generator(model, tensor_parallel_size=N): the object the caller holds is rank 0.  It starts N - 1 worker
 # processes (multiprocessing spawn), each of which builds its shard of the model (decoder_lm.py's
-# DecoderLM(config, tp_group=...): heads split Megatron-style, its docstring has the layout) and an engine
-# like this one.  Every rank runs the same scheduler on the same events: rank 0 sends each iteration's new
-# requests (a random seed drawn once, on rank 0) and weight swap over a pipe, every rank runs the step with
-# its shard (the row-parallel sums are the model's collectives over the ranks' process group: gloo on CPUs,
-# NCCL on GPUs, on tp_address, loopback by default), rank 0 samples and broadcasts the tokens.  So the prefix
+# DecoderLM(config, tp_group=...): heads split Megatron-style, MoE experts E / N whole a rank, its docstring has
+# the layout) and an engine like this one.  Every rank runs the same scheduler on the same events: rank 0
+# sends each iteration's new requests (a random seed drawn once, on rank 0) and weight swap over a pipe, every
+# rank runs the step with its shard (the row-parallel sums and the experts' all-to-alls are the model's
+# collectives over the ranks' process group: gloo on CPUs, NCCL on GPUs, on tp_address, loopback by default),
+# rank 0 samples and broadcasts the tokens.  So the prefix
 # cache's keys and decisions, the pages and the preemptions are the same on every rank, and every rank's
 # KV pages, Gated DeltaNet states and checkpoints hold its heads.  Weights: a full state dict to
 # load_weights is validated on rank 0, each worker is sent its shard (into its shadow weights), and the swap
