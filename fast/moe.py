@@ -350,13 +350,12 @@ class _GatherTokens(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, mine, group, t):
-        ranks = group.size()
-        ctx.rows = _token_slice(t, ranks, group.rank())
-        padded = mine.new_zeros(-(-t // ranks), mine.shape[1])
+        bounds = [_token_slice(t, group.size(), r) for r in range(group.size())]
+        ctx.rows = bounds[group.rank()]
+        padded = mine.new_zeros(-(-t // group.size()), mine.shape[1])
         padded[:mine.shape[0]] = mine
-        parts = [torch.empty_like(padded) for _ in range(ranks)]
+        parts = [torch.empty_like(padded) for _ in bounds]
         group.allgather([parts], [padded]).wait()
-        bounds = [_token_slice(t, ranks, r) for r in range(ranks)]
         return torch.cat([p[:hi - lo] for p, (lo, hi) in zip(parts, bounds)])
 
     @staticmethod

@@ -1128,8 +1128,8 @@ def shard_spec(name: str, c: ModelConfig, tp: int, rank: int):
         if index.isdigit():                         # a per-expert tensor: on its expert's rank only
             return (None, ()) if int(index) // local == rank else (0, ())
         return 0, (span(local, rank, 1),)
-    if any(f".mlp.{part}" in name for part in ("gate.", "router.", "shared_expert")):
-        return None, ()                             # an MoE block's router and shared expert: replicated
+    if _moe_replicated(name):
+        return None, ()
     if ".mlp." in name:
         i = c.intermediate_size // tp
         return (1 if ".down_proj." in name else 0), (span(i, rank, 1),)
@@ -1154,6 +1154,11 @@ def shard_spec(name: str, c: ModelConfig, tp: int, rank: int):
     return None, ()
 
 
+
+def _moe_replicated(name: str) -> bool:
+    """An MoE block's router or shared expert: whole on every rank under expert parallelism."""
+    return any(f".mlp.{part}" in name for part in ("gate.", "router.", "shared_expert"))
+
 def shard(t: torch.Tensor, spec) -> torch.Tensor | None:
     """The pieces of ``t`` a shard spec names, concatenated (``t`` itself when replicated; None when the
     rank holds none of it: another rank's expert)."""
@@ -1172,8 +1177,8 @@ def _shared_grad(name: str, c: ModelConfig, tp: int) -> bool:
     and an MoE block's router and shared expert (expert parallelism: each rank routes a slice of the tokens)."""
     if name.endswith(("q_norm.weight", "k_norm.weight", "linear_attn.norm.weight")):
         return True
-    if any(f".mlp.{part}" in name for part in ("gate.", "router.", "shared_expert")):
-        return True                     # an MoE block's router and shared expert: each rank routes its tokens
+    if _moe_replicated(name):
+        return True                     # each rank routes its slice of the tokens through them
     if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
         return tp > c.num_kv_heads
     return name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")) and tp > c.linear_num_k_heads
