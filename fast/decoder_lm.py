@@ -28,9 +28,9 @@ What it changes
                   block-diagonal mask for documents), or the ``varlen_attn`` plug-in when given
                   (fast/paged_varlen_attention.varlen_attn: packed documents without a mask).  gpt-oss's
                   sliding windows and sinks: the varlen plug-in's window (or PyTorch per document) and its
-                  lse, each row scaled by sigmoid(lse - sink); ``token_logprobs`` of a model with sliding
-                  layers packs whole sequences (its shared-prompt path has no per-row window); the
-                  batch-invariant mode refuses sinks and windows (ValueError), here and in the engines.
+                  lse, each row scaled by sigmoid(lse - sink); ``token_logprobs``' shared-prompt path runs a
+                  sliding layer's completions as one causal sequence each over its prompt's keys then its
+                  own, within the window (the mode: below).
 
 Batch-invariant mode: bitwise on-policy (``DecoderLM(..., batch_invariant=True, varlen_attn=...)``)
     ``token_logprobs`` then equals the logprobs the fast engine (generator_engine.py's
@@ -60,6 +60,12 @@ Batch-invariant mode: bitwise on-policy (``DecoderLM(..., batch_invariant=True, 
                   split count or merging program.  A completion row
                   reduces its keys in two segments, its prompt's and its own, merged: the engine's
                   decode (prompt pages shared by a group) and this file's ``token_logprobs`` alike.
+                  gpt-oss: the sinks join inside the kernels (after a row's last segment: in a completion
+                  row's second call), and a sliding layer's completion row t reduces the keys of its
+                  window only, its two segments starting where the window does (a0 = max(0, t - W + 1)
+                  in the prompt, b0 = max(p, t - W + 1) in its own keys; a prompt segment the window
+                  has left is empty): the engine's ``flash_decode(cache_leftpad=...)`` per row, each
+                  row alone here (its keys as one-token pages).
       GDN layers  a "linear" plug-in must have ``set_batch_invariant(linear)`` (gated_deltanet.py's
                   layer has): its projections go through the invariant matmul and its recurrence runs
                   in the chunk form in the trainer's forward and backward, the prefill and each decode
@@ -689,9 +695,6 @@ class DecoderLM(nn.Module):
                              "class, or a functools.partial of it with the fast kernels)")
         if config.moe_layers and moe_layer is None:
             raise ValueError("this model has Mixture-of-Experts layers: pass moe_layer=MoE (moe.py's class)")
-        if batch_invariant and (config.attention_sinks or config.sliding_layers):
-            raise ValueError("batch_invariant=True with attention sinks or sliding windows (gpt-oss) is not "
-                             "implemented: the mode's two-segment completion rows do not take them yet")
         self.config = config
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = (0, 1) if tp_group is None else (tp_group.rank(), tp_group.size())
@@ -822,14 +825,22 @@ class DecoderLM(nn.Module):
         H_q / tp query heads sit in a query tensor padded to the whole GQA group G = H_q / H_kv, at their
         places in it: an attention kernel then lays each row out in its tile as at tp = 1 (row (p, g) at
         the slot of p G + g), so it rounds alike; the padding rows are zeros and their outputs dropped."""
-        c = self.config
-        if not (self.batch_invariant and self.tp_size > c.num_kv_heads):
+        padding = self._query_head_padding()
+        if padding is None:
             return attend(i, q, k, v)
-        group, heads = c.num_heads // c.num_kv_heads, q.shape[1]
-        first = self.tp_rank * heads % group                   # this rank's first query head within its group
+        group, first, heads = padding
         padded = q.new_zeros(q.shape[0], group, q.shape[2])    # [T, G, D]
         padded[:, first:first + heads] = q
         return attend(i, padded, k, v)[:, first:first + heads]
+
+    def _query_head_padding(self) -> tuple[int, int, int] | None:
+        """(G, this rank's first query head within its GQA group, its query heads) when ``_attend`` pads the
+        query heads (the batch-invariant mode with a replicated KV head), else None."""
+        c = self.config
+        if not (self.batch_invariant and self.tp_size > c.num_kv_heads):
+            return None
+        heads = self.local_config.num_heads
+        return c.num_heads // c.num_kv_heads, self.tp_rank * heads % (c.num_heads // c.num_kv_heads), heads
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -865,7 +876,7 @@ class DecoderLM(nn.Module):
             raise TypeError(f"share_prompts must be a bool, got {type(share_prompts).__name__}")
         if not seqs:
             return []
-        if (share_prompts or self.batch_invariant) and not self.config.sliding_layers:
+        if share_prompts or self.batch_invariant:
             rows, h = self._prompt_shared_forward(seqs, prompts, share_prompts)
         else:
             rows, h = self._packed_forward(seqs, prompts)
@@ -904,24 +915,31 @@ class DecoderLM(nn.Module):
 
     def _shared_attention(self, lay: _SharedPrompts):
         """attend for ``_prompt_shared_forward``: prompt rows causal over their prompt; completion rows
-        over their prompt's keys (every one visible) and over their own causal keys, merged."""
+        over their prompt's keys (every one visible) and over their own causal keys, merged (a sliding
+        layer: ``_windowed_completions``).  Sinks: joined after the merge (a sink counts once); in the
+        batch-invariant mode inside the kernels, as the engine's prefill and decode join them."""
         scale, mode = self.config.head_dim ** -0.5, self.batch_invariant
 
         def attend(i, q, k, v):
-            t_p, sinks = lay.prompt_rows, self.attention_sinks(i)
+            t_p, window, sinks = lay.prompt_rows, self.attention_window(i), self.attention_sinks(i)
+            in_kernel = dict(sinks=sinks) if mode and sinks is not None else {}
             qp, kp, vp, qc, kc, vc = q[:t_p], k[:t_p], v[:t_p], q[t_p:], k[t_p:], v[t_p:]
-            out_p, lse_p = self._attention(qp, kp, vp, lay.cu_p, lay.cu_p, lay.max_p, lay.max_p, scale, causal=True)
-            out_p = out_p if sinks is None else with_sinks(out_p, lse_p, sinks)
+            out_p, lse_p = self._attention(qp, kp, vp, lay.cu_p, lay.cu_p, lay.max_p, lay.max_p, scale, causal=True,
+                                           window=window, **in_kernel)
+            out_p = out_p if sinks is None or in_kernel else with_sinks(out_p, lse_p, sinks)
             if qc.shape[0] == 0:
                 return out_p
+            if window:
+                return torch.cat([out_p, self._windowed_completions(q, k, v, lay, scale, window, sinks)])
             # The prompt's keys: a group's completion rows packed as one query sequence read them once.
             o_a, lse_a = self._attention(qc, kp, vp, lay.cu_c_by_group, lay.cu_p, lay.max_c_group, lay.max_p,
                                          scale, causal=False)
             if mode:   # the engine's bits: each completion row alone over its prompt's keys (one-row tiles)
                 o_a, lse_a = _value_with_gradient_of(self._rows_over_prompts(qc, kp, vp, lay, scale), (o_a, lse_a))
-            o_b, lse_b = self._attention(qc, kc, vc, lay.cu_c, lay.cu_c, lay.max_c, lay.max_c, scale, causal=True)
+            o_b, lse_b = self._attention(qc, kc, vc, lay.cu_c, lay.cu_c, lay.max_c, lay.max_c, scale, causal=True,
+                                         **in_kernel)
             out_c, lse_c = _merge_states(o_a, lse_a, o_b, lse_b)
-            out_c = out_c if sinks is None else with_sinks(out_c, lse_c, sinks)      # a sink counts once
+            out_c = out_c if sinks is None or in_kernel else with_sinks(out_c, lse_c, sinks)
             return torch.cat([out_p, out_c.to(out_p.dtype)])
         return attend
 
@@ -936,12 +954,42 @@ class DecoderLM(nn.Module):
                                         block_table=table, return_aux=_LSE, batch_invariant=True)
         return out, lse
 
-    def _attention(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, *, causal, window=0):
+    def _windowed_completions(self, q, k, v, lay: _SharedPrompts, scale, window: int, sinks):
+        """A sliding layer's completion rows: row t (of a completion with prompt length p) sees keys
+        max(0, t - window + 1) .. t.  Computed as each completion's one causal sequence over its prompt's keys
+        then its own (``lay.cat_index``: bottom-right aligned, so row j sits at key p + j), within the window.
+        Batch-invariant mode: the values are the engine's, each row in two segments that start where its
+        window does, a0 = max(0, t - w + 1) in the prompt and b0 = max(p, t - w + 1) in its own keys (each
+        row alone, its keys as one-token pages; a prompt segment the window has left is empty: out 0, lse
+        -inf), merged, the sink inside the second; the gradients are the first computation's."""
+        t_p, mode = lay.prompt_rows, self.batch_invariant
+        in_kernel = dict(sinks=sinks) if mode and sinks is not None else {}
+        qc, index = q[t_p:], lay.cat_index
+        out, lse = self._attention(qc, k[index], v[index], lay.cu_c, lay.cu_cat, lay.max_c, lay.max_cat, scale,
+                                   causal=True, window=window, **in_kernel)
+        out = out if sinks is None or in_kernel else with_sinks(out, lse, sinks)
+        if not mode:
+            return out
+        with torch.no_grad():
+            w = lay.window_tables(window)
+            kw = dict(scale=scale, window_size=(-1, -1), enable_gqa=True, return_aux=_LSE, batch_invariant=True)
+            o_a, lse_a = self.varlen_attn(qc, k[:t_p, None], v[:t_p, None], lay.cu_rows, None, 1, w.width_a,
+                                          seqused_k=w.len_a, block_table=w.table_a, **kw)
+            o_a = o_a.masked_fill(w.empty_a[:, None, None], 0.0)
+            lse_a = lse_a.masked_fill(w.empty_a[None], float("-inf"))
+            o_b, lse_b = self.varlen_attn(qc, k[t_p:, None], v[t_p:, None], lay.cu_rows, None, 1, w.width_b,
+                                          seqused_k=w.len_b, block_table=w.table_b, **kw, **in_kernel)
+            exact, _ = _merge_states(o_a, lse_a, o_b, lse_b)
+        return _value_with_gradient_of((exact.to(out.dtype),), (out,))[0]
+
+    def _attention(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, *, causal, window=0, sinks=None):
         """(out [T_q, H, D], lse [H, T_q] fp32) of varlen attention (causal: within the last ``window`` keys
-        when given), through ``varlen_attn`` or in plain PyTorch (per sequence) without one."""
+        when given), through ``varlen_attn`` or in plain PyTorch (per sequence) without one.  ``sinks``: joined
+        inside the kernel (the plug-in's keyword; the batch-invariant mode's use)."""
         window_size = ((window - 1 if window else -1), 0) if causal else (-1, -1)
         if self.varlen_attn is not None:
             mode = dict(batch_invariant=True) if self.batch_invariant else {}
+            mode.update(dict(sinks=sinks) if sinks is not None else {})
             return self.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
                                     enable_gqa=True, return_aux=_LSE, **mode)
         return _torch_attention_lse(q, k, v, cu_q.tolist(), cu_k.tolist(), scale, causal, window)
@@ -971,7 +1019,7 @@ class DecoderLM(nn.Module):
             def attend(i, q, k, v):
                 window, sinks = self.attention_window(i), self.attention_sinks(i)
                 o, lse = self._attention(q, k, v, cu, cu, longest, longest, scale, causal=True, window=window)
-                return o if sinks is None else with_sinks(o, lse, sinks)
+                return o if sinks is None else with_sinks(o, lse, sinks, self.batch_invariant)
             return attend
         if self.varlen_attn is not None:
             # The keyword only in the mode: PyTorch's own varlen_attn, which has none, plugs in too.
@@ -997,8 +1045,13 @@ class DecoderLM(nn.Module):
         return self.config.sliding_window if i in self.config.sliding_layers else 0
 
     def attention_sinks(self, i: int) -> torch.Tensor | None:
-        """Layer i's attention sinks [H_q] (gpt-oss), or None."""
-        return getattr(self.layers[i].self_attn, "sinks", None)
+        """Layer i's attention sinks (gpt-oss), or None: one per query head ``attend`` sees ([H_q] of this
+        rank; padded with zeros where ``_attend`` pads the query heads, whose rows are dropped)."""
+        sinks, padding = getattr(self.layers[i].self_attn, "sinks", None), self._query_head_padding()
+        if sinks is None or padding is None:
+            return sinks
+        group, first, heads = padding
+        return torch.cat([sinks.new_zeros(first), sinks, sinks.new_zeros(group - first - heads)])
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """log_softmax over the last dim with the model's numerics (batch-invariant in that mode): what
@@ -1114,11 +1167,49 @@ class _SharedPrompts:
         for r, g in enumerate(row_group):
             table[r, :plen[g]] = torch.arange(p_bounds[g], p_bounds[g + 1])
         self.prompt_table = table.to(dev)
-        # Completion token 0 comes from its prompt's last row, token j > 0 from the completion's row j - 1.
+        # A sliding layer's completion rows: each completion as one sequence over its prompt's keys then its
+        # own (indices into the packed K/V), and per row the starts of its keys in either.
         first = self.prompt_rows
+        self.completion_rows = c_bounds[-1]
+        self.cat_index = torch.tensor([r for k, g in enumerate(groups)
+                                       for r in [*range(p_bounds[g], p_bounds[g + 1]),
+                                                 *range(first + c_bounds[k], first + c_bounds[k + 1])]], device=dev)
+        cat = [plen[g] + c for g, c in zip(groups, clen)]
+        self.cu_cat, self.max_cat = cu(cat), max(cat, default=0)
+        self.row_position = self.positions[first:]
+        self.row_prompt_start = torch.tensor([p_bounds[g] for g in row_group], device=dev)
+        self.row_own_start = torch.tensor([c_bounds[k] for k, c in enumerate(clen) for _ in range(c)], device=dev)
+        # Completion token 0 comes from its prompt's last row, token j > 0 from the completion's row j - 1.
         span = {n: range(first + c_bounds[k], first + c_bounds[k + 1]) for k, n in enumerate(order)}
         self.rows = torch.tensor([r for n in range(len(seqs)) for r in [p_bounds[group_of[n] + 1] - 1, *span[n]]],
                                  device=dev)
+
+    def window_tables(self, window: int) -> _WindowTables:
+        """Each completion row's keys within ``window`` (row t sees t - window + 1 .. t) as one-token pages,
+        in two segments: its prompt's keys from a0 = max(0, t - window + 1) (a row whose window has left
+        the prompt is marked empty; its table then holds the prompt's last key) and its own keys from
+        b0 = max(p, t - window + 1)."""
+        t, p = self.row_position, self.row_prompt_len.long()
+        start = (t - window + 1).clamp(min=0)
+        empty = start >= p
+        a0, b0 = torch.minimum(start, p - 1), torch.maximum(start, p)
+        len_a, len_b = (p - a0).int(), (t + 1 - b0).int()
+        width_a, width_b = max(int(len_a.max()), 1), max(int(len_b.max()), 1)
+        table_a = self.row_prompt_start[:, None] + a0[:, None] + torch.arange(width_a, device=t.device)
+        table_b = self.row_own_start[:, None] + (b0 - p)[:, None] + torch.arange(width_b, device=t.device)
+        # Entries past a row's length are never read; clamped so every entry is a row of its K/V.
+        return _WindowTables(table_a.clamp(max=self.prompt_rows - 1).int(), len_a, empty, width_a,
+                             table_b.clamp(max=self.completion_rows - 1).int(), len_b, width_b)
+
+
+class _WindowTables(NamedTuple):
+    table_a: torch.Tensor       # [rows, width_a] int32: prompt rows
+    len_a: torch.Tensor         # [rows] int32
+    empty_a: torch.Tensor       # [rows] bool: the window has left the prompt
+    width_a: int
+    table_b: torch.Tensor       # [rows, width_b] int32: completion rows
+    len_b: torch.Tensor         # [rows] int32
+    width_b: int
 
 
 class _LseRequest(NamedTuple):
@@ -1163,11 +1254,13 @@ def _value_with_gradient_of(exact: tuple, plain: tuple) -> tuple:
     return tuple(_ValueOf.apply(p, e) for p, e in zip(plain, exact))
 
 
-def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """Attention with a sink per head (gpt-oss): one more key, whose logit is sinks[h] and whose value is 0.
     It adds e^s to the softmax's denominator and nothing to its numerator, so the output over the real keys
-    is scaled by e^lse / (e^lse + e^s) = sigmoid(lse - s).  out [L, H, D], lse [H, L], sinks [H]."""
-    return (out.float() * torch.sigmoid(lse - sinks.float()[:, None]).t()[..., None]).to(out.dtype)
+    is scaled by e^lse / (e^lse + e^s) = sigmoid(lse - s).  out [L, H, D], lse [H, L], sinks [H].
+    invariant: the batch-invariant mode's sigmoid (``_sigmoid``)."""
+    scaling = _sigmoid(lse - sinks.float()[:, None], invariant)
+    return (out.float() * scaling.t()[..., None]).to(out.dtype)
 
 
 def _torch_attention_lse(q, k, v, cu_q: list, cu_k: list, scale: float, causal: bool, window: int = 0):

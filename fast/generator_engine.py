@@ -116,9 +116,10 @@ Supported, and what raises
     receive failed (weights and version unchanged), ValueError for a request (or a group of n samples) that
     can never fit the KV pool, a group larger than ``max_batch_size``, a memory budget too small for one
     sequence, engine knobs out of range, a batch-invariant model without ``varlen_attn`` or
-    ``flash_decode``, or with gpt-oss's sinks or sliding windows.  gpt-oss in the default mode: a sliding
-    layer's prefill attends within ``window_size=(W - 1, 0)``, its decode from ``cache_leftpad = used - W``
-    (never through ``cascade_decode``: the window may not reach a group's prompt), sinks on every layer.
+    ``flash_decode``.  gpt-oss: a sliding layer's prefill attends within ``window_size=(W - 1, 0)``, its
+    decode from ``cache_leftpad = used - W`` (never through ``cascade_decode``: the window may not reach a
+    group's prompt; the batch-invariant mode: each row's two segments from where its window starts,
+    ``_two_segments``), sinks on every layer (inside the kernels).
     Inference only.  Limits: preemption recomputes (no swapping to host); a group's samples are admitted
     together (n free rows); the pages before a sliding layer's window stay allocated (the full layers
     share them).
@@ -1535,7 +1536,8 @@ class ModelRunner:
             for n, first in completions:
                 span = slice(int(cu[n]) + first - work[n].start, int(cu[n + 1]))
                 out[span] = self._two_segments(q[span][None], kc, vc, used[n:n + 1], table[n:n + 1],
-                                               used[n:n + 1] * 0 + work[n].seq.n_prompt, dict(scale=self.scale))[0]
+                                               used[n:n + 1] * 0 + work[n].seq.n_prompt,
+                                               dict(scale=self.scale, **sinks[i]), w)[0]
             return out
 
         def mix(i, module, h):
@@ -1611,7 +1613,7 @@ class ModelRunner:
             kc, vc = self.pools.kv(i)
             new = dict(k_new=k[:, None], v_new=v[:, None], scale=self.scale, **sinks[i])
             if self.batch_invariant:
-                return self._two_segments(q[:, None], kc, vc, used, table, prompts, new)[:, 0]
+                return self._two_segments(q[:, None], kc, vc, used, table, prompts, new, self.windows[i])[:, 0]
             if self.windows[i]:     # (no cascade: a group's shared prompt may lie outside the window)
                 return at.decode(q[:, None], kc, vc, used, block_table=table, cache_leftpad=first_key[self.windows[i]],
                                  **new)[:, 0]
@@ -1651,20 +1653,36 @@ class ModelRunner:
         put = self.staging.put
         return put("cu_groups", bounds, torch.int32), put("prefix_lens", prefixes, torch.int32)
 
-    def _two_segments(self, q, kc, vc, used, table, prompts, new):
+    def _two_segments(self, q, kc, vc, used, table, prompts, new, window: int = 0):
         """The batch-invariant mode's attention for completion rows q [B, S_q, H_q, D] (positions used - S_q
         .. used - 1, all at or after their prompt's end): over the prompt's keys, then over the
         sequence's own keys from the prompt's end on (``cache_leftpad``), merged as
-        ``DecoderLM.token_logprobs`` merges them.  ``new``: k_new / v_new and scale for the second call."""
+        ``DecoderLM.token_logprobs`` merges them.  ``new``: k_new / v_new, scale and sinks for the second call
+        (a sink joins once, in the last segment).  A sliding layer (``window`` keys: row t sees t - window + 1
+        .. t): each row alone, its two segments starting where its window does, a0 = max(0, t - window + 1)
+        in the prompt and b0 = max(p, t - window + 1) in its own keys; a prompt segment the window has left
+        is empty (out 0, lse -inf; the call reads the prompt's last key, dropped)."""
         b, s_q = q.shape[:2]
-        decode = self.attention.decode
+        decode, mode = self.attention.decode, dict(return_lse=True, batch_invariant=True)
         rows = q.reshape(b * s_q, 1, *q.shape[2:])                          # each row alone over its prompt
-        o_a, lse_a = decode(rows, kc, vc, prompts.repeat_interleave(s_q), block_table=table.repeat_interleave(s_q, 0),
-                            scale=new["scale"], return_lse=True, batch_invariant=True)
-        o_b, lse_b = decode(q, kc, vc, used, block_table=table, cache_leftpad=prompts, return_lse=True,
-                            batch_invariant=True, **new)
-        lse_b = lse_b.transpose(1, 2).flatten(0, 1).t()                     # [B, H, S_q] -> [H, B * S_q]
-        out, _ = _merge_states(o_a[:, 0], lse_a[:, :, 0].t(), o_b.flatten(0, 1), lse_b)
+        row_prompts, row_table = prompts.repeat_interleave(s_q), table.repeat_interleave(s_q, 0)
+        if window:
+            ends = (used[:, None] - s_q + 1 + torch.arange(s_q, device=used.device)).flatten().int()   # t + 1
+            start = (ends - window).clamp(min=0)
+            empty = start >= row_prompts
+            o_a, lse_a = decode(rows, kc, vc, row_prompts, block_table=row_table, scale=new["scale"],
+                                cache_leftpad=torch.minimum(start, row_prompts - 1), **mode)
+            o_b, lse_b = decode(rows, kc, vc, ends, block_table=row_table,
+                                cache_leftpad=torch.maximum(start, row_prompts), **mode, **new)
+            o_a = o_a[:, 0].masked_fill(empty[:, None, None], 0.0)
+            lse_a = lse_a[:, :, 0].t().masked_fill(empty, -math.inf)
+            o_b, lse_b = o_b[:, 0], lse_b[:, :, 0].t()
+        else:
+            o_a, lse_a = decode(rows, kc, vc, row_prompts, block_table=row_table, scale=new["scale"], **mode)
+            o_b, lse_b = decode(q, kc, vc, used, block_table=table, cache_leftpad=prompts, **mode, **new)
+            o_a, lse_a = o_a[:, 0], lse_a[:, :, 0].t()
+            o_b, lse_b = o_b.flatten(0, 1), lse_b.transpose(1, 2).flatten(0, 1).t()   # [B, H, S_q] -> [H, B * S_q]
+        out, _ = _merge_states(o_a, lse_a, o_b, lse_b)
         return out.to(q.dtype).unflatten(0, (b, s_q))
 
     # ------------------------------------------------------------------ sampling
@@ -2550,10 +2568,6 @@ def _check_model(model) -> None:
     if not isinstance(model, nn.Module) or missing:
         raise TypeError(f"model must be an nn.Module with the engine's protocol (decoder_lm.py's DecoderLM); "
                         f"{type(model).__name__} lacks {missing or ['nn.Module']}")
-    gpt_oss = getattr(model.config, "attention_sinks", False) or getattr(model.config, "sliding_layers", ())
-    if gpt_oss and getattr(model, "batch_invariant", False):
-        raise ValueError("the batch-invariant mode does not serve attention sinks or sliding-window layers (gpt-oss): "
-                         "the default mode (batch_invariant=False) serves them")
 
 
 def _tied_aliases(model: nn.Module) -> set:

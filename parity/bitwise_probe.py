@@ -111,6 +111,7 @@ ARCHITECTURES = {
     "hybrid": dict(qk_norm=True, attn_output_gate=True, partial_rotary_factor=0.5, zero_centered_norm=True),
 }
 ARCHITECTURES["hybrid-moe"] = ARCHITECTURES["hybrid"]         # + Qwen3.5-MoE's experts (the test's config)
+ARCHITECTURES["gpt-oss"] = {}       # the test's config: sinks, a sliding window, biases, the clamped experts
 
 
 def check_engine(kind: str, *, requests: int, seed: int, page_size: int) -> tuple[int, int]:
@@ -165,6 +166,9 @@ def main(argv=None) -> int:
         # the hybrid with MoE MLPs: Gated DeltaNet, gated attention and the expert kernels in one model
         "engine hybrid-moe": lambda: check_engine(
             "hybrid-moe", requests=args.requests, seed=args.seed, page_size=args.page_size + 1),
+        # gpt-oss: sinks in the kernels, rows whose window starts inside the prompt or past it
+        "engine gpt-oss": lambda: check_engine(
+            "gpt-oss", requests=args.requests, seed=args.seed, page_size=args.page_size),
     }
     report = {"corename": openblas_corename(), "aten": torch.backends.cpu.get_cpu_capability(), "checks": {}}
     for name, run in checks.items():

@@ -59,8 +59,15 @@ MODELS = {
     "hybrid-fast_gdn": dict(layer_types=("linear", "attention"), linear_layer=fast_gdn_layer),
     # Qwen3.5-MoE's layout: every MLP routed (5 experts, top 2) beside a shared expert, on the Triton kernels
     "hybrid-moe": dict(layer_types=("linear", "attention"), linear_layer=gdn_layer, moe_layer=fast_moe.MoE,
-                       experts=dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24,
-                                    shared_expert_intermediate_size=16)),
+                       fields=dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24,
+                                   shared_expert_intermediate_size=16)),
+    # gpt-oss's layout: attention sinks on every layer, layer 0 within a 5-key window (the requests' prompts
+    # and completions cross it: rows whose window holds part of the prompt, or none), q/k/v/o biases, the
+    # clamped-SwiGLU experts with biases and a biased router (the random init draws every bias and sink)
+    "gpt-oss": dict(layer_types=None, linear_layer=None, moe_layer=fast_moe.MoE,
+                    fields=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, moe_style="gpt_oss",
+                                swiglu_limit=1.5, qkv_bias=True, o_proj_bias=True, attention_sinks=True,
+                                sliding_window=5, sliding_layers=(0,))),
 }
 
 
@@ -68,7 +75,7 @@ def config(kind):
     return fast_lm.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
                                num_kv_heads=1, head_dim=16, max_seq_len=48, tie_embeddings=False,
                                layer_types=MODELS[kind]["layer_types"], linear_num_k_heads=2, linear_num_v_heads=4,
-                               linear_head_k_dim=8, linear_head_v_dim=8, **MODELS[kind].get("experts", {}))
+                               linear_head_k_dim=8, linear_head_v_dim=8, **MODELS[kind].get("fields", {}))
 
 
 def make_model(kind, invariant=True):
@@ -132,8 +139,9 @@ def largest_mismatch(completions, recomputed):
 
 # (The fast Gated DeltaNet kernels, slow in the interpreter, are held to the trainer's bits by
 # test_bitwise_across_gated_deltanet_chunks: a preempting engine, cuts and prefix hits mid-chunk.)
-@pytest.mark.parametrize("kind,page_size,n", [("attention", 4, N_REQUESTS), ("hybrid", 3, 14), ("hybrid-moe", 5, 16)],
-                         ids=["attention-page4", "hybrid-page3", "hybrid-moe-page5"])
+@pytest.mark.parametrize("kind,page_size,n", [("attention", 4, N_REQUESTS), ("hybrid", 3, 14), ("hybrid-moe", 5, 16),
+                                              ("gpt-oss", 3, 16)],
+                         ids=["attention-page4", "hybrid-page3", "hybrid-moe-page5", "gpt-oss-page3"])
 def test_engine_logprobs_equal_the_trainers_bitwise(kind, page_size, n):
     reqs = requests(seed=11, n=n)
     with generator(kind, True, page_size=page_size) as gen:
@@ -367,7 +375,7 @@ def by_sample(results) -> dict:
     return {(c.request_id, c.sample_index): (c.token_ids, c.logprobs) for c in flat}
 
 
-@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+@pytest.mark.parametrize("kind", ["attention", "hybrid", "gpt-oss"])
 def test_bitwise_with_groups_prefix_cache_and_chunks(kind):
     """The mode's bits do not depend on how a sample is served: cache off with room to spare; cache
     on, cold, prefill chunks of 5 tokens and a pool that preempts; the same requests again on that

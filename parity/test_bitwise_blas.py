@@ -2,7 +2,8 @@
 
 Each case runs parity/bitwise_probe.py (the invariant matmul, the attention routes, the Gated DeltaNet chunk
 form's rows and layer, engine == alone == trainer under preemption for an attention-only model with Qwen2 /
-Qwen3 / Llama 3's flags and a Qwen3.5-MoE-style hybrid: Gated DeltaNet, attention and experts) in a subprocess
+Qwen3 / Llama 3's flags, a Qwen3.5-MoE-style hybrid: Gated DeltaNet, attention and experts, and gpt-oss's
+layout: sinks, a sliding window, biases, clamped experts) in a subprocess
 whose environment forces other CPU kernels: numpy's OpenBLAS (``OPENBLAS_CORETYPE``: it runs the Triton
 interpreter's ``tl.dot``), and torch's ATen and MKL kernels (``ATEN_CPU_CAPABILITY``,
 ``MKL_ENABLE_INSTRUCTIONS``).  The kernel families differ in how they round the slots of a tile (OpenBLAS's
@@ -120,5 +121,5 @@ def test_bitwise_under_every_cpu_kernel_family(probes, name, env, corenames, nee
     assert report["corename"].lower() in corenames, f"{env} ran OpenBLAS's {report['corename']} kernels"
     failed = {check: c for check, c in report["checks"].items() if c["error"] or c["bitwise"] != c["total"]}
     assert not failed, f"not bitwise under {env}: {failed}"
-    assert len(report["checks"]) == 5 and all(c["total"] > 0 for c in report["checks"].values()), report
+    assert len(report["checks"]) == 6 and all(c["total"] > 0 for c in report["checks"].values()), report
     assert returncode == 0, err[-3000:]

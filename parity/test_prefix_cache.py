@@ -19,6 +19,7 @@ What is checked
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -397,19 +398,28 @@ def loss_and_grads(model, seqs, prompts, **kw):
 
 
 @pytest.mark.parametrize("rg,kind", [(ref_ge, "attention"), (ref_ge, "hybrid"), (fast_ge, "attention"),
-                                     (fast_ge, "hybrid"), (fast_ge, "attention+varlen_attn")],
-                         ids=["ref-attention", "ref-hybrid", "fast-attention", "fast-hybrid", "fast-varlen_attn"])
+                                     (fast_ge, "hybrid"), (fast_ge, "attention+varlen_attn"),
+                                     (fast_ge, "windows+sinks")],
+                         ids=["ref-attention", "ref-hybrid", "fast-attention", "fast-hybrid", "fast-varlen_attn",
+                              "fast-windows+sinks"])
 def test_shared_prompt_recompute_equals_separate_recomputes(rg, kind):
     """token_logprobs over GRPO groups with each prompt computed once (cascade attention, the linear
-    layers continuing from the prompt's state) against the same sequences recomputed whole: values
-    and every parameter's gradient within the tolerance rule (fp64 reference, fp32 separate
-    recomputes as the low-precision baseline)."""
+    layers continuing from the prompt's state; a sliding layer's completions over their prompt's keys and
+    their own within the window) against the same sequences recomputed whole: values and every
+    parameter's gradient within the tolerance rule (fp64 reference, fp32 separate recomputes as the
+    low-precision baseline).  windows+sinks: gpt-oss's attention, layer 0 within 4 keys, perturbed sinks."""
     from conftest import check_close
     cfg = (hybrid_config if kind == "hybrid" else small_config)(rg)
+    if kind == "windows+sinks":
+        cfg = dataclasses.replace(cfg, attention_sinks=True, sliding_window=4, sliding_layers=(0,))
     kw = dict(linear_layer=gdn_layer) if kind == "hybrid" else {}
     seqs, prompts = grpo_sequences(seed=17)
-    plug = dict(varlen_attn=fast_varlen_attn) if kind == "attention+varlen_attn" else {}
+    plug = dict(varlen_attn=fast_varlen_attn) if kind in ("attention+varlen_attn", "windows+sinks") else {}
     model = LM[rg].DecoderLM(cfg, seed=4, **kw, **plug)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.any():              # the sinks
+                p.copy_(torch.linspace(-1.0, 1.5, p.numel()).view(p.shape))
     shared, g_shared = loss_and_grads(model, seqs, prompts, share_prompts=True)
     separate, g_separate = loss_and_grads(model, seqs, prompts, share_prompts=False)
     model64 = LM[rg].DecoderLM(cfg, seed=4, dtype=torch.float64, **kw)

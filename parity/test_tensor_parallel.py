@@ -133,13 +133,13 @@ def test_degrees_that_do_not_fit_raise(lm):
 # ----------------------------------------------------------------------------- the reference, one process
 
 @pytest.mark.parametrize("kind,invariant", [(kind, invariant) for kind in ("attention", "hybrid", "moe")
-                                            for invariant in (False, True)] + [("gpt_oss", False)])
+                                            for invariant in (False, True)] + [("gpt_oss", False), ("gpt_oss", True)])
 def test_reference_tensor_parallel_equals_tp1(kind, invariant):
     """ref/decoder_lm.py at tp = 2 and 4 (LocalGroup threads) against tp = 1: logits and token_logprobs to fp32
     rounding (bitwise in the batch-invariant mode: the segment tree, and a token's experts computed and
     combined alike on whichever rank), gradients equal the tp = 1 gradients' slices (the shared ones summed
     across the ranks that hold them: an MoE block's router and shared expert see each rank's tokens).
-    gpt-oss (sinks and windows: the default mode only): sinks by head, o_proj's bias once, biased router."""
+    gpt-oss (sinks and windows, both modes): sinks by head, o_proj's bias once, biased router."""
     c = _gpt_oss_config() if kind == "gpt_oss" else _config(kind)
     ids, cu = torch.randint(0, 61, (1, 23), generator=torch.Generator().manual_seed(0)), \
         torch.tensor([0, 9, 23], dtype=torch.int32)
@@ -233,14 +233,16 @@ def test_fast_trainer_spmd(kind, mode):
 
 
 @pytest.mark.parametrize("kind,mode,tps", [("moe", "invariant", (2,)), ("moe", "invariant", (4,)),
-                                           ("attention", "invariant", (4,)), ("moe", "default", (2,))],
+                                           ("attention", "invariant", (4,)), ("moe", "default", (2,)),
+                                           ("gpt_oss", "invariant", (2, 4))],
                          ids=["moe-invariant-tp2", "moe-invariant-tp4", "attention-invariant-tp4",
-                              "moe-default-tp2"])
+                              "moe-default-tp2", "gpt_oss-invariant-tp2-tp4"])
 def test_fast_engine_tensor_parallel(kind, mode, tps):
     """Generator(model, tensor_parallel_size=tp) serves the request mix (a group of 3, a prefix-cache hit, a
     prompt in chunks, preemption in a small pool, then a weight load) with the tp = 1 engine's tokens; in the
     batch-invariant mode its logprobs are bitwise the tp = 1 engine's and the trainer's token_logprobs.  The
-    "moe" kind's experts: ref/moe.py's layer (its expert-parallel code is fast/moe.py's, test_copies.py)."""
+    "moe" kind's experts: ref/moe.py's layer (its expert-parallel code is fast/moe.py's, test_copies.py).
+    gpt_oss: sinks (padded with the query heads at tp = 4, where KV heads replicate) and a 3-key window."""
     facts = _probe("engine", kind, mode, *tps)
     assert facts["1"]["preemptions"] >= 1 and facts["1"]["prefix_hit_tokens"] > 0, facts["1"]
     for tp in map(str, tps):

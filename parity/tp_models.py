@@ -2,7 +2,8 @@
 parity/tp_probe.py, parity/ws_probe.py): every head count small enough for tp = 4 to replicate KV heads and
 Gated DeltaNet key heads, with Qwen3.5's numerics switched on (q/k norms, the attention output gate,
 zero-centred norms, partial rotary) so a shard cut at the wrong boundary changes the result.  The "moe" kind
-is the hybrid with Qwen3.5-MoE's blocks (8 experts, top 3, a shared expert) for expert parallelism."""
+is the hybrid with Qwen3.5-MoE's blocks (8 experts, top 3, a shared expert) for expert parallelism; "gpt_oss" the
+attention-only model with gpt-oss's sinks, sliding window, biases and experts (4, top 2)."""
 from __future__ import annotations
 
 
@@ -18,4 +19,9 @@ def config(kind: str, mod):
                   linear_head_k_dim=8, linear_head_v_dim=8)
     if kind == "moe":
         kw.update(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=12, shared_expert_intermediate_size=20)
+    if kind == "gpt_oss":       # gpt-oss's flags instead of Qwen3.5's: sinks, a 3-key window on layer 0, biases
+        kw.update(qk_norm=False, attn_output_gate=False, zero_centered_norm=False, partial_rotary_factor=1.0,
+                  qkv_bias=True, o_proj_bias=True, attention_sinks=True, sliding_window=3, sliding_layers=(0,),
+                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12, moe_style="gpt_oss",
+                  swiglu_limit=1.5)
     return mod.ModelConfig(**kw)

@@ -507,11 +507,13 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return o.to(q.dtype), lse
 
 
-def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """Attention with a sink per head (gpt-oss): one more key, whose logit is sinks[h] and whose value is 0.
     It adds e^s to the softmax's denominator and nothing to its numerator, so the output over the real keys
-    is scaled by e^lse / (e^lse + e^s) = sigmoid(lse - s).  out [L, H, D], lse [H, L], sinks [H]."""
-    return (out.float() * torch.sigmoid(lse - sinks.float()[:, None]).t()[..., None]).to(out.dtype)
+    is scaled by e^lse / (e^lse + e^s) = sigmoid(lse - s).  out [L, H, D], lse [H, L], sinks [H].
+    invariant: the batch-invariant mode's sigmoid (``_sigmoid``)."""
+    scaling = _sigmoid(lse - sinks.float()[:, None], invariant)
+    return (out.float() * scaling.t()[..., None]).to(out.dtype)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -809,14 +811,22 @@ class DecoderLM(nn.Module):
         H_q / tp query heads sit in a query tensor padded to the whole GQA group G = H_q / H_kv, at their
         places in it: an attention kernel then lays each row out in its tile as at tp = 1 (row (p, g) at
         the slot of p G + g), so it rounds alike; the padding rows are zeros and their outputs dropped."""
-        c = self.config
-        if not (self.batch_invariant and self.tp_size > c.num_kv_heads):
+        padding = self._query_head_padding()
+        if padding is None:
             return attend(i, q, k, v)
-        group, heads = c.num_heads // c.num_kv_heads, q.shape[1]
-        first = self.tp_rank * heads % group                   # this rank's first query head within its group
+        group, first, heads = padding
         padded = q.new_zeros(q.shape[0], group, q.shape[2])    # [T, G, D]
         padded[:, first:first + heads] = q
         return attend(i, padded, k, v)[:, first:first + heads]
+
+    def _query_head_padding(self) -> tuple[int, int, int] | None:
+        """(G, this rank's first query head within its GQA group, its query heads) when ``_attend`` pads the
+        query heads (the batch-invariant mode with a replicated KV head), else None."""
+        c = self.config
+        if not (self.batch_invariant and self.tp_size > c.num_kv_heads):
+            return None
+        heads = self.local_config.num_heads
+        return c.num_heads // c.num_kv_heads, self.tp_rank * heads % (c.num_heads // c.num_kv_heads), heads
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel output summed over the ranks: identity at tp = 1; all-reduce (backward: identity);
@@ -894,7 +904,7 @@ class DecoderLM(nn.Module):
             window, sinks, outs = self.attention_window(i), self.attention_sinks(i), []
             for s, e in zip(bounds, bounds[1:]):
                 o, lse = attention_with_lse(q[s:e], k[s:e], v[s:e], scale, causal=True, window=window)
-                outs.append(o if sinks is None else with_sinks(o, lse, sinks))
+                outs.append(o if sinks is None else with_sinks(o, lse, sinks, self.batch_invariant))
             return torch.cat(outs)
         return attend
 
@@ -903,8 +913,13 @@ class DecoderLM(nn.Module):
         return self.config.sliding_window if i in self.config.sliding_layers else 0
 
     def attention_sinks(self, i: int) -> torch.Tensor | None:
-        """Layer i's attention sinks [H_q] (gpt-oss), or None."""
-        return getattr(self.layers[i].self_attn, "sinks", None)
+        """Layer i's attention sinks (gpt-oss), or None: one per query head ``attend`` sees ([H_q] of this
+        rank; padded with zeros where ``_attend`` pads the query heads, whose rows are dropped)."""
+        sinks, padding = getattr(self.layers[i].self_attn, "sinks", None), self._query_head_padding()
+        if sinks is None or padding is None:
+            return sinks
+        group, first, heads = padding
+        return torch.cat([sinks.new_zeros(first), sinks, sinks.new_zeros(group - first - heads)])
 
     # ------------------------------------------------------------------ what a trainer recomputes
 
@@ -972,7 +987,7 @@ class DecoderLM(nn.Module):
                                                           window=window, q_offset=pb - pa)
                 o_own, lse_own = attention_with_lse(q[a:b], k[a:b], v[a:b], scale, causal=True, window=window)
                 o, lse = merge_states(o_prefix, lse_prefix, o_own, lse_own)
-                outs.append((o if sinks is None else with_sinks(o, lse, sinks)).to(q.dtype))
+                outs.append((o if sinks is None else with_sinks(o, lse, sinks, self.batch_invariant)).to(q.dtype))
             return torch.cat(outs)
 
         def mix(i, module, h):

@@ -94,8 +94,7 @@ Supported, and what raises
     weights on any device (sampling math in fp32/fp64).  Inference only.  Many threads may call
     ``submit`` and ``load_weights``.  ValueError for an empty prompt, a token id >= vocab_size, a
     prompt of max_seq_len tokens or more (no room to generate), a state dict with missing, unexpected
-    or mis-shaped tensors, a version below the current one, a batch-invariant model with sinks or
-    sliding windows (the fast engine's mode does not compute them; the same check in both engines);
+    or mis-shaped tensors, a version below the current one;
     TypeError for a model without the protocol, a request without the Request fields, non-tensor or
     non-floating state-dict values, a non-int version; RuntimeError after ``close()``.
 
@@ -854,10 +853,6 @@ def _check_model(model) -> None:
     if not isinstance(model, nn.Module) or missing:
         raise TypeError(f"model must be an nn.Module with the engine's protocol (decoder_lm.py's DecoderLM); "
                         f"{type(model).__name__} lacks {missing or ['nn.Module']}")
-    gpt_oss = getattr(model.config, "attention_sinks", False) or getattr(model.config, "sliding_layers", ())
-    if gpt_oss and getattr(model, "batch_invariant", False):
-        raise ValueError("the batch-invariant mode does not serve attention sinks or sliding-window layers (gpt-oss): "
-                         "the default mode (batch_invariant=False) serves them")
 
 
 def _tied_aliases(model: nn.Module) -> set:
