@@ -48,16 +48,21 @@ install:
 		$(PIP) install "torch==2.13.0"; \
 	fi
 	@$(PYTHON) -c "import triton" 2>/dev/null || $(PIP) install "triton>=3.4"
-	$(PIP) install "einops>=0.7" "pytest>=7.4" "ray>=2.40,<3" "matplotlib>=3.7" "ruff>=0.6" "vulture>=2.10" \
+	$(PIP) install "einops>=0.7" "pytest>=7.4" "pytest-xdist>=3.5" "ray>=2.40,<3" "matplotlib>=3.7" "ruff>=0.6" "vulture>=2.10" \
 		"transformers>=5.24,<6"
 
 # make parity leaves out the tests marked slow (longer sweeps of what it checks on fewer cases, so that it
-# stays under 20 minutes on a 2-core CPU machine); make parity-all runs everything.
+# stays under 20 minutes on a 2-core CPU machine); make parity-all runs everything.  On a machine without a GPU
+# the test files are spread over PARITY_JOBS pytest-xdist workers (default: the core count; the interpreter
+# tests run mostly on one core each); PARITY_JOBS=1 runs them in one process, as a GPU machine does.
+PARITY_JOBS ?= $(shell nproc 2>/dev/null || echo 1)
+XDIST = $(shell $(PYTHON) -c "import sys, xdist, torch; sys.exit(torch.cuda.is_available() or $(PARITY_JOBS) < 2)" \
+	2>/dev/null && echo "-n $(PARITY_JOBS) --dist loadfile")
 parity:
-	$(PYTHON) -m pytest parity -m "not slow" $(PYTEST_ARGS)
+	$(PYTHON) -m pytest parity -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 parity-all:
-	$(PYTHON) -m pytest parity $(PYTEST_ARGS)
+	$(PYTHON) -m pytest parity $(XDIST) $(PYTEST_ARGS)
 
 compile-check:
 	TWOFOLD_COMPILE_ALL=1 $(PYTHON) -m pytest parity/test_compile.py $(PYTEST_ARGS)

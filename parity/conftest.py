@@ -283,10 +283,14 @@ def ceil_div(a: int, b: int) -> int:
 
 # ----------------------------------------------------------------------------- background runs
 
-# What test_bitwise_blas.py and test_numerics_blas.py start at collection (and test_compile.py's builds, through
-# aot_compile.py's --nice): child processes at the lowest CPU priority, so they use what the single-threaded
-# interpreter tests leave idle.
+# What test_compile.py (the ahead-of-time builds), test_bitwise_blas.py and test_numerics_blas.py start at
+# collection: jobs in background threads whose child processes run at the lowest CPU priority, so they use what
+# the interpreter tests leave idle.  Each job's result is a JSON file in the run's folder (BACKGROUND_DIR: one
+# per test run, carried to pytest-xdist's workers by the environment), written whole once the job is done; the
+# tests read it from whichever process runs them.  One process starts the jobs: a plain run, or xdist's first
+# worker, which then waits for them before it exits (its share of the tests may end first).
 BACKGROUND_NICE = 19
+_BACKGROUND: dict = {"jobs": [], "procs": set(), "pool": None, "own_dir": False}
 
 
 def lowest_priority() -> None:
@@ -294,18 +298,87 @@ def lowest_priority() -> None:
     os.nice(BACKGROUND_NICE)
 
 
-def stop_background(runs: dict) -> None:
-    """Kill what still runs in ``runs`` ({name: (process, *open files)}, and "_dir": their folder; a session
-    that ends early, interrupted or deselected after the start), close the files, remove the folder."""
-    for proc, *files in [run for name, run in runs.items() if name != "_dir"]:
-        if proc.poll() is None:
+def starts_background() -> bool:
+    """Whether this process starts the run's background jobs: a plain run, or pytest-xdist's worker gw0."""
+    return os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
+
+
+def background_dir() -> Path:
+    return Path(os.environ["TWOFOLD_BACKGROUND_DIR"])
+
+
+def start_job(name: str, fn) -> None:
+    """Run ``fn()`` (-> a JSON-able dict) in a background thread; its result lands in <dir>/<name>.json."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+    if _BACKGROUND["pool"] is None:
+        _BACKGROUND["pool"] = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
+    path = background_dir() / f"{name}.json"
+
+    def run():
+        try:
+            result = fn()
+        except Exception as e:   # the reading test reports it
+            result = dict(returncode=-1, log=f"background job {name} raised {type(e).__name__}: {e}")
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        tmp.rename(path)
+    _BACKGROUND["jobs"].append(_BACKGROUND["pool"].submit(run))
+
+
+def job_result(name: str, timeout: float) -> dict:
+    """The result of background job ``name``, once it is done (whichever process of this run started it)."""
+    import json
+    import time
+    path, deadline = background_dir() / f"{name}.json", time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"background job {name} gave no result within {timeout:.0f} s ({path})")
+        time.sleep(0.5)
+    return json.loads(path.read_text())
+
+
+def background_process(cmd: list, *, timeout: float, **popen_kw) -> dict:
+    """For a job: run ``cmd`` at the lowest priority (output to a file: a full pipe would stall it), killed at
+    ``timeout`` or when the session is interrupted.  -> {returncode, log}."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=lowest_priority if hasattr(os, "nice") else None, **popen_kw)
+        _BACKGROUND["procs"].add(proc)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
-        for f in files:
-            f.close()
-    if "_dir" in runs:
-        shutil.rmtree(runs["_dir"], ignore_errors=True)
-    runs.clear()
+            returncode = proc.wait()
+        finally:
+            _BACKGROUND["procs"].discard(proc)
+        out.seek(0)
+        return dict(returncode=returncode, log=out.read())
+
+
+def pytest_configure(config):
+    if "TWOFOLD_BACKGROUND_DIR" not in os.environ:     # a plain run, or xdist's controller before its workers start
+        import tempfile
+        os.environ["TWOFOLD_BACKGROUND_DIR"] = tempfile.mkdtemp(prefix="twofold-background-")
+        _BACKGROUND["own_dir"] = True
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The starting process waits for its jobs unless the run was interrupted (then they are killed)."""
+    if exitstatus != pytest.ExitCode.INTERRUPTED:
+        for job in _BACKGROUND["jobs"]:
+            job.result()
+    for proc in list(_BACKGROUND["procs"]):
+        proc.kill()
+    if _BACKGROUND["pool"] is not None:
+        _BACKGROUND["pool"].shutdown(wait=True, cancel_futures=True)
+
+
+def pytest_unconfigure(config):
+    if _BACKGROUND["own_dir"]:
+        shutil.rmtree(os.environ.pop("TWOFOLD_BACKGROUND_DIR"), ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- test order
@@ -385,6 +458,13 @@ SLOW = (
     "parity/test_memory_budget.py::test_real_size_checkpoint_with_default_arguments[qwen3-0.6b]",
     # the prefix cache's leak check: with recompute on swap
     "parity/test_prefix_cache.py::test_nothing_leaks_after_random_traffic[keep]",
+    # the compiled trainer's logprobs with the varlen plug-in (two inductor compiles, about 35 s): the compiled
+    # logprobs' values, the SDPA case; the varlen plug-in without a graph break, the packed-forward test
+    "parity/test_compiled_trainer.py::test_token_logprobs_run_the_compiled_forward[varlen]",
+    # a Ray fleet of tp = 2 engines synced through the collective (about 3 CPU-minutes of actor and rank start-ups):
+    # the collective into a tp = 2 engine, its faults and its versions, test_weight_sync.py's process tests; the
+    # Ray fleet's restarts and hangs, test_ray_fleet.py
+    "parity/test_weight_sync.py::test_a_ray_fleet_of_tensor_parallel_generators_syncs_through_the_collective",
     # the ahead-of-time builds for sm_80 (about a third of the build CPU): sm_90's stay; make compile-check
     # builds every config for both
     "parity/test_compile.py::test_kernels_build_for_gpus[*-sm80]",
@@ -430,7 +510,7 @@ def pytest_collection_finish(session):
     for name, start in (("test_compile.py", "start_builds"), ("test_bitwise_blas.py", "start_probes"),
                         ("test_numerics_blas.py", "start_runs")):
         items = [item for item in session.items if item.path.name == name]
-        if items and not session.config.option.collectonly:
+        if items and not session.config.option.collectonly and starts_background():
             getattr(items[0].module, start)(items)   # what the selected tests read, in the background
     _start_progress(session)
 

@@ -14,17 +14,15 @@ the GPU tier of those files runs the contract on a GPU.
 """
 from __future__ import annotations
 
-import atexit
+import functools
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from conftest import ON_GPU, lowest_priority, stop_background
+from conftest import ON_GPU, background_process, job_result, start_job
 
 PROBE = Path(__file__).resolve().parent / "bitwise_probe.py"
 
@@ -65,35 +63,22 @@ def make_parity_family() -> str:
     return KERNELS[0][0]
 
 
-_PROBES: dict = {}
+_STARTED: list = []
 
 
-def start_probes(items=None) -> dict:
-    """Every kernel family's probe, started at once in the background at the lowest CPU priority as soon as
-    the session's tests are collected (conftest.py), like the ahead-of-time builds: each probe runs mostly
-    on one core (the interpreter), so together they use what the single-threaded interpreter tests leave
-    idle, and the tests below only read their reports.  Output goes to files (a full pipe would stall a
-    probe nobody reads yet)."""
-    if _PROBES or ON_GPU:
-        return _PROBES
-    out = Path(tempfile.mkdtemp(prefix="twofold-blas-probes-"))
-    _PROBES["_dir"] = out
-    atexit.register(stop_background, _PROBES)
+def start_probes(items=None) -> None:
+    """Every selected kernel family's probe, started at once as background jobs at the lowest CPU priority as
+    soon as the session's tests are collected (conftest.py), like the ahead-of-time builds: each probe runs
+    mostly on one core (the interpreter), so together they use what the interpreter tests leave idle, and
+    the tests below only read their reports."""
+    if _STARTED or ON_GPU:
+        return
+    _STARTED.append(True)
     selected = None if items is None else {item.callspec.params["name"] for item in items}
     for name, env, _, needs in KERNELS:
         if needs <= cpu_flags() and (selected is None or name in selected):
-            stdout, stderr = open(out / f"{name}.out", "w+"), open(out / f"{name}.err", "w+")
-            proc = subprocess.Popen([sys.executable, str(PROBE)], env={**os.environ, **env}, stdout=stdout,
-                                    stderr=stderr, text=True,
-                                    preexec_fn=lowest_priority if hasattr(os, "nice") else None)
-            _PROBES[name] = (proc, stdout, stderr)
-    return _PROBES
-
-
-@pytest.fixture(scope="module")
-def probes():
-    yield start_probes()
-    stop_background(_PROBES)
+            start_job(f"blas-probe-{name}", functools.partial(
+                background_process, [sys.executable, str(PROBE)], timeout=900, env={**os.environ, **env}))
 
 
 # make parity probes one family other than this machine's own (a probe costs about 3 CPU-minutes); make
@@ -105,15 +90,13 @@ PARAMS = [pytest.param(*k, id=k[0], marks=[] if ON_GPU or k[0] == _IN_MAKE_PARIT
 
 @pytest.mark.skipif(ON_GPU, reason="CPU kernel families; the GPU tier checks the mode on a GPU")
 @pytest.mark.parametrize("name,env,corenames,needs", PARAMS)
-def test_bitwise_under_every_cpu_kernel_family(probes, name, env, corenames, needs):
+def test_bitwise_under_every_cpu_kernel_family(name, env, corenames, needs):
     missing = needs - cpu_flags()
     if missing:
         pytest.skip(f"this CPU lacks {sorted(missing)}")
-    proc, stdout, stderr = probes[name]
-    returncode = proc.wait(timeout=900)
-    stdout.seek(0)
-    stderr.seek(0)
-    out, err = stdout.read(), stderr.read()
+    run = job_result(f"blas-probe-{name}", timeout=1800)
+    returncode, out = run["returncode"], run["log"]
+    err = out
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     assert lines, f"the probe printed no report (exit {returncode}): {err[-3000:]}"
     report = json.loads(lines[-1])

@@ -10,17 +10,16 @@ promise tensor cores, on PTX without ``mma.sync`` (sm_80) or ``wgmma`` (sm_90).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
-import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from conftest import BACKGROUND_NICE
+from conftest import BACKGROUND_NICE, background_process, job_result, start_job
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST_FILES = sorted(ROOT / "fast" / p.name for p in (ROOT / "parity" / "aot_cases").glob("*.py"))
@@ -38,7 +37,7 @@ COMPILE_ALL = os.environ.get("TWOFOLD_COMPILE_ALL", "0") == "1"
 # The builds yield to the tests: the interpreter tests are the run's critical path (one process, mostly
 # one core), the builds fill what they leave idle.  Equal priority gave the tests 2/3 of a core while
 # the builds lasted (a cold make parity: 12.9-14.2 min on 2 cores).  conftest.BACKGROUND_NICE.
-_JOBS: dict = {}
+_STARTED: list = []
 
 
 ARCHS = (80, 90)
@@ -51,9 +50,9 @@ def _aot(path: Path, arch: int, shard: int) -> dict:
         cmd = [sys.executable, str(ROOT / "parity" / "aot_compile.py"), str(path), "--json", str(out),
                "--arch", str(arch), "--shard", f"{shard}/{SHARDS}", "--nice", str(BACKGROUND_NICE)]
         cmd += [] if COMPILE_ALL else ["--first-config"]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
+        run = background_process(cmd, timeout=1500, env=env)
         results = json.loads(out.read_text()) if out.exists() else []
-    return dict(returncode=proc.returncode, log=proc.stdout + proc.stderr, results=results)
+    return dict(returncode=run["returncode"], log=run["log"], results=results)
 
 
 def _selected(items) -> list:
@@ -63,26 +62,28 @@ def _selected(items) -> list:
     return [(item.callspec.params["path"], item.callspec.params["arch"]) for item in items]
 
 
+def _job(path: Path, arch: int, shard: int) -> str:
+    return f"aot-{path.stem}-sm{arch}-{shard}"
+
+
 def start_builds(items=None):
-    """Launch the selected tests' builds in background processes (idempotent); aot_results collects them."""
-    if not _JOBS:
-        pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
+    """Launch the selected tests' builds as background jobs (conftest.start_job; once per run)."""
+    if not _STARTED:
+        _STARTED.append(True)
         for path, arch in _selected(items):
             for shard in range(SHARDS):
-                _JOBS[(path, arch, shard)] = pool.submit(_aot, path, arch, shard)
-        pool.shutdown(wait=False)
+                start_job(_job(path, arch, shard), functools.partial(_aot, path, arch, shard))
 
 
-@pytest.fixture(scope="module")
-def aot_results():
-    start_builds()
-    merged = {}
-    for (path, arch, _), job in _JOBS.items():
-        part = job.result()
-        r = merged.setdefault((path, arch), dict(returncode=0, log="", results=[]))
-        r["returncode"] |= part["returncode"]
-        r["log"] += part["log"]
-        r["results"] += part["results"]
+def aot_result(path: Path, arch: int) -> dict:
+    """The builds of one file for one arch, its shards merged (waiting for them: conftest.py starts them when
+    the session is collected)."""
+    merged = dict(returncode=0, log="", results=[])
+    for shard in range(SHARDS):
+        part = job_result(_job(path, arch, shard), timeout=1800)
+        merged["returncode"] |= part["returncode"]
+        merged["log"] += part["log"]
+        merged["results"] += part.get("results", [])
     return merged
 
 
@@ -90,8 +91,8 @@ def aot_results():
 # mma.sync, narrower tiles where sm_90's spill) run in make parity-all and make compile-check (conftest.SLOW).
 @pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm{a}")
 @pytest.mark.parametrize("path", FAST_FILES, ids=lambda p: p.name)
-def test_kernels_build_for_gpus(path, arch, aot_results):
-    r = aot_results[(path, arch)]
+def test_kernels_build_for_gpus(path, arch):
+    r = aot_result(path, arch)
     print(r["log"])
     assert r["results"], f"{path.name}: no kernel was built\n{r['log'][-3000:]}"
     bad = [x for x in r["results"] if not x["ok"]]

@@ -17,7 +17,7 @@ GPU.
 """
 from __future__ import annotations
 
-import atexit
+import functools
 import os
 import re
 import subprocess
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ON_GPU, lowest_priority, stop_background
+from conftest import ON_GPU, background_process, job_result, start_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ TIGHTEST = [
     "parity/test_paged_varlen_attention_backward.py::test_keys_past_seqused_get_zero_gradient",     # 0.77
 ]
 
-_RUNS: dict = {}
+_STARTED: list = []
 
 
 def cpu_flags() -> set[str]:
@@ -84,29 +84,17 @@ def chosen_families() -> list[str]:
     return [f for f in candidates if f != own][:2]
 
 
-def start_runs(items=None) -> dict:
-    """The chosen families' runs, started at once in the background at the lowest priority when the session's
+def start_runs(items=None) -> None:
+    """The chosen families' runs, started at once as background jobs at the lowest priority when the session's
     tests are collected (conftest.py); the tests below read their reports (every selected test reads every
     run: ``items`` changes nothing)."""
-    if _RUNS or ON_GPU or not TIGHTEST:
-        return _RUNS
-    out = Path(tempfile.mkdtemp(prefix="twofold-numerics-"))
-    _RUNS["_dir"] = out
-    atexit.register(stop_background, _RUNS)
+    if _STARTED or ON_GPU or not TIGHTEST:
+        return
+    _STARTED.append(True)
     for name in chosen_families():
-        log = open(out / f"{name}.log", "w+")
         cmd = [sys.executable, "-m", "pytest", *TIGHTEST, "-v", "-s", "-p", "no:cacheprovider"]
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **family_env(name)}, stdout=log,
-                                stderr=subprocess.STDOUT, text=True,
-                                preexec_fn=lowest_priority if hasattr(os, "nice") else None)
-        _RUNS[name] = (proc, log)
-    return _RUNS
-
-
-@pytest.fixture(scope="module")
-def runs():
-    yield start_runs()
-    stop_background(_RUNS)
+        start_job(f"numerics-{name}", functools.partial(background_process, cmd, timeout=900, cwd=ROOT,
+                                                        env={**os.environ, **family_env(name)}))
 
 
 CHECK = re.compile(r": max\|fast-ref64\| ([0-9.e+-]+) .*?\| bound ([0-9.e+-]+?)(?:\.\.[0-9.e+-]+)?(?: |$)")
@@ -119,14 +107,12 @@ def margins(text: str) -> list[float]:
 
 @pytest.mark.skipif(ON_GPU, reason="CPU kernel families; the GPU tier runs the full grid on a GPU")
 @pytest.mark.parametrize("slot", [0, 1], ids=["first-other-family", "second-other-family"])
-def test_tightest_tolerances_under_other_kernel_families(runs, slot):
+def test_tightest_tolerances_under_other_kernel_families(slot):
     names = chosen_families()
     assert len(names) == 2, f"fewer than two other kernel families on this CPU ({own_family()}: {names})"
     name = names[slot]
-    proc, log = runs[name]
-    returncode = proc.wait(timeout=900)
-    log.seek(0)
-    text = log.read()
+    run = job_result(f"numerics-{name}", timeout=1800)
+    returncode, text = run["returncode"], run["log"]
     found = margins(text)
     print(f"\n{name} {family_env(name)}: {len(found)} checks, tightest err/bound "
           f"{max(found, default=float('nan')):.3f}")

@@ -223,8 +223,17 @@ def _overlap(gen, handle, weights) -> dict:
     feeder.start()
     while not steps:
         time.sleep(0.01)
-    handle._sender._corrupt = lambda name, bucket, data: time.sleep(0.01)   # pace: ~10 ms a bucket
+
+    def pace(name, bucket, data):
+        """~10 ms a bucket, and no bucket goes out before 3 steps ran since the sync began (a loaded machine's
+        steps are slow): decoding that stalls during the sync still shows, as fewer steps at the deadline."""
+        deadline = time.monotonic() + 60
+        while len(steps) < mark + 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.01)
+    handle._sender._corrupt = pace
     receiving.set()
+    mark = len(steps)
     t0 = time.monotonic()
     handle.load_weights(weights[3], 3)
     sync_s = time.monotonic() - t0
@@ -553,10 +562,11 @@ def ray_fleet() -> dict:
     requests = [rg.Request([5, 17, 3, 44, 2, 9], rg.SamplingParams(max_new_tokens=8), request_id=f"r{i}")
                 for i in range(4)]
 
+    @functools.cache
     def oracle(version):
         with ge.Generator(lm.DecoderLM(cfg, seed=0), page_size=4) as g:
             g.load_weights(weights[version], version)
-            return g.generate(requests[:1])[0].token_ids
+            return tuple(g.generate(requests[:1])[0].token_ids)
 
     facts, t0 = {}, time.monotonic()
     temp_dir = tempfile.mkdtemp(prefix="rayw", dir="/tmp")
@@ -574,7 +584,7 @@ def ray_fleet() -> dict:
         """Every generator in rotation serves ``version`` with the oracle's tokens (a request pinned to each)."""
         outs = [router.generate([rg.Request(requests[0].prompt_token_ids, requests[0].sampling,
                                             session_id=g.name)])[0] for g in gens + solo for _ in range(2)]
-        return sorted({(c.generator_id, c.max_policy_version, c.token_ids == oracle(version)) for c in outs})
+        return sorted({(c.generator_id, c.max_policy_version, tuple(c.token_ids) == oracle(version)) for c in outs})
 
     try:
         router.sync_weights(weights[1], 1)
