@@ -1,4 +1,4 @@
-"""decoder_lm benchmark: real checkpoint sizes on the engine, and what tensor parallelism sends.
+"""decoder_lm benchmark: real checkpoint sizes on the engine, what tensor parallelism sends, the trainer compiled.
 
 Cases (CPU-meaningful: this measures loading, memory, the engine's batching and the wire, not a kernel)
     checkpoint <shape>        a Hugging Face checkpoint of Qwen3-0.6B's and Qwen3.5-0.8B's shapes (random
@@ -27,13 +27,21 @@ Cases (CPU-meaningful: this measures loading, memory, the engine's batching and 
     pool <n> requests, <p> pages   what a pool too small for the load costs (bench_pool): ``preemptions``,
                               ``recomputed_tokens`` (prompt tokens computed beyond those asked) and
                               ``wall_s``, on pools that hold all, 8 or 3 of the sequences.
+    compiled trainer <model> threads=<n>   the trainer's step (DecoderLM.forward(ids, cu_seqlens=...) on 512
+                              tokens packed in 4 documents, cross-entropy, backward; fp32, SDPA) eagerly and
+                              under torch.compile(model, fullgraph=True) (inductor), in a fresh process per
+                              thread count (1 and every core): ``fwd_bwd_ms`` (the median of alternating
+                              eager / compiled steps after 3 warm-up steps each), ``compile_s`` (the first
+                              compiled step, inductor's cache empty) and ``speedup`` (eager ms / compiled ms;
+                              the target: >= 1).
 
-    python bench/decoder_lm.py                 # both parts; rows to bench/results/latest/ (untracked)
+    python bench/decoder_lm.py                 # every part; rows to bench/results/latest/ (untracked)
     python bench/decoder_lm.py --record        # ... and appended to bench/results/decoder_lm.csv
-    python bench/decoder_lm.py --part tp       # checkpoint | tp | pool
+    python bench/decoder_lm.py --part tp       # checkpoint | tp | pool | compiled
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -212,6 +220,63 @@ def bench_pool(rec, quick: bool) -> None:
         rec.add(case, "fast", "wall_s", wall, "s")
 
 
+# ----------------------------------------------------------------------------- the trainer compiled
+
+COMPILED_MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=4,
+                      num_kv_heads=2, head_dim=64, max_seq_len=512)
+COMPILED_DOCS = (160, 96, 192, 64)                      # T = 512 packed in 4 documents
+
+
+def compiled_child(threads: int, reps: int) -> dict:
+    """In a fresh process at ``threads`` threads (inductor builds its C++ for the thread count it compiles
+    under): the trainer's step eagerly and compiled, alternating, after warm-up."""
+    import statistics
+
+    import torch.nn.functional as F
+
+    import fast.decoder_lm as lm
+    torch.set_num_threads(threads)
+    model = lm.DecoderLM(lm.ModelConfig(**COMPILED_MODEL), seed=0)
+    gen = torch.Generator().manual_seed(0)
+    t = sum(COMPILED_DOCS)
+    ids = torch.randint(0, COMPILED_MODEL["vocab_size"], (1, t), generator=gen)
+    targets = torch.randint(0, COMPILED_MODEL["vocab_size"], (t,), generator=gen)
+    cu = torch.tensor([0, *itertools.accumulate(COMPILED_DOCS)], dtype=torch.int32)
+
+    def step(forward):
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(forward(ids, cu_seqlens=cu)[0], targets).backward()
+
+    compiled = torch.compile(model, fullgraph=True)
+    start = time.perf_counter()
+    step(compiled)
+    compile_s = time.perf_counter() - start
+    for _ in range(3):
+        step(model)
+        step(compiled)
+    times = {"eager": [], "compiled": []}
+    for _ in range(reps):                                   # alternating: both see the same machine load
+        for name, forward in (("eager", model), ("compiled", compiled)):
+            start = time.perf_counter()
+            step(forward)
+            times[name].append(time.perf_counter() - start)
+    return dict(compile_s=compile_s, **{f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()})
+
+
+def bench_compiled(rec, quick: bool) -> None:
+    for threads in sorted({1, os.cpu_count() or 1}):
+        with tempfile.TemporaryDirectory() as cache:        # inductor's cache empty: compile_s is a first compile
+            proc = subprocess.run([sys.executable, __file__, "--compiled-child", str(threads), str(5 if quick else 15)],
+                                  capture_output=True, text=True, timeout=1800, cwd=ROOT,
+                                  env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
+        facts = child_facts(proc, f"compiled trainer threads={threads}")
+        case = f"compiled trainer h256-L4 T=512 in 4 docs threads={threads}"
+        rec.add(case, "eager", "fwd_bwd_ms", facts["eager_ms"], "ms")
+        rec.add(case, "compiled", "fwd_bwd_ms", facts["compiled_ms"], "ms")
+        rec.add(case, "compiled", "compile_s", facts["compile_s"], "s")
+        rec.add(case, "compiled", "speedup", facts["eager_ms"] / facts["compiled_ms"], "x")
+
+
 def cpu(rec, args) -> None:
     if args.part in ("all", "checkpoint"):
         bench_checkpoints(rec, args.quick)
@@ -219,6 +284,8 @@ def cpu(rec, args) -> None:
         bench_tp(rec, args.quick)
     if args.part in ("all", "pool"):
         bench_pool(rec, args.quick)
+    if args.part in ("all", "compiled"):
+        bench_compiled(rec, args.quick)
 
 
 def main(argv=None) -> int:
@@ -229,9 +296,12 @@ def main(argv=None) -> int:
     if argv[:1] == ["--tp-child"]:
         print("FACTS " + json.dumps(tp_child(int(argv[1]), argv[2], int(argv[3]))), flush=True)
         return 0
+    if argv[:1] == ["--compiled-child"]:
+        print("FACTS " + json.dumps(compiled_child(int(argv[1]), int(argv[2]))), flush=True)
+        return 0
 
     def configure(ap):
-        ap.add_argument("--part", choices=["all", "checkpoint", "tp", "pool"], default="all")
+        ap.add_argument("--part", choices=["all", "checkpoint", "tp", "pool", "compiled"], default="all")
     return run_bench("decoder_lm", __doc__, gpu=cpu, cpu=cpu, configure=configure, argv=argv)
 
 

@@ -135,6 +135,10 @@ FAMILIES: dict[str, list[Family]] = {
                "on loopback: mean step ms, the bytes on the wire per token (counted) beside the prediction, and "
                "what one rank contributes per layer and step; invariant = the batch-invariant mode's reduction "
                "tree (its step time is the Triton interpreter's on a CPU)."),
+        Family("compiled trainer", "The trainer compiled on a CPU", "A trainer's step (forward on 512 tokens "
+               "packed in 4 documents, cross-entropy, backward; hidden 256, 4 layers, fp32, SDPA) eagerly and "
+               "under torch.compile(model, fullgraph=True): median ms of alternating steps, the first compiled "
+               "step's seconds, and the speedup (eager / compiled; target >= 1), at 1 thread and every core."),
     ],
     "moe": [
         Family("routing", "MoE routing: engine against trainer", "R3's measurement for this repo's stack: a "

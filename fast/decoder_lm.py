@@ -102,6 +102,19 @@ Tensor parallelism (``DecoderLM(config, tp_group=group)``: any torch.distributed
     tensors included).  fast/generator_engine.py's ``Generator(model, tensor_parallel_size=N)`` builds the
     shards itself.
 
+Compiled (``torch.compile(model, fullgraph=True)``: parity/test_compiled_trainer.py)
+    The trainer's packed call ``model(input_ids, cu_seqlens=cu)`` compiles, forward and backward, with 0 graph
+    breaks on the SDPA path, with the ``varlen_attn`` plug-in and with MoE blocks (their kernels are custom ops).
+    Nothing is read on the host in the graph: cu_seqlens is checked on the device, the kernels get max_seq_len
+    as max_q / max_k, rotary cos / sin are computed in the graph; values are eager's to fp32 rounding.
+    ``model.compile(...)`` (in place) also runs ``token_logprobs(..., share_prompts=False)`` through it, T and N
+    marked dynamic (one graph for every batch); direct calls follow PyTorch's rules (``dynamic=True`` or
+    ``torch._dynamo.mark_dynamic`` for one graph from the start).  Hybrid models and gpt-oss's sinks and windows
+    without the varlen plug-in break the graph; the varlen plug-in specializes T and N (README's limits).
+    The batch-invariant mode runs eagerly: inductor does not keep its bits (19 of 20 rows of a packed forward
+    differ, by up to 2e-6, on a CPU; aot_eager keeps them), so under torch.compile its forward leaves the graph
+    (``fullgraph=True`` raises saying so; otherwise it runs eagerly, with a warning).
+
 Cost
     Per token, FLOPs ~ 2 * (non-embedding parameters + hidden * vocab) + 4 * L_ctx * H_q * D per
     attention layer (L_ctx = keys it attends to); under tensor parallelism 2 all-reduces of T x hidden per
@@ -128,6 +141,7 @@ import math
 import operator
 import os
 import threading
+import warnings
 import zlib
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
@@ -878,31 +892,40 @@ class DecoderLM(nn.Module):
             return []
         if share_prompts or self.batch_invariant:
             rows, h = self._prompt_shared_forward(seqs, prompts, share_prompts)
+            logits = self.logits(h[rows])                                           # [rows, V]
         else:
-            rows, h = self._packed_forward(seqs, prompts)
-        dev = h.device
+            logits = self._packed_logits(seqs, prompts)
+        dev = logits.device
         inv_t = torch.tensor([1.0 / t if t else 1.0 for t, s, p in zip(temps, seqs, prompts)
                               for _ in range(len(s) - p)], dtype=torch.float32, device=dev)
-        logp = _log_softmax(self.logits(h[rows]) * inv_t[:, None], self.batch_invariant)   # [rows, V]
+        logp = _log_softmax(logits * inv_t[:, None], self.batch_invariant)          # [rows, V]
         targets = torch.tensor([t for s, p in zip(seqs, prompts) for t in s[p:]], device=dev)
         picked = logp.gather(1, targets[:, None])[:, 0]
         return list(picked.split([len(s) - p for s, p in zip(seqs, prompts)]))
 
-    def _packed_forward(self, seqs: list, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every sequence but its last token, packed as documents: (the rows that predict each completion
-        token, in order; the final hidden states)."""
+    def _packed_logits(self, seqs: list, prompts: list) -> torch.Tensor:
+        """Every sequence but its last token, packed as documents: the logits [rows, V] of the rows that
+        predict each completion token, in order.  A model compiled in place (``model.compile(...)``:
+        nn.Module.compile) runs its compiled ``forward`` on the pack, T and N marked dynamic (one graph for
+        every batch; the vocabulary projection on every row); else ``layers_forward`` eagerly, the projection
+        on those rows only."""
         dev = self.lm_head.weight.device
         lengths = [len(s) - 1 for s in seqs]
         ids = torch.tensor([t for s in seqs for t in s[:-1]], device=dev)
         bounds = [0, *itertools.accumulate(lengths)]
         cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
-        positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
-        h = self.layers_forward(ids, positions, self._packed_attention(cu, max(lengths)),
-                                lambda i, module, x: module(x[None], cu_seqlens=cu)[0])
         # Row p - 1 + j of a sequence predicts its completion token j.
         rows = torch.cat([torch.arange(start + p - 1, start + n, device=dev)
                           for start, p, n in zip(bounds, prompts, lengths)])
-        return rows, h
+        if getattr(self, "_compiled_call_impl", None) is not None:
+            ids = ids[None]                                                    # [1, T]
+            torch._dynamo.maybe_mark_dynamic(ids, 1)
+            torch._dynamo.maybe_mark_dynamic(cu, 0)
+            return self(ids, cu_seqlens=cu)[0, rows]
+        positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
+        h = self.layers_forward(ids, positions, self._packed_attention(cu, max(lengths), bounds[-1]),
+                                lambda i, module, x: module(x[None], cu_seqlens=cu)[0])
+        return self.logits(h[rows])
 
     def _prompt_shared_forward(self, seqs: list, prompts: list, share: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over each distinct prompt once, then every completion's fed tokens (positions
@@ -1011,8 +1034,8 @@ class DecoderLM(nn.Module):
             return torch.cat([out_p, out_c])
         return mix
 
-    def _packed_attention(self, cu: torch.Tensor, longest: int):
-        """``layers_forward``'s attend over documents packed along T (cu [N + 1] int32): through
+    def _packed_attention(self, cu: torch.Tensor, longest: int, t: int):
+        """``layers_forward``'s attend over documents packed along T (cu [N + 1] int32, T = cu[-1]): through
         ``varlen_attn`` when the model has one, else SDPA with a block-diagonal causal mask."""
         scale = self.config.head_dim ** -0.5
         if self.config.attention_sinks or self.config.sliding_layers:   # gpt-oss: windows, sinks (and their lse)
@@ -1029,8 +1052,7 @@ class DecoderLM(nn.Module):
                 return self.varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0),
                                         enable_gqa=True, **mode)
             return attend
-        t = int(cu[-1])
-        doc = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu.diff().long())
+        doc = _document_of(cu, t)                                           # [T] each token's document
         index = torch.arange(t, device=cu.device)
         same_doc_causal = (doc[:, None] == doc[None, :]) & (index[None, :] <= index[:, None])   # [T, T]
 
@@ -1059,7 +1081,11 @@ class DecoderLM(nn.Module):
         return _log_softmax(logits, self.batch_invariant)
 
     def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """Training: logits [B, T, V] fp32, causal per row (or per document of ``cu_seqlens``, B == 1)."""
+        """Training: logits [B, T, V] fp32, causal per row (or per document of ``cu_seqlens``, B == 1).
+        Compiles with no graph break (module docstring, "Compiled"), but in the batch-invariant mode, which
+        runs eagerly."""
+        if self.batch_invariant and torch.compiler.is_compiling():
+            return _eager_forward(self, input_ids, cu_seqlens)
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
             raise TypeError(f"input_ids must be an integer tensor [B, T], got "
                             f"{getattr(input_ids, 'shape', input_ids)!r}")
@@ -1069,18 +1095,14 @@ class DecoderLM(nn.Module):
             positions = torch.arange(t, device=dev).repeat(b)                # [B*T]
             cu = torch.arange(b + 1, dtype=torch.int32, device=dev) * t
             longest = t
+            if longest > self.config.max_seq_len:
+                raise ValueError(f"a sequence of {longest} tokens exceeds max_seq_len={self.config.max_seq_len}")
         else:
             if b != 1:
                 raise ValueError(f"cu_seqlens requires input_ids of shape [1, T], got {tuple(input_ids.shape)}")
             cu = cu_seqlens.to(device=dev, dtype=torch.int32)
-            lengths = cu.diff()
-            if int(cu[-1]) != t or int(cu[0]) != 0 or bool((lengths < 0).any()):
-                raise ValueError(f"cu_seqlens must partition the {t} tokens, got {cu_seqlens.tolist()}")
-            doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths.long())   # [T] its document
-            positions = torch.arange(t, device=dev) - cu[doc]
-            longest = int(lengths.max()) if len(lengths) else 0
-        if longest > self.config.max_seq_len:
-            raise ValueError(f"a sequence of {longest} tokens exceeds max_seq_len={self.config.max_seq_len}")
+            longest = self._check_documents(cu, t)
+            positions = torch.arange(t, device=dev) - cu[_document_of(cu, t)]
 
         if cu_seqlens is None and self.varlen_attn is None:
             def attend(i, q, k, v):                                         # [B*T, H, D] -> SDPA's [B, H, T, D]
@@ -1088,7 +1110,7 @@ class DecoderLM(nn.Module):
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
                 return o.transpose(1, 2).reshape(b * t, o.shape[1], -1)
         else:
-            attend = self._packed_attention(cu, longest)
+            attend = self._packed_attention(cu, longest, b * t)
 
         def mix(i, module, h):
             if cu_seqlens is None:                                          # b equal rows: [B, T, hidden]
@@ -1098,16 +1120,46 @@ class DecoderLM(nn.Module):
         h = self.layers_forward(input_ids.reshape(-1), positions, attend, mix)
         return self.logits(h).view(b, t, -1)
 
+    def _check_documents(self, cu: torch.Tensor, t: int) -> int:
+        """cu_seqlens (int32 [N + 1]) must partition the T tokens into documents of at most max_seq_len tokens;
+        returns the longest document's length (the attention kernels' max_q / max_k), read on the host.  In a
+        compiled graph nothing is read on the host (a read is a graph break): the same checks run on the device
+        (torch._assert_async: a RuntimeError when the graph runs), and max_seq_len, which bounds every document,
+        stands for the longest (a kernel's programs past a document's end return at once: the same values; a
+        constant, where T would be a size the plug-in's int argument specializes)."""
+        lengths = cu.diff()
+        if torch.compiler.is_compiling():
+            torch._assert_async((cu[0] == 0) & (cu[-1] == t) & (lengths >= 0).all()
+                                & (lengths <= self.config.max_seq_len).all(),
+                                "cu_seqlens must partition the T tokens into documents of at most max_seq_len tokens")
+            return self.config.max_seq_len
+        if int(cu[-1]) != t or int(cu[0]) != 0 or bool((lengths < 0).any()):
+            raise ValueError(f"cu_seqlens must partition the {t} tokens, got {cu.tolist()}")
+        longest = int(lengths.max()) if len(lengths) else 0
+        if longest > self.config.max_seq_len:
+            raise ValueError(f"a sequence of {longest} tokens exceeds max_seq_len={self.config.max_seq_len}")
+        return longest
+
     def _rotary_at(self, positions: torch.Tensor):
         """cos, sin [T, 1, R/2] fp32 at the positions, from a table built once per device (the same
-        fp32 products as the reference computes per call, so the same values)."""
+        fp32 products as the reference computes per call, so the same values).  A compiled graph computes
+        its rows itself (the same products; inductor's cos / sin may round differently): a table read from
+        this dict would be a graph input whose guards (the dict's keys, its sizes) cost recompiles.  The
+        batch-invariant mode keeps the table's bits."""
+        if torch.compiler.is_compiling() and not self.batch_invariant:
+            return self._rotary_rows(positions.float())
         dev = positions.device
         if dev not in self._rope_tables:
-            inv_freq, factor = rope_inv_freq(self.config).to(dev), rope_attention_factor(self.config)
-            angles = torch.arange(self.config.max_seq_len, device=dev, dtype=torch.float32)[:, None] * inv_freq[None]
-            self._rope_tables[dev] = (angles.cos()[:, None] * factor, angles.sin()[:, None] * factor)
+            self._rope_tables[dev] = self._rotary_rows(torch.arange(self.config.max_seq_len, device=dev,
+                                                                    dtype=torch.float32))
         cos, sin = self._rope_tables[dev]
         return cos[positions], sin[positions]
+
+    def _rotary_rows(self, positions: torch.Tensor):
+        """cos, sin [P, 1, R/2] fp32 at positions [P] fp32."""
+        inv_freq, factor = rope_inv_freq(self.config).to(positions.device), rope_attention_factor(self.config)
+        angles = positions[:, None] * inv_freq[None]                      # [P, R/2]
+        return angles.cos()[:, None] * factor, angles.sin()[:, None] * factor
 
     @classmethod
     def from_pretrained(cls, path, *, linear_layer=None, moe_layer=None, dtype=None, device=None,
@@ -1128,6 +1180,22 @@ class DecoderLM(nn.Module):
         model.to_empty(device=torch.device("cpu") if device is None else device)
         load_checkpoint(model, path)
         return model
+
+
+@torch.compiler.disable(reason="DecoderLM's batch-invariant mode runs eagerly: inductor's fused elementwise code does "
+                               "not keep the mode's bits (fast/decoder_lm.py's docstring, \"Compiled\")")
+def _eager_forward(model: DecoderLM, input_ids: torch.Tensor, cu_seqlens) -> torch.Tensor:
+    """The batch-invariant mode's forward under torch.compile: outside the graph, eagerly (a graph break:
+    fullgraph=True raises with the reason above), so the logits keep the mode's bits."""
+    warnings.warn("DecoderLM(batch_invariant=True) runs its forward eagerly under torch.compile (inductor does not "
+                  "keep the mode's bits)", stacklevel=2)
+    return model.forward(input_ids, cu_seqlens=cu_seqlens)
+
+
+def _document_of(cu: torch.Tensor, t: int) -> torch.Tensor:
+    """[T] each token's document, from cu [N + 1] that partitions the T tokens (T given: a shape known without
+    reading cu, so a compiled graph has no data-dependent size)."""
+    return torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu.diff().long(), output_size=t)
 
 
 class _SharedPrompts:
