@@ -1,6 +1,6 @@
 """The kernel observatory's report (``make roofline``): memory traffic against the IO lower bound and
-the sm_90 build of every kernel, ours beside the production peers (vLLM's and SGLang's Triton attention,
-bench/peers.py; fla-core 0.6.0 for Gated DeltaNet), measured without a GPU.
+the sm_90 build of every kernel, ours beside the production peers (vLLM's and SGLang's Triton attention
+and MoE, bench/peers.py; fla-core 0.6.0 for Gated DeltaNet), measured without a GPU.
 
     python bench/roofline.py            # measure and print the tables (CPU, Triton interpreter)
     python bench/roofline.py --record   # also append bench/results/roofline.csv, draw roofline.png,
@@ -8,6 +8,9 @@ bench/peers.py; fla-core 0.6.0 for Gated DeltaNet), measured without a GPU.
     python bench/roofline.py --quick    # build only each kernel's first config for sm_90 (traffic of
                                         # every config is measured either way)
     python bench/roofline.py --only decode   # the cases whose name contains "decode" (no --record)
+    python bench/roofline.py --only moe      # the MoE experts at decode (T = 16, 64)
+    python bench/roofline.py --only moe --moe-prefill   # and the 2048-token MoE prefill (over an hour: a
+                                             # peer's run takes up to 25 minutes in the interpreter)
 
 What is measured (parity/observatory.py has the instrument)
     Each case runs once per autotune config in the Triton interpreter on CPU, fp16, at fixed shapes.
@@ -28,6 +31,17 @@ The IO lower bound of an op: every input it must read and every output it must w
 (the tensors and formulas are in the Case classes below and in bench/README.md).  issued / bound >= 1 is the
 re-reading a kernel does; unique / bound > 1 is traffic no cache can remove (intermediates).
 
+The cases: Gated DeltaNet (chunk forward and backward, the trainer's forward + backward, decode), paged
+attention (prefill forward and backward, decode at 1k and 8k keys, a GRPO group's cascade decode), and the
+MoE experts at a Qwen3-30B-A3B layer's shape (``Moe``: 128 experts, top-8, hidden 2048, expert FFN 768,
+T = 16 and 64 decode tokens, from the router logits to the combined output; the 2048-token prefill only
+with ``--moe-prefill``, as its peers' runs take 20-25 minutes each in the interpreter).  The MoE bound
+counts each touched expert's weights once.  The peers' compiled CUDA ops around their Triton MoE
+kernels (routing top-k, align, SiLU-and-mul, the sum over k) cannot run here: bench/peers.py computes them
+and their bytes (inputs read once, outputs written once) join the PyTorch ops between kernels ("other ops",
+priced apart by the latency model), so issued and unique bytes count them while the kernel columns count
+Triton launches only.
+
 The runs are the GPU's launches, not the CPU tier's: shims below make our launchers take their
 CUDA paths (the autotuners, the sm_90 tile configs) and make fla answer as on an H100; the one
 autotuner shim then launches the r-th distinct config of each kernel in round r, where a GPU
@@ -37,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import functools
 import json
 import os
 import subprocess
@@ -134,6 +149,7 @@ def install_shims():
 
     import fast.flash_decoding as fd
     import fast.gated_deltanet as gdn
+    import fast.moe as moe
     import fast.paged_varlen_attention as pva
     interpreter_launch = gdn._launch
     def gdn_launch(tuned, grid, args, meta, fixed=False):   # its CUDA branch; batch_invariant's fixed launch as is
@@ -148,6 +164,12 @@ def install_shims():
     decode_invariant, varlen_invariant = fd._invariant_config, pva._invariant_config
     fd._invariant_config = lambda *args: decode_invariant(*args[:-1], 90)
     pva._invariant_config = lambda family, head_dim, elt: varlen_invariant(90, head_dim, elt)
+    # MoE's batch-invariant mode: a GPU fills its fixed 64-row tiles (the interpreter gives each row a tile)
+    moe._rows_per_tile = lambda device, block_m, invariant: block_m
+    # SGLang launches with PDL on sm_90 (grid dependency control); the interpreter has no such sync, and the
+    # two calls move no byte: no-ops here (the sm_90 builds keep them).
+    import triton.language.extra.cuda as cuda
+    cuda.gdc_wait = cuda.gdc_launch_dependents = lambda *args, **kwargs: None
 
     import fla.utils
     from fla.utils.hardware import Backend
@@ -174,7 +196,7 @@ def install_shims():
             loaded[peer] = peers.load(peer)
         except Exception as e:  # the report runs without a peer that cannot be installed, and says so
             loaded[peer] = f"not installed: {str(e)[:300]}"
-    return dict(gdn=gdn, pva=pva, fd=fd, fla=fla, peers=loaded)
+    return dict(gdn=gdn, pva=pva, fd=fd, moe=moe, fla=fla, peers=loaded)
 
 
 # ----------------------------------------------------------------------------- the cases
@@ -681,9 +703,151 @@ class GrpoDecode(Decode):
         return [o]
 
 
-def make_cases(mods, quick: bool) -> list[Case]:
+@functools.lru_cache(maxsize=1)
+def _expert_weights(e: int, h: int, i: int):
+    """(gate_up_proj [E, 2I, H], down_proj [E, H, I]) fp16, N(0, 1 / fan-in), made once per shape (1.2 GB at
+    Qwen3-30B-A3B's) and shared by the MoE cases; expert by expert, without a float64 copy."""
+    g = _gen(8)
+    w1, w2 = torch.empty(e, 2 * i, h, dtype=torch.float16), torch.empty(e, h, i, dtype=torch.float16)
+    for j in range(e):
+        w1[j] = torch.randn(2 * i, h, generator=g) * h ** -0.5
+        w2[j] = torch.randn(h, i, generator=g) * i ** -0.5
+    return w1, w2
+
+
+def _tiles(config: dict) -> str:
+    short = {"BLOCK_SIZE_M": "BM", "BLOCK_SIZE_N": "BN", "BLOCK_SIZE_K": "BK", "GROUP_SIZE_M": "G",
+             "num_warps": "w", "num_stages": "s"}
+    return " ".join(f"{short[k]}{v}" for k, v in config.items() if k in short)
+
+
+class Moe(Case):
+    """A Qwen3-30B-A3B MoE layer's experts from the router logits on (E = 128 experts, top-8, hidden 2048,
+    expert FFN 768; fp16, since the interpreter computes no bf16): routing, the grouped gate/up and down
+    GEMMs, the combine, at T = 16 and 64 tokens (decode) and, with ``--moe-prefill``, 2048 (prefill: 6
+    minutes for each of ours in the interpreter on a busy 2-core machine, 25 for vLLM's run).  Ours:
+    ``route`` + ``moe_experts`` (fast/moe.py: _route, _count, _align, _gate_up with the SwiGLU fused, _down
+    with the routing weights fused, _combine), in the default mode and with ``batch_invariant=True`` (one
+    64 x 64 x 64 tile per phase, 64 rows per tile as on a GPU).  The
+    peers (bench/peers.py), on the same x, logits and weights: vLLM's ``fused_experts_impl`` and SGLang's
+    ``_fused_moe_kernel_sequence`` steps, with their routers' ``topk_softmax`` (renormalized, as
+    Qwen3's norm_topk_prob) and tile configs, their CUDA ops emulated with their bytes.
+
+    Routing: each token's logits are a random permutation of 128 evenly spaced values (1/16 apart, exact in
+    fp16: no ties, so every implementation picks the same experts), a token's 8 experts uniform over the
+    128: at T = 16 its 128 pairs touch about 82 experts (77 here), at T = 64 all but about 2, at T = 2048 all.  The
+    IO bound reads every touched expert's weights once, whatever the batch."""
+
+    def __init__(self, mods, tokens: int, *, experts: int = 128, top_k: int = 8, hidden: int = 2048, ffn: int = 768):
+        self.mods, self.op, self.T = mods, "fwd", tokens
+        self.E, self.K, self.H, self.I = experts, top_k, hidden, ffn
+        self.impls = ("ours", "ours_invariant", "vllm_moe", "sglang_moe")
+        self.name = f"moe T={tokens} E={experts} top-{top_k} H={hidden} I={ffn}"
+        self.short = f"MoE {'decode' if tokens <= 64 else 'prefill'}\nT={tokens}"
+        g = _gen(9)
+        self.x = _randn(tokens, hidden, gen=g)
+        spaced = (torch.arange(experts, dtype=torch.float32) - experts // 2) / 16                  # [E]
+        self.logits = spaced[torch.argsort(torch.rand(tokens, experts, generator=g), dim=1)].half()  # [T, E]
+        self.touched = torch.topk(self.logits.float(), top_k, dim=1).indices.unique().numel()
+        e = self.x.element_size()
+        self.bound = (self.touched * 3 * ffn * hidden * e + 2 * tokens * hidden * e + tokens * experts * e
+                      + tokens * top_k * (4 + 4))
+        self.formula = (f"read x, the router logits and every touched expert's W1 [2I, H] and W2 [H, I] once, write "
+                        f"out and the routing (int32 ids, fp32 weights) once: n_touched 3 I H e + 2 T H e + T E e + "
+                        f"8 T k (n_touched the experts chosen at least once: {self.touched} of {experts} here)")
+        self.useful = 6 * tokens * top_k * hidden * ffn
+        self.useful_formula = "6 T k H I: x W1^T (2I columns) and a W2^T for each (token, expert) pair"
+        self.output_names = ["out"]
+        self.rtol = 1e-2
+        self.kernels = {"ours": "route + moe_experts (_route, _count, _align, _gate_up + SwiGLU, _down + weights, "
+                                "_combine)",
+                        "ours_invariant": "route + moe_experts(batch_invariant=True) (64 x 64 x 64 tiles)",
+                        "vllm_moe": "fused_experts_impl (fused_moe_kernel x 2)",
+                        "sglang_moe": "invoke_fused_moe_kernel x 2"}
+
+    @property
+    def weights(self):
+        return _expert_weights(self.E, self.H, self.I)
+
+    def _ours(self, observed, invariant: bool):
+        moe = self.mods["moe"]
+        w1, w2 = self.weights
+        with observed():
+            weights, ids = moe.route(self.logits, self.K)
+            out = moe.moe_experts(self.x, weights, ids, w1, w2, batch_invariant=invariant)
+        return [out]
+
+    def ours(self, observed):
+        return self._ours(observed, False)
+
+    def ours_invariant(self, observed):
+        return self._ours(observed, True)
+
+    def vllm_moe(self, observed):
+        """vLLM's Triton fused MoE as its unquantized layer calls it (fused_experts_impl, SiLU)."""
+        import peers
+        fm = self.mods["peers"]["vllm"]["vllm.model_executor.layers.fused_moe.fused_moe"]
+        w1, w2 = self.weights
+        config = fm.try_get_optimal_moe_config(w1.shape, w2.shape, self.K, None, self.T)   # what it will take
+        source = ("its H100 JSON" if fm.get_moe_configs(self.E, self.I, None) else
+                  f"get_default_config: the wheel has no H100 JSON for E={self.E},N={self.I}")
+        self.kernels["vllm_moe"] = f"fused_experts_impl, fused_moe_kernel x 2 ({_tiles(config)}; {source})"
+        with observed():
+            weights, ids = peers.topk_softmax("vLLM", self.logits, self.K, expert_indices=True)
+            out = fm.fused_experts_impl(self.x, w1, w2, weights, ids, activation="silu")
+        return [out]
+
+    def sglang_moe(self, observed):
+        """SGLang's Triton MoE: the steps of its _fused_moe_kernel_sequence on CUDA, not in place, no hooks, no
+        TMA (its H100 configs ask for none): align, gate/up GEMM, silu_and_mul (reading the pairs' expert ids,
+        its row filter), down GEMM with the routing weights, combine (moe_sum_reduce_triton at <= 32 tokens
+        with PDL, sgl_kernel's moe_sum_reduce above)."""
+        import triton.language as tl
+
+        import peers
+        mods = self.mods["peers"]["sglang"]
+        kern = mods["sglang.kernels.ops.moe.fused_moe_triton_kernels"]
+        utils = "sglang.srt.layers.moe.moe_runner.triton_utils"
+        align, tuned = mods[f"{utils}.moe_align_block_size"], mods[f"{utils}.fused_moe_triton_config"]
+        w1, w2 = self.weights
+        t, k, h, i = self.T, self.K, self.H, self.I
+        up, (down, _) = tuned.try_get_optimal_moe_config(w1.shape, w2.shape, k, None, t, return_down_config=True)
+        up, down = dict(up), dict(down or up)
+        if up.pop("USE_TMA", False) or down.pop("USE_TMA", False):
+            raise NotImplementedError("SGLang's TMA MoE path (an fp8 one) is not in the report")
+        files = sorted(Path(tuned.__file__).parent.glob(
+            f"configs/triton_*/E={self.E},N={i},device_name={peers.H100_NAME.replace(' ', '_')}.json"))
+        source = f"its {files[-1].parent.name} H100 JSONs" if files else "get_default_config"
+        combine = "moe_sum_reduce_triton" if t <= 32 else "sgl_kernel moe_sum_reduce (emulated)"
+        self.kernels["sglang_moe"] = (f"invoke_fused_moe_kernel x 2 (up {_tiles(up)}, down {_tiles(down)}; {source}) "
+                                      f"+ {combine}")
+        flags = dict(compute_type=tl.float16, use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False,
+                     use_int4_w4a16=False, per_channel_quant=False)
+        out = torch.empty_like(self.x)
+        with observed():
+            weights, ids = peers.topk_softmax("SGLang", self.logits, k)
+            sorted_ids, expert_ids, post_pad = align.moe_align_block_size(ids, up["BLOCK_SIZE_M"], self.E)
+            gate_up = torch.empty(t * k, 2 * i, dtype=self.x.dtype)                              # [T k, 2I]
+            kern.invoke_fused_moe_kernel(self.x, w1, None, gate_up, None, None, None, weights, ids, sorted_ids,
+                                         expert_ids, post_pad, False, k, up, **flags)
+            act = torch.empty(t * k, i, dtype=self.x.dtype)                                      # [T k, I]
+            peers.silu_and_mul("SGLang", act, gate_up, extra_reads=[ids])
+            rows = torch.empty(t, k, h, dtype=self.x.dtype)                                      # [T, k, H]
+            kern.invoke_fused_moe_kernel(act, w2, None, rows, None, None, None, weights, ids, sorted_ids,
+                                         expert_ids, post_pad, True, 1, down, router_topk=k, **flags)
+            if t <= 32:
+                kern.moe_sum_reduce_triton(rows, out, 1.0)
+            else:
+                peers.moe_sum("SGLang", rows, out)
+        return [out]
+
+
+def make_cases(mods, quick: bool, moe_prefill: bool = False) -> list[Case]:
     cases = [GdnChunk(mods, "fwd"), GdnChunk(mods, "bwd"), GdnTrainer(mods), GdnDecode(mods),
-             Prefill(mods, "fwd"), Prefill(mods, "bwd"), Decode(mods, 1024), Decode(mods, 8192), GrpoDecode(mods)]
+             Prefill(mods, "fwd"), Prefill(mods, "bwd"), Decode(mods, 1024), Decode(mods, 8192), GrpoDecode(mods),
+             Moe(mods, 16), Moe(mods, 64)]
+    if moe_prefill:
+        cases.append(Moe(mods, 2048))
     if not quick:
         cases.append(Decode(mods, 8192, paged=False))
     return cases
@@ -695,14 +859,16 @@ IMPLS = {"ours": "twofold", "ours_invariant": "twofold, batch_invariant=True", "
          "ours_recurrent": "twofold, recurrent form",
          "fla": f"fla-core {FLA_VERSION}",
          "vllm_3d": "vLLM 0.33.0", "vllm_2d": "vLLM 0.33.0", "vllm_2stage": "vLLM 0.33.0",
-         "sglang_2stage": "SGLang 0.5.23", "sglang_extend": "SGLang 0.5.23"}
+         "sglang_2stage": "SGLang 0.5.23", "sglang_extend": "SGLang 0.5.23",
+         "vllm_moe": "vLLM 0.33.0", "sglang_moe": "SGLang 0.5.23"}
 SHORT = {"ours": "twofold", "ours_invariant": "twofold, batch_invariant=True", "ours_plain": "twofold, plain",
          "ours_recurrent": "twofold, recurrent form",
          "vllm_3d": "vLLM unified_attention 3D", "vllm_2d": "vLLM unified_attention 2D",
          "vllm_2stage": "vLLM decode_attention_fwd 2-stage", "sglang_2stage": "SGLang decode_attention_fwd 2-stage",
-         "sglang_extend": "SGLang extend_attention_fwd"}
+         "sglang_extend": "SGLang extend_attention_fwd", "vllm_moe": "vLLM fused_moe (Triton)",
+         "sglang_moe": "SGLang fused_moe_triton"}
 PEER_OF = {"vllm_3d": "vllm", "vllm_2d": "vllm", "vllm_2stage": "vllm", "sglang_2stage": "sglang",
-           "sglang_extend": "sglang"}
+           "sglang_extend": "sglang", "vllm_moe": "vllm", "sglang_moe": "sglang"}
 
 
 class Measured:
@@ -728,7 +894,8 @@ def measure(case: Case, impl: str) -> Measured:
     """Runs the case once per round (round r: each kernel's r-th distinct config) under the observatory."""
     import contextlib
 
-    from observatory import observe
+    import peers
+    from observatory import Launch, observe
     def run(observed):
         return case.run(impl, observed)
     m = Measured()
@@ -739,7 +906,14 @@ def measure(case: Case, impl: str) -> Measured:
     @contextlib.contextmanager
     def observed():                      # the case wraps the op it measures in this
         with observe(torch_ops=True) as obs:
-            yield obs
+            def compiled(name, read, write):    # a peer's CUDA op, emulated (bench/peers.py): a torch op row
+                obs.launches.append(Launch(kernel=f"torch.{name}", module="torch", file="", read_bytes=read,
+                                           write_bytes=write, unique_read_bytes=read, unique_write_bytes=write))
+            peers.COMPILED_OP_HOOKS.append(compiled)
+            try:
+                yield obs
+            finally:
+                peers.COMPILED_OP_HOOKS.remove(compiled)
         seen.append(obs)
     while r < rounds:
         ROUND[0] = r
@@ -773,14 +947,18 @@ def variants(m: Measured):
     """Every kernel launch as it ran, in each warps / stages variant its autotuner offers for that
     config: (label, record, config or None, first, build spec); ``first`` marks the first config of
     the autotune space (the one the headline totals use)."""
+    import triton.language as tl
     for (kernel, occurrence, config), rec in m.by_config.items():
         if rec.module == "torch":
             continue
         space = m.spaces.get(kernel) or []
         offered = [c for c in space if c.kwargs == dict(config)] or [None]
         first_kind = not space or space[0].kwargs == dict(config)
+        dtypes = [k for k, v in rec.constexprs.items() if isinstance(v, tl.dtype)]    # the peers' compute_type
         for j, c in enumerate(offered):
             spec = rec.spec()
+            if dtypes:                   # spec() writes a dtype's name; the build worker makes it a dtype again
+                spec["dtype_constexprs"] = dtypes
             if c is not None:
                 spec.update(num_warps=c.num_warps, num_stages=c.num_stages)
             label = kernel + (f"#{occurrence + 1}" if occurrence else "")
@@ -817,8 +995,13 @@ def build_all(specs: dict, workers: int) -> dict:
 
 
 def build_worker(src: str, dst: str):
+    import triton.language as tl
+
     import aot_compile
     specs = json.loads(Path(src).read_text())
+    for spec in specs:
+        for name in spec.pop("dtype_constexprs", []):
+            spec["constexprs"][name] = tl.dtype(spec["constexprs"][name])
     if any(spec["module"].split(".")[0] in ("vllm", "sglang") for spec in specs):
         import peers
         peers.install_shims()             # their kernel modules import by package name
@@ -950,6 +1133,38 @@ def peer_table(results) -> str:
     return "\n".join(lines)
 
 
+def moe_table(results) -> str:
+    """The MoE cases side by side: each implementation's bytes against the IO bound, its modelled time (its
+    Triton kernels, then its other ops: PyTorch's and the peers' emulated CUDA ops) and the sm_90 builds of
+    its two GEMMs (the launches with dots, in order: gate/up, then down)."""
+    lines = ["| case | impl: what it ran | issued MB | unique MB | IO bound MB | issued / bound | unique / bound | "
+             "issued / twofold's | modeled us: Triton kernels (launches) + other ops (count) | gate/up GEMM: regs, "
+             "spill B, smem KB, programs | down GEMM: the same |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for case, per_impl in results:
+        if not isinstance(case, Moe):
+            continue
+        ours = per_impl["ours"]["summary"]["issued"]
+        for impl, res in per_impl.items():
+            if "missing" in res:
+                lines.append(f"| {case.name} | {case.label(impl)} | {res['missing']} |" + " |" * 8)
+                continue
+            s = res["summary"]
+            gemms = [row for row in res["kernels"] if row["first"] and row["record"].module != "torch"
+                     and row["record"].dot_flops]
+            builds = []
+            for row in gemms[:2]:
+                st = row["static"] or {}
+                spill = (st.get("local") or 0) + (st.get("stack") or 0)
+                builds.append(f"{row['kernel']}: {st.get('reg', '?')}, {spill}, {st.get('shared', 0) / 1024:.1f}, "
+                              f"{row['record'].programs_run}" if st.get("reg") is not None else "build failed")
+            builds += [""] * (2 - len(builds))
+            lines.append(f"| {case.name} | {case.label(impl)} | {_mb(s['issued'])} | {_mb(s['unique'])} | "
+                         f"{_mb(s['bound'])} | {s['issued_over_bound']:.3f} | {s['unique_over_bound']:.3f} | "
+                         f"{s['issued'] / ours:.3f} | {s['modeled_us']:.1f} ({s['launches']}) + "
+                         f"{s['modeled_us_torch_ops']:.1f} ({s['torch_ops']}) | {builds[0]} | {builds[1]} |")
+    return "\n".join(lines)
+
+
 def kernel_table(results, *, first_only: bool) -> str:
     lines = ["| case | op | impl | kernel | config | programs | issued MB | unique MB | busiest program KB | "
              "modeled us | dot GFLOP | regs | smem KB | HGMMA/HMMA | SASS | blocks/SM (limit) occupancy | waves |",
@@ -1019,6 +1234,8 @@ LEGEND = {
     "vllm_2stage": "vLLM 0.33.0 decode_attention_fwd (2-stage decode)",
     "sglang_2stage": "SGLang 0.5.23 decode_attention_fwd (2-stage decode)",
     "sglang_extend": "SGLang 0.5.23 extend_attention_fwd (prefill)",
+    "vllm_moe": "vLLM 0.33.0 fused_experts_impl (Triton fused_moe_kernel; MoE)",
+    "sglang_moe": "SGLang 0.5.23 invoke_fused_moe_kernel (Triton; MoE)",
 }
 
 
@@ -1044,7 +1261,8 @@ def plot(results):
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_xticks(range(len(results)))
     ax.set_xticklabels([case.short for case, _ in results], fontsize=8)
-    ax.set_xlabel("op at fixed shapes (fp16; GQA 8/2, D = 128, page 16 for attention)")
+    ax.set_xlabel("op at fixed shapes (fp16; GQA 8/2, D = 128, page 16 for attention; E = 128, top-8, H = 2048, "
+                  "I = 768 for MoE)")
     ax.set_yscale("log")
     ticks = [1, 1.5, 2, 3, 5, 10, 20]
     ax.yaxis.set_major_locator(FixedLocator(ticks))
@@ -1090,6 +1308,11 @@ def readme_block(results, wall_s: float, quick: bool) -> str:
              "launched, as a fraction of 132 SMs and as modelled waves):", "",
              "*" + model_note() + "*", "",
              peer_table(results), "",
+             "The MoE experts at a Qwen3-30B-A3B layer's shape (routing to combine, fp16; the 2048-token prefill "
+             "only with --moe-prefill) beside vLLM's and SGLang's "
+             "Triton MoE; their CUDA ops (routing top-k, align, SiLU-and-mul, the sum over k) are emulated and "
+             "counted with the other ops (bench/peers.py):", "",
+             moe_table(results), "",
              "Every op, every implementation (the impl column names the kernel it ran):", "",
              summary_table(results), "",
              "IO lower bounds (e bytes per element, 2 in fp16; T tokens, H / HV query-key / value heads, "
@@ -1124,13 +1347,15 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=max(1, min(4, os.cpu_count() or 1)),
                     help="processes building for sm_90")
     ap.add_argument("--only", default="", help="run only the cases whose name contains this (not with --record)")
+    ap.add_argument("--moe-prefill", action="store_true",
+                    help="add the 2048-token MoE prefill case (over an hour in the interpreter)")
     args = ap.parse_args(argv)
     if args.only and args.record:
         ap.error("--record writes the full report: run every case")
     t0 = time.perf_counter()
     torch.manual_seed(0)
     mods = install_shims()
-    cases = [c for c in make_cases(mods, args.quick) if args.only in f"{c.name} {c.op}"]
+    cases = [c for c in make_cases(mods, args.quick, args.moe_prefill) if args.only in f"{c.name} {c.op}"]
     measured = []
     for case in cases:
         per_impl = OrderedDict()
@@ -1163,6 +1388,8 @@ def main(argv=None) -> int:
     print(model_note())
     print()
     print(peer_table(results))
+    print()
+    print(moe_table(results))
     print()
     print(summary_table(results))
     print()

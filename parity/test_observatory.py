@@ -6,7 +6,9 @@ planted out-of-bounds read and an index computed in int32 past 2^31 (the same ke
 int64 index must pass), naming the kernel, the argument, the offset and the program id.  The
 recorded specialization must match what Triton's JIT specializes on, and build for sm_90.  Bytes are
 attributed to the program that issued them, and the latency model (``LatencyModel``) gives, on
-synthetic launches, the value its formula states.
+synthetic launches, the value its formula states.  The report's MoE case (bench/roofline.py) is checked at a
+tiny shape: its IO bound is its formula and our kernels issue at least it; bench/peers.py's stand-in for the
+peers' align op gives the layout vLLM documents.
 """
 from __future__ import annotations
 
@@ -376,3 +378,53 @@ def test_programs_past_one_wave_share_an_sm():
 def test_latency_model_needs_unique_bytes():
     with pytest.raises(ValueError, match="unique"):
         MODEL.launch(Launch(kernel="k", module="m", file="", grid=(1, 1, 1), read_bytes=8))
+
+
+def _roofline():
+    """bench/roofline.py (the report), for its MoE case; bench/peers.py comes with it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import roofline
+    return roofline
+
+
+def test_moe_case_bound_and_traffic():
+    """bench/roofline.py's MoE case at a tiny shape: the IO bound is its formula (every touched expert's W1
+    [2I, H] and W2 [H, I] once, x and out, the logits, int32 ids and fp32 weights), our six kernels run in
+    order, and in both modes they issue at least the unique bytes, which are at least the bound."""
+    import fast.moe as moe
+    roofline = _roofline()
+    t, e, k, h, i = 5, 8, 2, 32, 16
+    case = roofline.Moe({"moe": moe}, t, experts=e, top_k=k, hidden=h, ffn=i)
+    touched = torch.topk(case.logits.float(), k, dim=1).indices.unique().numel()
+    assert case.touched == touched and 1 < touched <= e
+    assert case.bound == touched * 3 * i * h * 2 + 2 * t * h * 2 + t * e * 2 + t * k * 8
+    outputs = []
+    for impl in ("ours", "ours_invariant"):
+        m = roofline.measure(case, impl)
+        assert [r.kernel for r in m.first if r.module != "torch"] == [
+            "_route_kernel", "_count_kernel", "_align_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel"]
+        s = roofline.summarize(case, m)
+        assert s["issued"] >= s["unique"] >= case.bound, (impl, s)
+        outputs.append(m.outputs[0].float())
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-2, atol=1e-3)
+
+
+def test_peers_moe_align_layout():
+    """bench/peers.py's stand-in for the peers' moe_align_block_size CUDA op gives the layout of vLLM's
+    docstring example: each expert's pairs in order, padded to the block with numel, an id per block."""
+    _roofline()
+    import peers
+    heard = []
+
+    def hear(*op):
+        heard.append(op)
+    peers.COMPILED_OP_HOOKS.append(hear)
+    ids = torch.tensor([[2, 3, 4], [1, 2, 4], [1, 3, 4], [1, 2, 3]], dtype=torch.int32)
+    sorted_ids, blocks, total = (torch.empty(n, dtype=torch.int32) for n in (27, 7, 1))   # vLLM's buffer sizes
+    try:
+        peers.align_block_size("vLLM", ids, 5, 4, sorted_ids, blocks, total)
+    finally:
+        peers.COMPILED_OP_HOOKS.remove(hear)
+    assert sorted_ids[:16].tolist() == [3, 6, 9, 12, 0, 4, 10, 12, 1, 7, 11, 12, 2, 5, 8, 12]
+    assert blocks[:4].tolist() == [1, 2, 3, 4] and total.item() == 16
+    assert heard == [("vLLM moe_align_block_size (CUDA op, emulated)", 12 * 4, (27 + 7 + 1) * 4)]
