@@ -461,10 +461,6 @@ SLOW = (
     # the compiled trainer's logprobs with the varlen plug-in (two inductor compiles, about 35 s): the compiled
     # logprobs' values, the SDPA case; the varlen plug-in without a graph break, the packed-forward test
     "parity/test_compiled_trainer.py::test_token_logprobs_run_the_compiled_forward[varlen]",
-    # a Ray fleet of tp = 2 engines synced through the collective (about 3 CPU-minutes of actor and rank start-ups):
-    # the collective into a tp = 2 engine, its faults and its versions, test_weight_sync.py's process tests; the
-    # Ray fleet's restarts and hangs, test_ray_fleet.py
-    "parity/test_weight_sync.py::test_a_ray_fleet_of_tensor_parallel_generators_syncs_through_the_collective",
     # the ahead-of-time builds for sm_80 (about a third of the build CPU): sm_90's stay; make compile-check
     # builds every config for both
     "parity/test_compile.py::test_kernels_build_for_gpus[*-sm80]",
