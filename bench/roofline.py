@@ -164,7 +164,7 @@ def install_shims():
     decode_invariant, varlen_invariant = fd._invariant_config, pva._invariant_config
     fd._invariant_config = lambda *args: decode_invariant(*args[:-1], 90)
     pva._invariant_config = lambda family, head_dim, elt: varlen_invariant(90, head_dim, elt)
-    # MoE's batch-invariant mode: a GPU fills its fixed 64-row tiles (the interpreter gives each row a tile)
+    # MoE's batch-invariant mode: a GPU fills its fixed 128-row tiles (the interpreter gives each row a tile)
     moe._rows_per_tile = lambda device, block_m, invariant: block_m
     # SGLang launches with PDL on sm_90 (grid dependency control); the interpreter has no such sync, and the
     # two calls move no byte: no-ops here (the sm_90 builds keep them).
@@ -728,7 +728,7 @@ class Moe(Case):
     minutes for each of ours in the interpreter on a busy 2-core machine, 25 for vLLM's run).  Ours:
     ``route`` + ``moe_experts`` (fast/moe.py: _route, _count, _align, _gate_up with the SwiGLU fused, _down
     with the routing weights fused, _combine), in the default mode and with ``batch_invariant=True`` (one
-    64 x 64 x 64 tile per phase, 64 rows per tile as on a GPU).  The
+    128 x 128 x 64 tile per phase, 128 rows per tile as on a GPU).  The
     peers (bench/peers.py), on the same x, logits and weights: vLLM's ``fused_experts_impl`` and SGLang's
     ``_fused_moe_kernel_sequence`` steps, with their routers' ``topk_softmax`` (renormalized, as
     Qwen3's norm_topk_prob) and tile configs, their CUDA ops emulated with their bytes.
@@ -761,7 +761,7 @@ class Moe(Case):
         self.rtol = 1e-2
         self.kernels = {"ours": "route + moe_experts (_route, _count, _align, _gate_up + SwiGLU, _down + weights, "
                                 "_combine)",
-                        "ours_invariant": "route + moe_experts(batch_invariant=True) (64 x 64 x 64 tiles)",
+                        "ours_invariant": "route + moe_experts(batch_invariant=True) (128 x 128 x 64 tiles)",
                         "vllm_moe": "fused_experts_impl (fused_moe_kernel x 2)",
                         "sglang_moe": "invoke_fused_moe_kernel x 2"}
 

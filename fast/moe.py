@@ -895,15 +895,18 @@ def _mxfp4_kernel(blocks, scales, out, R, G, BLOCK_R: tl.constexpr, BLOCK_G: tl.
 # One config per (GPU family, element size): BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages.  The gate_up
 # tile reads 2 BLOCK_N weight columns (gate and up).  16-bit: tensor cores (wgmma on sm_90 needs 64 rows,
 # so 16-row decode tiles run mma.sync there too); fp32: IEEE dots on the FMA units (no silent tf32).
-# Default mode: 16-row tiles when the average expert hit gets at most 16 pairs (decode), else 64.  The
-# batch-invariant mode: one shape whatever the batch (64 rows on a GPU, filled; one row on the interpreter).
+# Default mode: 16-row tiles when the average expert hit gets at most 16 pairs (decode), else the prefill tile:
+# 128 x 128 x 64 on sm_90 (vLLM's prefill default: each expert's W1 and W2 read by half as many row tiles as
+# at 64 rows, and the down GEMM's input by half as many column tiles), 64 x 64 x 64 on sm_80.  The
+# batch-invariant mode: one shape whatever the batch, the prefill tile (rows filling it on a GPU; one row a
+# tile in the interpreter).
 _TILES = {   # (family, element size, few rows per expert)
-    (90, 2, True): (16, 64, 128, 4, 3), (90, 2, False): (64, 64, 64, 4, 3),
+    (90, 2, True): (16, 64, 128, 4, 3), (90, 2, False): (128, 128, 64, 8, 3),
     (80, 2, True): (16, 64, 128, 4, 3), (80, 2, False): (64, 64, 64, 4, 3),
     (90, 4, True): (16, 32, 32, 4, 2), (90, 4, False): (32, 32, 32, 4, 2),
     (80, 4, True): (16, 32, 32, 4, 2), (80, 4, False): (32, 32, 32, 4, 2),
 }
-_INVARIANT_TILES = {(90, 2): (64, 64, 64, 4, 3), (80, 2): (64, 64, 64, 4, 3), (90, 4): (32, 32, 32, 4, 2),
+_INVARIANT_TILES = {(90, 2): (128, 128, 64, 8, 3), (80, 2): (64, 64, 64, 4, 3), (90, 4): (32, 32, 32, 4, 2),
                     (80, 4): (32, 32, 32, 4, 2)}
 _WGRAD_TILES = {2: (32, 64, 64, 4, 3), 4: (32, 32, 32, 4, 2)}     # element size: rows per step, BN, BK, warps, stages
 
@@ -985,8 +988,11 @@ def _act_bwd(x, dout, w1, b1, w2, b2, scale, a, dh, dscale, plan: _Plan, layout:
 
 def _act_bwd_tiles(cfg: _Config) -> tuple[int, int]:
     """(BLOCK_N, num_warps) of act_bwd: it holds two accumulators ([BM, 2 BN] and [BM, BN]) and a longer
-    epilogue, so 64-row tiles take half the columns and 8 warps (64 columns spill on sm_80)."""
-    return (cfg.block_n // 2, 8) if cfg.block_m * cfg.block_n >= 4096 else (cfg.block_n, cfg.num_warps)
+    epilogue, so big tiles take 8 warps, half the forward's columns and at most 4096 / BM of them: 32 for
+    64 x 64 tiles (64 spill on sm_80) and for 128 x 128 ones (64 spill on sm_90)."""
+    if cfg.block_m * cfg.block_n < 4096:
+        return cfg.block_n, cfg.num_warps
+    return min(cfg.block_n // 2, 4096 // cfg.block_m), 8
 
 
 def _wgrad(left, right, scale, dw, db, plan: _Plan, *, left_by_token: bool, cfg: _Config):

@@ -5,7 +5,7 @@ its launches in aot_compile.py's case format, reading the module's tile tables (
 ``_INVARIANT_TILES``, ``_WGRAD_TILES``) so that what is built is what the launchers launch.  The grouped
 GEMMs (gate_up, down, act_bwd) are built at every distinct tile config of each (GPU family, element size),
 each on its own arch (sm_80 for 80, sm_90 for 90; the batch-invariant mode's 16-bit and fp32 configs are the
-default mode's 64-row / 32-row ones, rows filling tiles on a GPU: built once), in two variants that cover
+default mode's prefill ones, rows filling tiles on a GPU: built once), in two variants that cover
 the code paths: Qwen3-30B-A3B's layout (concatenated gate | up, SwiGLU, no biases; the backward's dx through
 the down kernel) and gpt-oss-20b's (interleaved, the clamped activation, biases; the forward's down with its
 bias and routing weight).  16-bit GEMMs must use the tensor cores (wgmma on sm_90 for 64-row tiles; the
@@ -132,8 +132,8 @@ def _small_cases(m) -> list[dict]:
 
 
 def cases(m) -> list[dict]:
-    """The GEMMs at every distinct tile config per (family, dtype) (fp16 compiles as bf16: its 64-row tile
-    only), the weight gradients, and the small kernels."""
+    """The GEMMs at every distinct tile config per (family, dtype) (fp16 compiles as bf16: its prefill
+    tile only), the weight gradients, and the small kernels."""
     out = []
     for family in (80, 90):
         for dtype in (torch.bfloat16, torch.float32, torch.float16):
