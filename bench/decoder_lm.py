@@ -34,10 +34,18 @@ Cases (CPU-meaningful: this measures loading, memory, the engine's batching and 
                               eager / compiled steps after 3 warm-up steps each), ``compile_s`` (the first
                               compiled step, inductor's cache empty) and ``speedup`` (eager ms / compiled ms;
                               the target: >= 1).
+    engine decode step L28 h128 fp32 B=<b> threads=1   fast/generator_engine.py's decode iteration (schedule,
+                              the forward, sampling: ``Generator._step`` with no prefill in it) on a
+                              Qwen3-0.6B-deep model of negligible arithmetic (``ENGINE_MODEL``), eager and
+                              ``compile=True``, each in a fresh process with an empty inductor cache, B
+                              requests of 16 + 40 tokens: ``step_ms`` (median), ``torch_calls`` (median per
+                              step: Python's calls into torch's C functions on the engine thread),
+                              ``warm_s`` (the first run, its compiles included) and ``speedup`` (eager ms /
+                              compiled ms; the target: >= 3 at B = 1 and 16).
 
     python bench/decoder_lm.py                 # every part; rows to bench/results/latest/ (untracked)
     python bench/decoder_lm.py --record        # ... and appended to bench/results/decoder_lm.csv
-    python bench/decoder_lm.py --part tp       # checkpoint | tp | pool | compiled
+    python bench/decoder_lm.py --part tp       # checkpoint | tp | pool | compiled | engine-compiled
 """
 from __future__ import annotations
 
@@ -277,6 +285,94 @@ def bench_compiled(rec, quick: bool) -> None:
         rec.add(case, "compiled", "speedup", facts["eager_ms"] / facts["compiled_ms"], "x")
 
 
+# The engine's decode step (issue: the engine at GPU speed): a Qwen3-0.6B-deep model whose arithmetic is small
+# (28 layers, 16 query / 8 KV heads of 8, hidden 128, FFN 384, qk norms, vocab 1024; fp32), so what a step
+# costs is mostly the host's work: the PyTorch calls Python makes and their dispatch.
+ENGINE_MODEL = dict(vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=28, num_heads=16,
+                    num_kv_heads=8, head_dim=8, qk_norm=True, max_seq_len=512)
+
+
+class _TorchCalls:
+    """Counts the calls Python makes into torch's C functions (a ``c_call`` whose function is torch's or a
+    tensor's method) on every thread started after it is installed, while ``on``."""
+
+    def __init__(self):
+        import threading
+        self.on, self.calls = False, 0
+        threading.setprofile(self._hook)
+
+    def _hook(self, frame, event, arg):
+        if self.on and event == "c_call":
+            owner = getattr(arg, "__self__", None)
+            if ((getattr(arg, "__module__", None) or "").startswith("torch") or isinstance(owner, torch.Tensor)
+                    or type(owner).__module__.startswith("torch")):
+                self.calls += 1
+
+
+def engine_child(batch: int, compiled: bool, reps: int) -> dict:
+    """One engine (eager or ``compile=True``) at one thread: B requests of a 16-token prompt decoding 40 tokens
+    greedily; a first run compiles (every padded size and table width the measured runs meet), then per
+    decode-only iteration (``Generator._step`` with no prefill) its wall time and the torch calls made on the
+    engine thread."""
+    import statistics
+
+    import fast.decoder_lm as lm
+    import fast.generator_engine as ge
+    torch.set_num_threads(1)
+    counter = _TorchCalls()
+    gen = ge.Generator(lm.DecoderLM(lm.ModelConfig(**ENGINE_MODEL), seed=0), page_size=16, num_pages=16 * batch + 8,
+                       max_batch_size=max(batch, 1), compile=compiled)
+    step, prefill, times, calls, prefilled = gen._step, gen.runner.prefill, [], [], []
+
+    def timed_prefill(*args):
+        prefilled.append(True)
+        return prefill(*args)
+
+    def timed_step(settle):
+        prefilled.clear()
+        counter.calls, counter.on = 0, True
+        start = time.perf_counter()
+        step(settle)
+        elapsed = time.perf_counter() - start
+        counter.on = False
+        if not prefilled:
+            times.append(elapsed)
+            calls.append(counter.calls)
+
+    gen.runner.prefill, gen._step = timed_prefill, timed_step
+
+    def run():
+        gen.generate([ge.Request(list(range(1, 17)), ge.SamplingParams(max_new_tokens=40)) for _ in range(batch)])
+
+    start = time.perf_counter()
+    run()
+    warm_s = time.perf_counter() - start
+    times.clear(), calls.clear()
+    for _ in range(reps):
+        run()
+    stats = gen.stats()
+    gen.close()
+    return dict(step_ms=1e3 * statistics.median(times), calls=statistics.median(calls), warm_s=warm_s,
+                static_steps=stats["static_decode_steps"], decode_steps=stats["decode_steps"])
+
+
+def bench_engine_compiled(rec, quick: bool) -> None:
+    for batch in (1, 16):
+        facts = {}
+        for compiled in (False, True):
+            with tempfile.TemporaryDirectory() as cache:    # inductor's cache empty: warm_s includes a first compile
+                proc = subprocess.run([sys.executable, __file__, "--engine-child", str(batch), str(int(compiled)),
+                                       str(1 if quick else 3)], capture_output=True, text=True, timeout=3600,
+                                      cwd=ROOT, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
+            facts[compiled] = child_facts(proc, f"engine compiled={compiled} B={batch}")
+        case = f"engine decode step L28 h128 fp32 B={batch} threads=1"
+        for compiled, name in ((False, "eager"), (True, "compile=True")):
+            rec.add(case, name, "step_ms", facts[compiled]["step_ms"], "ms")
+            rec.add(case, name, "torch_calls", facts[compiled]["calls"], "calls")
+        rec.add(case, "compile=True", "warm_s", facts[True]["warm_s"], "s")
+        rec.add(case, "compile=True", "speedup", facts[False]["step_ms"] / facts[True]["step_ms"], "x")
+
+
 def cpu(rec, args) -> None:
     if args.part in ("all", "checkpoint"):
         bench_checkpoints(rec, args.quick)
@@ -286,6 +382,8 @@ def cpu(rec, args) -> None:
         bench_pool(rec, args.quick)
     if args.part in ("all", "compiled"):
         bench_compiled(rec, args.quick)
+    if args.part in ("all", "engine-compiled"):
+        bench_engine_compiled(rec, args.quick)
 
 
 def main(argv=None) -> int:
@@ -299,9 +397,13 @@ def main(argv=None) -> int:
     if argv[:1] == ["--compiled-child"]:
         print("FACTS " + json.dumps(compiled_child(int(argv[1]), int(argv[2]))), flush=True)
         return 0
+    if argv[:1] == ["--engine-child"]:
+        print("FACTS " + json.dumps(engine_child(int(argv[1]), bool(int(argv[2])), int(argv[3]))), flush=True)
+        return 0
 
     def configure(ap):
-        ap.add_argument("--part", choices=["all", "checkpoint", "tp", "pool", "compiled"], default="all")
+        ap.add_argument("--part", choices=["all", "checkpoint", "tp", "pool", "compiled", "engine-compiled"],
+                        default="all")
     return run_bench("decoder_lm", __doc__, gpu=cpu, cpu=cpu, configure=configure, argv=argv)
 
 

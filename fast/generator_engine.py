@@ -34,8 +34,9 @@ One iteration, and the method that does each phase (the engine thread's ``Genera
        prompts done   a group's first sample forks its followers; the finished prompts sample their first
                       token                                           Scheduler.prompts_done, ModelRunner.sample
     4. decode         one batched step over the samples that were decoding (``flash_decode`` writes the
-                      new K/V into the pages and attends), inputs in buffers filled in place
-                                                                      ModelRunner.decode, Scheduler.decoded
+                      new K/V into the pages and attends), inputs in buffers filled in place; with
+                      ``compile=True`` the static step, padded and compiled     ModelRunner.decode,
+                                                                      StaticDecode.run, Scheduler.decoded
     5. advance        each sample takes its token; finished ones settle their futures (outside every
                       lock) and free their pages and rows             ModelRunner.sample, Scheduler.advance
 
@@ -122,7 +123,10 @@ Supported, and what raises
     ``_two_segments``), sinks on every layer (inside the kernels).
     Inference only.  Limits: preemption recomputes (no swapping to host); a group's samples are admitted
     together (n free rows); the pages before a sliding layer's window stay allocated (the full layers
-    share them).
+    share them).  ``compile=True``: the batch-invariant mode keeps its eager step (measured: compiled, 8 of
+    15 decode logprobs of a tiny model moved by up to 6.6e-7: inductor fuses the norms and activations
+    its own way), as do tensor-parallel engines, steps with a group's cascade and batches past the
+    largest capture size; CUDA graphs (replaying the static step on a GPU) are not built yet.
 
 References
     vLLM (Kwon et al., PagedAttention, 2023) and its scheduler (continuous batching, recompute
@@ -142,6 +146,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Mapping
 from concurrent.futures import Future
@@ -306,6 +311,8 @@ class EngineOptions:
     tensor_parallel_size: int = 1
     tp_timeout_s: float = 60.0
     tp_address: str = "127.0.0.1"
+    compile: bool = False
+    capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -320,8 +327,13 @@ class EngineOptions:
             fn = getattr(self, field)
             if fn is not None and not callable(fn):
                 raise TypeError(f"{field} must be None or a function with that signature, got {type(fn).__name__}")
-        if not isinstance(self.prefix_caching, bool):
-            raise TypeError(f"prefix_caching must be a bool, got {type(self.prefix_caching).__name__}")
+        for field in ("prefix_caching", "compile"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"{field} must be a bool, got {type(getattr(self, field)).__name__}")
+        sizes = self.capture_sizes
+        if (not isinstance(sizes, tuple) or not sizes or not all(_is_int(n) and n >= 1 for n in sizes)
+                or list(sizes) != sorted(set(sizes))):
+            raise ValueError(f"capture_sizes must be a non-empty tuple of increasing ints >= 1, got {sizes!r}")
         if self.kv_on_swap not in ("keep", "recompute"):
             raise ValueError(f"kv_on_swap must be 'keep' or 'recompute', got {self.kv_on_swap!r}")
         if not _is_number(self.memory_utilization) or not 0 < self.memory_utilization <= 1:
@@ -383,6 +395,15 @@ class Generator:
     ``tensor_parallel_size``,           N processes, one shard each (the section "tensor parallelism");
     ``tp_timeout_s``, ``tp_address``    a worker dead or silent for tp_timeout_s fails the generator
     ``weight_receiver``                 a weight transport connected on every rank (``connect_weights``)
+    ``compile``, ``capture_sizes``      decode through the static step (the section "the static decode
+                                        step"), compiled by ``torch.compile``: a batch padded to the next
+                                        of ``capture_sizes`` (larger ones, and a step with a group's
+                                        cascade, run eagerly), one compile per padded size and weight set
+                                        (seconds to minutes on a CPU: a warm-up cost).  Tokens equal the
+                                        eager step's, logprobs to fp32 rounding.  Measured on the 2-core
+                                        CPU (28 layers, hidden 128, fp32; bench/routed_generator.py --part
+                                        compiled): the README's table.  The batch-invariant mode and
+                                        tensor-parallel engines keep the eager step (a warning says why)
     A model in the batch-invariant mode (``model.batch_invariant``) makes the engine batch-invariant (the
     module docstring): it then needs ``varlen_attn`` (default: the model's) and ``flash_decode``.
     ``Generator.from_pretrained(path, model_class=DecoderLM, ...)`` serves a checkpoint.
@@ -394,14 +415,16 @@ class Generator:
                  checkpoint_interval: int = 1, num_checkpoints: int | None = None, kv_on_swap: str = "keep",
                  kv_cache_memory: int | None = None, memory_utilization: float = 0.9, max_seq_len: int | None = None,
                  tensor_parallel_size: int = 1, tp_timeout_s: float = 60.0, tp_address: str = "127.0.0.1",
-                 weight_receiver=None, _tp_worker=None):
+                 compile: bool = False, capture_sizes: tuple = EngineOptions.capture_sizes, weight_receiver=None,
+                 _tp_worker=None):
         opts = EngineOptions(
             name=name, policy_version=policy_version, varlen_attn=varlen_attn, flash_decode=flash_decode,
             cascade_decode=cascade_decode, page_size=page_size, num_pages=num_pages, max_batch_size=max_batch_size,
             max_prefill_tokens=max_prefill_tokens, prefix_caching=prefix_caching,
             checkpoint_interval=checkpoint_interval, num_checkpoints=num_checkpoints, kv_on_swap=kv_on_swap,
             kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization, max_seq_len=max_seq_len,
-            tensor_parallel_size=tensor_parallel_size, tp_timeout_s=tp_timeout_s, tp_address=tp_address)
+            tensor_parallel_size=tensor_parallel_size, tp_timeout_s=tp_timeout_s, tp_address=tp_address,
+            compile=compile, capture_sizes=capture_sizes)
         self.options, self.name, self._tp, self._broken = opts, opts.name, _tp_worker, None
         if opts.tensor_parallel_size > 1 and _tp_worker is None:   # rank 0: starts the workers, keeps its shard
             self._tp = _TensorParallel(opts)
@@ -451,11 +474,20 @@ class Generator:
         self.prefix_caching, self.checkpoint_interval, self.kv_on_swap = (opts.prefix_caching, opts.checkpoint_interval,
                                                                           opts.kv_on_swap)
         self._cv = threading.Condition()
-        self.pools = StatePools(model, self.memory, state_shapes)
+        static = opts.compile and (COMPILE_THE_MODE or not self.batch_invariant) and opts.tensor_parallel_size == 1
+        if opts.compile and not static:
+            warnings.warn("Generator(compile=True): " + (
+                "the batch-invariant mode keeps its eager decode step (compiled, inductor changes its rounding: "
+                "engine logprobs would no longer equal token_logprobs bit for bit)" if self.batch_invariant else
+                "tensor-parallel engines keep their eager decode step (the compiled one is not built with the "
+                "ranks' collectives)"), stacklevel=3)
+        self.pools = StatePools(model, self.memory, state_shapes, padding=static)
         self.scheduler = Scheduler(opts, self.memory, self.pools, hybrid="linear" in self.config.kinds, lock=self._cv,
                                    group_decode=opts.cascade_decode is not None and not self.batch_invariant,
                                    version=self._version)
         self.runner = ModelRunner(model, self.pools, attention, self.memory, self.batch_invariant, self._tp)
+        if static:
+            self.runner.static = StaticDecode(self.runner, opts.capture_sizes, self.max_batch_size)
         if isinstance(self._tp, _TensorParallel):
             self._tp.ready()                              # every worker sized its pools alike
         self._load_lock = threading.Lock()
@@ -592,14 +624,23 @@ class Generator:
         state_slot_bytes (the linear layers' state rows), checkpoint_capacity_bytes (what the checkpoints
         may take) and checkpoint_bytes (what they hold: allocated at the first prefill that writes one;
         num_checkpoints x, per linear layer, every tensor of its cache: the fp32 recurrent state and the
-        conv state, and in the batch-invariant mode the chunk buffer), max_seq_len."""
+        conv state, and in the batch-invariant mode the chunk buffer), max_seq_len; decode_steps,
+        static_decode_steps (those through the compiled static step) and static_decode_shapes (the
+        (padded batch, table width in pages) it ran at)."""
         with self._cv:
             sched = self.scheduler
             return dict(waiting=sched.waiting_samples(self._incoming), running=sched.running_samples(),
                         policy_version=self._version, num_pages=self.num_pages, page_size=self.page_size,
                         weights_staged=self._staged is not None, **sched.counts, **sched.pages.report(),
                         **self.memory.report(), checkpoint_bytes=self.pools.checkpoint_bytes(),
-                        tensor_parallel_size=1 if self._tp is None else self._tp.size)
+                        tensor_parallel_size=1 if self._tp is None else self._tp.size,
+                        **self._static_report())
+
+    def _static_report(self) -> dict:
+        static, steps = self.runner.static, self.runner.decode_steps
+        if static is None:
+            return dict(decode_steps=steps, static_decode_steps=0, static_decode_shapes=[])
+        return dict(decode_steps=steps, static_decode_steps=static.steps, static_decode_shapes=sorted(static.shapes))
 
     def close(self) -> None:
         """Stop the engine (what is queued or running fails) and, tensor-parallel, every worker process."""
@@ -1353,9 +1394,11 @@ class StatePools:
     ...]}} (zeros: a fresh row is a sequence at position 0) and their checkpoints {layer: {name:
     [num_checkpoints, ...]}} (allocated at the first one taken).  Four indices, four names: a sample's
     ``row`` (block table and state pools), a ``page`` of the KV pool, a ``checkpoint``, and a token's
-    ``kv_index`` (page * page_size + offset: its place in the pool seen as [pages * page_size, H_kv, D])."""
+    ``kv_index`` (page * page_size + offset: its place in the pool seen as [pages * page_size, H_kv, D]).
+    ``padding``: one more page and one more state row past the plan's (``pad_page``, ``pad_row``), never
+    handed out: the static decode step's padding rows write there."""
 
-    def __init__(self, model: nn.Module, plan: MemoryPlan, state_shapes: dict):
+    def __init__(self, model: nn.Module, plan: MemoryPlan, state_shapes: dict, padding: bool = False):
         c = model.config
         local = getattr(model, "local_config", c)       # this rank's heads under tensor parallelism
         p = next(model.parameters())
@@ -1363,10 +1406,11 @@ class StatePools:
         attention = [i for i, kind in enumerate(c.kinds) if kind == "attention"]
         self.pool_index = {layer: j for j, layer in enumerate(attention)}
         self.pages_per_seq = -(-plan.max_seq_len // plan.page_size)
-        kv_shape = (len(attention), plan.num_pages, plan.page_size, local.num_kv_heads, local.head_dim)
+        self.pad_page, self.pad_row = plan.num_pages, plan.max_batch_size
+        kv_shape = (len(attention), plan.num_pages + padding, plan.page_size, local.num_kv_heads, local.head_dim)
         self.k, self.v = _zeros(kv_shape, p.dtype, p.device), _zeros(kv_shape, p.dtype, p.device)
         self.table = torch.zeros(plan.max_batch_size, self.pages_per_seq, dtype=torch.int32, device=p.device)
-        self.states = {layer: {name: _zeros((plan.max_batch_size, *shape), dtype, p.device)
+        self.states = {layer: {name: _zeros((plan.max_batch_size + padding, *shape), dtype, p.device)
                                for name, (shape, dtype) in shapes.items()} for layer, shapes in state_shapes.items()}
         self.checkpoints: dict[int, dict[str, torch.Tensor]] = {}
         self._table_updates: dict = {}                  # (row, column) -> page, not yet in the table
@@ -1500,6 +1544,8 @@ class ModelRunner:
         self.samples = tp is None or tp.rank == 0
         self.staging = _Staging(pools.device)
         self.table = torch.zeros(plan.max_batch_size, pools.pages_per_seq, dtype=torch.int32, device=pools.device)
+        self.static: StaticDecode | None = None          # compile=True: the decode step over padded buffers
+        self.decode_steps = 0
 
     # ------------------------------------------------------------------ phase 3: the prefill pass
 
@@ -1596,6 +1642,12 @@ class ModelRunner:
         prompt's shared pages read once); the batch-invariant mode reduces every row's keys in two
         segments (``_two_segments``).  Returns the logits [B, V] (None on a worker)."""
         b, put, at = len(seqs), self.staging.put, self.attention
+        self.decode_steps += 1
+        groups = self._decode_groups(seqs) if at.cascade is not None and not self.batch_invariant else None
+        if self.static is not None and groups is None:
+            ran, logits = self.static.run(model, seqs)
+            if ran:
+                return logits
         ids = put("ids", [s.tokens[-1] for s in seqs], torch.int64)
         positions = put("positions", [len(s.tokens) - 1 for s in seqs], torch.int64)
         used = put("used", [len(s.tokens) for s in seqs], torch.int32)
@@ -1604,7 +1656,6 @@ class ModelRunner:
         self.pools.flush_table()
         torch.index_select(self.pools.table, 0, rows, out=self.table[:b])
         table = self.table[:b, :max(len(s.pages) for s in seqs)]
-        groups = self._decode_groups(seqs) if at.cascade is not None and not self.batch_invariant else None
         sinks = _sinks(model)
         # A sliding layer's keys start w before the new token's end (the pages before stay allocated, unread).
         first_key = {w: (used - w).clamp(min=0) for w in set(self.windows) if w}
@@ -1704,12 +1755,156 @@ class ModelRunner:
         return tokens, logprobs
 
 
+# ----------------------------------------------------------------------------- the static decode step
+# A decode step whose shapes are fixed, so a compiler can trace it once and replay it: the batch padded to
+# the next of ``capture_sizes`` (B -> P), the block table cut to a power-of-two number of pages (W), every
+# input in a buffer allocated once.  Padding rows decode token 0 at position 0 into the pools' spare page
+# and state row (``StatePools(padding=True)``); their logits are dropped.  Nothing in the step reads a value
+# back to the host.  ``Generator(compile=True)`` runs it through ``torch.compile`` (inductor), one graph per
+# (P, W) and per weight set (a hot swap alternates two modules).
+#
+# The state writes are deferred to the step's end, one op for all of them (``_write_rows``): the attention
+# of layer i sees the cached keys 0 .. L - 2 from the pool and the new key from the step itself, which is
+# what flash_decode computes after writing it.  (An index_put_ into a pool the graph was given is
+# functionalized by the compiler into a copy of the whole pool; a custom op that mutates its argument is
+# called in place, and one call instead of two per layer saves ~40 us of dispatch each.)
+
+@torch.library.custom_op("twofold::engine_write_rows", mutates_args=("dst",))
+def _write_rows(dst: list[torch.Tensor], index: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[n][index[n]] = src[n] (along dim 0) for every n, in place."""
+    for d, i, v in zip(dst, index, src):
+        d.index_copy_(0, i, v)
+
+
+@_write_rows.register_fake
+def _(dst, index, src):
+    return None
+
+
+def _paged_decode_attention(q, k, v, k_pages, v_pages, table, used, first, scale, sinks):
+    """One new row per sequence over its cached keys and its new key: q [P, H_q, D], k / v [P, H_kv, D] (the
+    new token's, at position used - 1, not yet in the pool), k_pages / v_pages [pages, page_size, H_kv, D],
+    table [P, W] int32, used [P] (keys after this step), first [P] (the first visible key: a sliding window)
+    or None.  The cached keys 0 .. used - 2 and the new key are visible; sinks as ``_masked_attention``.
+    Static shapes: W page_size + 1 keys a row, the rest masked.  Written as products and sums, not matmuls,
+    so the compiler fuses the page gather into them (no [P, keys, H_kv, D] copy; with D small, a matmul per
+    row and head would not pay)."""
+    b, h_q, d = q.shape
+    h_kv = k.shape[1]
+    keys = torch.cat([k_pages[table].flatten(1, 2), k[:, None]], 1).float()[:, :, :, None]   # [P, L, H_kv, 1, D]
+    values = torch.cat([v_pages[table].flatten(1, 2), v[:, None]], 1).float()[:, :, :, None]
+    n_keys = keys.shape[1]
+    j = torch.arange(n_keys, device=q.device)
+    visible = j < (used[:, None].long() - 1)
+    if first is not None:
+        visible = visible & (j >= first[:, None])
+    visible = visible | (j == n_keys - 1)                                   # the new key: never empty
+    s = (q.float().view(b, 1, h_kv, h_q // h_kv, d) * keys).sum(-1) * scale   # [P, L, H_kv, G]
+    s = s.masked_fill(~visible[:, :, None, None], float("-inf"))
+    if sinks is not None:                                                   # one more key per head, value 0
+        s = torch.cat([s, sinks.float().view(1, 1, h_kv, -1).expand(b, 1, -1, -1)], dim=1)
+    p = torch.softmax(s, dim=1)[:, :n_keys]
+    values = values.masked_fill(~visible[:, :, None, None, None], 0.0)     # (0 * a stale NaN would be NaN)
+    return (p[..., None] * values).sum(1).reshape(b, h_q, d).to(q.dtype)
+
+
+COMPILE_THE_MODE = False   # the batch-invariant mode's step compiled: measured not bitwise (Generator's note)
+
+
+class StaticDecode:
+    """The decode step over persistent padded buffers (the section above), compiled (``compile=True``).
+    ``run`` returns None when a step cannot take it (a batch larger than the largest size, a group's cascade),
+    and the runner steps eagerly."""
+
+    def __init__(self, runner: ModelRunner, sizes: tuple, max_batch_size: int):
+        self.runner, self.pools = runner, runner.pools
+        # the sizes up to the first that holds max_batch_size (larger ones would never be used)
+        self.sizes = tuple(n for n in sizes if n < max_batch_size) + tuple(n for n in sizes if n >= max_batch_size)[:1]
+        largest, dev = self.sizes[-1], runner.device
+        self.ids = torch.zeros(largest, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(largest, dtype=torch.int64, device=dev)
+        self.used = torch.ones(largest, dtype=torch.int32, device=dev)
+        self.rows = torch.zeros(largest, dtype=torch.int64, device=dev)
+        self.prompts = torch.zeros(largest, dtype=torch.int32, device=dev)
+        self.table = torch.zeros(largest, self.pools.pages_per_seq, dtype=torch.int32, device=dev)
+        self.shapes: set = set()                   # the (P, W) the step ran at
+        self.steps = 0
+        self._compiled = torch.compile(self._forward, dynamic=False, options={"cpp_wrapper": True})
+
+    def run(self, model: nn.Module, seqs: list) -> tuple[bool, torch.Tensor | None]:
+        """(ran, logits [B, V] or None on a worker)."""
+        b, pools = len(seqs), self.pools
+        if b > self.sizes[-1]:
+            return False, None
+        size = next(n for n in self.sizes if n >= b)
+        pages = max(len(s.pages) for s in seqs)
+        width = min(1 << (pages - 1).bit_length(), pools.pages_per_seq)
+        pad, put = size - b, self.runner.staging.put
+        self.ids[:size].copy_(put("ids", [s.tokens[-1] for s in seqs] + [0] * pad, torch.int64))
+        self.positions[:size].copy_(put("positions", [len(s.tokens) - 1 for s in seqs] + [0] * pad, torch.int64))
+        self.used[:size].copy_(put("used", [len(s.tokens) for s in seqs] + [1] * pad, torch.int32))
+        self.rows[:size].copy_(put("rows", [s.row for s in seqs] + [pools.pad_row] * pad, torch.int64))
+        self.prompts[:size].copy_(put("prompts", [s.n_prompt for s in seqs] + [0] * pad, torch.int32))
+        pools.flush_table()
+        torch.index_select(pools.table, 0, self.rows[:b], out=self.table[:b])
+        self.table[b:size].fill_(pools.pad_page)
+        table = self.table[:size, :width]
+        torch._dynamo.maybe_mark_dynamic(table, 1)
+        with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=4096):
+            logits = self._compiled(model, self.ids[:size], self.positions[:size], self.used[:size], self.rows[:size],
+                                    self.prompts[:size], table)
+        self.shapes.add((size, width))
+        self.steps += 1
+        return True, None if logits is None else logits[:b]
+
+    def _forward(self, model, ids, positions, used, rows, prompts, table):
+        runner, pools, ps = self.runner, self.pools, self.pools.page_size
+        pos = used.long() - 1
+        kv_index = table.long().gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps     # [P] the new token's
+        sinks = _sinks(model)
+        dst, index, src = [], [], []
+
+        def attend(i, q, k, v):
+            kc, vc = pools.kv(i)
+            w = runner.windows[i]
+            first = (used - w).clamp(min=0) if w else None
+            new = dict(k_new=k[:, None], v_new=v[:, None], scale=runner.scale, **sinks[i])
+            if runner.batch_invariant:                                  # (measured, not used: Generator's note)
+                return runner._two_segments(q[:, None], kc, vc, used, table, prompts, new, w)[:, 0]
+            if runner.attention.decode is not _torch_flash_decode:     # a plug-in: it writes the new K/V itself
+                return runner.attention.decode(q[:, None], kc, vc, used, block_table=table, cache_leftpad=first,
+                                               **new)[:, 0]
+            dst.extend([kc.view(-1, *kc.shape[-2:]), vc.view(-1, *vc.shape[-2:])])
+            index.extend([kv_index, kv_index])
+            src.extend([k, v])
+            return _paged_decode_attention(q, k, v, kc, vc, table.long(), used, first, runner.scale,
+                                           sinks[i].get("sinks"))
+
+        def mix(i, module, h):
+            cache = module.new_cache()
+            pools.gather(i, rows, cache)
+            out = module(h[:, None], cache=cache)[:, 0]
+            for name, value in vars(cache).items():
+                if isinstance(value, torch.Tensor):
+                    dst.append(pools.states[i][name])
+                    index.append(rows)
+                    src.append(value)
+            return out
+
+        h = model.layers_forward(ids, positions, attend, mix)
+        if dst:
+            _write_rows(dst, index, src)
+        return model.logits(h) if runner.samples else None
+
+
 def _sinks(model) -> list:
     """Per layer, the attention plug-ins' sinks keyword: {"sinks": [H_q]} on gpt-oss's layers, else {} (no
     keyword: a plug-in without one, PyTorch's own varlen_attn, still serves other models)."""
-    sinks = getattr(model, "attention_sinks", lambda i: None)
-    return [dict(sinks=s) if kind == "attention" and (s := sinks(i)) is not None else {}
-            for i, kind in enumerate(model.config.kinds)]
+    sinks, out = getattr(model, "attention_sinks", lambda i: None), []
+    for i, kind in enumerate(model.config.kinds):       # (a loop, no walrus: the compiler traces it)
+        s = sinks(i) if kind == "attention" else None
+        out.append({} if s is None else dict(sinks=s))
+    return out
 
 
 # ----------------------------------------------------------------------------- batched sampling

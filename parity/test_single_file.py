@@ -75,6 +75,9 @@ ALLOWED_EXTRA = {
     ("fast", "Generator", "tp_timeout_s"): "tensor parallelism: a dead or hung worker fails the generator after it",
     ("fast", "Generator", "tp_address"): "tensor parallelism: the process group's address (loopback by default)",
     ("fast", "Generator", "_tp_worker"): "private: the engine a tensor-parallel worker process runs",
+    ("fast", "Generator", "compile"): "the paged engine's static decode step, compiled (the reference is the eager "
+                                      "specification)",
+    ("fast", "Generator", "capture_sizes"): "the static step's padded batch sizes",
     ("fast", "Generator", "weight_receiver"): "fast/weight_sync.py's transport, connected on every rank (the "
                                               "reference engine loads state dicts only)",
 }

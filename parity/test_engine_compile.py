@@ -1,0 +1,187 @@
+"""The fast engine's static decode step, compiled (``Generator(compile=True)``): the same tokens and logprobs
+as its eager step.
+
+The static step (fast/generator_engine.py, "the static decode step") pads the batch to the next of
+``capture_sizes``, cuts the block table to a power-of-two width, reads every input from buffers allocated
+once, attends over the cached keys and the step's new key, and writes the pools at its end in one op;
+``torch.compile`` (inductor, its C++ wrapper) traces it once per padded size and weight set.  In fp32 on a
+CPU its logprobs differ from the eager step's by rounding only (other kernels, other summation orders): the
+bound is test_generator_engine's, 32 fp32 epsilons relative, tokens equal up to a genuine greedy near-tie.
+Each case compiles one padded size (``capture_sizes=(8,)``) to keep the compile time of ``make parity`` low.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import fast.decoder_lm as fast_lm
+import fast.generator_engine as fast_ge
+import ref.decoder_lm as ref_lm
+from fleet_sim import wait_until
+from test_generator_engine import (TIMEOUT, ToyLinear, _switch_run, assert_same, dense_attention, make_requests, paged,
+                                   small_config)
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+# every kind of layer the static step has a path for: full attention, a sliding window with sinks and biases
+# (gpt-oss's), a "linear" layer's state rows
+MODELS = {
+    "dense": dict(qk_norm=True),
+    "windows+sinks": dict(layer_types=("attention", "attention", "attention"), num_layers=3, sliding_window=5,
+                          sliding_layers=(0, 2), attention_sinks=True, qkv_bias=True, o_proj_bias=True),
+    "hybrid": dict(layer_types=("linear", "attention", "linear"), num_layers=3),
+}
+
+
+def _model(kind: str, seed: int = 3) -> fast_lm.DecoderLM:
+    cfg = small_config(fast_ge, **MODELS[kind])
+    model = fast_lm.DecoderLM(cfg, seed=seed, linear_layer=ToyLinear if kind == "hybrid" else None)
+    with torch.no_grad():                            # every parameter away from its init (zeros / ones hide formulas)
+        gen = torch.Generator().manual_seed(seed)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _workload(seed: int) -> list:
+    """Mixed prompts, greedy and sampled, stops; a group of 3 samples; two requests with the prompt of an
+    earlier one (prefix hits)."""
+    reqs = make_requests(fast_ge, seed, n=9, max_prompt=20, max_new=14)
+    group = fast_ge.SamplingParams(max_new_tokens=9, temperature=1.0, seed=5, n=3)
+    again = fast_ge.SamplingParams(max_new_tokens=7)
+    return reqs + [fast_ge.Request(reqs[3].prompt_token_ids, group, request_id="group"),
+                   fast_ge.Request(reqs[0].prompt_token_ids + [5], again, request_id="hit-0"),
+                   fast_ge.Request(reqs[2].prompt_token_ids, again, request_id="hit-2")]
+
+
+def _serve(model, compile: bool, **kw):
+    knobs = dict(page_size=3, num_pages=20, max_batch_size=8, max_prefill_tokens=24, capture_sizes=(8,))
+    knobs.update(kw)
+    with fast_ge.Generator(model, compile=compile, **knobs) as gen:
+        out = gen.generate(_workload(21))
+        return out, gen.stats()
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_compiled_decode_equals_eager(kind):
+    """Continuous batching with chunked prefill (24 tokens an iteration), prefix hits, a group, preemption (20
+    pages of 3 for up to 8 sequences of up to 34 tokens): the compiled step's completions equal the eager
+    step's, and every decode step ran compiled, at the one padded size."""
+    model = _model(kind)
+    eager, eager_stats = _serve(model, compile=False)
+    got, stats = _serve(model, compile=True)
+    assert stats["static_decode_steps"] == stats["decode_steps"] > 10 and eager_stats["static_decode_steps"] == 0
+    assert {size for size, _ in stats["static_decode_shapes"]} == {8}
+    assert stats["preemptions"] > 0 and stats["prefix_hit_tokens"] > 0, stats
+    flat = lambda groups: [c for g in groups for c in (g if isinstance(g, list) else [g])]   # noqa: E731
+    for e, g in zip(flat(eager), flat(got), strict=True):
+        assert_same(e, g, model=None)
+
+
+def test_batches_past_the_largest_size_step_eagerly():
+    """capture_sizes=(2,): a step of up to 2 samples runs compiled (padded to 2), a larger one eagerly;
+    both kinds of step in one run, the completions equal an eager engine's."""
+    model = _model("dense", seed=4)
+    eager, _ = _serve(model, compile=False)
+    got, stats = _serve(model, compile=True, capture_sizes=(2,))
+    assert 0 < stats["static_decode_steps"] < stats["decode_steps"], stats
+    assert {size for size, _ in stats["static_decode_shapes"]} == {2}
+    for e, g in zip(eager, got, strict=True):
+        for a, b in zip(e if isinstance(e, list) else [e], g if isinstance(g, list) else [g], strict=True):
+            assert_same(a, b)
+
+
+@torch.no_grad()
+def test_hot_swap_lands_between_compiled_steps():
+    """A weight load while a request decodes through the compiled step (held at decode step 5's sampling, outside
+    the graph, until the shadow copy is staged): the swap brings another module, so a second graph; decode
+    steps 1..5 ran on model A, the rest on B, exactly as the reference's loop switched there gives."""
+    cfg = small_config(fast_ge, qk_norm=True)
+    prompt, n_tokens, switch_after = [9, 8, 7, 6, 5], 14, 5
+    with fast_ge.Generator(fast_lm.DecoderLM(cfg, seed=0), page_size=4, num_pages=16, max_batch_size=2,
+                           compile=True, capture_sizes=(1,)) as gen:
+        sample, calls = gen.runner.sample, []
+        reached, release = threading.Event(), threading.Event()
+
+        def gated(*args, **kwargs):              # call 0 samples the prefill's token, call s decode step s's
+            if len(calls) == switch_after:
+                reached.set()
+                assert release.wait(TIMEOUT)
+            calls.append(1)
+            return sample(*args, **kwargs)
+
+        gen.runner.sample = gated
+        fut = gen.submit(fast_ge.Request(prompt, fast_ge.SamplingParams(max_new_tokens=n_tokens)))
+        assert reached.wait(TIMEOUT)
+        loader = threading.Thread(target=gen.load_weights, args=(fast_lm.DecoderLM(cfg, seed=1).state_dict(), 1))
+        loader.start()
+        wait_until(lambda: gen.stats()["weights_staged"], what="the shadow copy")
+        release.set()
+        got = fut.result(TIMEOUT)
+        loader.join(TIMEOUT)
+        stats = gen.stats()
+    assert (got.min_policy_version, got.max_policy_version) == (0, 1)
+    assert stats["static_decode_steps"] == stats["decode_steps"] == n_tokens - 1
+    ref_cfg = ref_lm.ModelConfig(**{f: getattr(cfg, f) for f in ("vocab_size", "hidden_size", "intermediate_size",
+                                                                 "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                                                                 "max_seq_len", "tie_embeddings", "qk_norm")})
+    a, b = ref_lm.DecoderLM(ref_cfg, seed=0), ref_lm.DecoderLM(ref_cfg, seed=1)
+    tokens, logprobs = _switch_run(a, b, prompt, n_tokens, switch_after)
+    assert got.token_ids == tokens
+    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(logprobs), rtol=0, atol=1e-5)
+    assert tokens != _switch_run(a, a, prompt, n_tokens, 99)[0]                     # the new weights did serve
+
+
+@pytest.mark.parametrize("window", [0, 4], ids=["full", "window4"])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+def test_static_attention_is_the_definition(window, with_sinks):
+    """The static step's attention (``_paged_decode_attention``, eager here) against the row-by-row
+    definition: GQA 3, D 10, pages of 3, a table wider than the sequences, the new key from the step, padding
+    rows that see only their own key."""
+    gen = torch.Generator().manual_seed(window + 10 * with_sinks)
+    h_q, h_kv, d, ps, scale = 6, 2, 10, 3, 10 ** -0.5
+    sinks = torch.randn(h_q, generator=gen) * 2 if with_sinks else None
+    n_keys = [7, 1, 11]
+    keys = [torch.randn(n, h_kv, d, generator=gen) for n in n_keys]
+    values = [torch.randn(n, h_kv, d, generator=gen) for n in n_keys]
+    k_pool, v_pool, table = paged(keys, values, ps, gen)
+    table = torch.cat([table, table[:, :1]], 1)                   # one more column than any sequence needs
+    used = torch.tensor(n_keys, dtype=torch.int32)
+    q = torch.randn(3, h_q, d, generator=gen)
+    k_new = torch.stack([k[-1] for k in keys])                    # the new key: the step's, not yet in the pool
+    v_new = torch.stack([v[-1] for v in values])
+    for b in range(3):
+        slot = table[b, (n_keys[b] - 1) // ps] * ps + (n_keys[b] - 1) % ps
+        k_pool.view(-1, h_kv, d)[slot] = float("nan")            # poisoned: the step must not read it
+        v_pool.view(-1, h_kv, d)[slot] = float("nan")
+    first = (used - window).clamp(min=0) if window else None
+    got = fast_ge._paged_decode_attention(q, k_new, v_new, k_pool, v_pool, table.long(), used, first, scale, sinks)
+    for b in range(3):
+        p = n_keys[b] - 1
+        want = dense_attention(q[b:b + 1], keys[b], values[b], [p], [max(p - window + 1, 0) if window else 0], scale,
+                               sinks)
+        torch.testing.assert_close(got[b:b + 1].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_compile_knobs_are_checked_and_the_mode_stays_eager():
+    cfg = small_config(fast_ge)
+    model = fast_lm.DecoderLM(cfg, seed=0)
+    for sizes in [(), (0, 2), (4, 2), (2, 2), [1, 2], (1.5,)]:
+        with pytest.raises(ValueError, match="capture_sizes"):
+            fast_ge.Generator(model, num_pages=8, compile=True, capture_sizes=sizes)
+    with pytest.raises(TypeError, match="compile must be a bool"):
+        fast_ge.Generator(model, num_pages=8, compile=1)
+    from fast.flash_decoding import flash_decode
+    from fast.paged_varlen_attention import varlen_attn
+    mode = fast_lm.DecoderLM(cfg, seed=0, batch_invariant=True, varlen_attn=varlen_attn)
+    with pytest.warns(UserWarning, match="batch-invariant mode keeps its eager decode step"):
+        gen = fast_ge.Generator(mode, num_pages=8, flash_decode=flash_decode, compile=True)
+    with gen:
+        assert gen.runner.static is None and gen.stats()["static_decode_steps"] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with fast_ge.Generator(model, num_pages=8, compile=True) as gen:
+            assert gen.runner.static is not None and gen.runner.static.sizes[-1] >= gen.max_batch_size
