@@ -11,6 +11,7 @@ Each case compiles one padded size (``capture_sizes=(8,)``) to keep the compile 
 """
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 
@@ -27,18 +28,32 @@ from test_generator_engine import (TIMEOUT, ToyLinear, _switch_run, assert_same,
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 # every kind of layer the static step has a path for: full attention, a sliding window with sinks and biases
-# (gpt-oss's), a "linear" layer's state rows
+# (gpt-oss's), a "linear" layer's state rows (the toy plug-in's two, and Gated DeltaNet's recurrent and conv
+# states through ref/gated_deltanet.py's layer)
+HYBRID = dict(layer_types=("linear", "attention", "linear"), num_layers=3)
 MODELS = {
     "dense": dict(qk_norm=True),
     "windows+sinks": dict(layer_types=("attention", "attention", "attention"), num_layers=3, sliding_window=5,
                           sliding_layers=(0, 2), attention_sinks=True, qkv_bias=True, o_proj_bias=True),
-    "hybrid": dict(layer_types=("linear", "attention", "linear"), num_layers=3),
+    "toy-linear": HYBRID,
+    "gated-deltanet": dict(HYBRID, linear_num_k_heads=2, linear_num_v_heads=4, linear_head_k_dim=16,
+                           linear_head_v_dim=16),
 }
+
+
+def _linear_layer(kind: str):
+    if kind == "toy-linear":
+        return ToyLinear
+    if kind == "gated-deltanet":
+        import ref.gated_deltanet as gdn
+        return functools.partial(gdn.GatedDeltaNet, chunk_fn=gdn.chunk_gated_delta_rule,
+                                 recurrent_fn=gdn.fused_recurrent_gated_delta_rule)
+    return None
 
 
 def _model(kind: str, seed: int = 3) -> fast_lm.DecoderLM:
     cfg = small_config(fast_ge, **MODELS[kind])
-    model = fast_lm.DecoderLM(cfg, seed=seed, linear_layer=ToyLinear if kind == "hybrid" else None)
+    model = fast_lm.DecoderLM(cfg, seed=seed, linear_layer=_linear_layer(kind))
     with torch.no_grad():                            # every parameter away from its init (zeros / ones hide formulas)
         gen = torch.Generator().manual_seed(seed)
         for p in model.parameters():
