@@ -373,6 +373,112 @@ def bench_engine_compiled(rec, quick: bool) -> None:
         rec.add(case, "compile=True", "speedup", facts[False]["step_ms"] / facts[True]["step_ms"], "x")
 
 
+# The modeled GPU decode step.  Counted here, on the CPU (per layer and per step, from two depths: count = fixed
+# + per_layer x layers): the Python-to-torch calls of the eager decode iteration and the kernels of the static
+# step (the aten ops its forward dispatches, views excluded), i.e. what a CUDA graph of it would replay.
+# Priced with stated constants, never measured:
+#   eager step  = max(host, device): host = calls x HOST_US_PER_CALL (each call a dispatch and a launch from
+#                 Python: 5 us, the low end of what a PyTorch op costs on a GPU host); device as below
+#   graph step  = device = kernels x the observatory's launch_us (2 us: the gap between dependent launches,
+#                 kept inside a graph) + bytes / HBM bandwidth (H100: 3.35 TB/s)
+#   floor       = bytes / HBM bandwidth, bytes = the weights once (bf16, the embedding's B rows only) + every
+#                 request's K and V (CONTEXT keys, bf16)
+# The kernel count is this engine's static step with its in-file attention (a graph of it; a GPU's
+# flash_decode would replace the attention's ops by two launches), without inductor's fusions ("graph") and
+# with them ("graph of the compiled step": inductor's CPU kernels stand in for its GPU ones, the same fusion
+# decisions over the same graph, not the same code).
+HOST_US_PER_CALL, CONTEXT = 5.0, 1024
+GPU_SHAPES = {   # Qwen3 0.6B and 8B (their config.json): hidden, FFN, layers, q / kv heads, head dim, vocab, tied
+    "Qwen3-0.6B": dict(hidden=1024, ffn=3072, layers=28, heads=16, kv_heads=8, head_dim=128, vocab=151936, tied=True),
+    "Qwen3-8B": dict(hidden=4096, ffn=12288, layers=36, heads=32, kv_heads=8, head_dim=128, vocab=151936, tied=False),
+}
+
+
+def _step_counts(layers: int, batch: int) -> dict:
+    """(eager calls, static-step kernels) of one decode iteration of ENGINE_MODEL at this depth."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import fast.decoder_lm as lm
+    import fast.generator_engine as ge
+
+    class Kernels(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                Kernels.count += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.set_num_threads(1)
+    counter = _TorchCalls()
+    model = lm.DecoderLM(lm.ModelConfig(**dict(ENGINE_MODEL, num_layers=layers)), seed=0)
+    gen = ge.Generator(model, page_size=16, num_pages=16 * batch + 8, max_batch_size=batch)
+    step, calls = gen._step, []
+
+    def counted_step(settle):
+        counter.calls, counter.on = 0, True
+        step(settle)
+        counter.on = False
+        calls.append(counter.calls)
+
+    gen._step = counted_step
+    gen.generate([ge.Request(list(range(1, 17)), ge.SamplingParams(max_new_tokens=4)) for _ in range(batch)])
+    gen.close()                                             # (the last iteration was a decode step)
+    static = ge.StaticDecode(gen.runner, (batch,), batch)   # its forward, eagerly: the ops a graph would hold
+    args = (model, static.ids[:batch], static.positions[:batch], static.used[:batch], static.rows[:batch],
+            static.prompts[:batch], static.table[:batch, :2])
+    with torch.no_grad(), Kernels():
+        static._forward(*args)
+    return dict(calls=calls[-1], kernels=Kernels.count, compiled_kernels=_compiled_kernels(static, args))
+
+
+def _compiled_kernels(static, args) -> int:
+    """The kernels of the static step compiled by inductor (its fusions; on a CPU, C++ kernels plus the BLAS
+    calls), counted by the profiler in one call (the Python wrapper, so that each kernel is an event)."""
+    import torch._inductor.config as inductor
+    from torch.profiler import profile
+    with torch.no_grad(), inductor.patch({"cpp.enable_kernel_profile": True}):
+        compiled = torch.compile(static._forward, dynamic=False)
+        compiled(*args)
+        with profile() as prof:
+            compiled(*args)
+    extern = ("aten::mm", "aten::addmm", "aten::bmm", "aten::index_copy_")
+    return sum(1 for e in prof.events() if e.name.startswith("graph_") or e.name in extern)
+
+
+def bench_modeled_step(rec, quick: bool) -> None:
+    from observatory import H100
+    for batch in (1, 16, 64):
+        low, high = _step_counts(2, batch), _step_counts(4, batch)
+        per_layer = {k: (high[k] - low[k]) / 2 for k in low}
+        fixed = {k: low[k] - 2 * per_layer[k] for k in low}
+        for name, s in GPU_SHAPES.items():
+            h, d = s["hidden"], s["head_dim"]
+            layer_params = h * (s["heads"] + 2 * s["kv_heads"]) * d + s["heads"] * d * h + 3 * h * s["ffn"] + 2 * h
+            weight_bytes = 2 * (s["layers"] * layer_params + s["vocab"] * h + (0 if s["tied"] else batch * h))
+            kv_bytes = 2 * batch * CONTEXT * s["layers"] * 2 * s["kv_heads"] * d
+            floor_us = (weight_bytes + kv_bytes) / H100.hbm_bytes_per_s * 1e6
+            calls = fixed["calls"] + per_layer["calls"] * s["layers"]
+            kernels = fixed["kernels"] + per_layer["kernels"] * s["layers"]
+            fused = fixed["compiled_kernels"] + per_layer["compiled_kernels"] * s["layers"]
+            device_us = kernels * H100.launch_us + floor_us
+            fused_us = fused * H100.launch_us + floor_us
+            eager_us = max(calls * HOST_US_PER_CALL, device_us)
+            case = f"modeled GPU decode step {name} B={batch} context {CONTEXT} bf16 H100"
+            rec.add(case, "floor", "step_us", floor_us, "us")
+            rec.add(case, "eager", "step_us", eager_us, "us")
+            rec.add(case, "graph", "step_us", device_us, "us")
+            rec.add(case, "graph", "over_floor", device_us / floor_us, "x")
+            rec.add(case, "eager", "over_floor", eager_us / floor_us, "x")
+            rec.add(case, "eager", "torch_calls", calls, "calls")
+            rec.add(case, "graph", "kernels", kernels, "kernels")
+            rec.add(case, "graph", "kernels_per_layer", per_layer["kernels"], "kernels")
+            rec.add(case, "graph of the compiled step", "step_us", fused_us, "us")
+            rec.add(case, "graph of the compiled step", "over_floor", fused_us / floor_us, "x")
+            rec.add(case, "graph of the compiled step", "kernels", fused, "kernels")
+            rec.add(case, "graph of the compiled step", "kernels_per_layer", per_layer["compiled_kernels"], "kernels")
+
+
 def cpu(rec, args) -> None:
     if args.part in ("all", "checkpoint"):
         bench_checkpoints(rec, args.quick)
@@ -384,6 +490,8 @@ def cpu(rec, args) -> None:
         bench_compiled(rec, args.quick)
     if args.part in ("all", "engine-compiled"):
         bench_engine_compiled(rec, args.quick)
+    if args.part in ("all", "modeled-step"):
+        bench_modeled_step(rec, args.quick)
 
 
 def main(argv=None) -> int:
@@ -402,8 +510,8 @@ def main(argv=None) -> int:
         return 0
 
     def configure(ap):
-        ap.add_argument("--part", choices=["all", "checkpoint", "tp", "pool", "compiled", "engine-compiled"],
-                        default="all")
+        ap.add_argument("--part", choices=["all", "checkpoint", "tp", "pool", "compiled", "engine-compiled",
+                                           "modeled-step"], default="all")
     return run_bench("decoder_lm", __doc__, gpu=cpu, cpu=cpu, configure=configure, argv=argv)
 
 

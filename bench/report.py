@@ -139,6 +139,16 @@ FAMILIES: dict[str, list[Family]] = {
                "packed in 4 documents, cross-entropy, backward; hidden 256, 4 layers, fp32, SDPA) eagerly and "
                "under torch.compile(model, fullgraph=True): median ms of alternating steps, the first compiled "
                "step's seconds, and the speedup (eager / compiled; target >= 1), at 1 thread and every core."),
+        Family("engine decode step", "The engine's decode step compiled on a CPU", "One decode iteration of the "
+               "fast engine (scheduling, forward, sampling) on a Qwen3-0.6B-deep model of negligible arithmetic "
+               "(28 layers, hidden 128, fp32, one thread), eager and Generator(compile=True), each in a fresh "
+               "process with an empty inductor cache: median ms, Python's calls into torch per iteration, the "
+               "first run's seconds (compiles included) and the speedup (targets: >= 3x, <= 300 calls)."),
+        Family("modeled GPU decode step", "The decode step on an H100, modeled", "Not a measurement: counts "
+               "taken on the CPU (the eager iteration's torch calls, the static step's kernels) priced at 5 us "
+               "of host time per call and the observatory's 2 us per kernel, plus bytes (bf16 weights once, K "
+               "and V of 1,024 keys a request) over 3.35 TB/s; eager = max(host, device), graph = device, floor "
+               "= bytes only; over_floor = step / floor (the target at Qwen3-8B, B = 16: <= 1.3x)."),
     ],
     "moe": [
         Family("routing", "MoE routing: engine against trainer", "R3's measurement for this repo's stack: a "
