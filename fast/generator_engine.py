@@ -126,7 +126,8 @@ Supported, and what raises
     share them).  ``compile=True``: the batch-invariant mode keeps its eager step (measured: compiled, 8 of
     15 decode logprobs of a tiny model moved by up to 6.6e-7: inductor fuses the norms and activations
     its own way), as do tensor-parallel engines, steps with a group's cascade and batches past the
-    largest capture size; CUDA graphs (replaying the static step on a GPU) are not built yet.
+    largest capture size.  ``cuda_graphs=True`` (replaying the static step on a GPU) is written and in the GPU
+    tier of the tests, not yet run on a GPU: off by default until it is.
 
 References
     vLLM (Kwon et al., PagedAttention, 2023) and its scheduler (continuous batching, recompute
@@ -312,6 +313,7 @@ class EngineOptions:
     tp_timeout_s: float = 60.0
     tp_address: str = "127.0.0.1"
     compile: bool = False
+    cuda_graphs: bool = False
     capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
     def __post_init__(self):
@@ -327,7 +329,7 @@ class EngineOptions:
             fn = getattr(self, field)
             if fn is not None and not callable(fn):
                 raise TypeError(f"{field} must be None or a function with that signature, got {type(fn).__name__}")
-        for field in ("prefix_caching", "compile"):
+        for field in ("prefix_caching", "compile", "cuda_graphs"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"{field} must be a bool, got {type(getattr(self, field)).__name__}")
         sizes = self.capture_sizes
@@ -395,15 +397,20 @@ class Generator:
     ``tensor_parallel_size``,           N processes, one shard each (the section "tensor parallelism");
     ``tp_timeout_s``, ``tp_address``    a worker dead or silent for tp_timeout_s fails the generator
     ``weight_receiver``                 a weight transport connected on every rank (``connect_weights``)
-    ``compile``, ``capture_sizes``      decode through the static step (the section "the static decode
-                                        step"), compiled by ``torch.compile``: a batch padded to the next
-                                        of ``capture_sizes`` (larger ones, and a step with a group's
-                                        cascade, run eagerly), one compile per padded size and weight set
-                                        (seconds to minutes on a CPU: a warm-up cost).  Tokens equal the
-                                        eager step's, logprobs to fp32 rounding.  Measured on the 2-core
-                                        CPU (28 layers, hidden 128, fp32; bench/routed_generator.py --part
-                                        compiled): the README's table.  The batch-invariant mode and
-                                        tensor-parallel engines keep the eager step (a warning says why)
+    ``compile``, ``cuda_graphs``,       decode through the static step (the section "the static decode
+    ``capture_sizes``                   step"): a batch padded to the next of ``capture_sizes`` (larger
+                                        ones, and a step with a group's cascade, run eagerly), compiled by
+                                        ``torch.compile`` (one compile per padded size and weight set:
+                                        seconds to minutes on a CPU) and / or, on CUDA, replayed from a
+                                        graph captured per padded size and weight set (its inputs copied
+                                        into the graph's buffers; sampling stays outside: it reads the
+                                        logits a replay leaves).  Tokens equal the eager step's, logprobs
+                                        to rounding.  Measured on the 2-core CPU (bench/decoder_lm.py
+                                        --part engine-compiled): the README's table.  Tensor-parallel
+                                        engines keep the eager step, as does the batch-invariant mode
+                                        under compile (graphs replay its kernels: attention-only models)
+                                        and a hybrid model's in the mode; a warning says which.
+                                        ``cuda_graphs`` is off by default until a GPU run has tested it
     A model in the batch-invariant mode (``model.batch_invariant``) makes the engine batch-invariant (the
     module docstring): it then needs ``varlen_attn`` (default: the model's) and ``flash_decode``.
     ``Generator.from_pretrained(path, model_class=DecoderLM, ...)`` serves a checkpoint.
@@ -415,8 +422,8 @@ class Generator:
                  checkpoint_interval: int = 1, num_checkpoints: int | None = None, kv_on_swap: str = "keep",
                  kv_cache_memory: int | None = None, memory_utilization: float = 0.9, max_seq_len: int | None = None,
                  tensor_parallel_size: int = 1, tp_timeout_s: float = 60.0, tp_address: str = "127.0.0.1",
-                 compile: bool = False, capture_sizes: tuple = EngineOptions.capture_sizes, weight_receiver=None,
-                 _tp_worker=None):
+                 compile: bool = False, cuda_graphs: bool = False, capture_sizes: tuple = EngineOptions.capture_sizes,
+                 weight_receiver=None, _tp_worker=None):
         opts = EngineOptions(
             name=name, policy_version=policy_version, varlen_attn=varlen_attn, flash_decode=flash_decode,
             cascade_decode=cascade_decode, page_size=page_size, num_pages=num_pages, max_batch_size=max_batch_size,
@@ -424,7 +431,7 @@ class Generator:
             checkpoint_interval=checkpoint_interval, num_checkpoints=num_checkpoints, kv_on_swap=kv_on_swap,
             kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization, max_seq_len=max_seq_len,
             tensor_parallel_size=tensor_parallel_size, tp_timeout_s=tp_timeout_s, tp_address=tp_address,
-            compile=compile, capture_sizes=capture_sizes)
+            compile=compile, cuda_graphs=cuda_graphs, capture_sizes=capture_sizes)
         self.options, self.name, self._tp, self._broken = opts, opts.name, _tp_worker, None
         if opts.tensor_parallel_size > 1 and _tp_worker is None:   # rank 0: starts the workers, keeps its shard
             self._tp = _TensorParallel(opts)
@@ -474,20 +481,28 @@ class Generator:
         self.prefix_caching, self.checkpoint_interval, self.kv_on_swap = (opts.prefix_caching, opts.checkpoint_interval,
                                                                           opts.kv_on_swap)
         self._cv = threading.Condition()
-        static = opts.compile and (COMPILE_THE_MODE or not self.batch_invariant) and opts.tensor_parallel_size == 1
-        if opts.compile and not static:
-            warnings.warn("Generator(compile=True): " + (
+        # the static decode step: compiled (not in the mode: inductor changes its rounding) and / or replayed
+        # from CUDA graphs (the mode too, the same kernels; not a hybrid model there: its chunk-form decode
+        # keeps host-side bookkeeping); never tensor-parallel (the ranks' collectives are not in it)
+        graphs = opts.cuda_graphs and self.device.type == "cuda" and not (self.batch_invariant and "linear" in
+                                                                          self.config.kinds)
+        compiled = opts.compile and (COMPILE_THE_MODE or not self.batch_invariant)
+        static = (graphs or compiled) and opts.tensor_parallel_size == 1
+        if (opts.compile or (opts.cuda_graphs and self.device.type == "cuda")) and not static:
+            warnings.warn("Generator(compile / cuda_graphs): " + (
+                "tensor-parallel engines keep their eager decode step (the static one is not built with the ranks' "
+                "collectives)" if opts.tensor_parallel_size > 1 else
                 "the batch-invariant mode keeps its eager decode step (compiled, inductor changes its rounding: "
-                "engine logprobs would no longer equal token_logprobs bit for bit)" if self.batch_invariant else
-                "tensor-parallel engines keep their eager decode step (the compiled one is not built with the "
-                "ranks' collectives)"), stacklevel=3)
+                "engine logprobs would no longer equal token_logprobs bit for bit; a hybrid model's decode step in "
+                "the mode is not capturable)"), stacklevel=3)
         self.pools = StatePools(model, self.memory, state_shapes, padding=static)
         self.scheduler = Scheduler(opts, self.memory, self.pools, hybrid="linear" in self.config.kinds, lock=self._cv,
                                    group_decode=opts.cascade_decode is not None and not self.batch_invariant,
                                    version=self._version)
         self.runner = ModelRunner(model, self.pools, attention, self.memory, self.batch_invariant, self._tp)
         if static:
-            self.runner.static = StaticDecode(self.runner, opts.capture_sizes, self.max_batch_size)
+            self.runner.static = StaticDecode(self.runner, opts.capture_sizes, self.max_batch_size, compile=compiled,
+                                              cuda_graphs=graphs)
         if isinstance(self._tp, _TensorParallel):
             self._tp.ready()                              # every worker sized its pools alike
         self._load_lock = threading.Lock()
@@ -625,8 +640,9 @@ class Generator:
         may take) and checkpoint_bytes (what they hold: allocated at the first prefill that writes one;
         num_checkpoints x, per linear layer, every tensor of its cache: the fp32 recurrent state and the
         conv state, and in the batch-invariant mode the chunk buffer), max_seq_len; decode_steps,
-        static_decode_steps (those through the compiled static step) and static_decode_shapes (the
-        (padded batch, table width in pages) it ran at)."""
+        static_decode_steps (those through the static step, compiled or replayed) and static_decode_shapes
+        (the (padded batch, table width in pages) it ran at); cuda_graph_sizes (the padded batches captured)
+        and cuda_graph_bytes (what their memory pool reserved)."""
         with self._cv:
             sched = self.scheduler
             return dict(waiting=sched.waiting_samples(self._incoming), running=sched.running_samples(),
@@ -639,8 +655,10 @@ class Generator:
     def _static_report(self) -> dict:
         static, steps = self.runner.static, self.runner.decode_steps
         if static is None:
-            return dict(decode_steps=steps, static_decode_steps=0, static_decode_shapes=[])
-        return dict(decode_steps=steps, static_decode_steps=static.steps, static_decode_shapes=sorted(static.shapes))
+            return dict(decode_steps=steps, static_decode_steps=0, static_decode_shapes=[], cuda_graph_sizes=[],
+                        cuda_graph_bytes=0)
+        return dict(decode_steps=steps, static_decode_steps=static.steps, static_decode_shapes=sorted(static.shapes),
+                    cuda_graph_sizes=sorted({size for _, size in static.graphs}), cuda_graph_bytes=static.graph_bytes)
 
     def close(self) -> None:
         """Stop the engine (what is queued or running fails) and, tensor-parallel, every worker process."""
@@ -1761,7 +1779,8 @@ class ModelRunner:
 # input in a buffer allocated once.  Padding rows decode token 0 at position 0 into the pools' spare page
 # and state row (``StatePools(padding=True)``); their logits are dropped.  Nothing in the step reads a value
 # back to the host.  ``Generator(compile=True)`` runs it through ``torch.compile`` (inductor), one graph per
-# (P, W) and per weight set (a hot swap alternates two modules).
+# P (W is dynamic) and per weight set (a hot swap alternates two modules); ``cuda_graphs=True`` captures it
+# (compiled or not) per P and weight set at the table's full width, and replays it.
 #
 # The state writes are deferred to the step's end, one op for all of them (``_write_rows``): the attention
 # of layer i sees the cached keys 0 .. L - 2 from the pool and the new key from the step itself, which is
@@ -1812,11 +1831,14 @@ COMPILE_THE_MODE = False   # the batch-invariant mode's step compiled: measured 
 
 
 class StaticDecode:
-    """The decode step over persistent padded buffers (the section above), compiled (``compile=True``).
-    ``run`` returns None when a step cannot take it (a batch larger than the largest size, a group's cascade),
-    and the runner steps eagerly."""
+    """The decode step over persistent padded buffers (the section above), compiled (``compile=True``) and /
+    or replayed from a CUDA graph per padded size and weight set (``cuda_graphs=True``: the block table at its
+    full width, captured on first use over padding-only inputs, so its warm-up runs write the spare page and
+    row only).  ``run`` says when a step cannot take it (a batch larger than the largest size; a capture
+    that failed, after a warning) and the runner steps eagerly."""
 
-    def __init__(self, runner: ModelRunner, sizes: tuple, max_batch_size: int):
+    def __init__(self, runner: ModelRunner, sizes: tuple, max_batch_size: int, *, compile: bool = True,
+                 cuda_graphs: bool = False):
         self.runner, self.pools = runner, runner.pools
         # the sizes up to the first that holds max_batch_size (larger ones would never be used)
         self.sizes = tuple(n for n in sizes if n < max_batch_size) + tuple(n for n in sizes if n >= max_batch_size)[:1]
@@ -1829,7 +1851,12 @@ class StaticDecode:
         self.table = torch.zeros(largest, self.pools.pages_per_seq, dtype=torch.int32, device=dev)
         self.shapes: set = set()                   # the (P, W) the step ran at
         self.steps = 0
-        self._compiled = torch.compile(self._forward, dynamic=False, options={"cpp_wrapper": True})
+        self._compiled = (torch.compile(self._forward, dynamic=False, options={"cpp_wrapper": True}) if compile
+                          else self._forward)
+        self.cuda_graphs = cuda_graphs
+        self.graphs: dict = {}                     # (id(model), P) -> (CUDAGraph, its logits)
+        self.graph_bytes = 0                       # what the graphs' memory pool reserved
+        self._pool = None
 
     def run(self, model: nn.Module, seqs: list) -> tuple[bool, torch.Tensor | None]:
         """(ran, logits [B, V] or None on a worker)."""
@@ -1838,7 +1865,10 @@ class StaticDecode:
             return False, None
         size = next(n for n in self.sizes if n >= b)
         pages = max(len(s.pages) for s in seqs)
-        width = min(1 << (pages - 1).bit_length(), pools.pages_per_seq)
+        width = pools.pages_per_seq if self.cuda_graphs else min(1 << (pages - 1).bit_length(), pools.pages_per_seq)
+        graph = self._graph(model, size) if self.cuda_graphs else None
+        if self.cuda_graphs and graph is None:
+            return False, None
         pad, put = size - b, self.runner.staging.put
         self.ids[:size].copy_(put("ids", [s.tokens[-1] for s in seqs] + [0] * pad, torch.int64))
         self.positions[:size].copy_(put("positions", [len(s.tokens) - 1 for s in seqs] + [0] * pad, torch.int64))
@@ -1848,14 +1878,51 @@ class StaticDecode:
         pools.flush_table()
         torch.index_select(pools.table, 0, self.rows[:b], out=self.table[:b])
         self.table[b:size].fill_(pools.pad_page)
-        table = self.table[:size, :width]
-        torch._dynamo.maybe_mark_dynamic(table, 1)
-        with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=4096):
-            logits = self._compiled(model, self.ids[:size], self.positions[:size], self.used[:size], self.rows[:size],
-                                    self.prompts[:size], table)
+        if graph is not None:
+            graph[0].replay()
+            logits = graph[1]
+        else:
+            logits = self._call(model, size, width)
         self.shapes.add((size, width))
         self.steps += 1
         return True, None if logits is None else logits[:b]
+
+    def _call(self, model: nn.Module, size: int, width: int):
+        table = self.table[:size, :width]
+        torch._dynamo.maybe_mark_dynamic(table, 1)
+        with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=4096):
+            return self._compiled(model, self.ids[:size], self.positions[:size], self.used[:size], self.rows[:size],
+                                  self.prompts[:size], table)
+
+    def _graph(self, model: nn.Module, size: int):
+        """The CUDA graph of the step at padded size ``size`` for this weight set: captured on first use (two
+        warm-up runs on a side stream first: Triton compiles and autotunes there), over inputs that are
+        padding only; None (and a warning, once) when the capture fails: the engine then steps eagerly."""
+        key = (id(model), size)
+        if key not in self.graphs:
+            pools = self.pools
+            self.ids[:size].zero_(), self.positions[:size].zero_(), self.used[:size].fill_(1)
+            self.rows[:size].fill_(pools.pad_row), self.prompts[:size].zero_(), self.table[:size].fill_(pools.pad_page)
+            before = torch.cuda.memory_reserved(self.runner.device)
+            try:
+                side = torch.cuda.Stream(self.runner.device)
+                side.wait_stream(torch.cuda.current_stream(self.runner.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._call(model, size, pools.pages_per_seq)
+                torch.cuda.current_stream(self.runner.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    logits = self._call(model, size, pools.pages_per_seq)
+            except Exception as exc:                    # (a plug-in that syncs with the host, say)
+                warnings.warn(f"Generator(cuda_graphs=True): capturing the decode step at batch {size} failed "
+                              f"({type(exc).__name__}: {exc}); this engine decodes eagerly", stacklevel=2)
+                self.cuda_graphs, self.graphs = False, {}
+                return None
+            self._pool = graph.pool()
+            self.graph_bytes += torch.cuda.memory_reserved(self.runner.device) - before
+            self.graphs[key] = (graph, logits)
+        return self.graphs[key]
 
     def _forward(self, model, ids, positions, used, rows, prompts, table):
         runner, pools, ps = self.runner, self.pools, self.pools.page_size

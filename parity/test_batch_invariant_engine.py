@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import functools
 import random
+import warnings
 
 import pytest
 import torch
@@ -326,11 +327,13 @@ gpu_gdn_layer = fast_gdn_layer
 
 @requires_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "cuda-graphs"])
 @pytest.mark.parametrize("layer_types", [None, ("linear", "attention") * 2], ids=["attention", "hybrid"])
-def test_gpu_bf16_engine_logprobs_equal_the_trainers_bitwise(layer_types):
+def test_gpu_bf16_engine_logprobs_equal_the_trainers_bitwise(layer_types, cuda_graphs):
     """The same contract in bf16 on a GPU, where every matmul is the fixed-tile Triton kernel: a 0.1B
     model (attention-only, or hybrid with fast Gated DeltaNet layers), 64 requests through a pool that
-    preempts, flash_decode(batch_invariant=True)."""
+    preempts, flash_decode(batch_invariant=True); and with cuda_graphs=True, where the attention-only model's
+    decode steps replay graphs of the same kernels (the hybrid one's stay eager in the mode, with a warning)."""
     cfg = fast_lm.ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8,
                               num_kv_heads=2, head_dim=64, max_seq_len=512, tie_embeddings=False,
                               layer_types=layer_types, linear_num_k_heads=4, linear_num_v_heads=8,
@@ -342,9 +345,17 @@ def test_gpu_bf16_engine_logprobs_equal_the_trainers_bitwise(layer_types):
                                                    seed=i), request_id=f"g{i}") for i in range(64)]
     kw = dict(device=DEVICE, dtype=torch.bfloat16, linear_layer=linear_layer)
     model = fast_lm.DecoderLM(cfg, seed=0, batch_invariant=True, varlen_attn=varlen_attn, **kw)
-    with fast_ge.Generator(model, page_size=16, num_pages=160, max_batch_size=32, flash_decode=flash_decode) as gen:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gen = fast_ge.Generator(model, page_size=16, num_pages=160, max_batch_size=32, flash_decode=flash_decode,
+                                cuda_graphs=cuda_graphs)
+    assert any("hybrid model's decode step" in str(w.message) for w in caught) == (cuda_graphs and bool(layer_types))
+    with gen:
         busy = serve_busy(gen, reqs, seed=6)
-        assert gen.stats()["preemptions"] >= 1
+        stats = gen.stats()
+        assert stats["preemptions"] >= 1
+        if cuda_graphs and not layer_types:
+            assert stats["cuda_graph_sizes"] and stats["static_decode_steps"] == stats["decode_steps"], stats
         alone = gen.generate([reqs[7]])[0]
     assert alone.token_ids == busy[7].token_ids and alone.logprobs == busy[7].logprobs
     trainer = fast_lm.DecoderLM(cfg, seed=0, batch_invariant=True, varlen_attn=varlen_attn, **kw)

@@ -21,8 +21,9 @@ import torch
 import fast.decoder_lm as fast_lm
 import fast.generator_engine as fast_ge
 import ref.decoder_lm as ref_lm
+from conftest import DEVICE, requires_gpu
 from fleet_sim import wait_until
-from test_generator_engine import (TIMEOUT, ToyLinear, _switch_run, assert_same, dense_attention, make_requests, paged,
+from test_generator_engine import (LP_RTOL, TIMEOUT, ToyLinear, _switch_run, assert_same, dense_attention, make_requests, paged,
                                    small_config)
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -189,6 +190,8 @@ def test_compile_knobs_are_checked_and_the_mode_stays_eager():
             fast_ge.Generator(model, num_pages=8, compile=True, capture_sizes=sizes)
     with pytest.raises(TypeError, match="compile must be a bool"):
         fast_ge.Generator(model, num_pages=8, compile=1)
+    with pytest.raises(TypeError, match="cuda_graphs must be a bool"):
+        fast_ge.Generator(model, num_pages=8, cuda_graphs="yes")
     from fast.flash_decoding import flash_decode
     from fast.paged_varlen_attention import varlen_attn
     mode = fast_lm.DecoderLM(cfg, seed=0, batch_invariant=True, varlen_attn=varlen_attn)
@@ -200,3 +203,27 @@ def test_compile_knobs_are_checked_and_the_mode_stays_eager():
         warnings.simplefilter("error", UserWarning)
         with fast_ge.Generator(model, num_pages=8, compile=True) as gen:
             assert gen.runner.static is not None and gen.runner.static.sizes[-1] >= gen.max_batch_size
+        with fast_ge.Generator(model, num_pages=8, cuda_graphs=True) as gen:    # on a CPU: no graphs, no static step
+            assert gen.runner.static is None and gen.stats()["cuda_graph_sizes"] == []
+
+
+@requires_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense", "windows+sinks", "gated-deltanet"])
+@pytest.mark.parametrize("kernels", ["torch", "repo"])
+def test_gpu_cuda_graphs_equal_eager(kind, kernels):
+    """On a GPU, fp32: decode steps replayed from CUDA graphs (one per padded size; a capture per weight set)
+    give the eager step's completions, with the in-file attention or this repo's flash_decode, on the
+    workload above; the graphs' sizes and memory are reported."""
+    plug = {}
+    if kernels == "repo":
+        from fast.flash_decoding import flash_decode
+        plug["flash_decode"] = flash_decode
+    model = _model(kind).to(DEVICE)
+    eager, _ = _serve(model, compile=False, **plug)
+    got, stats = _serve(model, compile=False, cuda_graphs=True, capture_sizes=(2, 8), **plug)
+    assert stats["cuda_graph_sizes"] and set(stats["cuda_graph_sizes"]) <= {2, 8}, stats
+    assert stats["static_decode_steps"] == stats["decode_steps"] and stats["cuda_graph_bytes"] > 0, stats
+    for e, g in zip(eager, got, strict=True):
+        for a, b in zip(e if isinstance(e, list) else [e], g if isinstance(g, list) else [g], strict=True):
+            assert_same(a, b, rtol=4 * LP_RTOL)                 # (fp32 on a GPU: the doubled factor, twice)

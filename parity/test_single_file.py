@@ -78,6 +78,7 @@ ALLOWED_EXTRA = {
     ("fast", "Generator", "compile"): "the paged engine's static decode step, compiled (the reference is the eager "
                                       "specification)",
     ("fast", "Generator", "capture_sizes"): "the static step's padded batch sizes",
+    ("fast", "Generator", "cuda_graphs"): "the paged engine's static decode step replayed from CUDA graphs",
     ("fast", "Generator", "weight_receiver"): "fast/weight_sync.py's transport, connected on every rank (the "
                                               "reference engine loads state dicts only)",
 }
