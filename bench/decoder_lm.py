@@ -41,7 +41,12 @@ Cases (CPU-meaningful: this measures loading, memory, the engine's batching and 
                               requests of 16 + 40 tokens: ``step_ms`` (median), ``torch_calls`` (median per
                               step: Python's calls into torch's C functions on the engine thread),
                               ``warm_s`` (the first run, its compiles included) and ``speedup`` (eager ms /
-                              compiled ms; the target: >= 3 at B = 1 and 16).
+                              compiled ms; the target: >= 3 at B = 1 and 16).  On a GPU instead:
+    engine GPU decode Qwen3-0.6B-shaped bf16 B=<b>   the fast engine with this repo's kernels, eager and
+                              ``cuda_graphs=True``, B = 1, 16, 64 requests of 128 + 128 tokens:
+                              decode ``tokens_per_s`` and ``step_ms``, the memory floor's ``step_ms`` (the
+                              weights and 192 keys of K and V a request over the measured copy bandwidth),
+                              the graphs' ``over_floor``, ``graph_bytes`` and ``speedup``.
 
     python bench/decoder_lm.py                 # every part; rows to bench/results/latest/ (untracked)
     python bench/decoder_lm.py --record        # ... and appended to bench/results/decoder_lm.csv
@@ -356,7 +361,91 @@ def engine_child(batch: int, compiled: bool, reps: int) -> dict:
                 static_steps=stats["static_decode_steps"], decode_steps=stats["decode_steps"])
 
 
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                 num_kv_heads=8, head_dim=128, qk_norm=True, max_seq_len=4096, tie_embeddings=True)
+
+
+def engine_gpu_child(batch: int) -> dict:
+    """On a GPU: a Qwen3-0.6B-shaped model (random weights, bf16) with this repo's varlen_attn and
+    flash_decode, B requests of 128 + 128 tokens (greedy), eager and ``cuda_graphs=True``: decode step ms
+    (decode-only iterations), after a first run that captures; and the memory floor of a step (the weights
+    once, every request's K and V at 192 keys, over the device's copy bandwidth measured here)."""
+    dev = torch.device("cuda")
+    facts = {graphs: _engine_gpu_run(batch, graphs, dev) for graphs in (False, True)}
+    weights = facts[True].pop("weight_bytes")
+    kv = batch * 192 * QWEN3_06B["num_layers"] * 2 * QWEN3_06B["num_kv_heads"] * QWEN3_06B["head_dim"] * 2
+    src = torch.empty(1 << 28, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    copy_bps = 2 * src.nbytes * 10 / (time.perf_counter() - start)
+    return dict(eager_ms=facts[False]["step_ms"], graphs_ms=facts[True]["step_ms"],
+                floor_ms=1e3 * (weights + kv) / copy_bps, graph_bytes=facts[True]["graph_bytes"])
+
+
+def _engine_gpu_run(batch: int, graphs: bool, dev) -> dict:
+    import statistics
+
+    import fast.decoder_lm as lm
+    import fast.generator_engine as ge
+    from fast.flash_decoding import flash_decode
+    from fast.paged_varlen_attention import varlen_attn
+    model = lm.DecoderLM(lm.ModelConfig(**QWEN3_06B), seed=0, device=dev, dtype=torch.bfloat16, varlen_attn=varlen_attn)
+    gen = ge.Generator(model, page_size=16, kv_cache_memory=4 << 30, max_batch_size=max(batch, 8),
+                       flash_decode=flash_decode, cuda_graphs=graphs)
+    step, prefill, times, prefilled = gen._step, gen.runner.prefill, [], []
+
+    def timed_prefill(*args):
+        prefilled.append(True)
+        return prefill(*args)
+
+    def timed_step(settle):
+        prefilled.clear()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(settle)
+        torch.cuda.synchronize()
+        if not prefilled:
+            times.append(time.perf_counter() - start)
+
+    gen.runner.prefill, gen._step = timed_prefill, timed_step
+
+    def run():
+        gen.generate([ge.Request([(7 * i + j) % 1000 for j in range(128)], ge.SamplingParams(max_new_tokens=128))
+                      for i in range(batch)])
+
+    run()
+    times.clear()
+    run()
+    stats = gen.stats()
+    gen.close()
+    return dict(step_ms=1e3 * statistics.median(times), graph_bytes=stats["cuda_graph_bytes"],
+                weight_bytes=sum(p.nbytes for p in model.parameters()))
+
+
+def bench_engine_gpu(rec, quick: bool) -> None:
+    for batch in (1, 16, 64):
+        proc = subprocess.run([sys.executable, __file__, "--engine-gpu-child", str(batch)], capture_output=True,
+                              text=True, timeout=1200, cwd=ROOT)
+        facts = child_facts(proc, f"engine GPU B={batch}")
+        case = f"engine GPU decode Qwen3-0.6B-shaped bf16 B={batch}"
+        for name, ms in (("eager", facts["eager_ms"]), ("cuda_graphs=True", facts["graphs_ms"]),
+                         ("memory floor", facts["floor_ms"])):
+            rec.add(case, name, "step_ms", ms, "ms")
+            rec.add(case, name, "tokens_per_s", 1e3 * batch / ms, "tok/s")
+        rec.add(case, "cuda_graphs=True", "over_floor", facts["graphs_ms"] / facts["floor_ms"], "x")
+        rec.add(case, "cuda_graphs=True", "graph_bytes", facts["graph_bytes"], "B")
+        rec.add(case, "cuda_graphs=True", "speedup", facts["eager_ms"] / facts["graphs_ms"], "x")
+
+
 def bench_engine_compiled(rec, quick: bool) -> None:
+    if torch.cuda.is_available():
+        bench_engine_gpu(rec, quick)
+        return
     for batch in (1, 16):
         facts = {}
         for compiled in (False, True):
@@ -504,6 +593,9 @@ def main(argv=None) -> int:
         return 0
     if argv[:1] == ["--compiled-child"]:
         print("FACTS " + json.dumps(compiled_child(int(argv[1]), int(argv[2]))), flush=True)
+        return 0
+    if argv[:1] == ["--engine-gpu-child"]:
+        print("FACTS " + json.dumps(engine_gpu_child(int(argv[1]))), flush=True)
         return 0
     if argv[:1] == ["--engine-child"]:
         print("FACTS " + json.dumps(engine_child(int(argv[1]), bool(int(argv[2])), int(argv[3]))), flush=True)

@@ -74,7 +74,7 @@ PARTS = [
          ("parity/test_gated_deltanet.py", "parity/test_gated_deltanet_backward.py")),
     Part("parity-engine-offload", "GPU parity, the generator engine (eager and its CUDA graphs) and the activation "
          "offload", _pytest("parity/test_generator_engine.py", "parity/test_engine_compile.py",
-                             "parity/test_view_replay_offload.py"), 300,
+                             "parity/test_view_replay_offload.py"), 240,
          ("parity/test_generator_engine.py", "parity/test_engine_compile.py", "parity/test_view_replay_offload.py")),
     Part("bitwise-gpu", "the bitwise GPU tier: pytest -m gpu of parity/test_batch_invariant_*.py",
          _pytest("-m", "gpu", "parity/test_batch_invariant_attention.py", "parity/test_batch_invariant_engine.py"),
@@ -87,6 +87,8 @@ PARTS = [
          ("bench/gated_deltanet.py",)),
     Part("bench-offload", "benchmark: the activation offload's overhead and memory saved",
          _bench("view_replay_offload"), 120, ("bench/view_replay_offload.py",)),
+    Part("bench-engine", "benchmark: the engine's decode eager against CUDA graphs, Qwen3-0.6B-shaped, B = 1..64",
+         [*_bench("decoder_lm"), "--part", "engine-compiled"], 100, ("bench/decoder_lm.py",)),
     Part("report", "regenerate the tables and plots from bench/results/*.csv (make report)",
          ["bench/report.py"], 20, ("bench/report.py",)),
 ]

@@ -144,6 +144,10 @@ FAMILIES: dict[str, list[Family]] = {
                "(28 layers, hidden 128, fp32, one thread), eager and Generator(compile=True), each in a fresh "
                "process with an empty inductor cache: median ms, Python's calls into torch per iteration, the "
                "first run's seconds (compiles included) and the speedup (targets: >= 3x, <= 300 calls)."),
+        Family("engine GPU decode", "The engine's decode on a GPU: eager against CUDA graphs", "A Qwen3-0.6B-shaped "
+               "model (random weights, bf16) with this repo's kernels, B requests of 128 + 128 tokens: decode step "
+               "ms and tokens/s, eager and Generator(cuda_graphs=True), beside the memory floor (the weights and "
+               "192 keys of K and V a request over the measured copy bandwidth)."),
         Family("modeled GPU decode step", "The decode step on an H100, modeled", "Not a measurement: counts "
                "taken on the CPU (the eager iteration's torch calls, the static step's kernels) priced at 5 us "
                "of host time per call and the observatory's 2 us per kernel, plus bytes (bf16 weights once, K "
