@@ -1245,7 +1245,7 @@ def plot(results):
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullFormatter
     impls = [i for i in IMPLS if any("summary" in p.get(i, {}) for _, p in results)]
-    colors = dict(zip(impls, plt.get_cmap("tab10").colors))
+    colors = dict(zip(impls, plt.get_cmap("tab20").colors))       # (11 implementations with the MoE peers)
     most = max(sum("summary" in r for r in p.values()) for _, p in results)
     width = 0.84 / most
     fig, ax = plt.subplots(figsize=(max(10, 1.7 * len(results)), 6.5))
