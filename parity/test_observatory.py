@@ -428,3 +428,14 @@ def test_peers_moe_align_layout():
     assert sorted_ids[:16].tolist() == [3, 6, 9, 12, 0, 4, 10, 12, 1, 7, 11, 12, 2, 5, 8, 12]
     assert blocks[:4].tolist() == [1, 2, 3, 4] and total.item() == 16
     assert heard == [("vLLM moe_align_block_size (CUDA op, emulated)", 12 * 4, (27 + 7 + 1) * 4)]
+
+
+def test_report_plot_draws_every_implementation(tmp_path, monkeypatch):
+    """bench/roofline.py's plot with a bar for every implementation it knows (a colour and a legend entry
+    each: with the MoE peers there are more than tab10's ten colours)."""
+    from types import SimpleNamespace
+    roofline = _roofline()
+    monkeypatch.setattr(roofline, "PLOT", tmp_path / "roofline.png")
+    per_impl = {impl: {"summary": {"issued_over_bound": 1.0 + n / 10}} for n, impl in enumerate(roofline.IMPLS)}
+    roofline.plot([(SimpleNamespace(short="every\nimpl"), per_impl)])
+    assert (tmp_path / "roofline.png").stat().st_size > 0
