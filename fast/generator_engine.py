@@ -1930,6 +1930,7 @@ class StaticDecode:
         kv_index = table.long().gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps     # [P] the new token's
         sinks = _sinks(model)
         dst, index, src = [], [], []
+        new_kv, slots = [], pools.k.shape[1] * ps        # (layer's pool index, k, v); slots per layer's pool
 
         def attend(i, q, k, v):
             kc, vc = pools.kv(i)
@@ -1941,9 +1942,7 @@ class StaticDecode:
             if runner.attention.decode is not _torch_flash_decode:     # a plug-in: it writes the new K/V itself
                 return runner.attention.decode(q[:, None], kc, vc, used, block_table=table, cache_leftpad=first,
                                                **new)[:, 0]
-            dst.extend([kc.view(-1, *kc.shape[-2:]), vc.view(-1, *vc.shape[-2:])])
-            index.extend([kv_index, kv_index])
-            src.extend([k, v])
+            new_kv.append((pools.pool_index[i], k, v))
             return _paged_decode_attention(q, k, v, kc, vc, table.long(), used, first, runner.scale,
                                            sinks[i].get("sinks"))
 
@@ -1959,6 +1958,11 @@ class StaticDecode:
             return out
 
         h = model.layers_forward(ids, positions, attend, mix)
+        if new_kv:                                       # every layer's new K and V: one copy into each pool
+            at = torch.cat([j * slots + kv_index for j, _, _ in new_kv])
+            dst += [pools.k.view(-1, *pools.k.shape[-2:]), pools.v.view(-1, *pools.v.shape[-2:])]
+            index += [at, at]
+            src += [torch.cat([k for _, k, _ in new_kv]), torch.cat([v for _, _, v in new_kv])]
         if dst:
             _write_rows(dst, index, src)
         return model.logits(h) if runner.samples else None
