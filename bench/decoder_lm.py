@@ -314,6 +314,40 @@ class _TorchCalls:
                 self.calls += 1
 
 
+class _DecodeSteps:
+    """Wraps ``gen._step``: each decode-only iteration (no prefill in it) appends its wall time to ``times``
+    and, with a ``_TorchCalls`` counter, the torch calls it made to ``calls``; ``sync`` (CUDA) closes the
+    device's work on both sides of the timing."""
+
+    def __init__(self, gen, counter=None, sync=lambda: None):
+        self.times, self.calls, self._prefilled = [], [], False
+        step, prefill = gen._step, gen.runner.prefill
+
+        def timed_prefill(*args):
+            self._prefilled = True
+            return prefill(*args)
+
+        def timed_step(settle):
+            self._prefilled = False
+            if counter is not None:
+                counter.calls, counter.on = 0, True
+            sync()
+            start = time.perf_counter()
+            step(settle)
+            sync()
+            elapsed = time.perf_counter() - start
+            if counter is not None:
+                counter.on = False
+            if not self._prefilled:
+                self.times.append(elapsed)
+                self.calls.append(counter.calls if counter is not None else 0)
+
+        gen.runner.prefill, gen._step = timed_prefill, timed_step
+
+    def clear(self):
+        self.times.clear(), self.calls.clear()
+
+
 def engine_child(batch: int, compiled: bool, reps: int) -> dict:
     """One engine (eager or ``compile=True``) at one thread: B requests of a 16-token prompt decoding 40 tokens
     greedily; a first run compiles (every padded size and table width the measured runs meet), then per
@@ -327,24 +361,7 @@ def engine_child(batch: int, compiled: bool, reps: int) -> dict:
     counter = _TorchCalls()
     gen = ge.Generator(lm.DecoderLM(lm.ModelConfig(**ENGINE_MODEL), seed=0), page_size=16, num_pages=16 * batch + 8,
                        max_batch_size=max(batch, 1), compile=compiled)
-    step, prefill, times, calls, prefilled = gen._step, gen.runner.prefill, [], [], []
-
-    def timed_prefill(*args):
-        prefilled.append(True)
-        return prefill(*args)
-
-    def timed_step(settle):
-        prefilled.clear()
-        counter.calls, counter.on = 0, True
-        start = time.perf_counter()
-        step(settle)
-        elapsed = time.perf_counter() - start
-        counter.on = False
-        if not prefilled:
-            times.append(elapsed)
-            calls.append(counter.calls)
-
-    gen.runner.prefill, gen._step = timed_prefill, timed_step
+    steps = _DecodeSteps(gen, counter)
 
     def run():
         gen.generate([ge.Request(list(range(1, 17)), ge.SamplingParams(max_new_tokens=40)) for _ in range(batch)])
@@ -352,12 +369,12 @@ def engine_child(batch: int, compiled: bool, reps: int) -> dict:
     start = time.perf_counter()
     run()
     warm_s = time.perf_counter() - start
-    times.clear(), calls.clear()
+    steps.clear()
     for _ in range(reps):
         run()
     stats = gen.stats()
     gen.close()
-    return dict(step_ms=1e3 * statistics.median(times), calls=statistics.median(calls), warm_s=warm_s,
+    return dict(step_ms=1e3 * statistics.median(steps.times), calls=statistics.median(steps.calls), warm_s=warm_s,
                 static_steps=stats["static_decode_steps"], decode_steps=stats["decode_steps"])
 
 
@@ -397,33 +414,18 @@ def _engine_gpu_run(batch: int, graphs: bool, dev) -> dict:
     model = lm.DecoderLM(lm.ModelConfig(**QWEN3_06B), seed=0, device=dev, dtype=torch.bfloat16, varlen_attn=varlen_attn)
     gen = ge.Generator(model, page_size=16, kv_cache_memory=4 << 30, max_batch_size=max(batch, 8),
                        flash_decode=flash_decode, cuda_graphs=graphs)
-    step, prefill, times, prefilled = gen._step, gen.runner.prefill, [], []
-
-    def timed_prefill(*args):
-        prefilled.append(True)
-        return prefill(*args)
-
-    def timed_step(settle):
-        prefilled.clear()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step(settle)
-        torch.cuda.synchronize()
-        if not prefilled:
-            times.append(time.perf_counter() - start)
-
-    gen.runner.prefill, gen._step = timed_prefill, timed_step
+    steps = _DecodeSteps(gen, sync=torch.cuda.synchronize)
 
     def run():
         gen.generate([ge.Request([(7 * i + j) % 1000 for j in range(128)], ge.SamplingParams(max_new_tokens=128))
                       for i in range(batch)])
 
     run()
-    times.clear()
+    steps.clear()
     run()
     stats = gen.stats()
     gen.close()
-    return dict(step_ms=1e3 * statistics.median(times), graph_bytes=stats["cuda_graph_bytes"],
+    return dict(step_ms=1e3 * statistics.median(steps.times), graph_bytes=stats["cuda_graph_bytes"],
                 weight_bytes=sum(p.nbytes for p in model.parameters()))
 
 
@@ -568,19 +570,14 @@ def bench_modeled_step(rec, quick: bool) -> None:
             rec.add(case, "graph of the compiled step", "kernels_per_layer", per_layer["compiled_kernels"], "kernels")
 
 
+PARTS = {"checkpoint": bench_checkpoints, "tp": bench_tp, "pool": bench_pool, "compiled": bench_compiled,
+         "engine-compiled": bench_engine_compiled, "modeled-step": bench_modeled_step}
+
+
 def cpu(rec, args) -> None:
-    if args.part in ("all", "checkpoint"):
-        bench_checkpoints(rec, args.quick)
-    if args.part in ("all", "tp"):
-        bench_tp(rec, args.quick)
-    if args.part in ("all", "pool"):
-        bench_pool(rec, args.quick)
-    if args.part in ("all", "compiled"):
-        bench_compiled(rec, args.quick)
-    if args.part in ("all", "engine-compiled"):
-        bench_engine_compiled(rec, args.quick)
-    if args.part in ("all", "modeled-step"):
-        bench_modeled_step(rec, args.quick)
+    for name, bench in PARTS.items():
+        if args.part in ("all", name):
+            bench(rec, args.quick)
 
 
 def main(argv=None) -> int:
@@ -602,8 +599,7 @@ def main(argv=None) -> int:
         return 0
 
     def configure(ap):
-        ap.add_argument("--part", choices=["all", "checkpoint", "tp", "pool", "compiled", "engine-compiled",
-                                           "modeled-step"], default="all")
+        ap.add_argument("--part", choices=["all", *PARTS], default="all")
     return run_bench("decoder_lm", __doc__, gpu=cpu, cpu=cpu, configure=configure, argv=argv)
 
 

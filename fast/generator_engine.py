@@ -1893,7 +1893,8 @@ class StaticDecode:
 
     def _call(self, model: nn.Module, size: int, width: int):
         table = self.table[:size, :width]
-        torch._dynamo.maybe_mark_dynamic(table, 1)
+        if not self.cuda_graphs:      # (a graph's table is full width: a symbolic width would read sizes back)
+            torch._dynamo.maybe_mark_dynamic(table, 1)
         with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=4096):
             return self._compiled(model, self.ids[:size], self.positions[:size], self.used[:size], self.rows[:size],
                                   self.prompts[:size], table)
