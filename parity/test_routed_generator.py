@@ -945,7 +945,10 @@ def test_a_generator_dropped_from_a_drain_and_rejoining_loads_once(rg, manual):
         gate.set()
         t.join(TIMEOUT)
         assert not t.is_alive() and not box, box
-        b.settle()                                   # x, retried on b once the drain ended
+        # x, retried on b once the drain ended: the load's thread hands it to b after the sync ends,
+        # so sync_weights may return first
+        wait_until(lambda: b.pending, what="x retried on b")
+        b.settle()
         assert f.result(TIMEOUT).generator_id == "b"
         assert a.loads == [(1, 0)] and b.loads == [(1, 0)] and router.policy_version == 1
         router.close()

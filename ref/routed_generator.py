@@ -553,7 +553,7 @@ class GeneratorRouter:
             for s, turn in turns:
                 threading.Thread(target=self._sync_one, args=(s, sync, turn), name=f"load-{s.name}",
                                  daemon=True).start()
-            with self._lock:  # (each load's thread already dispatched what its generator can take)
+            with self._lock:  # (a load's thread hands queued requests to its generator after this wakes)
                 self._changed.wait_for(lambda: self._sync is not sync)  # its deadline, or close(), ends it
         causes = [(s.name, sync.errors[s.name]) for s in sync.targets if s.name in sync.errors]
         if not sync.loaded or causes:
