@@ -81,11 +81,14 @@ Batch and split invariance of the chunk form (``chunk_gated_delta_rule(..., batc
     position in the chunk; absent rows load as zeros (masks with other=0) and decays are masked to
     exp(-inf) = 0 before any product, so no inf * 0 or NaN enters; the gate sums run in token order
     (IN_ORDER: tl.cumsum's parallel scan associates by the [64, heads] block's layout, which the head
-    count sets, and tensor parallelism changes the head count).  Call with cu_seqlens, an initial_state
-    and output_final_state=True in every phase (the layer does): then every phase launches the same
-    builds (the dense and varlen builds, or the state pass with and without a start state, differ in
-    integer code and a 0 + h0 only, but the claim is made for one build).  The backward gets the same
-    fixed launches (deterministic; its gradients are not promised bitwise across packings).
+    count sets, and tensor parallelism changes the head count).  Call with an initial_state and
+    output_final_state=True in every phase (the layer does: the state pass with and without a start
+    state differ by a 0 + h0), and with cu_seqlens, or as a dense batch of whole chunks (the layer's
+    decode step: no cu_seqlens, so nothing on the host and a CUDA graph can capture it).  The dense and
+    varlen builds differ in how a program finds its chunk (integer code); parity/invariant_sass.py
+    checks that their floating-point instructions are the same, kernel by kernel, for sm_80 and sm_90.
+    The backward gets the same fixed launches (deterministic; its gradients are not promised bitwise
+    across packings).
     parity/test_gated_deltanet.py checks the bits in the interpreter.
 
 Tensors: those of ref/gated_deltanet.py, with fla 0.6.0's signature and options (positional order;

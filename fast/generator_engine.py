@@ -408,8 +408,8 @@ class Generator:
                                         to rounding.  Measured on the 2-core CPU (bench/decoder_lm.py
                                         --part engine-compiled): the README's table.  Tensor-parallel
                                         engines keep the eager step, as does the batch-invariant mode
-                                        under compile (graphs replay its kernels: attention-only models)
-                                        and a hybrid model's in the mode; a warning says which.
+                                        under compile (graphs replay its kernels, hybrid models' too);
+                                        a warning says which.
                                         ``cuda_graphs`` is off by default until a GPU run has tested it
     A model in the batch-invariant mode (``model.batch_invariant``) makes the engine batch-invariant (the
     module docstring): it then needs ``varlen_attn`` (default: the model's) and ``flash_decode``.
@@ -482,10 +482,9 @@ class Generator:
                                                                           opts.kv_on_swap)
         self._cv = threading.Condition()
         # the static decode step: compiled (not in the mode: inductor changes its rounding) and / or replayed
-        # from CUDA graphs (the mode too, the same kernels; not a hybrid model there: its chunk-form decode
-        # keeps host-side bookkeeping); never tensor-parallel (the ranks' collectives are not in it)
-        graphs = opts.cuda_graphs and self.device.type == "cuda" and not (self.batch_invariant and "linear" in
-                                                                          self.config.kinds)
+        # from CUDA graphs (the mode too: the same kernels, its Gated DeltaNet step a dense chunk-form call with
+        # nothing on the host); never tensor-parallel (the ranks' collectives are not in it)
+        graphs = opts.cuda_graphs and self.device.type == "cuda"
         compiled = opts.compile and (COMPILE_THE_MODE or not self.batch_invariant)
         static = (graphs or compiled) and opts.tensor_parallel_size == 1
         if (opts.compile or (opts.cuda_graphs and self.device.type == "cuda")) and not static:
@@ -493,8 +492,8 @@ class Generator:
                 "tensor-parallel engines keep their eager decode step (the static one is not built with the ranks' "
                 "collectives)" if opts.tensor_parallel_size > 1 else
                 "the batch-invariant mode keeps its eager decode step (compiled, inductor changes its rounding: "
-                "engine logprobs would no longer equal token_logprobs bit for bit; a hybrid model's decode step in "
-                "the mode is not capturable)"), stacklevel=3)
+                "engine logprobs would no longer equal token_logprobs bit for bit; cuda_graphs=True replays its "
+                "own kernels)"), stacklevel=3)
         self.pools = StatePools(model, self.memory, state_shapes, padding=static)
         self.scheduler = Scheduler(opts, self.memory, self.pools, hybrid="linear" in self.config.kinds, lock=self._cv,
                                    group_decode=opts.cascade_decode is not None and not self.batch_invariant,
@@ -1847,7 +1846,7 @@ class StaticDecode:
         self.positions = torch.zeros(largest, dtype=torch.int64, device=dev)
         self.used = torch.ones(largest, dtype=torch.int32, device=dev)
         self.rows = torch.zeros(largest, dtype=torch.int64, device=dev)
-        self.prompts = torch.zeros(largest, dtype=torch.int32, device=dev)
+        self.prompts = torch.ones(largest, dtype=torch.int32, device=dev)
         self.table = torch.zeros(largest, self.pools.pages_per_seq, dtype=torch.int32, device=dev)
         self.shapes: set = set()                   # the (P, W) the step ran at
         self.steps = 0
@@ -1878,7 +1877,9 @@ class StaticDecode:
         self.positions[:size].copy_(put("positions", [len(s.tokens) - 1 for s in seqs] + [0] * pad, torch.int64))
         self.used[:size].copy_(put("used", [len(s.tokens) for s in seqs] + [1] * pad, torch.int32))
         self.rows[:size].copy_(put("rows", [s.row for s in seqs] + [pools.pad_row] * pad, torch.int64))
-        self.prompts[:size].copy_(put("prompts", [s.n_prompt for s in seqs] + [0] * pad, torch.int32))
+        # (a padding row is a one-token sequence that is all prompt: the mode's windowed attention needs a
+        # prompt of at least one key, as every request has)
+        self.prompts[:size].copy_(put("prompts", [s.n_prompt for s in seqs] + [1] * pad, torch.int32))
         pools.flush_table()
         torch.index_select(pools.table, 0, self.rows[:b], out=self.table[:b])
         self.table[b:size].fill_(pools.pad_page)
@@ -1907,7 +1908,7 @@ class StaticDecode:
         if key not in self.graphs:
             pools = self.pools
             self.ids[:size].zero_(), self.positions[:size].zero_(), self.used[:size].fill_(1)
-            self.rows[:size].fill_(pools.pad_row), self.prompts[:size].zero_(), self.table[:size].fill_(pools.pad_page)
+            self.rows[:size].fill_(pools.pad_row), self.prompts[:size].fill_(1), self.table[:size].fill_(pools.pad_page)
             before = torch.cuda.memory_reserved(self.runner.device)
             try:
                 side = torch.cuda.Stream(self.runner.device)

@@ -15,9 +15,11 @@ floating-point instructions, in groups whose launches must agree count for count
 and a last group per arch and dtype whose launches must hold the same MMA instructions: all of the above
 and the decode kernel's split launch (whose merge adds the fold's FP work).  Likewise the invariant matmul
 at M = 1 (a constant), 37 and 64 rows, and fast/moe.py's expert GEMMs (gate_up, down) as its launcher
-configures them in the mode for calls of 1, 37 and 2048 tokens.  It prints one JSON object {group: {launch:
-{opcode: count}}}; a group whose name ends in "(MMA)" is compared on its MMA opcodes only
-(parity/test_batch_invariant_attention.py asserts both).  Run without ``TRITON_INTERPRET`` (it needs the compiler).
+configures them in the mode for calls of 1, 37 and 2048 tokens; and fast/gated_deltanet.py's five
+chunk-forward kernels in the mode, varlen builds (a trainer, a prefill) against dense ones (the engine's decode
+step).  It prints one JSON object {group: {launch: {opcode: count}}}; a group whose name ends in "(MMA)" is
+compared on its MMA opcodes only (parity/test_batch_invariant_attention.py asserts both).  Run without
+``TRITON_INTERPRET`` (it needs the compiler).
 """
 from __future__ import annotations
 
@@ -61,6 +63,8 @@ def main() -> None:
     varlen_cases = A._import(PARITY / "aot_cases" / "paged_varlen_attention.py", "sass_varlen_cases")
     decoding_cases = A._import(PARITY / "aot_cases" / "flash_decoding.py", "sass_decoding_cases")
     model_cases = A._import(PARITY / "aot_cases" / "decoder_lm.py", "sass_decoder_lm_cases")
+    gdn = A._import(ROOT / "fast" / "gated_deltanet.py", "sass_gdn")
+    gdn_cases = A._import(PARITY / "aot_cases" / "gated_deltanet.py", "sass_gdn_cases")
     moe = A._import(ROOT / "fast" / "moe.py", "sass_moe")
     moe_cases = A._import(PARITY / "aot_cases" / "moe.py", "sass_moe_cases")
     A._resource_usage = lambda cubin, usage=A._resource_usage: _CUBINS.append(cubin) or usage(cubin)
@@ -100,6 +104,7 @@ def main() -> None:
             group = f"invariant matmul sm_{arch} {A.POINTER_TYPES[dtype]}"
             jobs += [(group, label, case, arch) for label, case in launches.items()]
             jobs += _moe_jobs(moe, moe_cases, dtype, arch)
+        jobs += _gdn_jobs(gdn, gdn_cases, arch)
     # Two build processes (forked: the jobs are inherited, not pickled); a build is one core's work.
     _JOBS[:] = jobs
     with multiprocessing.get_context("fork").Pool(2) as pool:
@@ -135,6 +140,18 @@ def _moe_jobs(moe, moe_cases, dtype, arch: int) -> list:
                 group = f"moe experts sm_{arch} {A.POINTER_TYPES[dtype]}: {kernel}"
                 jobs.append((group, f"T={t}", case, arch))
     return jobs
+
+
+def _gdn_jobs(gdn, gdn_cases, arch: int) -> list:
+    """The Gated DeltaNet chunk forward in the mode (bf16, Qwen3.5's K = V = 128): each kernel's varlen build (a
+    trainer's and a prefill's call) against its dense build (the engine's decode step: N whole chunks in one
+    call, no cu_seqlens, so that a CUDA graph can capture it).  The builds differ in how a program finds its
+    chunk (integer code); their floating-point work must be the same."""
+    builds = {varlen: gdn_cases.invariant_forward_cases(gdn, torch.bfloat16, 128, 128, arch, varlen)
+              for varlen in (True, False)}
+    label = {True: "varlen (trainer, prefill)", False: "dense (decode step)"}
+    return [(f"gated deltanet sm_{arch} bf16: {kernel}", label[varlen], case, arch)
+            for varlen, cases in builds.items() for kernel, case in cases.items()]
 
 
 _JOBS: list = []   # (group, launch label, case, arch), set before the pool forks

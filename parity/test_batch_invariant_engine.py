@@ -23,7 +23,6 @@ import copy
 import dataclasses
 import functools
 import random
-import warnings
 
 import pytest
 import torch
@@ -332,8 +331,8 @@ gpu_gdn_layer = fast_gdn_layer
 def test_gpu_bf16_engine_logprobs_equal_the_trainers_bitwise(layer_types, cuda_graphs):
     """The same contract in bf16 on a GPU, where every matmul is the fixed-tile Triton kernel: a 0.1B
     model (attention-only, or hybrid with fast Gated DeltaNet layers), 64 requests through a pool that
-    preempts, flash_decode(batch_invariant=True); and with cuda_graphs=True, where the attention-only model's
-    decode steps replay graphs of the same kernels (the hybrid one's stay eager in the mode, with a warning)."""
+    preempts, flash_decode(batch_invariant=True); and with cuda_graphs=True, where every decode step replays a
+    graph of the same kernels (the hybrid's Gated DeltaNet step: one dense chunk-form call)."""
     cfg = fast_lm.ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8,
                               num_kv_heads=2, head_dim=64, max_seq_len=512, tie_embeddings=False,
                               layer_types=layer_types, linear_num_k_heads=4, linear_num_v_heads=8,
@@ -345,16 +344,12 @@ def test_gpu_bf16_engine_logprobs_equal_the_trainers_bitwise(layer_types, cuda_g
                                                    seed=i), request_id=f"g{i}") for i in range(64)]
     kw = dict(device=DEVICE, dtype=torch.bfloat16, linear_layer=linear_layer)
     model = fast_lm.DecoderLM(cfg, seed=0, batch_invariant=True, varlen_attn=varlen_attn, **kw)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        gen = fast_ge.Generator(model, page_size=16, num_pages=160, max_batch_size=32, flash_decode=flash_decode,
-                                cuda_graphs=cuda_graphs)
-    assert any("hybrid model's decode step" in str(w.message) for w in caught) == (cuda_graphs and bool(layer_types))
-    with gen:
+    with fast_ge.Generator(model, page_size=16, num_pages=160, max_batch_size=32, flash_decode=flash_decode,
+                           cuda_graphs=cuda_graphs) as gen:
         busy = serve_busy(gen, reqs, seed=6)
         stats = gen.stats()
         assert stats["preemptions"] >= 1
-        if cuda_graphs and not layer_types:
+        if cuda_graphs:                                          # (a failed capture warns and steps eagerly)
             assert stats["cuda_graph_sizes"] and stats["static_decode_steps"] == stats["decode_steps"], stats
         alone = gen.generate([reqs[7]])[0]
     assert alone.token_ids == busy[7].token_ids and alone.logprobs == busy[7].logprobs
@@ -508,11 +503,45 @@ def test_bitwise_across_gated_deltanet_chunks(kind, full, wide_interpreter_segme
                 + (ref_gdn.CHUNK - 1) * (layer.conv_dim * elt + layer.num_v_heads * (4 + elt)) + 8)
     n_linear = sum(t == "linear" for t in long_model.config.layer_types)
     assert last["checkpoint_bytes"] == gen.num_checkpoints * n_linear * per_slot, last
-    keys = list(base)
+    assert_trainer_bits(long_model, reqs, base)
+
+
+def assert_trainer_bits(model, reqs, samples: dict) -> None:
+    """Each sample's logprobs (``by_sample``'s dict) are the trainer's token_logprobs bit for bit."""
+    keys = list(samples)
     prompts = {r.request_id: r for r in reqs}
     with torch.no_grad():
-        lps = long_model.token_logprobs([prompts[k[0]].prompt_token_ids + base[k][0] for k in keys],
-                                        [len(prompts[k[0]].prompt_token_ids) for k in keys],
-                                        temperature=[prompts[k[0]].sampling.temperature for k in keys])
+        lps = model.token_logprobs([prompts[k[0]].prompt_token_ids + samples[k][0] for k in keys],
+                                   [len(prompts[k[0]].prompt_token_ids) for k in keys],
+                                   temperature=[prompts[k[0]].sampling.temperature for k in keys])
     for k, lp in zip(keys, lps):
-        assert torch.equal(torch.tensor(base[k][1], dtype=torch.float32), lp.cpu()), k
+        assert torch.equal(torch.tensor(samples[k][1], dtype=torch.float32), lp.cpu()), k
+
+
+# ----------------------------------------------------------------------------- the static step in the mode
+
+@pytest.mark.parametrize("kind", ["gpt-oss", "hybrid"])
+def test_the_static_step_keeps_the_modes_bits(kind, wide_interpreter_segments, monkeypatch):
+    """What ``cuda_graphs=True`` replays in the mode, run on the CPU: the static decode step (the batch padded
+    to ``capture_sizes``, inputs in buffers, every state write at the step's end; Gated DeltaNet's step one dense
+    chunk-form call over the N current chunks, nothing on the host), left uncompiled as a graph replays it
+    (``torch.compile`` is made the identity here: compiled, inductor would change the rounding).  Every decode
+    step runs it (padded to 2 or 8), and the logprobs are the trainer's bit for bit (so the eager step's): gpt-oss's
+    layout (a windowed layer with sinks, a full one, experts; groups, a shared system prompt) and the hybrid over
+    sequences that cross Gated DeltaNet chunks (prefill cuts, prefix hits and preemptions mid-chunk)."""
+    reqs = long_requests(seed=31) if kind == "hybrid" else grpo_requests(seed=21)
+    cfg = long_config(kind) if kind == "hybrid" else config(kind)
+    model = fast_lm.DecoderLM(cfg, seed=3, linear_layer=MODELS[kind]["linear_layer"],
+                              moe_layer=MODELS[kind].get("moe_layer"), batch_invariant=True, varlen_attn=varlen_attn,
+                              device=DEVICE)
+    kw = dict(page_size=5, num_pages=32 if kind == "hybrid" else 8, max_prefill_tokens=23, max_batch_size=8,
+              flash_decode=flash_decode)
+    monkeypatch.setattr(fast_ge, "COMPILE_THE_MODE", True)
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    with fast_ge.Generator(model, compile=True, capture_sizes=(2, 8), **kw) as gen:
+        static = by_sample(gen.generate(reqs))
+        stats = gen.stats()
+    assert stats["static_decode_steps"] == stats["decode_steps"] > 10, stats
+    assert {size for size, _ in stats["static_decode_shapes"]} == {2, 8}, stats["static_decode_shapes"]
+    assert stats["preemptions"] >= 1 and stats["prefix_hit_tokens"] > 0, stats
+    assert_trainer_bits(model, reqs, static)

@@ -23,8 +23,8 @@ import fast.generator_engine as fast_ge
 import ref.decoder_lm as ref_lm
 from conftest import DEVICE, requires_gpu
 from fleet_sim import wait_until
-from test_generator_engine import (LP_RTOL, TIMEOUT, ToyLinear, _switch_run, assert_same, dense_attention, make_requests, paged,
-                                   small_config)
+from test_generator_engine import (LP_RTOL, TIMEOUT, ToyLinear, _switch_run, assert_same, dense_attention,
+                                   make_requests, paged, small_config)
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

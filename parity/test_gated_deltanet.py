@@ -941,6 +941,36 @@ def test_chunk_rows_are_batch_and_split_invariant(kind, dtype):
     torch.testing.assert_close(shifted[63:].float(), whole[65:].float(), rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("impl", ["ref", "fast"])
+def test_the_decode_steps_dense_call_is_the_varlen_continuation_bitwise(impl):
+    """The mode's decode step (ref._aligned_decode_step) runs its N chunks as one dense batch, with no
+    cu_seqlens (nothing on the host: a CUDA graph can capture it).  Its rows, states and buffers must be the
+    bits of the general continuation (ref._aligned_chunks, a varlen call) for one token per sequence: 5
+    sequences whose current chunks hold 0, 1, 37, 62 and 63 tokens (the last completes its chunk), from
+    nonzero start states; the Qwen3.5 layer's chunk rule, ref or fast kernels (fp32; the interpreter)."""
+    layer = ref.GatedDeltaNet(64, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16,
+                              chunk_fn=(ref if impl == "ref" else fast).chunk_gated_delta_rule).to(DEVICE)
+    n, counts = 5, [0, 1, 37, 62, 63]
+    gen = make_generator(7)
+
+    def inputs(*rows):                                       # qkv, g <= 0, beta in (0, 1): [*rows, ...]
+        return (randn(*rows, layer.conv_dim, gen=gen, device=DEVICE),
+                -F.softplus(randn(*rows, 4, gen=gen, device=DEVICE)), randn(*rows, 4, gen=gen, device=DEVICE).sigmoid())
+
+    token = inputs(n)
+    held = torch.arange(ref.CHUNK - 1, device=DEVICE)[None, :] < torch.tensor(counts, device=DEVICE)[:, None]
+    buffered = tuple(torch.where(held.view(n, -1, *[1] * (x.dim() - 2)), x, 0) for x in inputs(n, ref.CHUNK - 1))
+    state = 0.1 * randn(n, 4, 16, 16, gen=gen, device=DEVICE)
+    o_d, state_d, buf_d, count_d = ref._aligned_decode_step(layer._chunk_rule, token, state, buffered,
+                                                            torch.tensor(counts, device=DEVICE))
+    o_v, state_v, buf_v, count_v = ref._aligned_chunks(layer._chunk_rule, token, [1] * n, state, buffered, counts)
+    assert count_d.tolist() == count_v == [1, 2, 38, 63, 0]
+    assert torch.equal(o_d, o_v) and torch.equal(state_d, state_v)
+    assert not torch.equal(state_d[4], state[4]) and torch.equal(state_d[:4], state[:4])   # the 5th chunk ended
+    for d, v in zip(buf_d, buf_v):
+        assert torch.equal(d, v)
+
+
 def test_aligned_chunks_equal_the_recurrence():
     """The reference's statement of the mode's continuation (ref._aligned_chunks, ref._aligned_decode_step:
     the chunk form over [the current chunk's buffered tokens, the new ones], whole chunks first, the
@@ -959,6 +989,9 @@ def test_aligned_chunks_equal_the_recurrence():
     tokens = tuple(y[0] for y in x)                          # [T, ...] per input
 
     def rule(pieces, lengths, state, final):
+        if lengths is None:                                  # the decode step's dense batch of chunks
+            return ref.chunk_gated_delta_rule(*pieces, initial_state=state, output_final_state=final,
+                                              use_qk_l2norm_in_kernel=True, batch_invariant=True)
         cu = cu_tensor(lengths)
         o, ht = ref.chunk_gated_delta_rule(*(y[None] for y in pieces), initial_state=state, output_final_state=final,
                                            cu_seqlens=cu, use_qk_l2norm_in_kernel=True, batch_invariant=True)

@@ -638,19 +638,29 @@ class GatedDeltaNet(nn.Module):
     def _chunk_rule(self, tokens, lengths, initial_state, output_final_state: bool):
         """``chunk_fn`` over documents of packed token inputs (qkv [T, conv_dim], g / beta [T, HV]), laid
         out as a trainer's forward lays them out (q, k, v views of one row-major qkv; cu_seqlens, with its
-        host copy) -> (o [T, HV, V], the final state or None).  Every call passes a start state (zeros for
-        None) and takes the end state, so that a trainer's call and an engine's launch the same kernel
-        builds (the fast state pass's USE_H0 / STORE_FINAL alike)."""
+        host copy) -> (o [T, HV, V], the final state or None).  ``lengths=None``: the inputs are a dense
+        batch of N documents of one length (qkv [N, L, conv_dim], o [N, L, HV, V]), run as one with no
+        cu_seqlens, so with no host-side bookkeeping (a CUDA graph can capture it: the decode step's
+        call); its rows are the varlen call's bits (the same per-chunk arithmetic: the fast kernels'
+        dense and varlen builds differ in their integer code only, parity/invariant_sass.py).  Every
+        call passes a start state (zeros for None) and takes the end state, so that a trainer's call
+        and an engine's launch the same kernel builds (the fast state pass's USE_H0 / STORE_FINAL alike)."""
         qkv, g, beta = tokens
-        q, k, v = self._split(qkv[None])
-        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        dense = lengths is None
+        n = qkv.shape[0] if dense else len(lengths)
         if initial_state is None:
-            initial_state = qkv.new_zeros(len(lengths), self.num_v_heads, self.head_k_dim, self.head_v_dim,
+            initial_state = qkv.new_zeros(n, self.num_v_heads, self.head_k_dim, self.head_v_dim,
                                           dtype=torch.promote_types(qkv.dtype, torch.float32))
-        o, final = self.chunk_fn(q, k, v, g=g[None], beta=beta[None], initial_state=initial_state,
-                                 output_final_state=True, cu_seqlens=cu.to(qkv.device), cu_seqlens_cpu=cu,
-                                 use_qk_l2norm_in_kernel=True, batch_invariant=True)
-        return o[0], final if output_final_state else None
+        if dense:
+            packed = {}
+        else:
+            qkv, g, beta = qkv[None], g[None], beta[None]
+            cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+            packed = dict(cu_seqlens=cu.to(qkv.device), cu_seqlens_cpu=cu)
+        q, k, v = self._split(qkv)
+        o, final = self.chunk_fn(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True, batch_invariant=True, **packed)
+        return o if dense else o[0], final if output_final_state else None
 
 
 def _aligned_chunks(rule, tokens, lengths, state, buffered, counts):
@@ -659,7 +669,8 @@ def _aligned_chunks(rule, tokens, lengths, state, buffered, counts):
     ones.  ``tokens``: the new tokens' inputs, a tuple of [T, ...] tensors packed by ``lengths``;
     ``buffered``: the same inputs [N, C - 1, ...], each sequence's buffered rows first (zeros after);
     ``state`` [N, HV, K, V] at each current chunk's start, None for zeros.  ``rule(tokens, lengths,
-    initial_state, output_final_state) -> (o [T, ...], final)`` runs the chunk form over documents.
+    initial_state, output_final_state) -> (o [T, ...], final)`` runs the chunk form over documents
+    (``lengths=None``: a dense batch, tokens [N, L, ...] and o [N, L, ...]).
     Each sequence's buffered + new tokens are cut at their last chunk boundary: the whole chunks run
     first, from ``state`` (their end state starts the next chunk), then the partial rest from that
     state, its tokens kept.  Returns (o [T, ...] of the new tokens, the new state (None if still
@@ -690,17 +701,19 @@ def _aligned_decode_step(rule, tokens, state, buffered, count):
     """One new token per sequence (``tokens``: a tuple of [N, ...]; ``count`` [N] int64 on the device),
     the rows ``_aligned_chunks`` gives it, without reading the counts on the host: each sequence's
     current chunk is laid out whole, [its buffered rows, the new token at row count, absent tokens
-    (zeros) after it], and the chunk form runs once over the N chunks of 64 rows.  The new token's row
-    is its output; where it ends its chunk (count = 63) the chunk's end state becomes the state and the
-    buffer empties, else the token joins the buffer.  Returns what ``_aligned_chunks`` returns (counts
+    (zeros) after it], and the chunk form runs once over the N chunks of 64 rows, a dense batch
+    (``rule(chunks [N, C, ...], None, state, True)``: no cu_seqlens, nothing computed on the host, so
+    the step can be captured in a CUDA graph).  The new token's row is its output; where it ends its
+    chunk (count = 63) the chunk's end state becomes the state and the buffer empties, else the token
+    joins the buffer.  Returns what ``_aligned_chunks`` returns (counts
     as a tensor)."""
     n = count.shape[0]
     at = torch.arange(CHUNK, device=count.device) == count[:, None]        # [N, C]: the new token's row
     chunks = tuple(torch.where(at.view(n, CHUNK, *[1] * (x.dim() - 1)), x[:, None],
                                torch.cat([b, b.new_zeros(n, 1, *b.shape[2:])], 1))
                    for x, b in zip(tokens, buffered))                      # [N, C, ...]
-    o, end = rule(tuple(c.flatten(0, 1) for c in chunks), [CHUNK] * n, state, True)
-    o = o.unflatten(0, (n, CHUNK))[at]                                      # [N, ...]: row count of each
+    o, end = rule(chunks, None, state, True)                               # a dense batch of N chunks
+    o = o[at]                                                               # [N, ...]: row count of each
     done = count == CHUNK - 1
     state = torch.where(done.view(n, 1, 1, 1), end, end.new_zeros(()) if state is None else state)
     buffered = tuple(torch.where(done.view(n, 1, *[1] * (c.dim() - 2)), c.new_zeros(()), c[:, :CHUNK - 1])

@@ -184,3 +184,39 @@ def _recurrent_bwd_case(m, dtype, dk: int, dv: int, heads: dict, options: dict, 
                 constexprs=dict(**heads, K=dk, V=dv, BK=m._pow2(dk), BV=rec["BV"], USE_H0=True, USE_DHT=True,
                                 IS_VARLEN=True, L2NORM=True, **options), num_warps=rec["num_warps"],
                 num_stages=rec["num_stages"])
+
+
+def invariant_forward_cases(m, dtype, dk: int, dv: int, arch: int, varlen: bool) -> dict:
+    """The chunk forward as ``batch_invariant=True`` launches it (the first config each pruning keeps, the
+    gate sums in token order, the layer's gate outside the kernels) for one arch, varlen (a trainer's and a
+    prefill's call: cu_seqlens) or dense (the engine's decode step: N whole chunks, no cu_seqlens): {kernel:
+    case}.  parity/invariant_sass.py compares the two builds' floating-point instructions."""
+    tag, tc, prec, ptr, named = _shape(m, dtype, dk, dv, ",varlen" if varlen else ",dense")
+    heads = dict(H=16, HV=32)
+    bk = m._pow2(dk)
+    wu = m._wu_tiles(dtype, dk, dv)
+    state = _state_cases(m, dtype, dk, dv, heads, tag, one_config=True, v_first=False)
+    state = next(c for c in state if c["archs"] == [arch])
+    state = dict(state, constexprs=dict(state["constexprs"], IS_VARLEN=varlen))
+    return {
+        "cumsum": dict(kernel=m._chunk_cumsum_kernel, name="cumsum" + tag,
+                       signature=dict(g=F32, A_log=F32, dt_bias=F32, gc=F32, gr=I8, gs=F32, ge=F32, cu=I32,
+                                      chunk_idx=I32, T="i32"),
+                       constexprs=dict(HV=heads["HV"], BT=m.CHUNK, BH=m._pow2(heads["HV"], 2), IS_VARLEN=varlen,
+                                       IN_ORDER=True, USE_GATE=False, HAS_BIAS=False), num_warps=4),
+        "kkt_solve": dict(kernel=m._chunk_kkt_solve_kernel, name="kkt_solve" + tag, tensor_cores=tc, wgmma=False,
+                          signature=dict(k=ptr, gc=F32, gr=I8, beta=F32, A=ptr, cu=I32, chunk_idx=I32, T="i32"),
+                          constexprs=dict(**heads, K=dk, BT=m.CHUNK, BK=min(64, bk), IS_VARLEN=varlen, PREC=prec),
+                          num_warps=m._KKT_WARPS),
+        "wu": dict(kernel=m._chunk_wu_kernel, name="wu" + tag, tensor_cores=tc,
+                   signature=dict(k=ptr, v=ptr, beta=F32, gs=F32, A=ptr, w=ptr, u=ptr, cu=I32, chunk_idx=I32, T="i32"),
+                   constexprs=dict(**heads, K=dk, V=dv, BT=m.CHUNK, BK=wu["BK"], BV=wu["BV"], IS_VARLEN=varlen,
+                                   PREC=prec), num_warps=wu["num_warps"]),
+        "state": state,
+        "output": dict(kernel=m._chunk_o_tuned, name="output" + tag, tensor_cores=tc,
+                       configs=m._prune_out_configs(m._OUT_CONFIGS, named)[:1],
+                       signature=dict(q=ptr, k=ptr, v_new=ptr, h=ptr, gc=F32, gr=I8, o=ptr, cu=I32, chunk_idx=I32,
+                                      scale="fp32", T="i32"),
+                       constexprs=dict(**heads, K=dk, V=dv, BT=m.CHUNK, BK=32 if not tc else min(64, bk),
+                                       IS_VARLEN=varlen, PREC=prec)),
+    }
