@@ -125,9 +125,10 @@ Supported, and what raises
     together (n free rows); the pages before a sliding layer's window stay allocated (the full layers
     share them).  ``compile=True``: the batch-invariant mode keeps its eager step (measured: compiled, 8 of
     15 decode logprobs of a tiny model moved by up to 6.6e-7: inductor fuses the norms and activations
-    its own way), as do tensor-parallel engines, steps with a group's cascade and batches past the
-    largest capture size.  ``cuda_graphs=True`` (replaying the static step on a GPU) is written and in the GPU
-    tier of the tests, not yet run on a GPU: off by default until it is.
+    its own way), as do steps with a group's cascade and batches past the largest capture size;
+    tensor-parallel engines compile each rank's step (the collectives between the compiled pieces).
+    ``cuda_graphs=True`` (replaying the static step on a GPU) is written and in the GPU tier of the tests,
+    not yet run on a GPU: off by default until it is; tensor-parallel engines do not replay graphs.
 
 References
     vLLM (Kwon et al., PagedAttention, 2023) and its scheduler (continuous batching, recompute
@@ -406,10 +407,10 @@ class Generator:
                                         into the graph's buffers; sampling stays outside: it reads the
                                         logits a replay leaves).  Tokens equal the eager step's, logprobs
                                         to rounding.  Measured on the 2-core CPU (bench/decoder_lm.py
-                                        --part engine-compiled): the README's table.  Tensor-parallel
-                                        engines keep the eager step, as does the batch-invariant mode
-                                        under compile (graphs replay its kernels, hybrid models' too);
-                                        a warning says which.
+                                        --part engine-compiled): the README's table.  The batch-invariant
+                                        mode keeps the eager step under compile (graphs replay its
+                                        kernels, hybrid models' too); tensor-parallel engines compile
+                                        each rank's step but replay no graphs; a warning says which.
                                         ``cuda_graphs`` is off by default until a GPU run has tested it
     A model in the batch-invariant mode (``model.batch_invariant``) makes the engine batch-invariant (the
     module docstring): it then needs ``varlen_attn`` (default: the model's) and ``flash_decode``.
@@ -481,19 +482,22 @@ class Generator:
         self.prefix_caching, self.checkpoint_interval, self.kv_on_swap = (opts.prefix_caching, opts.checkpoint_interval,
                                                                           opts.kv_on_swap)
         self._cv = threading.Condition()
-        # the static decode step: compiled (not in the mode: inductor changes its rounding) and / or replayed
-        # from CUDA graphs (the mode too: the same kernels, its Gated DeltaNet step a dense chunk-form call with
-        # nothing on the host); never tensor-parallel (the ranks' collectives are not in it)
+        # the static decode step: compiled (not in the mode: inductor changes its rounding; tensor-parallel too,
+        # each rank its own, the collectives between its compiled pieces) and / or replayed from CUDA graphs (the
+        # mode too: the same kernels, its Gated DeltaNet step a dense chunk-form call with nothing on the host;
+        # not tensor-parallel: collectives inside a captured graph have not run on a multi-GPU machine here)
         graphs = opts.cuda_graphs and self.device.type == "cuda"
         compiled = opts.compile and (COMPILE_THE_MODE or not self.batch_invariant)
-        static = (graphs or compiled) and opts.tensor_parallel_size == 1
-        if (opts.compile or (opts.cuda_graphs and self.device.type == "cuda")) and not static:
-            warnings.warn("Generator(compile / cuda_graphs): " + (
-                "tensor-parallel engines keep their eager decode step (the static one is not built with the ranks' "
-                "collectives)" if opts.tensor_parallel_size > 1 else
-                "the batch-invariant mode keeps its eager decode step (compiled, inductor changes its rounding: "
-                "engine logprobs would no longer equal token_logprobs bit for bit; cuda_graphs=True replays its "
-                "own kernels)"), stacklevel=3)
+        if graphs and opts.tensor_parallel_size > 1:
+            graphs = False
+            warnings.warn("Generator(cuda_graphs=True): tensor-parallel engines do not replay CUDA graphs (collectives "
+                          "inside a captured graph are untested across GPUs); each rank decodes " +
+                          ("through its compiled static step" if compiled else "eagerly"), stacklevel=3)
+        if opts.compile and not compiled:
+            warnings.warn("Generator(compile=True): the batch-invariant mode keeps its eager decode step (compiled, "
+                          "inductor changes its rounding: engine logprobs would no longer equal token_logprobs bit "
+                          "for bit; cuda_graphs=True replays its own kernels)", stacklevel=3)
+        static = graphs or compiled
         self.pools = StatePools(model, self.memory, state_shapes, padding=static)
         self.scheduler = Scheduler(opts, self.memory, self.pools, hybrid="linear" in self.config.kinds, lock=self._cv,
                                    group_decode=opts.cascade_decode is not None and not self.batch_invariant,

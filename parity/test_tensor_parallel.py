@@ -255,6 +255,18 @@ def test_fast_engine_tensor_parallel(kind, mode, tps):
             assert f["logprobs_max_diff_tp1"] < 1e-5, f
 
 
+def test_fast_engine_tensor_parallel_compiled():
+    """Generator(model, tensor_parallel_size=2, compile=True): every rank decodes through its own compiled static
+    step (the collectives between its compiled pieces), on the hybrid with MoE MLPs (Gated DeltaNet state rows,
+    the experts' all-to-all) through the same mix and weight load: every decode step static, the tp = 1 eager
+    engine's tokens, its logprobs to fp32 rounding."""
+    facts = _probe("engine-compiled", "moe", "default", 2)
+    f = facts["2"]
+    assert f["static_decode_steps"] == f["decode_steps"] > 0 and facts["1"]["static_decode_steps"] == 0, facts
+    assert f["preemptions"] >= 1 and f["prefix_hit_tokens"] > 0 and f["versions"] == [1] * len(f["versions"]), f
+    assert f["tokens_equal_tp1"] and f["logprobs_max_diff_tp1"] < 1e-5, f
+
+
 def test_a_dead_or_hung_worker_fails_its_generator():
     """A worker killed (SIGKILL) or hung (SIGSTOP) mid-decode: every request the generator held fails with a
     RuntimeError naming the cause, within tp_timeout_s (plus slack for a loaded machine) for the hang; later

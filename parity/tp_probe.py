@@ -155,15 +155,18 @@ def trainer(kind: str, mode: str, tps: list) -> dict:
 
 # ----------------------------------------------------------------------------- the engine
 
-def engine(kind: str, mode: str, tps: list) -> dict:
+def engine(kind: str, mode: str, tps: list, compiled: bool = False) -> dict:
+    """tp = 1 (eager) and each of ``tps`` (``compiled``: Generator(compile=True), every rank its compiled static
+    step, one padded size)."""
     torch.set_num_threads(1)
     cfg, mkw = config(kind), model_kw(mode, moe_layer=ref_moe.MoE)
     new_weights = lm.DecoderLM(cfg, seed=2, **mkw).state_dict()
     runs = {}
     for tp in [1, *tps]:
         start = time.time()
+        static = dict(compile=True, capture_sizes=(8,)) if compiled and tp > 1 else {}
         with ge.Generator(lm.DecoderLM(cfg, seed=1, **mkw), tensor_parallel_size=tp, tp_timeout_s=120,
-                          **engine_kw(mode)) as g:
+                          **engine_kw(mode), **static) as g:
             first = flat(g.generate(requests()))
             stats = g.stats()
             g.load_weights(new_weights, 1)
@@ -185,6 +188,7 @@ def engine(kind: str, mode: str, tps: list) -> dict:
                       for s, lp in zip(done, trainer_lps[version])]
         facts[tp] = dict(
             seconds=round(seconds, 1), preemptions=stats["preemptions"], prefix_hit_tokens=stats["prefix_hit_tokens"],
+            decode_steps=stats["decode_steps"], static_decode_steps=stats["static_decode_steps"],
             tensor_parallel_size=stats["tensor_parallel_size"], versions=[s.max_policy_version for s in second],
             tokens_equal_tp1=all(a.token_ids == b.token_ids for a, b in pairs),
             logprobs_bitwise_tp1=all(a.logprobs == b.logprobs for a, b in pairs),
@@ -254,8 +258,8 @@ if __name__ == "__main__":
     command, args = sys.argv[1], sys.argv[2:]
     if command == "trainer":
         result = trainer(args[0], args[1], [int(a) for a in args[2:]])
-    elif command == "engine":
-        result = engine(args[0], args[1], [int(a) for a in args[2:]])
+    elif command in ("engine", "engine-compiled"):
+        result = engine(args[0], args[1], [int(a) for a in args[2:]], compiled=command == "engine-compiled")
     elif command == "faults":
         result = faults()
     else:
