@@ -66,7 +66,7 @@ Groups and the prefix cache (ref/generator_engine.py states the semantics: outpu
                  pages are not keyed) or re-prefill under the new weights (``"recompute"``).
     groups       ``SamplingParams(n=k)``: the first sample prefills the prompt; the others then share its
                  full pages, copy its partial last page and its linear layers' state (a fork), and sample
-                 their first token from the same logits with their own generators (seed + i).
+                 their first token from the same logits with their own seeds (seed + i).
     hybrid       "linear" layers (Gated DeltaNet) need their state at the hit's last token: a prefill
                  checkpoints it (every tensor of the layer's cache) at page boundaries, every
                  ``checkpoint_interval`` pages and at the pass's last full page (a decode step does when
@@ -145,6 +145,7 @@ import itertools
 import math
 import operator
 import os
+import random
 import sys
 import threading
 import time
@@ -400,7 +401,8 @@ class Generator:
     ``weight_receiver``                 a weight transport connected on every rank (``connect_weights``)
     ``compile``, ``cuda_graphs``,       decode through the static step (the section "the static decode
     ``capture_sizes``                   step"): a batch padded to the next of ``capture_sizes`` (larger
-                                        ones, and a step with a group's cascade, run eagerly), compiled by
+                                        ones, and a step with a group's cascade, run eagerly: leave
+                                        ``cascade_decode`` unset to keep a GRPO step in it), compiled by
                                         ``torch.compile`` (one compile per padded size and weight set:
                                         seconds to minutes on a CPU) and / or, on CUDA, replayed from a
                                         graph captured per padded size and weight set (its inputs copied
@@ -1028,7 +1030,7 @@ class _Seq:
     weight swap makes its KV unkeyable).  A group's first sample carries the others (``followers``)
     until its prompt is prefilled; then they fork from it."""
 
-    __slots__ = ("group", "index", "tokens", "n_prompt", "logprobs", "rng", "limit", "pages", "row",
+    __slots__ = ("group", "index", "tokens", "n_prompt", "logprobs", "seed", "limit", "pages", "row",
                  "computed", "node", "keyed", "kv_version", "min_version", "followers", "spare", "admitted")
 
     def __init__(self, group: _Group, index: int, max_seq_len: int):
@@ -1038,7 +1040,7 @@ class _Seq:
         self.n_prompt = len(self.tokens)
         self.limit = min(sp.max_new_tokens, max_seq_len - self.n_prompt)
         self.logprobs: list[float] = []
-        self.rng = _request_rng(None if sp.seed is None else sp.seed + index)
+        self.seed = request_seed(None if sp.seed is None else sp.seed + index)   # token j draws keyed_uniform(seed, j)
         self.pages: list[int] = []
         self.row = None
         self.computed, self.node, self.keyed, self.kv_version = 0, 0, 0, None
@@ -1762,15 +1764,16 @@ class ModelRunner:
     def sample(self, model: nn.Module, seqs: list, logits: torch.Tensor | None,
                rows: list | None = None) -> tuple[list, list]:
         """(tokens, logprobs) of ``seqs`` from ``logits`` (row ``rows[n]`` for sample n; every row in order
-        when None), each from its own generator (the reference's rule: ``sample_rows``, with the model's
-        log_softmax: its batch-invariant one in that mode).  Tensor-parallel: rank 0 samples and the workers
-        take its tokens, so every rank schedules alike."""
+        when None), token j of a sample drawn with ``keyed_uniform(seed, j)`` (the reference's rule:
+        ``sample_rows``, with the model's log_softmax: its batch-invariant one in that mode).
+        Tensor-parallel: rank 0 samples and the workers take its tokens, so every rank schedules alike."""
         tokens, logprobs = [0] * len(seqs), [0.0] * len(seqs)
         if logits is not None:
             if rows is not None:
                 logits = logits[self.staging.put("sample_rows", rows, torch.int64)]
-            tokens, logprobs = sample_rows(logits, [s.group.request.sampling for s in seqs], [s.rng for s in seqs],
-                                           self.staging, getattr(model, "log_softmax", None))
+            tokens, logprobs = sample_rows(logits, [s.group.request.sampling for s in seqs],
+                                           [(s.seed, len(s.tokens) - s.n_prompt) for s in seqs], self.staging,
+                                           getattr(model, "log_softmax", None))
         if self.tp is not None:
             tokens = self.tp.share_tokens(self.staging.put("tokens", tokens, torch.int64))
         return tokens, logprobs
@@ -1990,24 +1993,34 @@ def _sinks(model) -> list:
 
 # ----------------------------------------------------------------------------- batched sampling
 
-def _request_rng(seed: int | None) -> torch.Generator:
-    """The request's own random stream (a fresh random seed when None): the reference's draws."""
-    rng = torch.Generator()
-    if seed is None:
-        rng.seed()
-    else:
-        rng.manual_seed(seed)
-    return rng
+# SplitMix64 (Steele, Lea and Flood, 2014): the stream seeded s outputs mix(s + i * gamma) for i = 1, 2, ...,
+# so its i-th output is a function of (s, i) alone, computed without the i - 1 before it.
+_GAMMA, _MASK64 = 0x9E3779B97F4A7C15, (1 << 64) - 1
 
 
-def sample_rows(logits: torch.Tensor, params: list, rngs: list, staging, log_softmax=None) -> tuple[list, list]:
+def keyed_uniform(seed: int, index: int) -> float:
+    """The draw for token ``index`` of a sample whose seed is ``seed``: SplitMix64's output ``index + 1`` of
+    the stream ``seed``, its top 53 bits as a float64 in [0, 1)."""
+    z = (seed + (index + 1) * _GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) * 2.0 ** -53
+
+
+def request_seed(seed: int | None) -> int:
+    """A sample's seed: its own, or a fresh random 64-bit one."""
+    return random.SystemRandom().getrandbits(64) if seed is None else seed
+
+
+def sample_rows(logits: torch.Tensor, params: list, keys: list, staging, log_softmax=None) -> tuple[list, list]:
     """The reference's per-row rule on a batch: fp32 logits [B, V] -> (tokens, logprobs) lists.
 
     Rows are grouped (greedy, plain temperature, top-k/top-p) and each group is one set of tensor
     ops, its rows' indices, temperatures, top-k and top-p filled into ``staging``'s buffers; each sampled
-    row draws its uniform from its own request's generator, so a request gets the same token alone or in
-    any batch.  One device-to-host copy per group.  ``log_softmax``: the model's (its batch-invariant one
-    in that mode: what its ``token_logprobs`` computes); None = torch's."""
+    row's uniform is ``keyed_uniform(*keys[i])`` (its sample's seed, the token's index in the completion),
+    so a request gets the same token alone or in any batch.  One device-to-host copy per group.
+    ``log_softmax``: the model's (its batch-invariant one in that mode: what its ``token_logprobs``
+    computes); None = torch's."""
     log_softmax = log_softmax or (lambda x: torch.log_softmax(x, dim=-1))
     b, vocab = logits.shape
     tokens, logprobs = [0] * b, [0.0] * b
@@ -2033,8 +2046,7 @@ def sample_rows(logits: torch.Tensor, params: list, rngs: list, staging, log_sof
                 keep &= (torch.cumsum(p, dim=-1) - p) < top_p[:, None]
                 p = torch.where(keep, p, torch.zeros_like(p))
             cdf = torch.cumsum(p.double(), dim=-1)
-            u = staging.put("uniform", [torch.rand((), generator=rngs[i], dtype=torch.float64).item() for i in rows],
-                            torch.float64)
+            u = staging.put("uniform", [keyed_uniform(*keys[i]) for i in rows], torch.float64)
             index = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
             last = vocab - 1 - torch.argmax((p.flip(-1) > 0).to(torch.int8), dim=-1)
             index = torch.minimum(index, last)

@@ -232,6 +232,64 @@ def test_logprobs_are_the_model_distribution(rg):
         assert c.finish_reason == "length" and len(c.token_ids) == 10
 
 
+# ----------------------------------------------------------------------------- the keyed sampler
+
+def test_keyed_uniform_is_splitmix64():
+    """keyed_uniform(seed, j) is SplitMix64's output j + 1 of the stream ``seed`` (the published vectors of the
+    reference implementation, seed 1234567), its top 53 bits; a seed outside [0, 2^64) wraps (negative seeds are
+    valid SamplingParams); the same code in both engines (test_copies)."""
+    published = [6457827717110365317, 3203168211198807973, 9817491932198370423, 4593380528125082431,
+                 16408922859458223821]
+    for fn in (ref_ge.keyed_uniform, fast_ge.keyed_uniform):
+        assert [fn(1234567, j) for j in range(5)] == [(x >> 11) * 2.0 ** -53 for x in published]
+        assert fn(-1, 3) == fn(2 ** 64 - 1, 3) and fn(0, 0) != fn(0, 1) != fn(1, 0)
+
+
+def test_keyed_draws_sample_the_distribution():
+    """20,000 draws keyed by (seed, j) over three seeds: the uniforms fill [0, 1) evenly (every tenth within 5
+    sigma of 2,000) and sample() picks each token at its probability (within 5 sigma), at T = 1 and with
+    top-k = 3 renormalized; fast's batched sample_rows draws the same tokens row for row."""
+    logits = torch.log(torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15]))
+    keys = [(seed, j) for seed in (0, 7, -3) for j in range(20_000 // 3 + 1)][:20_000]
+    u = torch.tensor([ref_ge.keyed_uniform(*k) for k in keys], dtype=torch.float64)
+    assert u.min() >= 0 and u.max() < 1
+    counts = torch.histc(u, bins=10, min=0, max=1)
+    assert ((counts - 2000).abs() < 5 * 2000 ** 0.5).all(), counts
+    for top_k, p in ((0, [0.05, 0.4, 0.1, 0.3, 0.15]), (3, [0, 0.4 / 0.85, 0, 0.3 / 0.85, 0.15 / 0.85])):
+        sp = ref_ge.SamplingParams(temperature=1.0, top_k=top_k, seed=0)
+        drawn = [ref_ge.sample(logits, sp, ref_ge.keyed_uniform(*k))[0] for k in keys]
+        freq = torch.bincount(torch.tensor(drawn), minlength=5).double() / len(keys)
+        sigma = (torch.tensor(p, dtype=torch.float64) * (1 - torch.tensor(p, dtype=torch.float64)) / len(keys)).sqrt()
+        assert ((freq - torch.tensor(p, dtype=torch.float64)).abs() <= 5 * sigma + 1e-12).all(), (top_k, freq)
+        fsp = fast_ge.SamplingParams(temperature=1.0, top_k=top_k, seed=0)
+        batched, _ = fast_ge.sample_rows(logits.expand(500, 5).contiguous(), [fsp] * 500, keys[:500],
+                                         SimpleNamespace(put=lambda name, v, dtype: torch.tensor(v, dtype=dtype)))
+        assert batched == drawn[:500]
+
+
+@pytest.mark.parametrize("rg", IMPLS)
+def test_a_sampled_token_is_its_positions_draw(rg):
+    """What speculative verification rests on: token j of a sampled completion is sample(logits at j, the
+    keyed draw (seed, j)) alone, whatever was drawn before it.  Each completion (temperatures, top-k / top-p, a
+    group of 3: sample i keyed by seed + i) is re-drawn position by position from the training forward's
+    logits and gives the engine's tokens."""
+    cfg = small_config(rg)
+    reqs = [rg.Request([5, 9, 2, 40], rg.SamplingParams(max_new_tokens=12, temperature=0.9, seed=11)),
+            rg.Request([7, 1], rg.SamplingParams(max_new_tokens=12, temperature=1.3, top_k=9, top_p=0.9, seed=-5)),
+            rg.Request([3, 3, 8], rg.SamplingParams(max_new_tokens=10, temperature=1.1, seed=2 ** 64 - 9, n=3))]
+    gen = engine(rg, cfg, seed=2)
+    outs = run(gen, reqs)
+    for r, done in zip(reqs, outs):
+        for c in done if isinstance(done, list) else [done]:
+            ids = torch.tensor([r.prompt_token_ids + c.token_ids[:-1]])
+            with torch.no_grad():
+                logits = gen.model(ids)[0, len(r.prompt_token_ids) - 1:]
+            seed = r.sampling.seed + c.sample_index
+            again = [ref_ge.sample(logits[j], r.sampling, ref_ge.keyed_uniform(seed, j))[0]
+                     for j in range(len(c.token_ids))]
+            assert again == c.token_ids, (r.request_id, c.sample_index)
+
+
 # ----------------------------------------------------------------------------- fast equals ref
 
 @pytest.mark.parametrize("page_size,num_pages,tied", [(1, 400, False), (3, 40, True), (16, 12, False)],

@@ -43,9 +43,12 @@ Sampling (per request; ``logits`` fp32 [V] at the last position)
     T > 0           logp = log_softmax(logits * fp32(1 / T)), p = exp(logp).  With top_k / top_p:
                     sort p descending (stable), keep the first top_k and the prefix whose mass
                     before each token is < top_p, zero the rest.  cdf = cumsum(p) in fp64 (sorted
-                    order when filtered, vocabulary order when not); u = one uniform draw from the
-                    request's own ``torch.Generator`` (seeded with ``seed``; a random seed when
-                    None); token = the first index with cdf > u * cdf[-1].
+                    order when filtered, vocabulary order when not); u = ``keyed_uniform(seed, j)``
+                    for the completion's j-th token (j = 0, 1, ...): SplitMix64's output for the
+                    counter j + 1 of the stream ``seed`` (a random 64-bit seed when None), a function
+                    of (seed, j) only, so a position's draw never depends on the draws before it (a
+                    speculative verification, drawing at the positions it checks, gives plain
+                    decoding's tokens); token = the first index with cdf > u * cdf[-1].
                     logprob = logp[token]: the temperature-scaled model distribution before
                     top-k / top-p truncation, what a trainer recomputes from the same weights.
     stop            after a token in stop_token_ids (it is kept, finish "stop"), after
@@ -109,6 +112,7 @@ import dataclasses
 import itertools
 import math
 import operator
+import random
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Mapping
@@ -273,8 +277,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 # ----------------------------------------------------------------------------- sampling
 
-def sample(logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> tuple[int, float]:
-    """One token from fp32 logits [V] (the module docstring's rule) and its logprob."""
+def sample(logits: torch.Tensor, sp: SamplingParams, u: float | None) -> tuple[int, float]:
+    """One token from fp32 logits [V] (the module docstring's rule) and its logprob; ``u`` in [0, 1) is the
+    position's draw (``keyed_uniform``; unused when greedy)."""
     if sp.temperature == 0:
         token = int(torch.argmax(logits))
         return token, float(torch.log_softmax(logits, dim=-1)[token])
@@ -291,7 +296,6 @@ def sample(logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> tu
             keep &= (torch.cumsum(p, dim=-1) - p) < sp.top_p              # mass before the token < top_p
         p = torch.where(keep, p, torch.zeros_like(p))
     cdf = torch.cumsum(p.double(), dim=-1)
-    u = torch.rand((), generator=rng, dtype=torch.float64).to(cdf.device)
     index = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True))
     # u * cdf[-1] may round up to cdf[-1]: stay on the last token that has probability.
     last = p.shape[-1] - 1 - int(torch.argmax((p.flip(-1) > 0).to(torch.int8)))
@@ -300,14 +304,23 @@ def sample(logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> tu
     return token, float(logp[token])
 
 
-def request_rng(seed: int | None) -> torch.Generator:
-    """The request's own random stream: seeded, or from a fresh random seed."""
-    gen = torch.Generator()
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(seed)
-    return gen
+# SplitMix64 (Steele, Lea and Flood, 2014): the stream seeded s outputs mix(s + i * gamma) for i = 1, 2, ...,
+# so its i-th output is a function of (s, i) alone, computed without the i - 1 before it.
+_GAMMA, _MASK64 = 0x9E3779B97F4A7C15, (1 << 64) - 1
+
+
+def keyed_uniform(seed: int, index: int) -> float:
+    """The draw for token ``index`` of a sample whose seed is ``seed``: SplitMix64's output ``index + 1`` of
+    the stream ``seed``, its top 53 bits as a float64 in [0, 1)."""
+    z = (seed + (index + 1) * _GAMMA) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) * 2.0 ** -53
+
+
+def request_seed(seed: int | None) -> int:
+    """A sample's seed: its own, or a fresh random 64-bit one."""
+    return random.SystemRandom().getrandbits(64) if seed is None else seed
 
 
 # ----------------------------------------------------------------------------- memory budget
@@ -554,9 +567,10 @@ class PrefixCache:
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt: list[int], sp: SamplingParams, rng: torch.Generator,
+def generate(model: nn.Module, prompt: list[int], sp: SamplingParams, seed: int,
              cache: PrefixCache | None = None, version: int = 0, counts: dict | None = None, max_seq_len=None):
     """gpt-fast's loop: prefill the prompt, then one forward pass per token.  -> (tokens, logprobs, reason).
+    Token j is drawn with ``keyed_uniform(seed, j)``.
 
     With a prefix ``cache``: the longest cached run of the prompt's full pages is restored (its K/V,
     and the linear layers' checkpoint after it), the rest is prefilled a page at a time, and every
@@ -600,7 +614,7 @@ def generate(model: nn.Module, prompt: list[int], sp: SamplingParams, rng: torch
                 pages = {i: (kv.k[i][j * ps:kv.length].clone(), kv.v[i][j * ps:kv.length].clone()) for i in kv.k}
                 parent = cache.put(parent, tokens[j * ps:kv.length], version, pages,
                                    kv.linear_states() if kv.linear else None)
-        token, logprob = sample(model.logits(h[-1]), sp, rng)
+        token, logprob = sample(model.logits(h[-1]), sp, keyed_uniform(seed, len(generated)))
         generated.append(token)
         tokens.append(token)
         logprobs.append(logprob)
@@ -612,7 +626,7 @@ def generate(model: nn.Module, prompt: list[int], sp: SamplingParams, rng: torch
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:
-    """Sample ``index`` of a request draws from its own stream: seed + index (None stays random)."""
+    """Sample ``index`` of a request draws with its own seed: seed + index (None stays random)."""
     return None if seed is None else seed + index
 
 
@@ -755,8 +769,8 @@ class Generator:
         version, sp, out = self._version, request.sampling, []
         for index in range(sp.n):
             counts = {}
-            rng = request_rng(sample_seed(sp.seed, index))
-            tokens, logprobs, reason = generate(self.model, request.prompt_token_ids, sp, rng, self._cache,
+            seed = request_seed(sample_seed(sp.seed, index))
+            tokens, logprobs, reason = generate(self.model, request.prompt_token_ids, sp, seed, self._cache,
                                                 version, counts, self.max_seq_len)
             with self._cv:
                 for name, n in counts.items():
