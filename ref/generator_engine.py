@@ -568,16 +568,27 @@ class PrefixCache:
 
 @torch.no_grad()
 def generate(model: nn.Module, prompt: list[int], sp: SamplingParams, seed: int,
-             cache: PrefixCache | None = None, version: int = 0, counts: dict | None = None, max_seq_len=None):
+             cache: PrefixCache | None = None, version: int = 0, counts: dict | None = None, max_seq_len=None,
+             drafter=None, num_speculative_tokens: int = 0):
     """gpt-fast's loop: prefill the prompt, then one forward pass per token.  -> (tokens, logprobs, reason).
     Token j is drawn with ``keyed_uniform(seed, j)``.
+
+    Speculative (``drafter(tokens, k) -> up to k token ids``): each decode step proposes up to
+    ``num_speculative_tokens`` drafts (never more than the completion has room for, less one) and verifies
+    them in one forward over [the tokens not cached yet, the drafts]; position by position the token is drawn
+    from the target's row with its own keyed draw, a draft accepted while it equals that token, the first
+    token that differs (or the token after the last draft) emitted too.  So the tokens are plain decoding's
+    (same seed, same draws), the logprobs the target's rows (here computed over several rows at once:
+    rounding apart from plain decoding's one-row steps).  The look-ahead is rolled back (the KV length and
+    the linear layers' state restored) and the accepted tokens are fed again the plain way: every cache and
+    prefix page then holds accepted tokens only.
 
     With a prefix ``cache``: the longest cached run of the prompt's full pages is restored (its K/V,
     and the linear layers' checkpoint after it), the rest is prefilled a page at a time, and every
     page that fills (prompt or generated tokens) is added to the cache with the linear layers' state
     after it.  At least the prompt's last token is always computed: its logits give the first token.
-    ``counts`` (prompt_tokens, computed_prompt_tokens, prefix_hit_tokens) is updated; ``max_seq_len`` (default:
-    the model's) caps prompt + generated tokens."""
+    ``counts`` (prompt_tokens, computed_prompt_tokens, prefix_hit_tokens; draft_tokens and accepted_draft_tokens
+    when speculating) is updated; ``max_seq_len`` (default: the model's) caps prompt + generated tokens."""
     dev = next(model.parameters()).device
     limit = min(sp.max_new_tokens, (max_seq_len or model.config.max_seq_len) - len(prompt))
     kv = KVCache(model, len(prompt) + limit - 1)   # the last token's K/V is never needed
@@ -599,8 +610,11 @@ def generate(model: nn.Module, prompt: list[int], sp: SamplingParams, seed: int,
     for name, n in (("prompt_tokens", len(prompt)), ("computed_prompt_tokens", len(prompt) - kv.length),
                     ("prefix_hit_tokens", kv.length)):
         counts[name] = counts.get(name, 0) + n
-    feed = tokens[kv.length:]
-    while True:
+
+    def run(feed: list) -> torch.Tensor:
+        """Feed ``feed`` into the caches (a page at a time with a prefix cache, each full page cached with
+        the linear layers' state after it) -> the hidden state of its last token [1, hidden]."""
+        nonlocal parent
         if cache is None:
             pieces = [feed]
         else:  # up to each page boundary, so every full page is cached with the state after it
@@ -614,15 +628,69 @@ def generate(model: nn.Module, prompt: list[int], sp: SamplingParams, seed: int,
                 pages = {i: (kv.k[i][j * ps:kv.length].clone(), kv.v[i][j * ps:kv.length].clone()) for i in kv.k}
                 parent = cache.put(parent, tokens[j * ps:kv.length], version, pages,
                                    kv.linear_states() if kv.linear else None)
-        token, logprob = sample(model.logits(h[-1]), sp, keyed_uniform(seed, len(generated)))
-        generated.append(token)
-        tokens.append(token)
-        logprobs.append(logprob)
-        if token in sp.stop_token_ids:
-            return generated, logprobs, "stop"
-        if len(generated) == limit:
-            return generated, logprobs, "length"
-        feed = [token]
+        return h[-1:]
+
+    feed = tokens[kv.length:]          # the tokens not in the caches yet: the newest is the last
+    while True:
+        room = limit - len(generated) - 1                    # drafts a verification may accept
+        draft = (list(drafter(list(tokens), min(num_speculative_tokens, room))) if drafter and generated and room > 0
+                 else [])
+        if draft:                      # look ahead: feed + draft, then roll the caches back
+            length, states = kv.length, kv.linear_states()
+            h = model.layers_forward(torch.tensor(feed + draft, device=dev), kv.advance(len(feed) + len(draft)),
+                                     kv.attend, kv.mix)
+            rows = model.logits(h[len(feed) - 1:])           # the target's next-token rows: feed's last, each draft
+            kv.length = length
+            for i, state in states.items():
+                for name, t in state.items():
+                    setattr(kv.linear[i], name, t)
+            counts["draft_tokens"] = counts.get("draft_tokens", 0) + len(draft)
+        else:
+            rows = model.logits(run(feed))
+        new, finish = [], None
+        for j, row in enumerate(rows):                       # position by position, each its own keyed draw
+            token, logprob = sample(row, sp, keyed_uniform(seed, len(generated)))
+            new.append(token)
+            generated.append(token)
+            tokens.append(token)
+            logprobs.append(logprob)
+            if token in sp.stop_token_ids:
+                finish = "stop"
+            elif len(generated) == limit:
+                finish = "length"
+            if finish or j == len(draft) or token != draft[j]:
+                break
+        if draft:                      # the accepted drafts (new[:-1]) go into the caches the plain way
+            counts["accepted_draft_tokens"] = counts.get("accepted_draft_tokens", 0) + len(new) - 1
+            run(feed + new[:-1])
+        if finish:
+            return generated, logprobs, finish
+        feed = [new[-1]]
+
+
+def ngram_draft(tokens: list, k: int, max_n: int = 4, min_n: int = 2) -> list:
+    """Prompt-lookup drafting (n-gram speculation): for n = max_n down to min_n, find the latest earlier
+    occurrence of the sequence's last n tokens and propose (up to) the k tokens that followed it; [] when
+    none recurs.  Weight-free, for any model: it pays where outputs repeat their context (code edits,
+    quoting, reasoning that restates)."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):             # latest first, the suffix itself excluded
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def _drafter(speculative, k):
+    """The drafter function ``Generator(speculative=...)`` names, or None; checks ``num_speculative_tokens``."""
+    if not _is_int(k) or not 1 <= k <= 64:
+        raise ValueError(f"num_speculative_tokens must be an int in [1, 64], got {k!r}")
+    if speculative is None or callable(speculative):
+        return speculative
+    if speculative == "ngram":
+        return ngram_draft
+    raise ValueError(f"speculative must be None, 'ngram' or a drafter function (tokens, k) -> token ids, got "
+                     f"{speculative!r} (Qwen3.5's MTP head, 'mtp', is not built yet)")
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:
@@ -642,15 +710,21 @@ class Generator:
     "recompute"): what the fast engine does with a running request's KV at a weight swap; here a
     request never spans a load, so it never applies.  A request with ``sampling.n > 1`` is a group:
     its future resolves to n completions, sample i drawn from ``seed + i``, each equal to the request
-    alone with that seed and n = 1.
+    alone with that seed and n = 1.  ``speculative``: None (plain decoding), ``"ngram"`` (``ngram_draft``:
+    prompt lookup) or a drafter function ``(tokens, k) -> up to k token ids``; each decode step verifies up
+    to ``num_speculative_tokens`` drafts at once (``generate`` states the rule: plain decoding's tokens).
+    Qwen3.5's MTP head is not a drafter here yet (``"mtp"`` raises).
     """
 
     def __init__(self, model: nn.Module, *, name: str = "generator", policy_version: int = 0, page_size: int = 16,
                  prefix_caching: bool = True, cache_pages: int | None = None, kv_on_swap: str = "keep",
-                 kv_cache_memory: int | None = None, memory_utilization: float = 0.9, max_seq_len: int | None = None):
+                 kv_cache_memory: int | None = None, memory_utilization: float = 0.9, max_seq_len: int | None = None,
+                 speculative=None, num_speculative_tokens: int = 3):
         _check_model(model)
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
+        self._drafter = _drafter(speculative, num_speculative_tokens)
+        self.num_speculative_tokens = num_speculative_tokens
         if not _is_int(policy_version):
             raise TypeError(f"policy_version must be an int, got {type(policy_version).__name__}")
         _check_cache_options(prefix_caching, page_size, cache_pages, kv_on_swap, kv_cache_memory, memory_utilization,
@@ -668,7 +742,8 @@ class Generator:
             model, page_size=page_size, prefix_caching=prefix_caching, cache_pages=cache_pages,
             kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization, max_seq_len=max_seq_len)
         self._cache = PrefixCache(page_size, cache_pages) if prefix_caching else None
-        self._counts = dict(prompt_tokens=0, computed_prompt_tokens=0, prefix_hit_tokens=0)
+        self._counts = dict(prompt_tokens=0, computed_prompt_tokens=0, prefix_hit_tokens=0, draft_tokens=0,
+                            accepted_draft_tokens=0)
         self._cv = threading.Condition()
         self._load_lock = threading.Lock()  # one load_weights at a time
         self._queue: deque = deque()        # (request, future), or (None, (tensors, version, done future))
@@ -731,7 +806,8 @@ class Generator:
     def stats(self) -> dict:
         """waiting, running, completed, policy_version; prompt_tokens (requested, per sample),
         computed_prompt_tokens (run through the model), prefix_hit_tokens, evictions, cached_pages,
-        state_checkpoints (cached pages that carry the linear layers' state); the memory budget:
+        state_checkpoints (cached pages that carry the linear layers' state); draft_tokens and
+        accepted_draft_tokens (speculative decoding: proposed, and accepted by verification); the memory budget:
         memory_budget_bytes, memory_budget_source, kv_bytes_per_token, cache_pages (the prefix cache's
         capacity), max_seq_len."""
         with self._cv:
@@ -771,7 +847,8 @@ class Generator:
             counts = {}
             seed = request_seed(sample_seed(sp.seed, index))
             tokens, logprobs, reason = generate(self.model, request.prompt_token_ids, sp, seed, self._cache,
-                                                version, counts, self.max_seq_len)
+                                                version, counts, self.max_seq_len, self._drafter,
+                                                self.num_speculative_tokens)
             with self._cv:
                 for name, n in counts.items():
                     self._counts[name] += n
