@@ -28,12 +28,18 @@ One iteration, and the method that does each phase (the engine thread's ``Genera
     2. admission      prompts being prefilled resume, then waiting requests are admitted in arrival order
                       while a row per sample, their pages and ``max_prefill_tokens`` allow (a long prompt
                       is cut at a page boundary and goes on next iteration)     Scheduler._admit, _chunk
+       drafts         speculative decoding: each decoding sample's drafter proposes up to k tokens; its
+                      verification (its last token and the drafts) joins the prefill work
+                                                                      Scheduler.speculate
     3. prefill        one packed pass over that work: K/V scattered into the pages, ``varlen_attn`` over
                       the paged cache, the linear layers continued from their state rows
                                                                       ModelRunner.prefill
+       verification   every verification row draws its token; drafts are accepted while they equal the
+                      token drawn before them (the section "speculative decoding")
+                                                                      Generator._verify, Scheduler.verified
        prompts done   a group's first sample forks its followers; the finished prompts sample their first
                       token                                           Scheduler.prompts_done, ModelRunner.sample
-    4. decode         one batched step over the samples that were decoding (``flash_decode`` writes the
+    4. decode         one batched step over the other decoding samples (``flash_decode`` writes the
                       new K/V into the pages and attends), inputs in buffers filled in place; with
                       ``compile=True`` the static step, padded and compiled     ModelRunner.decode,
                                                                       StaticDecode.run, Scheduler.decoded
@@ -87,6 +93,26 @@ Weights
     ``receive_weights(version, header=...)`` then runs every rank's receive while decoding goes on and swaps
     only when every rank received everything: a refused or failed receive leaves every rank on the old
     weights and version.
+
+Speculative decoding (``speculative="ngram"`` or a drafter function; ref/generator_engine.py's ``generate``
+states the rule and is the oracle)
+    draft         ``drafter(tokens, k) -> up to k token ids`` per decoding sample and step (``ngram_draft``:
+                  prompt lookup); cut to the completion's room less one and to the free pages (a draft
+                  never preempts); a hybrid model with checkpoints stops a draft at the next checkpointed
+                  page boundary (and drafts nothing from one), so ``decoded`` checkpoints the right state
+    verify        the sample's last token and its m drafts ride in the step's prefill pass (m + 1 rows at
+                  their positions, their K/V into the pages); row r draws token j = generated + r with
+                  ``keyed_uniform(seed, j)``, as plain decoding's step for it would; a draft is accepted
+                  while it equals the token drawn before it, the first token that differs (or the one after
+                  the last draft) is emitted too: plain decoding's tokens, the target's logprobs
+    roll back     rejected rows' K/V lie past the sample's length (overwritten as it grows; their pages stay
+                  with it); the linear layers ran over every row, so where a draft was rejected their state
+                  rows go back to before the pass (``StatePools.save_rows``) and the accepted rows run again
+                  (a second pass; vLLM keeps k + 1 state slots instead); each emitted token then goes in as
+                  a decode step's (``Scheduler.verified``): the prefix cache keys the same pages
+    the mode      a verification row is computed as its decode step would be (a row's bits do not depend on
+                  how many rows share the call), so rollouts stay bitwise on-policy (parity/test_speculative.py)
+    Limits: no tensor parallelism (it raises); Qwen3.5's MTP head is not a drafter yet.
 
 Batch-invariant mode: bitwise on-policy (a model with ``batch_invariant=True``)
     Given a model in fast/decoder_lm.py's batch-invariant mode (its docstring states the contract), a
@@ -317,6 +343,8 @@ class EngineOptions:
     compile: bool = False
     cuda_graphs: bool = False
     capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    speculative: object = None
+    num_speculative_tokens: int = 3
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -344,6 +372,9 @@ class EngineOptions:
             raise ValueError(f"memory_utilization must be a fraction in (0, 1], got {self.memory_utilization!r}")
         if not _is_number(self.tp_timeout_s) or not self.tp_timeout_s > 0:
             raise ValueError(f"tp_timeout_s must be a number of seconds > 0, got {self.tp_timeout_s!r}")
+        if _drafter(self.speculative, self.num_speculative_tokens) is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding is not built for tensor-parallel engines yet (the ranks would "
+                             "have to share a variable number of tokens per sample each step)")
 
 
 # (field, least value, None allowed): the integer knobs
@@ -413,6 +444,10 @@ class Generator:
                                         mode keeps the eager step under compile (graphs replay its
                                         kernels, hybrid models' too); tensor-parallel engines compile
                                         each rank's step but replay no graphs; a warning says which.
+    ``speculative``,                    None, ``"ngram"`` (prompt lookup) or a drafter function ``(tokens,
+    ``num_speculative_tokens``          k) -> up to k token ids``: verify up to k drafts per decoding
+                                        sample and step (the section "speculative decoding"); the same
+                                        tokens as plain decoding
                                         ``cuda_graphs`` is off by default until a GPU run has tested it
     A model in the batch-invariant mode (``model.batch_invariant``) makes the engine batch-invariant (the
     module docstring): it then needs ``varlen_attn`` (default: the model's) and ``flash_decode``.
@@ -426,7 +461,7 @@ class Generator:
                  kv_cache_memory: int | None = None, memory_utilization: float = 0.9, max_seq_len: int | None = None,
                  tensor_parallel_size: int = 1, tp_timeout_s: float = 60.0, tp_address: str = "127.0.0.1",
                  compile: bool = False, cuda_graphs: bool = False, capture_sizes: tuple = EngineOptions.capture_sizes,
-                 weight_receiver=None, _tp_worker=None):
+                 speculative=None, num_speculative_tokens: int = 3, weight_receiver=None, _tp_worker=None):
         opts = EngineOptions(
             name=name, policy_version=policy_version, varlen_attn=varlen_attn, flash_decode=flash_decode,
             cascade_decode=cascade_decode, page_size=page_size, num_pages=num_pages, max_batch_size=max_batch_size,
@@ -434,7 +469,8 @@ class Generator:
             checkpoint_interval=checkpoint_interval, num_checkpoints=num_checkpoints, kv_on_swap=kv_on_swap,
             kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization, max_seq_len=max_seq_len,
             tensor_parallel_size=tensor_parallel_size, tp_timeout_s=tp_timeout_s, tp_address=tp_address,
-            compile=compile, cuda_graphs=cuda_graphs, capture_sizes=capture_sizes)
+            compile=compile, cuda_graphs=cuda_graphs, capture_sizes=capture_sizes, speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens)
         self.options, self.name, self._tp, self._broken = opts, opts.name, _tp_worker, None
         if opts.tensor_parallel_size > 1 and _tp_worker is None:   # rank 0: starts the workers, keeps its shard
             self._tp = _TensorParallel(opts)
@@ -647,7 +683,8 @@ class Generator:
         conv state, and in the batch-invariant mode the chunk buffer), max_seq_len; decode_steps,
         static_decode_steps (those through the static step, compiled or replayed) and static_decode_shapes
         (the (padded batch, table width in pages) it ran at); cuda_graph_sizes (the padded batches captured)
-        and cuda_graph_bytes (what their memory pool reserved)."""
+        and cuda_graph_bytes (what their memory pool reserved); draft_tokens and accepted_draft_tokens
+        (speculative decoding: proposed, and accepted by verification)."""
         with self._cv:
             sched = self.scheduler
             return dict(waiting=sched.waiting_samples(self._incoming), running=sched.running_samples(),
@@ -689,16 +726,50 @@ class Generator:
     def _step(self, settle: list) -> None:
         """One iteration (the module docstring's table): schedule, run, advance."""
         plan = self.scheduler.schedule()                   # pages for the decoders (or preemption), admission
-        if plan.prefill:                                   # one packed pass; prompts done fork and sample
-            logits = self.runner.prefill(self.model, plan.prefill)
+        verify = self.scheduler.speculate(plan.decode, self.config.vocab_size)   # drafts, to verify in the pass
+        verifying = {id(c.seq) for c in verify}
+        decode = [s for s in plan.decode if id(s) not in verifying]
+        if plan.prefill or verify:                         # one packed pass; prompts done fork and sample
+            saved = self.pools.save_rows([c.seq.row for c in verify]) if verify and self.scheduler.hybrid else None
+            logits = self.runner.prefill(self.model, plan.prefill + verify)
             started, rows = self.scheduler.prompts_done(plan.prefill)
             if started:
                 self.scheduler.advance(started, *self.runner.sample(self.model, started, logits, rows), settle)
-        if plan.decode:                                    # one token for every decoding sample
-            logits = self.runner.decode(self.model, plan.decode)
-            self.scheduler.decoded(plan.decode)
-            self.scheduler.advance(plan.decode, *self.runner.sample(self.model, plan.decode, logits), settle)
+            if verify:
+                self._verify(verify, logits[logits.shape[0] - sum(len(c.drafts) + 1 for c in verify):], saved,
+                             settle)
+        if decode:                                         # one token for every other decoding sample
+            logits = self.runner.decode(self.model, decode)
+            self.scheduler.decoded(decode)
+            self.scheduler.advance(decode, *self.runner.sample(self.model, decode, logits), settle)
         self.scheduler.counts["steps"] += 1
+
+    def _verify(self, chunks: list, logits: torch.Tensor, saved: dict | None, settle: list) -> None:
+        """Speculative verification (ref/generator_engine.py's ``generate`` states the rule): every row of
+        each chunk draws its token with its own keyed draw; the drafts are accepted while each equals the
+        token drawn before it, and the first token that differs (or the one after the last draft) is emitted
+        too: plain decoding's tokens.  Rejected rows' KV lies past the sample's length (overwritten later);
+        a hybrid model's linear layers, which ran over every row, go back to their state before the pass
+        (``saved``) and run again over the accepted rows (in the batch-invariant mode bit for bit what the
+        decode steps would have left)."""
+        tokens, logprobs = self.runner.sample_verification(self.model, chunks, logits)
+        outcomes, redo, at = [], [], 0
+        for n, c in enumerate(chunks):
+            drawn = tokens[at:at + len(c.drafts) + 1]
+            accepted = 0
+            while accepted < len(c.drafts) and drawn[accepted] == c.drafts[accepted]:
+                accepted += 1
+            outcomes.append((drawn[:accepted + 1], logprobs[at:at + accepted + 1]))
+            if accepted < len(c.drafts):
+                redo.append(n)
+            at += len(c.drafts) + 1
+        if saved is not None and redo:
+            self.pools.restore_rows(saved, [c.seq.row for c in chunks], redo)
+            self.runner.prefill(self.model, [PrefillChunk(chunks[n].seq, chunks[n].start,
+                                                          chunks[n].start + len(outcomes[n][0]), (),
+                                                          chunks[n].drafts[:len(outcomes[n][0]) - 1]) for n in redo])
+        for c, (drawn, lps) in zip(chunks, outcomes):
+            self.scheduler.verified(c, drawn, lps, settle)
 
     def _loop(self) -> None:
         """The engine thread: take what was submitted and any staged weights, run an iteration, settle the
@@ -1061,11 +1132,16 @@ class _Seq:
 class PrefillChunk(NamedTuple):
     """A sample's prefill work in one iteration: its tokens start .. end - 1, and the checkpoints of its
     linear layers' state taken in the pass, [(boundary token, checkpoint)] (interior ones cut those layers'
-    call there)."""
+    call there).  A speculative verification is a chunk too: the sample's last token, then ``drafts``
+    (positions len(tokens) - 1 .. end - 1), every row's logits wanted."""
     seq: _Seq
     start: int
     end: int
     cuts: tuple
+    drafts: tuple = ()
+
+    def tokens(self) -> list:
+        return self.seq.tokens[self.start:self.end - len(self.drafts)] + list(self.drafts)
 
 
 class StepPlan(NamedTuple):
@@ -1093,6 +1169,8 @@ class Scheduler:
         self.num_pages = plan.num_pages
         self.prefix_caching, self.checkpoint_interval = opts.prefix_caching, opts.checkpoint_interval
         self.hybrid, self.lock, self.version, self.pools = hybrid, lock, version, pools
+        self.drafter, self.num_speculative_tokens = _drafter(opts.speculative, opts.num_speculative_tokens), \
+            opts.num_speculative_tokens
         self.checkpointing = hybrid and opts.prefix_caching and plan.num_checkpoints > 0
         self.pages = _Pages(plan.num_pages, plan.num_checkpoints)
         self.free_rows = list(range(plan.max_batch_size - 1, -1, -1))
@@ -1101,7 +1179,7 @@ class Scheduler:
         self.running: list[_Seq] = []       # decoding
         self.admissions = itertools.count()
         self.counts = dict(completed=0, steps=0, preemptions=0, generated_tokens=0, prompt_tokens=0,
-                           computed_prompt_tokens=0, prefix_hit_tokens=0)
+                           computed_prompt_tokens=0, prefix_hit_tokens=0, draft_tokens=0, accepted_draft_tokens=0)
 
     # ------------------------------------------------------------------ phases 1 and 2: the plan
 
@@ -1147,6 +1225,48 @@ class Scheduler:
                 by_group.setdefault(id(s.group), []).append(s)
             self.running = running = [s for members in by_group.values() for s in members]
         return list(running)
+
+    def speculate(self, decode: list, vocab_size: int) -> list:
+        """Speculative decoding: for each decoding sample the drafter proposes up to num_speculative_tokens
+        (fewer where the completion has less room, less one: a verification emits drafts + 1 tokens) and the
+        sample's verification chunk takes pages for them from the free ones (no preemption for a draft: it
+        is cut to the pages there are).  A hybrid model with checkpoints never verifies past the next
+        checkpointed page boundary, nor from one: ``verified`` checkpoints with the state after the last
+        verified row, which is the boundary's only there.  Returns the verification chunks."""
+        if self.drafter is None:
+            return []
+        ps, chunks = self.page_size, []
+        for seq in decode:
+            length = len(seq.tokens)
+            room = min(self.num_speculative_tokens, seq.limit - (length - seq.n_prompt) - 1)
+            if self.checkpointing and self.prefix_caching:
+                stride = self.checkpoint_interval * ps
+                room = 0 if length % stride == 0 else min(room, stride - length % stride)
+            draft = [] if room <= 0 else list(self.drafter(list(seq.tokens), room))[:room]
+            if not all(_is_int(t) and 0 <= t < vocab_size for t in draft):
+                raise ValueError(f"the drafter proposed {draft}: token ids must be ints in [0, {vocab_size})")
+            while draft and len(seq.pages) * ps < length + len(draft):
+                if not self.pages.available():
+                    draft = draft[:len(seq.pages) * ps - length]
+                    break
+                page = self.pages.allocate()
+                self.pools.set_pages(seq.row, len(seq.pages), [page])
+                seq.pages.append(page)
+            if draft:
+                chunks.append(PrefillChunk(seq, length - 1, length + len(draft), (), tuple(draft)))
+                self.counts["draft_tokens"] += len(draft)
+        return chunks
+
+    def verified(self, chunk: PrefillChunk, tokens: list, logprobs: list, settle: list) -> None:
+        """A verification's outcome: ``tokens`` are the accepted drafts and the token after them.  Each goes
+        in as a decode step's would (the KV of the token before it is written: ``decoded``, then ``advance``),
+        so pages are keyed and checkpointed exactly as plain decoding keys them."""
+        self.counts["accepted_draft_tokens"] += len(tokens) - 1
+        for token, logprob in zip(tokens, logprobs):
+            self.decoded([chunk.seq])
+            self.advance([chunk.seq], [token], [logprob], settle)
+            if chunk.seq.row is None:                   # finished (a stop token, its length): released
+                return
 
     def _chunk(self, seq: _Seq, budget: int) -> PrefillChunk:
         """The next piece of ``seq``'s prompt within ``budget`` tokens, cut at a page boundary when it can be,
@@ -1492,6 +1612,18 @@ class StatePools:
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 
+    def save_rows(self, rows: list) -> dict:
+        """Every linear layer's state of ``rows`` (copies): a speculative verification's restore point."""
+        index = torch.tensor(rows, device=self.device)
+        return {layer: {name: pool[index] for name, pool in pools.items()} for layer, pools in self.states.items()}
+
+    def restore_rows(self, saved: dict, rows: list, which: list) -> None:
+        """Rows ``rows[n]`` for n in ``which`` back to ``saved`` (``save_rows(rows)``)."""
+        index, pick = (torch.tensor(x, device=self.device) for x in ([rows[n] for n in which], which))
+        for layer, pools in self.states.items():
+            for name, pool in pools.items():
+                pool[index] = saved[layer][name][pick]
+
     def gather(self, layer: int, rows: torch.Tensor, cache) -> None:
         """Layer ``layer``'s state of ``rows`` into the plug-in's ``cache`` (its fields by name)."""
         for name, pool in self.states.get(layer, {}).items():
@@ -1575,10 +1707,11 @@ class ModelRunner:
     def prefill(self, model: nn.Module, work: list) -> torch.Tensor | None:
         """One pass over the packed prefill work (``PrefillChunk``s): tokens start .. end - 1 of each,
         attending to their cached or earlier-computed pages.  Returns the logits [N, V] of the chunks that
-        end their prompt, in work order (None on a worker)."""
+        end their prompt, in work order, then those of every row of the verification chunks (the ones with
+        drafts), in work order (None on a worker)."""
         dev, ps, pools = self.device, self.page_size, self.pools
         lengths = [c.end - c.start for c in work]
-        ids = torch.tensor([t for c in work for t in c.seq.tokens[c.start:c.end]], device=dev)
+        ids = torch.tensor([t for c in work for t in c.tokens()], device=dev)
         positions = torch.cat([torch.arange(c.start, c.end) for c in work]).to(dev)
         cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=dev)
         kv_index = torch.tensor([c.seq.pages[p // ps] * ps + p % ps for c in work for p in range(c.start, c.end)],
@@ -1613,10 +1746,12 @@ class ModelRunner:
             return self._prefill_linear(i, module, h, work, rows)
 
         h = model.layers_forward(ids, positions, attend, mix)
-        last = [int(cu[n + 1]) - 1 for n, c in enumerate(work) if c.end == len(c.seq.tokens)]
-        if not last or not self.samples:
+        bounds = [0, *itertools.accumulate(lengths)]
+        wanted = ([bounds[n + 1] - 1 for n, c in enumerate(work) if c.end == len(c.seq.tokens) and not c.drafts]
+                  + [r for n, c in enumerate(work) if c.drafts for r in range(bounds[n], bounds[n + 1])])
+        if not wanted or not self.samples:
             return None
-        return model.logits(h[torch.tensor(last, device=dev)])                        # [N, V]
+        return model.logits(h[torch.tensor(wanted, device=dev)])                      # [N, V]
 
     def _prefill_linear(self, i: int, module, h: torch.Tensor, work: list, rows: torch.Tensor) -> torch.Tensor:
         """A "linear" layer over the pass's tokens h [T, hidden]: each sample continues from its row's state
@@ -1777,6 +1912,14 @@ class ModelRunner:
         if self.tp is not None:
             tokens = self.tp.share_tokens(self.staging.put("tokens", tokens, torch.int64))
         return tokens, logprobs
+
+    def sample_verification(self, model: nn.Module, chunks: list, logits: torch.Tensor) -> tuple[list, list]:
+        """Every row of the verification ``chunks`` (``logits`` [rows, V], in order): row r of a sample's chunk
+        draws its completion's token j = (tokens generated so far) + r with ``keyed_uniform(seed, j)``, as
+        plain decoding's step for that token draws it."""
+        params = [c.seq.group.request.sampling for c in chunks for _ in range(len(c.drafts) + 1)]
+        keys = [(c.seq.seed, len(c.seq.tokens) - c.seq.n_prompt + r) for c in chunks for r in range(len(c.drafts) + 1)]
+        return sample_rows(logits, params, keys, self.staging, getattr(model, "log_softmax", None))
 
 
 # ----------------------------------------------------------------------------- the static decode step
@@ -1989,6 +2132,34 @@ def _sinks(model) -> list:
         s = sinks(i) if kind == "attention" else None
         out.append({} if s is None else dict(sinks=s))
     return out
+
+
+# ----------------------------------------------------------------------------- speculative decoding
+# (the same rule and code as ref/generator_engine.py's)
+
+def ngram_draft(tokens: list, k: int, max_n: int = 4, min_n: int = 2) -> list:
+    """Prompt-lookup drafting (n-gram speculation): for n = max_n down to min_n, find the latest earlier
+    occurrence of the sequence's last n tokens and propose (up to) the k tokens that followed it; [] when
+    none recurs.  Weight-free, for any model: it pays where outputs repeat their context (code edits,
+    quoting, reasoning that restates)."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):             # latest first, the suffix itself excluded
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def _drafter(speculative, k):
+    """The drafter function ``Generator(speculative=...)`` names, or None; checks ``num_speculative_tokens``."""
+    if not _is_int(k) or not 1 <= k <= 64:
+        raise ValueError(f"num_speculative_tokens must be an int in [1, 64], got {k!r}")
+    if speculative is None or callable(speculative):
+        return speculative
+    if speculative == "ngram":
+        return ngram_draft
+    raise ValueError(f"speculative must be None, 'ngram' or a drafter function (tokens, k) -> token ids, got "
+                     f"{speculative!r} (Qwen3.5's MTP head, 'mtp', is not built yet)")
 
 
 # ----------------------------------------------------------------------------- batched sampling

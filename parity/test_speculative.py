@@ -13,15 +13,20 @@ through 0 .. k (k: no error), so every acceptance length 0 .. k occurs.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
 import torch
 
+import fast.decoder_lm as fast_lm
+import fast.generator_engine as fast_ge
 import ref.decoder_lm as ref_lm
 import ref.gated_deltanet as ref_gdn
 import ref.generator_engine as ref_ge
-from test_generator_engine import assert_same
+from conftest import DEVICE
+from test_batch_invariant_engine import wide_interpreter_segments  # noqa: F401  (a fixture)
+from test_generator_engine import LP_RTOL, assert_same
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -30,35 +35,39 @@ VOCAB = 96
 GDN = functools.partial(ref_gdn.GatedDeltaNet, chunk_fn=ref_gdn.chunk_gated_delta_rule)
 
 
-def config(kind: str) -> ref_lm.ModelConfig:
+IMPLS = [pytest.param(ref_ge, id="ref"), pytest.param(fast_ge, id="fast")]
+LM = {ref_ge: ref_lm, fast_ge: fast_lm}
+
+
+def config(kind: str, lm=ref_lm):
     kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
               head_dim=8, max_seq_len=96, tie_embeddings=False)
     if kind == "hybrid":
         kw.update(layer_types=("linear", "attention"), linear_num_k_heads=2, linear_num_v_heads=4,
                   linear_head_k_dim=8, linear_head_v_dim=8)
-    return ref_lm.ModelConfig(**kw)
+    return lm.ModelConfig(**kw)
 
 
-def model(kind: str) -> ref_lm.DecoderLM:
-    m = ref_lm.DecoderLM(config(kind), seed=5, linear_layer=GDN if kind == "hybrid" else None)
+def model(kind: str, lm=ref_lm, **kw):
+    m = lm.DecoderLM(config(kind, lm), seed=5, linear_layer=GDN if kind == "hybrid" else None, **kw)
     with torch.no_grad():                  # every parameter away from its init (zeros / ones hide formulas)
         gen = torch.Generator().manual_seed(9)
         for p in m.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+            p.add_((0.05 * torch.randn(p.shape, generator=gen)).to(p.device))
     return m
 
 
-def requests() -> list:
+def requests(ge=ref_ge) -> list:
     """Greedy, tempered, top-k / top-p, a stop token, a group of 2 (sample i keyed by seed + i), a negative seed;
     prompts long enough to fill prefix-cache pages of 8, two sharing their first 16 tokens (hits)."""
     shared = [(7 * i + 3) % VOCAB for i in range(16)]
-    sp = ref_ge.SamplingParams
-    return [ref_ge.Request(shared + [1, 2], sp(max_new_tokens=30), request_id="greedy"),
-            ref_ge.Request(shared + [5], sp(max_new_tokens=30, temperature=0.9, seed=3), request_id="tempered"),
-            ref_ge.Request([9, 8, 7], sp(max_new_tokens=25, temperature=1.2, top_k=12, top_p=0.9, seed=-4),
-                           request_id="top-k-p"),
-            ref_ge.Request([4] * 5, sp(max_new_tokens=25, temperature=1.0, seed=11, n=2), request_id="group"),
-            ref_ge.Request([2, 71, 33], sp(max_new_tokens=30, stop_token_ids=(17, 40, 63)), request_id="stops")]
+    sp = ge.SamplingParams
+    return [ge.Request(shared + [1, 2], sp(max_new_tokens=30), request_id="greedy"),
+            ge.Request(shared + [5], sp(max_new_tokens=30, temperature=0.9, seed=3), request_id="tempered"),
+            ge.Request([9, 8, 7], sp(max_new_tokens=25, temperature=1.2, top_k=12, top_p=0.9, seed=-4),
+                       request_id="top-k-p"),
+            ge.Request([4] * 5, sp(max_new_tokens=25, temperature=1.0, seed=11, n=2), request_id="group"),
+            ge.Request([2, 71, 33], sp(max_new_tokens=30, stop_token_ids=(17, 40, 63)), request_id="stops")]
 
 
 def flat(done) -> list:
@@ -94,45 +103,104 @@ class PlantedDrafter:
         raise AssertionError(f"no plain continuation for {tokens}")
 
 
+@pytest.mark.parametrize("ge", IMPLS)
 @pytest.mark.parametrize("kind", ["attention", "hybrid"])
-def test_speculative_tokens_are_plain_decodings(kind):
+def test_speculative_tokens_are_plain_decodings(ge, kind):
     """Every acceptance length 0 .. K at every kind of row: the completions equal plain decoding's (tokens
-    exactly, logprobs to fp32 rounding), with the prefix cache on (hits, pages filled by accepted tokens only:
-    a second pass over the same requests hits the same pages as plain decoding's second pass)."""
-    reqs = requests()
-    with ref_ge.Generator(model(kind), page_size=8) as gen:
+    exactly, logprobs to fp32 rounding), with the prefix cache on (hits; pages filled by accepted tokens only: a
+    second pass over the same requests hits what plain decoding's second pass hits).  The fast engine's pool
+    of 14 pages of 8 for 6 samples of up to 48 tokens preempts, and its prefill budget of 12 tokens cuts prompts:
+    verifications ride in the same passes as prefill chunks, and a recomputed sample speculates again."""
+    reqs = requests(ge)
+    knobs = dict(page_size=8) if ge is ref_ge else dict(page_size=8, num_pages=14, max_prefill_tokens=12)
+    with ge.Generator(model(kind, LM[ge]), **knobs) as gen:
         plain = flat(gen.generate(reqs))
         plain_again = flat(gen.generate(reqs))
         plain_stats = gen.stats()
     drafter = PlantedDrafter(plain, reqs)
-    with ref_ge.Generator(model(kind), page_size=8, speculative=drafter, num_speculative_tokens=K) as gen:
+    with ge.Generator(model(kind, LM[ge]), speculative=drafter, num_speculative_tokens=K, **knobs) as gen:
         got = flat(gen.generate(reqs))
         got_again = flat(gen.generate(reqs))
         stats = gen.stats()
     worst = max(assert_same(e, g, model=None) for e, g in zip(plain + plain_again, got + got_again, strict=True))
-    print(f"\n[speculative, {kind}] largest |logprob - plain| = {worst:.2e}; {stats['accepted_draft_tokens']} of "
-          f"{stats['draft_tokens']} drafts accepted")
-    for name in ("prefix_hit_tokens", "computed_prompt_tokens", "cached_pages", "state_checkpoints"):
-        assert stats[name] == plain_stats[name], (name, stats[name], plain_stats[name])
+    print(f"\n[speculative, {ge.__name__}, {kind}] largest |logprob - plain| = {worst:.2e}; "
+          f"{stats['accepted_draft_tokens']} of {stats['draft_tokens']} drafts accepted")
+    if ge is ref_ge:
+        for name in ("prefix_hit_tokens", "computed_prompt_tokens", "cached_pages", "state_checkpoints"):
+            assert stats[name] == plain_stats[name], (name, stats[name], plain_stats[name])
+    else:
+        assert stats["preemptions"] >= 1 and stats["prefix_hit_tokens"] > 0, stats
     assert {error for n, error in drafter.proposals if n == K} >= set(range(K + 1))   # every acceptance length
     assert 0 < stats["accepted_draft_tokens"] < stats["draft_tokens"] and plain_stats["draft_tokens"] == 0
 
 
-def test_ngram_drafting_accepts_repeats_and_keeps_plain_tokens():
+def test_speculation_beside_the_compiled_static_step():
+    """Generator(compile=True, speculative=...): samples with drafts verify in the prefill pass, the others step
+    through the compiled static step in the same iteration; the completions stay plain decoding's."""
+    reqs = requests(fast_ge)
+    knobs = dict(page_size=8, num_pages=14, max_prefill_tokens=12)
+    with fast_ge.Generator(model("attention", fast_lm), **knobs) as gen:
+        plain = flat(gen.generate(reqs))
+    drafter = PlantedDrafter(plain, reqs)
+    sometimes = lambda tokens, k: drafter(tokens, k) if len(tokens) % 3 else []      # noqa: E731  (a third: none)
+    with fast_ge.Generator(model("attention", fast_lm), compile=True, capture_sizes=(8,), speculative=sometimes,
+                           num_speculative_tokens=K, **knobs) as gen:
+        got = flat(gen.generate(reqs))
+        stats = gen.stats()
+    assert stats["static_decode_steps"] > 0 and stats["accepted_draft_tokens"] > 0, stats
+    for e, g in zip(plain, got, strict=True):
+        assert_same(e, g, rtol=4 * LP_RTOL)                 # (the compiled step rounds its own way)
+
+
+@pytest.mark.usefixtures("wide_interpreter_segments")
+@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+def test_speculative_rollouts_stay_bitwise_in_the_mode(kind):
+    """The fast engine in the batch-invariant mode (the repo's attention kernels, interpreter): a verification's
+    rows are computed as the decode steps would compute them (a row's bits do not depend on how many rows share
+    the call), so with every acceptance length the completions' logprobs are plain decoding's bit for bit and
+    the trainer's token_logprobs; the hybrid's Gated DeltaNet layers go back to their state before the pass and
+    run again over the accepted rows."""
+    from fast.flash_decoding import flash_decode
+    from fast.paged_varlen_attention import varlen_attn
+    reqs = [fast_ge.Request(r.prompt_token_ids, dataclasses.replace(r.sampling, max_new_tokens=14),
+                            request_id=r.request_id) for r in requests(fast_ge)[1:4]]       # (the interpreter: few)
+    kw = dict(page_size=8, num_pages=6, max_prefill_tokens=12, flash_decode=flash_decode)
+    mode = functools.partial(model, kind, fast_lm, batch_invariant=True, varlen_attn=varlen_attn, device=DEVICE)
+    with fast_ge.Generator(mode(), **kw) as gen:
+        plain = flat(gen.generate(reqs))
+    drafter = PlantedDrafter(plain, reqs)
+    trainer = mode()
+    with fast_ge.Generator(mode(), speculative=drafter, num_speculative_tokens=K, **kw) as gen:
+        got = flat(gen.generate(reqs))
+        stats = gen.stats()
+    assert stats["preemptions"] >= 1 and 0 < stats["accepted_draft_tokens"] < stats["draft_tokens"], stats
+    assert {error for n, error in drafter.proposals if n == K} >= set(range(K + 1))
+    temps = {r.request_id: r.sampling.temperature for r in reqs}
+    with torch.no_grad():
+        lps = trainer.token_logprobs([c.prompt_token_ids + c.token_ids for c in got],
+                                     [len(c.prompt_token_ids) for c in got],
+                                     temperature=[temps[c.request_id] for c in got])
+    for e, g, lp in zip(plain, got, lps, strict=True):
+        assert (g.token_ids, g.logprobs, g.finish_reason) == (e.token_ids, e.logprobs, e.finish_reason), g.request_id
+        assert torch.equal(torch.tensor(g.logprobs, dtype=torch.float32), lp.cpu()), g.request_id
+
+
+@pytest.mark.parametrize("ge", IMPLS)
+def test_ngram_drafting_accepts_repeats_and_keeps_plain_tokens(ge):
     """Prompt lookup on prompts that repeat a phrase (what it is for): drafts are proposed and some accepted,
     and the tokens stay plain decoding's, greedy and sampled."""
     phrase = [11, 23, 35, 47, 59, 71]
-    sp = ref_ge.SamplingParams
-    reqs = [ref_ge.Request(phrase * 4, sp(max_new_tokens=24), request_id="greedy"),
-            ref_ge.Request(phrase * 3 + [5], sp(max_new_tokens=24, temperature=0.7, seed=1), request_id="sampled")]
-    with ref_ge.Generator(model("attention")) as gen:
+    sp = ge.SamplingParams
+    reqs = [ge.Request(phrase * 4, sp(max_new_tokens=24), request_id="greedy"),
+            ge.Request(phrase * 3 + [5], sp(max_new_tokens=24, temperature=0.7, seed=1), request_id="sampled")]
+    with ge.Generator(model("attention", LM[ge])) as gen:
         plain = flat(gen.generate(reqs))
-    with ref_ge.Generator(model("attention"), speculative="ngram", num_speculative_tokens=3) as gen:
+    with ge.Generator(model("attention", LM[ge]), speculative="ngram", num_speculative_tokens=3) as gen:
         got = flat(gen.generate(reqs))
         stats = gen.stats()
     for e, g in zip(plain, got, strict=True):
         assert_same(e, g)
-    assert stats["draft_tokens"] > 0, stats
+    assert stats["accepted_draft_tokens"] > 0, stats
 
 
 def test_ngram_draft_proposes_the_latest_longest_match():
@@ -145,12 +213,19 @@ def test_ngram_draft_proposes_the_latest_longest_match():
     assert draft([1, 2, 1, 2, 1, 2], 2, max_n=2, min_n=2) == [1, 2]
 
 
-def test_bad_speculative_knobs_raise():
-    m = model("attention")
+@pytest.mark.parametrize("ge", IMPLS)
+def test_bad_speculative_knobs_raise(ge):
+    m = model("attention", LM[ge])
     with pytest.raises(ValueError, match="'mtp', is not built yet"):
-        ref_ge.Generator(m, speculative="mtp")
+        ge.Generator(m, speculative="mtp")
     with pytest.raises(ValueError, match="speculative must be None, 'ngram' or a drafter"):
-        ref_ge.Generator(m, speculative=3)
+        ge.Generator(m, speculative=3)
     for k in (0, 65, 2.0, True):
         with pytest.raises(ValueError, match="num_speculative_tokens"):
-            ref_ge.Generator(m, speculative="ngram", num_speculative_tokens=k)
+            ge.Generator(m, speculative="ngram", num_speculative_tokens=k)
+    if ge is fast_ge:
+        with pytest.raises(ValueError, match="not built for tensor-parallel engines"):
+            ge.Generator(m, speculative="ngram", tensor_parallel_size=2)
+        with ge.Generator(m, speculative=lambda tokens, k: [VOCAB] * k) as gen:   # a drafter out of the vocabulary
+            with pytest.raises(ValueError, match="the drafter proposed"):
+                gen.generate([ge.Request([1, 2, 3], ge.SamplingParams(max_new_tokens=4))])
