@@ -24,7 +24,7 @@ Checks (each reports the rows or requests that were bitwise out of those compare
               attention-only model with Qwen2's q/k/v bias, Qwen3's q/k norms and Llama 3's rope
               scaling, and a Qwen3.5-MoE-style hybrid (Gated DeltaNet, the attention output gate, partial
               rotary, zero-centred norms, and MoE MLPs: routed experts on fast/moe.py's kernels beside the
-              shared expert).
+              shared expert; served again with speculative decoding: the same bits).
 Prints one JSON line: {"corename", "aten", "checks": {name: {"bitwise", "total", "error"}}}.
 """
 from __future__ import annotations
@@ -114,8 +114,10 @@ ARCHITECTURES["hybrid-moe"] = ARCHITECTURES["hybrid"]         # + Qwen3.5-MoE's 
 ARCHITECTURES["gpt-oss"] = {}       # the test's config: sinks, a sliding window, biases, the clamped experts
 
 
-def check_engine(kind: str, *, requests: int, seed: int, page_size: int) -> tuple[int, int]:
-    """Engine == trainer (and alone == busy) for every request; a run without a preemption fails."""
+def check_engine(kind: str, *, requests: int, seed: int, page_size: int, speculative: bool = False) -> tuple[int, int]:
+    """Engine == trainer (and alone == busy) for every request; a run without a preemption fails.
+    ``speculative``: the busy run again with drafts of its own continuations, one planted error each
+    (parity/test_speculative.py's drafter): the same completions bit for bit, accepted and rejected drafts."""
     import dataclasses
 
     import fast.decoder_lm as fast_lm
@@ -132,8 +134,8 @@ def check_engine(kind: str, *, requests: int, seed: int, page_size: int) -> tupl
 
     reqs = t.requests(seed=seed, n=requests)
     torch.set_num_threads(1)
-    with fast_ge.Generator(make_model(), page_size=page_size, num_pages=-(-56 // page_size), max_batch_size=8,
-                           flash_decode=flash_decode) as gen:
+    knobs = dict(page_size=page_size, num_pages=-(-56 // page_size), max_batch_size=8, flash_decode=flash_decode)
+    with fast_ge.Generator(make_model(), **knobs) as gen:
         busy = t.serve_busy(gen, reqs, seed=seed + 1)
         if gen.stats()["preemptions"] < 1:
             raise AssertionError(f"no preemption in the busy run: {gen.stats()}")
@@ -145,6 +147,17 @@ def check_engine(kind: str, *, requests: int, seed: int, page_size: int) -> tupl
     for i, a in alone.items():
         if a.token_ids != busy[i].token_ids or a.logprobs != busy[i].logprobs:
             raise AssertionError(f"request {i} alone differs from the same request in the busy batch")
+    if speculative:
+        from test_speculative import PlantedDrafter
+        with fast_ge.Generator(make_model(), speculative=PlantedDrafter(busy, reqs), num_speculative_tokens=3,
+                               **knobs) as gen:
+            drafted = t.serve_busy(gen, reqs, seed=seed + 1)
+            stats = gen.stats()
+        if not 0 < stats["accepted_draft_tokens"] < stats["draft_tokens"]:
+            raise AssertionError(f"no accepted and rejected drafts in the speculative run: {stats}")
+        for a, b in zip(busy, drafted):
+            if (a.token_ids, a.logprobs) != (b.token_ids, b.logprobs):
+                raise AssertionError(f"{a.request_id}: speculative decoding changed the completion")
     good = sum(torch.equal(torch.tensor(c.logprobs, dtype=torch.float32), recomputed[c.request_id]) for c in busy)
     return good, len(busy)
 
@@ -163,9 +176,10 @@ def main(argv=None) -> int:
         "gdn": lambda: check_gdn(),
         "engine attention-only": lambda: check_engine(
             "attention", requests=args.requests, seed=args.seed, page_size=args.page_size),
-        # the hybrid with MoE MLPs: Gated DeltaNet, gated attention and the expert kernels in one model
+        # the hybrid with MoE MLPs: Gated DeltaNet, gated attention and the expert kernels in one model; with
+        # prompt-lookup speculation (verification rows, the linear layers' rollback)
         "engine hybrid-moe": lambda: check_engine(
-            "hybrid-moe", requests=args.requests, seed=args.seed, page_size=args.page_size + 1),
+            "hybrid-moe", requests=args.requests, seed=args.seed, page_size=args.page_size + 1, speculative=True),
         # gpt-oss: sinks in the kernels, rows whose window starts inside the prompt or past it
         "engine gpt-oss": lambda: check_engine(
             "gpt-oss", requests=args.requests, seed=args.seed, page_size=args.page_size),
