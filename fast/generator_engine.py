@@ -101,7 +101,8 @@ states the rule and is the oracle)
                   never preempts); a hybrid model with checkpoints stops a draft at the next checkpointed
                   page boundary (and drafts nothing from one), so ``decoded`` checkpoints the right state
     verify        the sample's last token and its m drafts ride in the step's prefill pass (m + 1 rows at
-                  their positions, their K/V into the pages); row r draws token j = generated + r with
+                  their positions, their K/V into the pages; decode work: not counted against
+                  ``max_prefill_tokens``); row r draws token j = generated + r with
                   ``keyed_uniform(seed, j)``, as plain decoding's step for it would; a draft is accepted
                   while it equals the token drawn before it, the first token that differs (or the one after
                   the last draft) is emitted too: plain decoding's tokens, the target's logprobs
