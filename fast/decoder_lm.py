@@ -223,6 +223,7 @@ class ModelConfig:
     moe_style: str = "qwen"                 # "qwen" or "gpt_oss": router scoring, activation, biases, layout
     swiglu_limit: float = 7.0               # gpt-oss's clamped SwiGLU
     weight_prefix: str = "model."           # where the text model's weights live in the checkpoint
+    mtp_layers: int = 0                     # Qwen3.5's multi-token-prediction head's layers (mtp.*; 0: none)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -232,7 +233,7 @@ class ModelConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("num_experts", "shared_expert_intermediate_size"):
+        for name in ("num_experts", "shared_expert_intermediate_size", "mtp_layers"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
         if self.num_experts and self.num_experts_per_tok > self.num_experts:
@@ -432,6 +433,7 @@ def _hf_fields(raw: dict, max_seq_len) -> dict:
                       mlp_only_layers=tuple(get("mlp_only_layers", ())) if not hybrid else (),
                       decoder_sparse_step=get("decoder_sparse_step", 1) if not hybrid else 1)
     if hybrid:
+        fields.update(mtp_layers=get("mtp_num_hidden_layers", get("num_nextn_predict_layers", 0)) or 0)
         fields.update(linear_num_k_heads=get("linear_num_key_heads", 16),
                       linear_num_v_heads=get("linear_num_value_heads", 32),
                       linear_head_k_dim=get("linear_key_head_dim", 128),
@@ -696,8 +698,12 @@ class DecoderLM(nn.Module):
     ignored_weight_prefixes = ("model.visual.", "mtp.")
 
     def __init__(self, config: ModelConfig | None = None, *, seed: int = 0, linear_layer=None, moe_layer=None,
-                 device=None, dtype=None, batch_invariant: bool = False, varlen_attn=None, tp_group=None):
+                 device=None, dtype=None, batch_invariant: bool = False, varlen_attn=None, tp_group=None,
+                 mtp: bool = False):
         super().__init__()
+        if mtp is not False:
+            raise ValueError("mtp=True: Qwen3.5's multi-token-prediction head is in ref/decoder_lm.py only so far "
+                             "(MTPHead, mtp_forward, mtp_loss; ref/generator_engine.py drafts with it)")
         config = ModelConfig() if config is None else config
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
@@ -738,7 +744,8 @@ class DecoderLM(nn.Module):
                     std = _init_std(name, config) if self.tp_size == 1 else None
                     if std is not None:
                         gen = torch.Generator().manual_seed(seed * 1000003 + zlib.crc32(name.encode()))
-                        base = 1.0 if name.endswith("norm.weight") and not config.zero_centered_norm else 0.0
+                        norm = name.endswith("norm.weight") or ".pre_fc_norm_" in name
+                        base = 1.0 if norm and not config.zero_centered_norm else 0.0
                         p.copy_(base + torch.randn(p.shape, generator=gen) * std)
                     elif self.tp_size > 1:
                         p.copy_(self.shard_tensor(name, full[name]))
@@ -1164,7 +1171,7 @@ class DecoderLM(nn.Module):
     @classmethod
     def from_pretrained(cls, path, *, linear_layer=None, moe_layer=None, dtype=None, device=None,
                         batch_invariant: bool = False, varlen_attn=None, max_seq_len: int | None = None,
-                        tp_group=None) -> DecoderLM:
+                        tp_group=None, mtp: bool = False) -> DecoderLM:
         """The model of a Hugging Face checkpoint directory (config.json + safetensors, one file or
         sharded): weights memory-mapped and copied straight into the parameters, in ``dtype`` (default:
         the checkpoint's) on ``device``.  ``linear_layer``: required for hybrid (Qwen3.5) checkpoints,
@@ -1176,7 +1183,7 @@ class DecoderLM(nn.Module):
         dtype = _checkpoint_dtype(raw) if dtype is None else dtype
         model = cls(config, linear_layer=linear_layer, moe_layer=moe_layer, device="meta", dtype=dtype,
                     batch_invariant=batch_invariant, varlen_attn=varlen_attn,
-                    tp_group=tp_group)   # no memory, no init: the checkpoint fills it
+                    tp_group=tp_group, mtp=mtp)   # no memory, no init: the checkpoint fills it
         model.to_empty(device=torch.device("cpu") if device is None else device)
         load_checkpoint(model, path)
         return model
@@ -1775,9 +1782,10 @@ def checkpoint_tensors(path) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def load_checkpoint(model: nn.Module, path) -> None:
     """Copy a checkpoint's tensors into ``model``'s parameters by name (cast to each parameter's dtype).
-    Skipped: the vision tower and the multi-token-prediction head of Qwen3.5 checkpoints.  Missing,
-    unexpected and mis-shaped tensors are named in one ValueError before anything is copied.  A tied
-    ``lm_head.weight`` may be absent (it is the embedding)."""
+    Skipped: the names under the model's ``ignored_weight_prefixes`` (a Qwen3.5 checkpoint's vision tower, and
+    its multi-token-prediction head unless the model has one).  Missing, unexpected and mis-shaped tensors
+    are named in one ValueError before anything is copied.  A tied ``lm_head.weight`` may be absent (it is the
+    embedding)."""
     tensors = {n: t for n, t in checkpoint_tensors(path).items()
                if not n.startswith(getattr(model, "ignored_weight_prefixes", ()))}
     if getattr(model, "tp_size", 1) > 1:                    # this rank's slices (views: only their bytes are read)
@@ -1849,14 +1857,14 @@ def _init_std(name: str, c: ModelConfig) -> float | None:
         return 2.0 / math.sqrt(c.hidden_size)
     if name == "lm_head.weight":
         return 1.0 / math.sqrt(c.hidden_size)
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight") or ".pre_fc_norm_" in name:
         return 0.1
     if name.endswith((".bias", "_bias")):
         return 0.1
     part = leaf[-1] if leaf[-2] == "experts" else leaf[-2]         # (an MoE layer's fused expert tensors)
     ffn = (c.moe_intermediate_size if leaf[-2] == "experts" else
            c.shared_expert_intermediate_size if ".shared_expert." in name else c.intermediate_size)
-    fan_in = {"o_proj": c.num_heads * c.head_dim, "down_proj": ffn}.get(part, c.hidden_size)
+    fan_in = {"o_proj": c.num_heads * c.head_dim, "down_proj": ffn, "fc": 2 * c.hidden_size}.get(part, c.hidden_size)
     out_scale = 1.0 / math.sqrt(2 * c.num_layers) if part in ("o_proj", "down_proj") else 1.0
     return out_scale / math.sqrt(fan_in)
 

@@ -2159,8 +2159,11 @@ def _drafter(speculative, k):
         return speculative
     if speculative == "ngram":
         return ngram_draft
-    raise ValueError(f"speculative must be None, 'ngram' or a drafter function (tokens, k) -> token ids, got "
-                     f"{speculative!r} (Qwen3.5's MTP head, 'mtp', is not built yet)")
+    if speculative == "mtp":
+        raise ValueError("speculative='mtp' (Qwen3.5's MTP head) is in the reference engine only so far "
+                         "(ref/generator_engine.py's MTPDrafter); the fast engine takes 'ngram' or a drafter function")
+    raise ValueError(f"speculative must be None, 'ngram', 'mtp' or a drafter function (tokens, k) -> token ids, "
+                     f"got {speculative!r}")
 
 
 # ----------------------------------------------------------------------------- batched sampling

@@ -46,7 +46,8 @@ The model (pre-norm; x = embed[token]; every norm an RMSNorm computed in fp32)
 Checkpoints (``ModelConfig.from_hf``, ``DecoderLM.from_pretrained``)
     model_type    llama (rope default / llama3), qwen2, qwen3, qwen3_5_text, qwen3_5 (the text model of
                   the multimodal checkpoint: ``model.language_model.*``; the vision tower ``model.visual.*``
-                  and the multi-token-prediction head ``mtp.*`` are skipped; text positions only, where
+                  is skipped, and so is the multi-token-prediction head ``mtp.*`` unless the model is built
+                  with ``mtp=True`` (``MTPHead``, ``mtp_forward``, ``mtp_loss``); text positions only, where
                   Qwen3.5's multimodal rotary equals the plain one), qwen3_moe (mlp_only_layers,
                   decoder_sparse_step and norm_topk_prob as transformers reads them), qwen3_5_moe_text and
                   qwen3_5_moe (Qwen3.5's layers with MoE MLPs and the shared expert), gpt_oss (sinks,
@@ -205,6 +206,7 @@ class ModelConfig:
     moe_style: str = "qwen"                 # "qwen" or "gpt_oss": router scoring, activation, biases, layout
     swiglu_limit: float = 7.0               # gpt-oss's clamped SwiGLU
     weight_prefix: str = "model."           # where the text model's weights live in the checkpoint
+    mtp_layers: int = 0                     # Qwen3.5's multi-token-prediction head's layers (mtp.*; 0: none)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -214,7 +216,7 @@ class ModelConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("num_experts", "shared_expert_intermediate_size"):
+        for name in ("num_experts", "shared_expert_intermediate_size", "mtp_layers"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
         if self.num_experts and self.num_experts_per_tok > self.num_experts:
@@ -414,6 +416,7 @@ def _hf_fields(raw: dict, max_seq_len) -> dict:
                       mlp_only_layers=tuple(get("mlp_only_layers", ())) if not hybrid else (),
                       decoder_sparse_step=get("decoder_sparse_step", 1) if not hybrid else 1)
     if hybrid:
+        fields.update(mtp_layers=get("mtp_num_hidden_layers", get("num_nextn_predict_layers", 0)) or 0)
         fields.update(linear_num_k_heads=get("linear_num_key_heads", 16),
                       linear_num_v_heads=get("linear_num_value_heads", 32),
                       linear_head_k_dim=get("linear_key_head_dim", 128),
@@ -638,6 +641,25 @@ class TextModel(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_eps, c.zero_centered_norm)
 
 
+class MTPHead(nn.Module):
+    """Qwen3.5's multi-token-prediction head (the checkpoint's ``mtp.*``; vLLM's qwen3_5_mtp.py): row t
+    combines the main model's final-normed hidden state at position t with the embedding of the token at
+    t + 1 and predicts the token at t + 2,
+        x = fc([pre_fc_norm_embedding(embed(x_(t+1))), pre_fc_norm_hidden(h_t)])    (fc: 2 hidden -> hidden)
+        y = norm(Block(x))      one full-attention decoder block (its own keys: rows 0 .. t), the model's
+                                MLP kind (MoE in an MoE model); logits through the shared lm_head.
+    Depth d > 0 (drafting d + 1 tokens ahead) feeds the head's own output y in place of h, through
+    ``layers[d % mtp_layers]``."""
+
+    def __init__(self, c: ModelConfig, moe_layer):
+        super().__init__()
+        self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(c.hidden_size, c.rms_eps, c.zero_centered_norm)
+        self.pre_fc_norm_hidden = RMSNorm(c.hidden_size, c.rms_eps, c.zero_centered_norm)
+        self.layers = nn.ModuleList(Block(c, "attention", None, moe_layer) for _ in range(c.mtp_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_eps, c.zero_centered_norm)
+
+
 class DecoderLM(nn.Module):
     """The decoder-only LM of the module docstring.
 
@@ -652,11 +674,13 @@ class DecoderLM(nn.Module):
     """
 
     # What a Qwen3.5 checkpoint (and a trainer's state dict of it) holds beside the text model: the vision
-    # tower and the multi-token-prediction head.  Loading skips them; so do the generator engines.
+    # tower and the multi-token-prediction head.  Loading skips them (the head too unless mtp=True); so do the
+    # generator engines.
     ignored_weight_prefixes = ("model.visual.", "mtp.")
 
     def __init__(self, config: ModelConfig | None = None, *, seed: int = 0, linear_layer=None, moe_layer=None,
-                 device=None, dtype=None, batch_invariant: bool = False, varlen_attn=None, tp_group=None):
+                 device=None, dtype=None, batch_invariant: bool = False, varlen_attn=None, tp_group=None,
+                 mtp: bool = False):
         super().__init__()
         config = ModelConfig() if config is None else config
         if not isinstance(config, ModelConfig):
@@ -669,12 +693,18 @@ class DecoderLM(nn.Module):
                              "class, or a functools.partial of it with the fast kernels)")
         if config.moe_layers and moe_layer is None:
             raise ValueError("this model has Mixture-of-Experts layers: pass moe_layer=MoE (moe.py's class)")
+        if not isinstance(mtp, bool):
+            raise TypeError(f"mtp must be a bool, got {type(mtp).__name__}")
+        if mtp and not config.mtp_layers:
+            raise ValueError("mtp=True needs a config with mtp_layers >= 1 (Qwen3.5's mtp_num_hidden_layers)")
+        if mtp and tp_group is not None:
+            raise ValueError("the MTP head is not built for tensor parallelism yet")
         self.config = config
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = (0, 1) if tp_group is None else (tp_group.rank(), tp_group.size())
         self.local_config = local_config(config, self.tp_size, batch_invariant)   # this rank's sizes
         self.init_kwargs = dict(linear_layer=linear_layer, moe_layer=moe_layer, batch_invariant=batch_invariant,
-                                varlen_attn=varlen_attn)
+                                varlen_attn=varlen_attn, mtp=mtp)
         self.tp_traffic = dict(reductions=0, payload_bytes=0)   # row-parallel sums so far (forward)
         if moe_layer is not None and self.tp_size > 1:          # expert parallelism over the same ranks
             moe_layer = functools.partial(moe_layer, expert_group=tp_group)
@@ -687,6 +717,11 @@ class DecoderLM(nn.Module):
             else:
                 self.model = body
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if mtp:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(seed * 1000003 + config.num_layers)
+                    self.mtp = MTPHead(self.local_config, moe_layer if config.moe_layers else None)
+                self.ignored_weight_prefixes = ("model.visual.",)
         if config.tie_embeddings:                                # one tensor under both names, as transformers
             self.lm_head.weight = body.embed_tokens.weight
         if not meta and self.tp_size == 1:
@@ -728,7 +763,8 @@ class DecoderLM(nn.Module):
             std = _init_std(name, self.config)
             if std is not None:
                 gen = torch.Generator().manual_seed(seed * 1000003 + zlib.crc32(name.encode()))
-                base = 1.0 if name.endswith("norm.weight") and not self.config.zero_centered_norm else 0.0
+                norm = name.endswith("norm.weight") or ".pre_fc_norm_" in name
+                base = 1.0 if norm and not self.config.zero_centered_norm else 0.0
                 p.copy_(base + torch.randn(p.shape, generator=gen) * std)
 
     # ------------------------------------------------------------------ tensor-parallel shards
@@ -769,35 +805,55 @@ class DecoderLM(nn.Module):
         ``attend(layer, q [T, H_q, D], k [T, H_kv, D], v) -> [T, H_q, D]`` (norms and rotary applied) and
         ``mix(layer, module, h [T, hidden]) -> [T, hidden]`` (a "linear" layer) belong to the caller:
         they own the caches and the batch layout."""
-        c, t = self.local_config, ids.shape[0]
         lin = invariant_linear if self.batch_invariant else None
-        inv_freq, factor = rope_inv_freq(c), rope_attention_factor(c)
         x = self.body.embed_tokens(ids)                                     # [T, hidden], every rank
         for i, block in enumerate(self.layers):
-            h = self._to_ranks(block.input_layernorm(x, lin))
-            if hasattr(block, "self_attn"):
-                a = block.self_attn
-                q = self._linear(h, a.q_proj).view(t, c.num_heads, -1)     # [T, H_q, D] or [T, H_q, 2 D]
-                q, gate = (q.chunk(2, dim=-1) if c.attn_output_gate else (q, None))
-                k = self._linear(h, a.k_proj).view(t, c.num_kv_heads, c.head_dim)
-                v = self._linear(h, a.v_proj).view(t, c.num_kv_heads, c.head_dim)
-                if c.qk_norm:
-                    q, k = a.q_norm(q, lin), a.k_norm(k, lin)
-                q, k = rotary(q, positions, inv_freq, factor), rotary(k, positions, inv_freq, factor)
-                o = self._attend(attend, i, q, k, v).reshape(t, c.num_heads * c.head_dim)
-                if gate is not None:
-                    o = o * _sigmoid(gate.reshape(t, -1), self.batch_invariant)
-                x = x + self._row_parallel(o, a.o_proj.weight, "o_proj")
-                x = x if a.o_proj.bias is None else x + a.o_proj.bias
-            else:
-                x = x + self._reduce(mix(i, block.linear_attn, h))        # out_proj: row-parallel inside
-            m, hm = block.mlp, self._to_ranks(block.post_attention_layernorm(x, lin))
-            if not isinstance(m, FeedForward):                             # a Mixture-of-Experts block
-                x = x + m(hm)
-                continue
-            act = _silu(self._linear(hm, m.gate_proj), self.batch_invariant) * self._linear(hm, m.up_proj)
-            x = x + self._row_parallel(act, m.down_proj.weight, "down_proj")
+            x = self._block(i, block, x, positions, attend, mix)
         return self.body.norm(x, lin)
+
+    def _block(self, i: int, block: Block, x: torch.Tensor, positions: torch.Tensor, attend, mix) -> torch.Tensor:
+        """Decoder block ``i`` on the residual stream x [T, hidden] (``layers_forward``'s callbacks)."""
+        c, t = self.local_config, x.shape[0]
+        lin = invariant_linear if self.batch_invariant else None
+        h = self._to_ranks(block.input_layernorm(x, lin))
+        if hasattr(block, "self_attn"):
+            a = block.self_attn
+            inv_freq, factor = rope_inv_freq(c), rope_attention_factor(c)
+            q = self._linear(h, a.q_proj).view(t, c.num_heads, -1)         # [T, H_q, D] or [T, H_q, 2 D]
+            q, gate = (q.chunk(2, dim=-1) if c.attn_output_gate else (q, None))
+            k = self._linear(h, a.k_proj).view(t, c.num_kv_heads, c.head_dim)
+            v = self._linear(h, a.v_proj).view(t, c.num_kv_heads, c.head_dim)
+            if c.qk_norm:
+                q, k = a.q_norm(q, lin), a.k_norm(k, lin)
+            q, k = rotary(q, positions, inv_freq, factor), rotary(k, positions, inv_freq, factor)
+            o = self._attend(attend, i, q, k, v).reshape(t, c.num_heads * c.head_dim)
+            if gate is not None:
+                o = o * _sigmoid(gate.reshape(t, -1), self.batch_invariant)
+            x = x + self._row_parallel(o, a.o_proj.weight, "o_proj")
+            x = x if a.o_proj.bias is None else x + a.o_proj.bias
+        else:
+            x = x + self._reduce(mix(i, block.linear_attn, h))            # out_proj: row-parallel inside
+        m, hm = block.mlp, self._to_ranks(block.post_attention_layernorm(x, lin))
+        if not isinstance(m, FeedForward):                                 # a Mixture-of-Experts block
+            return x + m(hm)
+        act = _silu(self._linear(hm, m.gate_proj), self.batch_invariant) * self._linear(hm, m.up_proj)
+        return x + self._row_parallel(act, m.down_proj.weight, "down_proj")
+
+    def mtp_forward(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, attend,
+                    depth: int = 0) -> torch.Tensor:
+        """The MTP head (``MTPHead``; ``DecoderLM(mtp=True)``) on packed rows: next_ids [T] (the token after each
+        row's position), positions [T], hidden [T, hidden] (``layers_forward``'s output at those positions, or
+        the head's own output one depth up) -> the head's final-normed hidden [T, hidden]; ``logits`` gives
+        its distribution over the token two ahead.  ``attend`` is called with layer index num_layers + depth
+        % mtp_layers: the head's keys are its own."""
+        if getattr(self, "mtp", None) is None:
+            raise ValueError("this model has no MTP head: build it with DecoderLM(..., mtp=True)")
+        m, lin = self.mtp, invariant_linear if self.batch_invariant else None
+        e = m.pre_fc_norm_embedding(self.body.embed_tokens(next_ids), lin)
+        x = self._linear(torch.cat([e, m.pre_fc_norm_hidden(hidden, lin)], dim=-1), m.fc)
+        layer = depth % len(m.layers)
+        x = self._block(len(self.layers) + layer, m.layers[layer], x, positions, attend, None)
+        return m.norm(x, lin)
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, which: str) -> torch.Tensor:
         """x [T, K_rank] @ weight [N, K_rank]^T summed over the ranks (this rank holds K_rank of K): an
@@ -857,6 +913,33 @@ class DecoderLM(nn.Module):
         return _log_softmax(logits, self.batch_invariant)
 
     def forward(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        h, _ = self._hidden(input_ids, cu_seqlens)
+        return self.logits(h).view(*input_ids.shape, -1)
+
+    def mtp_loss(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Qwen3.5's multi-token-prediction objective, for training the MTP head beside the policy (as slime
+        does online, so that drafting keeps up with the moving policy): the mean over every position t whose
+        document holds tokens t + 1 and t + 2 of -log p_mtp(x_(t+2) | h_t, x_(t+1)), with h the model's own
+        final-normed hidden states (their gradient flows into the trunk too; detach them for the head
+        alone).  input_ids / cu_seqlens as ``forward``'s.  fp32 scalar (0 when no position qualifies)."""
+        h, lengths = self._hidden(input_ids, cu_seqlens)
+        ids = input_ids.reshape(-1)
+        starts = list(itertools.accumulate([0, *lengths[:-1]]))
+        rows = [(s, n - 1) for s, n in zip(starts, lengths) if n >= 2]  # (first token, MTP rows: t = 0 .. n - 2)
+        if not rows:
+            return h.sum() * 0.0
+        index = torch.cat([torch.arange(s, s + r) for s, r in rows]).to(ids.device)
+        positions = torch.cat([torch.arange(r) for _, r in rows]).to(ids.device)
+        bounds = [0, *itertools.accumulate(r for _, r in rows)]
+        y = self.mtp_forward(ids[index + 1], positions, h[index], self._documents_attention(bounds))
+        scored = torch.cat([torch.arange(b, b + r - 1) for b, (_, r) in zip(bounds, rows)]).to(ids.device)
+        if scored.numel() == 0:
+            return y.sum() * 0.0
+        logp = self.log_softmax(self.logits(y[scored]))
+        return -logp.gather(1, ids[index[scored] + 2][:, None]).mean()
+
+    def _hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, list]:
+        """``forward``'s checks and pass -> (final-normed hidden [B T, hidden], the documents' lengths)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
             raise TypeError(f"input_ids must be an integer tensor [B, T], got "
                             f"{getattr(input_ids, 'shape', input_ids)!r}")
@@ -882,7 +965,7 @@ class DecoderLM(nn.Module):
             return module(h[None], cu_seqlens=cu)[0]
 
         h = self.layers_forward(input_ids.reshape(-1), positions, self._documents_attention(bounds), mix)
-        return self.logits(h).view(b, t, -1)
+        return h, lengths
 
     def _documents_attention(self, bounds: list):
         """attend over documents packed along T (bounds: their starts and the end): each document alone,
@@ -909,13 +992,14 @@ class DecoderLM(nn.Module):
         return attend
 
     def attention_window(self, i: int) -> int:
-        """Layer i's attention window in keys (0: every earlier key)."""
+        """Layer i's attention window in keys (0: every earlier key; the MTP head's layers, i >= num_layers)."""
         return self.config.sliding_window if i in self.config.sliding_layers else 0
 
     def attention_sinks(self, i: int) -> torch.Tensor | None:
         """Layer i's attention sinks (gpt-oss), or None: one per query head ``attend`` sees ([H_q] of this
         rank; padded with zeros where ``_attend`` pads the query heads, whose rows are dropped)."""
-        sinks, padding = getattr(self.layers[i].self_attn, "sinks", None), self._query_head_padding()
+        block = self.layers[i] if i < len(self.layers) else self.mtp.layers[i - len(self.layers)]
+        sinks, padding = getattr(block.self_attn, "sinks", None), self._query_head_padding()
         if sinks is None or padding is None:
             return sinks
         group, first, heads = padding
@@ -1012,19 +1096,20 @@ class DecoderLM(nn.Module):
     @classmethod
     def from_pretrained(cls, path, *, linear_layer=None, moe_layer=None, dtype=None, device=None,
                         batch_invariant: bool = False, varlen_attn=None, max_seq_len: int | None = None,
-                        tp_group=None) -> DecoderLM:
+                        tp_group=None, mtp: bool = False) -> DecoderLM:
         """The model of a Hugging Face checkpoint directory (config.json + safetensors, one file or
         sharded): weights memory-mapped and copied straight into the parameters, in ``dtype`` (default:
         the checkpoint's) on ``device``.  ``linear_layer``: required for hybrid (Qwen3.5) checkpoints,
         ``moe_layer``: for MoE (Qwen3-MoE, Qwen3.5-MoE) ones, each called with the checkpoint's sizes as
         keywords.  ``max_seq_len`` caps the context.  ``tp_group``:
-        this rank reads only its shard's bytes."""
+        this rank reads only its shard's bytes.  ``mtp``: load Qwen3.5's multi-token-prediction head (``mtp.*``)
+        too (``mtp_forward``, ``mtp_loss``, the engines' ``speculative="mtp"``)."""
         raw = _read_json_config(path)
         config = ModelConfig(**_hf_fields(raw, max_seq_len))
         dtype = _checkpoint_dtype(raw) if dtype is None else dtype
         model = cls(config, linear_layer=linear_layer, moe_layer=moe_layer, device="meta", dtype=dtype,
                     batch_invariant=batch_invariant, varlen_attn=varlen_attn,
-                    tp_group=tp_group)   # no memory, no init: the checkpoint fills it
+                    tp_group=tp_group, mtp=mtp)   # no memory, no init: the checkpoint fills it
         model.to_empty(device=torch.device("cpu") if device is None else device)
         load_checkpoint(model, path)
         return model
@@ -1439,9 +1524,10 @@ def checkpoint_tensors(path) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def load_checkpoint(model: nn.Module, path) -> None:
     """Copy a checkpoint's tensors into ``model``'s parameters by name (cast to each parameter's dtype).
-    Skipped: the vision tower and the multi-token-prediction head of Qwen3.5 checkpoints.  Missing,
-    unexpected and mis-shaped tensors are named in one ValueError before anything is copied.  A tied
-    ``lm_head.weight`` may be absent (it is the embedding)."""
+    Skipped: the names under the model's ``ignored_weight_prefixes`` (a Qwen3.5 checkpoint's vision tower, and
+    its multi-token-prediction head unless the model has one).  Missing, unexpected and mis-shaped tensors
+    are named in one ValueError before anything is copied.  A tied ``lm_head.weight`` may be absent (it is the
+    embedding)."""
     tensors = {n: t for n, t in checkpoint_tensors(path).items()
                if not n.startswith(getattr(model, "ignored_weight_prefixes", ()))}
     if getattr(model, "tp_size", 1) > 1:                    # this rank's slices (views: only their bytes are read)
@@ -1513,14 +1599,14 @@ def _init_std(name: str, c: ModelConfig) -> float | None:
         return 2.0 / math.sqrt(c.hidden_size)
     if name == "lm_head.weight":
         return 1.0 / math.sqrt(c.hidden_size)
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight") or ".pre_fc_norm_" in name:
         return 0.1
     if name.endswith((".bias", "_bias")):
         return 0.1
     part = leaf[-1] if leaf[-2] == "experts" else leaf[-2]         # (an MoE layer's fused expert tensors)
     ffn = (c.moe_intermediate_size if leaf[-2] == "experts" else
            c.shared_expert_intermediate_size if ".shared_expert." in name else c.intermediate_size)
-    fan_in = {"o_proj": c.num_heads * c.head_dim, "down_proj": ffn}.get(part, c.hidden_size)
+    fan_in = {"o_proj": c.num_heads * c.head_dim, "down_proj": ffn, "fc": 2 * c.hidden_size}.get(part, c.hidden_size)
     out_scale = 1.0 / math.sqrt(2 * c.num_layers) if part in ("o_proj", "down_proj") else 1.0
     return out_scale / math.sqrt(fan_in)
 

@@ -611,10 +611,15 @@ def generate(model: nn.Module, prompt: list[int], sp: SamplingParams, seed: int,
                     ("prefix_hit_tokens", kv.length)):
         counts[name] = counts.get(name, 0) + n
 
+    if isinstance(drafter, type):                   # a drafter with per-sample state (MTPDrafter)
+        drafter = drafter(model, len(prompt) + limit + num_speculative_tokens)
+    observe = getattr(drafter, "observe", None)     # it reads the main model's hidden states
+
     def run(feed: list) -> torch.Tensor:
         """Feed ``feed`` into the caches (a page at a time with a prefix cache, each full page cached with
         the linear layers' state after it) -> the hidden state of its last token [1, hidden]."""
         nonlocal parent
+        first, hidden = kv.length, []
         if cache is None:
             pieces = [feed]
         else:  # up to each page boundary, so every full page is cached with the state after it
@@ -623,11 +628,14 @@ def generate(model: nn.Module, prompt: list[int], sp: SamplingParams, seed: int,
         for piece in pieces:
             positions = kv.advance(len(piece))
             h = model.layers_forward(torch.tensor(piece, device=dev), positions, kv.attend, kv.mix)
+            hidden.append(h)
             if cache is not None and kv.length % cache.page_size == 0:
                 j = kv.length // cache.page_size - 1
                 pages = {i: (kv.k[i][j * ps:kv.length].clone(), kv.v[i][j * ps:kv.length].clone()) for i in kv.k}
                 parent = cache.put(parent, tokens[j * ps:kv.length], version, pages,
                                    kv.linear_states() if kv.linear else None)
+        if observe is not None:
+            observe(first, torch.cat(hidden))
         return h[-1:]
 
     feed = tokens[kv.length:]          # the tokens not in the caches yet: the newest is the last
@@ -681,6 +689,60 @@ def ngram_draft(tokens: list, k: int, max_n: int = 4, min_n: int = 2) -> list:
     return []
 
 
+class MTPDrafter:
+    """``speculative="mtp"``: Qwen3.5's multi-token-prediction head drafts (decoder_lm.py's ``MTPHead``; the
+    model built with ``mtp=True``), one per sample, greedily.  The head's row t combines the main model's
+    hidden state at position t with token t + 1 and predicts token t + 2; its keys are its own (one K/V cache
+    per MTP layer, rows at their positions).  ``observe`` receives the main model's hidden states as the
+    engine computes them; a draft first runs the head over every position whose next token is known and whose
+    row is not computed yet (its keys kept), the last of them proposing the token after the sequence, then
+    feeds the head its own output with each draft, k - 1 more times (those rows are scratch, overwritten by
+    the next catch-up).  After a prefix-cache hit the head's rows start at the first computed position
+    (drafts may be worse there; the tokens never change: verification decides them)."""
+
+    def __init__(self, model: nn.Module, capacity: int):
+        c, w = model.config, next(model.parameters())
+        self.model, self.first, self.length, self.hidden = model, None, 0, {}
+        self.layers = [c.num_layers + d for d in range(c.mtp_layers)]
+        self.k = {i: torch.zeros(capacity, c.num_kv_heads, c.head_dim, device=w.device, dtype=w.dtype)
+                  for i in self.layers}
+        self.v = {i: torch.zeros_like(t) for i, t in self.k.items()}
+        self.scale, self.start, self.end = c.head_dim ** -0.5, 0, 0
+
+    def observe(self, first_position: int, hidden: torch.Tensor) -> None:
+        """The main model's final-normed hidden states [n, hidden] of positions first_position ..."""
+        if self.first is None:
+            self.first = self.length = first_position
+        for j in range(hidden.shape[0]):
+            self.hidden[first_position + j] = hidden[j]
+
+    def attend(self, i, q, k, v):
+        self.k[i][self.start:self.end], self.v[i][self.start:self.end] = k, v
+        return causal_attention(q, self.k[i][self.first:self.end], self.v[i][self.first:self.end], self.scale)
+
+    def _rows(self, next_ids: list, start: int, hidden: torch.Tensor, depth: int) -> torch.Tensor:
+        """The head over positions start .. start + len(next_ids) - 1 -> its logits [n, V]."""
+        self.start, self.end = start, start + len(next_ids)
+        dev = hidden.device
+        y = self.model.mtp_forward(torch.tensor(next_ids, device=dev), torch.arange(start, self.end, device=dev),
+                                   hidden, self.attend, depth)
+        return y, self.model.logits(y)
+
+    @torch.no_grad()
+    def __call__(self, tokens: list, k: int) -> list:
+        last = len(tokens) - 2                         # the last position whose next token is known
+        if self.first is None or last < self.length:
+            return []
+        hidden = torch.stack([self.hidden.pop(p) for p in range(self.length, last + 1)])
+        y, logits = self._rows(tokens[self.length + 1:last + 2], self.length, hidden, 0)
+        self.length = last + 1
+        draft = [int(torch.argmax(logits[-1]))]
+        for depth in range(1, k):                      # the head on its own output, one position on
+            y, logits = self._rows(draft[-1:], last + depth, y[-1:], depth)
+            draft.append(int(torch.argmax(logits[-1])))
+        return draft
+
+
 def _drafter(speculative, k):
     """The drafter function ``Generator(speculative=...)`` names, or None; checks ``num_speculative_tokens``."""
     if not _is_int(k) or not 1 <= k <= 64:
@@ -689,8 +751,10 @@ def _drafter(speculative, k):
         return speculative
     if speculative == "ngram":
         return ngram_draft
-    raise ValueError(f"speculative must be None, 'ngram' or a drafter function (tokens, k) -> token ids, got "
-                     f"{speculative!r} (Qwen3.5's MTP head, 'mtp', is not built yet)")
+    if speculative == "mtp":
+        return MTPDrafter
+    raise ValueError(f"speculative must be None, 'ngram', 'mtp' or a drafter function (tokens, k) -> token ids, "
+                     f"got {speculative!r}")
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:
@@ -711,9 +775,9 @@ class Generator:
     request never spans a load, so it never applies.  A request with ``sampling.n > 1`` is a group:
     its future resolves to n completions, sample i drawn from ``seed + i``, each equal to the request
     alone with that seed and n = 1.  ``speculative``: None (plain decoding), ``"ngram"`` (``ngram_draft``:
-    prompt lookup) or a drafter function ``(tokens, k) -> up to k token ids``; each decode step verifies up
+    prompt lookup), ``"mtp"`` (``MTPDrafter``: Qwen3.5's multi-token-prediction head, the model built with
+    ``mtp=True``) or a drafter function ``(tokens, k) -> up to k token ids``; each decode step verifies up
     to ``num_speculative_tokens`` drafts at once (``generate`` states the rule: plain decoding's tokens).
-    Qwen3.5's MTP head is not a drafter here yet (``"mtp"`` raises).
     """
 
     def __init__(self, model: nn.Module, *, name: str = "generator", policy_version: int = 0, page_size: int = 16,
@@ -725,6 +789,9 @@ class Generator:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         self._drafter = _drafter(speculative, num_speculative_tokens)
         self.num_speculative_tokens = num_speculative_tokens
+        if self._drafter is MTPDrafter and getattr(model, "mtp", None) is None:
+            raise ValueError("speculative='mtp' needs a model with Qwen3.5's MTP head: decoder_lm.py's "
+                             "DecoderLM(..., mtp=True) or DecoderLM.from_pretrained(path, mtp=True)")
         if not _is_int(policy_version):
             raise TypeError(f"policy_version must be an int, got {type(policy_version).__name__}")
         _check_cache_options(prefix_caching, page_size, cache_pages, kv_on_swap, kv_cache_memory, memory_utilization,

@@ -1,0 +1,241 @@
+"""Qwen3.5's multi-token-prediction head: ref/decoder_lm.py's ``MTPHead`` (``DecoderLM(mtp=True)``), its loss, its
+checkpoint tensors, and the reference engine's ``speculative="mtp"`` drafter (issue 43).
+
+The head (vLLM's qwen3_5_mtp.py is the public statement of it): row t combines the main model's final-normed hidden
+state at position t with the embedding of token t + 1, x = fc([pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)]),
+runs one full-attention decoder block over its own keys, a final norm and the shared lm_head, and predicts token
+t + 2.  transformers does not implement it (its Qwen3.5 drops ``mtp.*``), so the tests write the tensors into tiny
+checkpoints themselves and check the head against its definition, the loss against per-document sums, the
+engine's incremental drafter against the head run over the whole sequence, and the drafted completions against
+plain decoding; training the head with ``mtp_loss`` on the model's own outputs must raise the acceptance rate.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import pytest
+import torch
+
+import ref.decoder_lm as ref_lm
+import ref.gated_deltanet as ref_gdn
+import ref.generator_engine as ref_ge
+import ref.moe as ref_moe
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+GDN = functools.partial(ref_gdn.GatedDeltaNet, chunk_fn=ref_gdn.chunk_gated_delta_rule)
+CONFIG = ref_lm.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                            num_kv_heads=2, head_dim=8, max_seq_len=96, layer_types=("linear", "attention"),
+                            linear_num_k_heads=2, linear_num_v_heads=4, linear_head_k_dim=8, linear_head_v_dim=8,
+                            qk_norm=True, attn_output_gate=True, zero_centered_norm=True, partial_rotary_factor=0.5,
+                            mtp_layers=1, tie_embeddings=False)
+
+
+def model(config=CONFIG, seed=1, **kw) -> ref_lm.DecoderLM:
+    return ref_lm.DecoderLM(config, seed=seed, linear_layer=GDN, mtp=True, **kw)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe"])
+def test_the_head_loads_from_a_qwen35_checkpoint(tmp_path, family):
+    """A tiny Qwen3.5 checkpoint (transformers' save_pretrained) given ``mtp_num_hidden_layers: 1`` and random
+    ``mtp.*`` tensors (15 for the dense model, as the released ones hold; the MoE model's with its experts and
+    shared expert, per expert on disk): from_pretrained(mtp=True) holds exactly those tensors, mtp=False skips
+    them, and the main model's logits are the same either way."""
+    from safetensors.torch import load_file, save_file
+
+    from hf_models import hf_model
+    hf = hf_model(family, seed=2)
+    hf.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (raw["text_config"] if "text_config" in raw else raw)["mtp_num_hidden_layers"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = ref_lm.ModelConfig.from_hf(tmp_path)
+    assert config.mtp_layers == 1
+    moe = dict(moe_layer=ref_moe.MoE) if config.num_experts else {}
+    head = {n: t for n, t in ref_lm.DecoderLM(config, seed=5, linear_layer=GDN, mtp=True, **moe).state_dict().items()
+            if n.startswith("mtp.")}
+    if not config.num_experts:
+        assert len(head) == 15, sorted(head)
+    else:                           # as transformers 5 writes Qwen3-MoE experts: one tensor per expert
+        for name in [n for n in head if ".mlp.experts." in n]:
+            fused = head.pop(name)
+            part = name.rsplit(".", 1)[-1]
+            for e in range(fused.shape[0]):
+                if part == "gate_up_proj":
+                    gate, up = fused[e].chunk(2, dim=0)
+                    head[name.replace("experts.gate_up_proj", f"experts.{e}.gate_proj.weight")] = gate.clone()
+                    head[name.replace("experts.gate_up_proj", f"experts.{e}.up_proj.weight")] = up.clone()
+                else:
+                    head[name.replace(f"experts.{part}", f"experts.{e}.{part}.weight")] = fused[e].clone()
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert len(files) == 1
+    save_file(dict(load_file(files[0]), **head), files[0])
+    with_head = ref_lm.DecoderLM.from_pretrained(tmp_path, linear_layer=GDN, mtp=True, **moe)
+    without = ref_lm.DecoderLM.from_pretrained(tmp_path, linear_layer=GDN, **moe)
+    loaded = {n: t for n, t in with_head.state_dict().items() if n.startswith("mtp.")}
+    assert not any(n.startswith("mtp.") for n in without.state_dict())
+    reference = ref_lm.DecoderLM(config, seed=5, linear_layer=GDN, mtp=True, **moe).state_dict()
+    assert loaded.keys() == {n for n in reference if n.startswith("mtp.")}
+    for name, t in loaded.items():
+        assert torch.equal(t, reference[name]), name
+    ids = torch.randint(0, config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(with_head(ids), without(ids))
+
+
+def test_the_head_is_its_definition():
+    """mtp_forward against the formula written out: the embedding and the hidden state normed apart and
+    concatenated in that order, fc, the block (the trunk's own code: ``_block``), the final norm; depth d runs
+    layer d % mtp_layers.  And every parameter of the head moves the output (none is left out)."""
+    config = dataclasses.replace(CONFIG, mtp_layers=2)
+    m = model(config)
+    gen = torch.Generator().manual_seed(3)
+    ids, hidden = torch.randint(0, 64, (7,), generator=gen), torch.randn(7, 32, generator=gen)
+    positions = torch.arange(3, 10)
+    scale = config.head_dim ** -0.5
+
+    def attend(i, q, k, v):
+        assert i in (config.num_layers, config.num_layers + 1)
+        return ref_ge.causal_attention(q, k, v, scale)
+
+    with torch.no_grad():
+        for depth in (0, 1, 2):
+            head = m.mtp
+            e = head.pre_fc_norm_embedding(m.model.embed_tokens(ids))
+            x = torch.cat([e, head.pre_fc_norm_hidden(hidden)], dim=-1) @ head.fc.weight.t()
+            x = m._block(config.num_layers + depth % 2, head.layers[depth % 2], x, positions, attend, None)
+            want = head.norm(x)
+            got = m.mtp_forward(ids, positions, hidden, attend, depth)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        base = m.mtp_forward(ids, positions, hidden, attend)
+        for name, p in m.mtp.named_parameters():
+            if name.startswith("layers.1."):                     # depth 0 runs layer 0 only
+                continue
+            saved = p.clone()
+            p.add_(0.5)
+            assert not torch.equal(m.mtp_forward(ids, positions, hidden, attend), base), name
+            p.copy_(saved)
+
+
+def test_mtp_loss_is_the_mean_over_documents():
+    """mtp_loss over packed documents (cu_seqlens) equals the per-document head's cross-entropy summed over
+    every position with two tokens after it, divided by their count (a 1- and a 2-token document add none);
+    its gradient reaches the head and the trunk."""
+    m = model()
+    gen = torch.Generator().manual_seed(4)
+    lengths = [9, 1, 2, 13, 5]
+    ids = torch.randint(0, 64, (1, sum(lengths)), generator=gen)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    loss = m.mtp_loss(ids, cu_seqlens=cu)
+    total, count, start = 0.0, 0, 0
+    with torch.no_grad():
+        for n in lengths:
+            doc = ids[:, start:start + n]
+            start += n
+            if n < 3:
+                continue
+            h, _ = m._hidden(doc, None)
+            y = m.mtp_forward(doc[0, 1:], torch.arange(n - 1), h[:-1], m._documents_attention([0, n - 1]))
+            logp = torch.log_softmax(m.logits(y[:-1]), dim=-1)
+            total -= logp.gather(1, doc[0, 2:, None]).sum()
+            count += n - 2
+    torch.testing.assert_close(loss.detach(), total / count, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    assert m.mtp.fc.weight.grad.abs().sum() > 0 and m.layers[1].self_attn.q_proj.weight.grad.abs().sum() > 0
+    assert m.mtp_loss(torch.tensor([[5, 6]])).item() == 0.0
+
+
+def test_the_engines_drafts_are_the_head_over_the_sequence():
+    """The reference engine's MTPDrafter keeps the head's keys across steps (rows with the main model's hidden
+    states as they are computed; draft rows scratch): at every step its first draft is the argmax of the head
+    run at once over the whole sequence so far (the trainer's computation), and the completions with
+    speculative='mtp' are plain decoding's (greedy and sampled; prefix-cache hits: the head's rows start there).
+    Each deeper draft is the head run again with its own output as the hidden state of one more row."""
+    calls = []
+
+    class Recording(ref_ge.MTPDrafter):
+        def __call__(self, tokens, k):
+            draft = super().__call__(tokens, k)
+            calls.append((list(tokens), draft, self.first))
+            return draft
+
+    sp = ref_ge.SamplingParams
+    shared = [(5 * i + 1) % 64 for i in range(12)]
+    reqs = [ref_ge.Request(shared + [3], sp(max_new_tokens=14)), ref_ge.Request(shared + [9], sp(max_new_tokens=14)),
+            ref_ge.Request([7, 2], sp(max_new_tokens=12, temperature=1.0, seed=8))]
+    with ref_ge.Generator(model(), page_size=4) as gen:
+        plain = gen.generate(reqs)
+    with ref_ge.Generator(model(), page_size=4, speculative=Recording, num_speculative_tokens=3) as gen:
+        got = gen.generate(reqs)
+        stats = gen.stats()
+    for a, b in zip(plain, got, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
+    assert stats["draft_tokens"] > 0 and stats["prefix_hit_tokens"] > 0
+    m = model()
+    assert any(first > 0 for _, _, first in calls)          # after a prefix hit
+    with torch.no_grad():
+        for tokens, draft, first in calls:
+            if not draft:
+                continue
+            h, _ = m._hidden(torch.tensor([tokens[:-1]]), None)        # positions 0 .. N - 2
+            hidden, ids = h[first:], tokens[first + 1:]
+            for depth, proposed in enumerate(draft):                   # depth d: the head fed its own output
+                rows = torch.arange(first, first + len(ids))
+                y = m.mtp_forward(torch.tensor(ids), rows, hidden, m._documents_attention([0, len(ids)]), depth)
+                assert int(torch.argmax(m.logits(y[-1]))) == proposed, (tokens, draft, depth)
+                hidden, ids = torch.cat([hidden, y[-1:]]), ids + [proposed]
+
+
+def test_training_the_head_raises_acceptance():
+    """The trainer keeps the drafter current: a few dozen Adam steps of mtp_loss on the model's own greedy
+    completions (the trunk frozen) take the head from chance to accepting many of its drafts, and the tokens
+    stay plain decoding's."""
+    m = model()
+    gen = torch.Generator().manual_seed(6)
+    reqs = [ref_ge.Request(torch.randint(0, 64, (5,), generator=gen).tolist(), ref_ge.SamplingParams(max_new_tokens=20))
+            for _ in range(8)]
+
+    def serve(spec):
+        with ref_ge.Generator(m, speculative=spec, num_speculative_tokens=2, prefix_caching=False) as engine:
+            done = engine.generate(reqs)
+            stats = engine.stats()
+        return done, stats["accepted_draft_tokens"] / max(1, stats["draft_tokens"])
+
+    plain, _ = serve(None)
+    _, before = serve("mtp")
+    for p in m.parameters():
+        p.requires_grad_(False)
+    for p in m.mtp.parameters():
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(m.mtp.parameters(), lr=1e-2)
+    sequences = torch.tensor([c.prompt_token_ids + c.token_ids for c in plain])
+    for _ in range(40):
+        loss = m.mtp_loss(sequences)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after_done, after = serve("mtp")
+    print(f"\n[mtp] acceptance {before:.2f} -> {after:.2f} after 40 steps (loss {loss.item():.2f})")
+    assert before < 0.15 < 0.4 < after
+    assert [c.token_ids for c in after_done] == [c.token_ids for c in plain]
+
+
+def test_bad_mtp_arguments_raise():
+    with pytest.raises(ValueError, match="mtp_layers >= 1"):
+        ref_lm.DecoderLM(dataclasses.replace(CONFIG, mtp_layers=0), linear_layer=GDN, mtp=True)
+    with pytest.raises(TypeError, match="mtp must be a bool"):
+        ref_lm.DecoderLM(CONFIG, linear_layer=GDN, mtp=1)
+    with pytest.raises(ValueError, match="no MTP head"):
+        ref_lm.DecoderLM(CONFIG, linear_layer=GDN).mtp_forward(torch.tensor([1]), torch.tensor([0]),
+                                                               torch.zeros(1, 32), None)
+    with pytest.raises(ValueError, match="needs a model with Qwen3.5's MTP head"):
+        ref_ge.Generator(ref_lm.DecoderLM(CONFIG, linear_layer=GDN), speculative="mtp")
+    import fast.decoder_lm as fast_lm
+    import fast.generator_engine as fast_ge
+    with pytest.raises(ValueError, match="reference engine only"):
+        fast_ge.Generator(fast_lm.DecoderLM(fast_lm.ModelConfig()), speculative="mtp")
+    with pytest.raises(ValueError, match="in ref/decoder_lm.py only so far"):
+        fast_lm.DecoderLM(fast_lm.ModelConfig(), mtp=True)
