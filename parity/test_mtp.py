@@ -239,3 +239,16 @@ def test_bad_mtp_arguments_raise():
         fast_ge.Generator(fast_lm.DecoderLM(fast_lm.ModelConfig()), speculative="mtp")
     with pytest.raises(ValueError, match="in ref/decoder_lm.py only so far"):
         fast_lm.DecoderLM(fast_lm.ModelConfig(), mtp=True)
+
+
+def test_weight_sync_carries_the_head():
+    """load_weights with a trainer's state dict (the head's mtp.* tensors in it) updates the engine's head, so
+    its drafts follow the policy; an engine whose model has no head skips those names."""
+    trainer = model(seed=9)
+    with ref_ge.Generator(model(), speculative="mtp") as gen:
+        gen.load_weights(trainer.state_dict(), 1)
+        for name, t in trainer.state_dict().items():
+            assert torch.equal(gen.model.state_dict()[name], t), name
+    with ref_ge.Generator(ref_lm.DecoderLM(CONFIG, seed=1, linear_layer=GDN)) as gen:
+        gen.load_weights(trainer.state_dict(), 1)
+        assert not any(n.startswith("mtp.") for n in gen.model.state_dict())
