@@ -685,12 +685,13 @@ class Generator:
         static_decode_steps (those through the static step, compiled or replayed) and static_decode_shapes
         (the (padded batch, table width in pages) it ran at); cuda_graph_sizes (the padded batches captured)
         and cuda_graph_bytes (what their memory pool reserved); draft_tokens and accepted_draft_tokens
-        (speculative decoding: proposed, and accepted by verification)."""
+        (speculative decoding: proposed, and accepted by verification) and acceptance_lengths (how many
+        verifications accepted 0, 1, ..., num_speculative_tokens drafts)."""
         with self._cv:
             sched = self.scheduler
             return dict(waiting=sched.waiting_samples(self._incoming), running=sched.running_samples(),
                         policy_version=self._version, num_pages=self.num_pages, page_size=self.page_size,
-                        weights_staged=self._staged is not None, **sched.counts, **sched.pages.report(),
+                        weights_staged=self._staged is not None, **copy.deepcopy(sched.counts), **sched.pages.report(),
                         **self.memory.report(), checkpoint_bytes=self.pools.checkpoint_bytes(),
                         tensor_parallel_size=1 if self._tp is None else self._tp.size,
                         **self._static_report())
@@ -1180,7 +1181,8 @@ class Scheduler:
         self.running: list[_Seq] = []       # decoding
         self.admissions = itertools.count()
         self.counts = dict(completed=0, steps=0, preemptions=0, generated_tokens=0, prompt_tokens=0,
-                           computed_prompt_tokens=0, prefix_hit_tokens=0, draft_tokens=0, accepted_draft_tokens=0)
+                           computed_prompt_tokens=0, prefix_hit_tokens=0, draft_tokens=0, accepted_draft_tokens=0,
+                           acceptance_lengths=[0] * (opts.num_speculative_tokens + 1))
 
     # ------------------------------------------------------------------ phases 1 and 2: the plan
 
@@ -1263,6 +1265,7 @@ class Scheduler:
         in as a decode step's would (the KV of the token before it is written: ``decoded``, then ``advance``),
         so pages are keyed and checkpointed exactly as plain decoding keys them."""
         self.counts["accepted_draft_tokens"] += len(tokens) - 1
+        self.counts["acceptance_lengths"][len(tokens) - 1] += 1
         for token, logprob in zip(tokens, logprobs):
             self.decoded([chunk.seq])
             self.advance([chunk.seq], [token], [logprob], settle)

@@ -132,6 +132,9 @@ def test_speculative_tokens_are_plain_decodings(ge, kind):
         assert stats["preemptions"] >= 1 and stats["prefix_hit_tokens"] > 0, stats
     assert {error for n, error in drafter.proposals if n == K} >= set(range(K + 1))   # every acceptance length
     assert 0 < stats["accepted_draft_tokens"] < stats["draft_tokens"] and plain_stats["draft_tokens"] == 0
+    lengths = stats["acceptance_lengths"]                # verifications by drafts accepted: every length occurs
+    assert len(lengths) == K + 1 and all(lengths) and sum(j * n for j, n in enumerate(lengths)) == \
+        stats["accepted_draft_tokens"], lengths
 
 
 def test_speculation_beside_the_compiled_static_step():

@@ -108,6 +108,7 @@ References
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import math
@@ -670,6 +671,7 @@ def generate(model: nn.Module, prompt: list[int], sp: SamplingParams, seed: int,
                 break
         if draft:                      # the accepted drafts (new[:-1]) go into the caches the plain way
             counts["accepted_draft_tokens"] = counts.get("accepted_draft_tokens", 0) + len(new) - 1
+            counts.setdefault("acceptance_lengths", []).append(len(new) - 1)
             run(feed + new[:-1])
         if finish:
             return generated, logprobs, finish
@@ -810,7 +812,7 @@ class Generator:
             kv_cache_memory=kv_cache_memory, memory_utilization=memory_utilization, max_seq_len=max_seq_len)
         self._cache = PrefixCache(page_size, cache_pages) if prefix_caching else None
         self._counts = dict(prompt_tokens=0, computed_prompt_tokens=0, prefix_hit_tokens=0, draft_tokens=0,
-                            accepted_draft_tokens=0)
+                            accepted_draft_tokens=0, acceptance_lengths=[0] * (num_speculative_tokens + 1))
         self._cv = threading.Condition()
         self._load_lock = threading.Lock()  # one load_weights at a time
         self._queue: deque = deque()        # (request, future), or (None, (tensors, version, done future))
@@ -874,14 +876,15 @@ class Generator:
         """waiting, running, completed, policy_version; prompt_tokens (requested, per sample),
         computed_prompt_tokens (run through the model), prefix_hit_tokens, evictions, cached_pages,
         state_checkpoints (cached pages that carry the linear layers' state); draft_tokens and
-        accepted_draft_tokens (speculative decoding: proposed, and accepted by verification); the memory budget:
+        accepted_draft_tokens (speculative decoding: proposed, and accepted by verification), acceptance_lengths
+        (how many verifications accepted 0, 1, ..., num_speculative_tokens drafts); the memory budget:
         memory_budget_bytes, memory_budget_source, kv_bytes_per_token, cache_pages (the prefix cache's
         capacity), max_seq_len."""
         with self._cv:
             waiting = sum(r is not None for r, _ in self._queue)
             cache = self._cache
             return dict(waiting=waiting, running=self._running, completed=self._completed,
-                        policy_version=self._version, **self._counts,
+                        policy_version=self._version, **copy.deepcopy(self._counts),
                         evictions=cache.evictions if cache else 0, cached_pages=len(cache.entries) if cache else 0,
                         state_checkpoints=sum(e[2] is not None for e in cache.entries.values()) if cache else 0,
                         **self.memory)
@@ -918,7 +921,11 @@ class Generator:
                                                 self.num_speculative_tokens)
             with self._cv:
                 for name, n in counts.items():
-                    self._counts[name] += n
+                    if name == "acceptance_lengths":             # one entry per verification: a histogram
+                        for accepted in n:
+                            self._counts[name][accepted] += 1
+                    else:
+                        self._counts[name] += n
             out.append(Completion(request.request_id, list(request.prompt_token_ids), tokens, logprobs, reason,
                                   self.name, version, version, index))
         return out
