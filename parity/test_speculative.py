@@ -213,6 +213,8 @@ def test_ngram_draft_proposes_the_latest_longest_match():
     assert draft([4, 5, 6, 4, 5], 4) == [6, 4, 5]                       # up to the end of the sequence
     assert draft([1, 2, 3, 4], 3) == [] and draft([7], 3) == [] and draft([], 3) == []
     assert draft([3, 3, 3, 3], 2) == [3]                                # the match just before the suffix
+    assert draft([8, 8, 8, 8, 8, 8, 8], 3) == [8, 8, 8]                 # a run: the latest match with k after it
+    assert draft([1, 2, 5, 6, 9, 1, 2, 7, 1, 2], 4) == [5, 6, 9, 1]     # the latest with 4 after it, not [7, 1, 2]
     assert draft([1, 2, 1, 2, 1, 2], 2, max_n=2, min_n=2) == [1, 2]
 
 

@@ -680,14 +680,19 @@ def generate(model: nn.Module, prompt: list[int], sp: SamplingParams, seed: int,
 
 def ngram_draft(tokens: list, k: int, max_n: int = 4, min_n: int = 2) -> list:
     """Prompt-lookup drafting (n-gram speculation): for n = max_n down to min_n, find the latest earlier
-    occurrence of the sequence's last n tokens and propose (up to) the k tokens that followed it; [] when
-    none recurs.  Weight-free, for any model: it pays where outputs repeat their context (code edits,
-    quoting, reasoning that restates)."""
+    occurrence of the sequence's last n tokens that k tokens follow and propose those (else the latest
+    occurrence's shorter continuation: in a repeating run the latest match sits just before the suffix);
+    [] when none recurs.  Weight-free, for any model: it pays where outputs repeat their context (code
+    edits, quoting, reasoning that restates, a model caught in a loop)."""
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        suffix = tokens[-n:]
+        suffix, latest = tokens[-n:], None
         for start in range(len(tokens) - n - 1, -1, -1):             # latest first, the suffix itself excluded
             if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+                if len(tokens) - start - n >= k:
+                    return tokens[start + n:start + n + k]
+                latest = tokens[start + n:start + n + k] if latest is None else latest
+        if latest is not None:
+            return latest
     return []
 
 
