@@ -570,8 +570,118 @@ def bench_modeled_step(rec, quick: bool) -> None:
             rec.add(case, "graph of the compiled step", "kernels_per_layer", per_layer["compiled_kernels"], "kernels")
 
 
+# ----------------------------------------------------------------------------- speculative decoding
+
+SPEC_MTP_MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, max_seq_len=96, layer_types=("linear", "attention"),
+                      linear_num_k_heads=2, linear_num_v_heads=4, linear_head_k_dim=8, linear_head_v_dim=8,
+                      qk_norm=True, attn_output_gate=True, zero_centered_norm=True, partial_rotary_factor=0.5,
+                      mtp_layers=1, tie_embeddings=False)
+
+
+def _speculation_rows(rec, case: str, impl: str, stats: dict) -> None:
+    """Acceptance (drafts accepted / proposed), the verifications by drafts accepted, and target forwards per
+    generated token: each forward of a sample emits 1 + the drafts it accepted, so forwards = generated -
+    accepted (a plain step is a forward that accepted none)."""
+    generated = stats.get("generated_tokens")
+    rec.add(case, impl, "acceptance", stats["accepted_draft_tokens"] / max(1, stats["draft_tokens"]), "")
+    if generated:
+        rec.add(case, impl, "forwards_per_token", (generated - stats["accepted_draft_tokens"]) / generated, "")
+    for j, n in enumerate(stats["acceptance_lengths"]):
+        rec.add(case, impl, f"verifications_accepting_{j}", n, "")
+
+
+def bench_speculative(rec, quick: bool) -> None:
+    """Speculative decoding (issue 43): n-gram drafting on a repetitive task (the fast engine), Qwen3.5's MTP
+    head before and after training it with ``mtp_loss`` (the reference engine), and decode tokens/s with and
+    without n-gram speculation at a Qwen3.5-0.8B-shaped model on this CPU."""
+    import fast.decoder_lm as lm
+    import fast.generator_engine as ge
+    import ref.decoder_lm as ref_lm
+    import ref.gated_deltanet as gdn
+    import ref.generator_engine as ref_ge
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    gen = torch.Generator().manual_seed(1)
+
+    def repetitive(vocab: int, n: int) -> list:           # prompts that repeat a phrase of 4 .. 11 tokens
+        out = []
+        for _ in range(n):
+            phrase = torch.randint(0, vocab, (int(torch.randint(4, 12, (), generator=gen)),), generator=gen).tolist()
+            out.append(phrase * 6)
+        return out
+
+    # 1. n-gram drafting, the fast engine: 8 prompts repeating a phrase, 64 greedy tokens each, k = 4
+    model = lm.DecoderLM(lm.ModelConfig(**POOL_MODEL), seed=0)
+    reqs = [ge.Request(p, ge.SamplingParams(max_new_tokens=64)) for p in repetitive(512, 8)]
+    case = "speculative ngram repetitive B=8 k=4"
+    for spec in (None, "ngram"):
+        with ge.Generator(model, page_size=16, speculative=spec, num_speculative_tokens=4) as g:
+            start = time.perf_counter()
+            g.generate(reqs)
+            wall = time.perf_counter() - start
+            stats = g.stats()
+        impl = "ngram" if spec else "plain"
+        rec.add(case, impl, "steps", stats["steps"], "")
+        rec.add(case, impl, "wall_s", wall, "s")
+        if spec:
+            _speculation_rows(rec, case, impl, stats)
+
+    # 2. the MTP head (ref): its drafts on held-out prompts before and after training it on the model's own
+    #    greedy completions of other prompts (the trunk frozen; Adam, lr 1e-2)
+    mtp_model = ref_lm.DecoderLM(ref_lm.ModelConfig(**SPEC_MTP_MODEL), seed=1, linear_layer=gdn.GatedDeltaNet,
+                                 mtp=True)
+    prompts = [torch.randint(0, 64, (5,), generator=gen).tolist() for _ in range(24)]
+    train = [ref_ge.Request(p, ref_ge.SamplingParams(max_new_tokens=24)) for p in prompts[:16]]
+    held_out = [ref_ge.Request(p, ref_ge.SamplingParams(max_new_tokens=24)) for p in prompts[16:]]
+
+    def serve(requests, spec):
+        with ref_ge.Generator(mtp_model, speculative=spec, num_speculative_tokens=3, prefix_caching=False) as g:
+            done = g.generate(requests)
+            stats = g.stats()
+        stats["generated_tokens"] = sum(len(c.token_ids) for c in done)
+        return done, stats
+
+    case = "speculative mtp held-out B=1 k=3"
+    _speculation_rows(rec, case, "mtp untrained", serve(held_out, "mtp")[1])
+    sequences = torch.tensor([c.prompt_token_ids + c.token_ids for c in serve(train, None)[0]])
+    for p in mtp_model.parameters():
+        p.requires_grad_(False)
+    for p in mtp_model.mtp.parameters():
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(mtp_model.mtp.parameters(), lr=1e-2)
+    steps = 60 if quick else 300
+    for _ in range(steps):
+        loss = mtp_model.mtp_loss(sequences)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    rec.add(case, f"mtp trained {steps} steps", "final_mtp_loss", loss.item(), "nats")
+    _speculation_rows(rec, case, f"mtp trained {steps} steps", serve(held_out, "mtp")[1])
+
+    # 3. decode tokens/s at Qwen3.5-0.8B's shape (random weights, fp32, the reference Gated DeltaNet layer)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_checkpoint("qwen3.5-0.8b", tmp)
+        big = lm.DecoderLM.from_pretrained(tmp, linear_layer=gdn.GatedDeltaNet, dtype=torch.float32,
+                                           max_seq_len=256)
+    for batch in (1, 8):
+        reqs = [ge.Request(p, ge.SamplingParams(max_new_tokens=16 if quick else 48)) for p in repetitive(4096, batch)]
+        case = f"speculative Qwen3.5-0.8B-shaped fp32 B={batch} k=4"
+        for spec in (None, "ngram"):
+            with ge.Generator(big, page_size=16, speculative=spec, num_speculative_tokens=4, max_seq_len=256) as g:
+                start = time.perf_counter()
+                done = g.generate(reqs)
+                wall = time.perf_counter() - start
+                stats = g.stats()
+            impl = "ngram" if spec else "plain"
+            rec.add(case, impl, "tokens_per_s", sum(len(c.token_ids) for c in done) / wall, "tokens/s")
+            rec.add(case, impl, "steps", stats["steps"], "")
+            if spec:
+                _speculation_rows(rec, case, impl, stats)
+
+
 PARTS = {"checkpoint": bench_checkpoints, "tp": bench_tp, "pool": bench_pool, "compiled": bench_compiled,
-         "engine-compiled": bench_engine_compiled, "modeled-step": bench_modeled_step}
+         "engine-compiled": bench_engine_compiled, "modeled-step": bench_modeled_step,
+         "speculative": bench_speculative}
 
 
 def cpu(rec, args) -> None:
