@@ -47,10 +47,19 @@ Cases (CPU-meaningful: this measures loading, memory, the engine's batching and 
                               decode ``tokens_per_s`` and ``step_ms``, the memory floor's ``step_ms`` (the
                               weights and 192 keys of K and V a request over the measured copy bandwidth),
                               the graphs' ``over_floor``, ``graph_bytes`` and ``speedup``.
+    speculative ...           speculative decoding (bench_speculative): n-gram drafting (k = 4) on 8 prompts
+                              that repeat a phrase (the fast engine, POOL_MODEL); Qwen3.5's MTP head (k = 3,
+                              the reference engine, a tiny hybrid) on held-out prompts, untrained and after
+                              ``mtp_loss`` training on the model's own completions of other prompts; decode
+                              ``tokens_per_s`` with and without n-gram drafting at a Qwen3.5-0.8B-shaped
+                              model (random weights, fp32, B = 1 and 8).  Per drafter: ``acceptance``
+                              (accepted / proposed drafts), ``forwards_per_token`` (target forwards per
+                              generated token: 1 - accepted / generated) and ``verifications_accepting_j``.
 
     python bench/decoder_lm.py                 # every part; rows to bench/results/latest/ (untracked)
     python bench/decoder_lm.py --record        # ... and appended to bench/results/decoder_lm.csv
-    python bench/decoder_lm.py --part tp       # checkpoint | tp | pool | compiled | engine-compiled
+    python bench/decoder_lm.py --part tp       # checkpoint | tp | pool | compiled | engine-compiled |
+                                               # modeled-step | speculative
 """
 from __future__ import annotations
 
