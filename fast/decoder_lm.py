@@ -1082,6 +1082,18 @@ class DecoderLM(nn.Module):
         group, first, heads = padding
         return torch.cat([sinks.new_zeros(first), sinks, sinks.new_zeros(group - first - heads)])
 
+    def mtp_forward(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, attend,
+                    depth: int = 0) -> torch.Tensor:
+        """Qwen3.5's multi-token-prediction head: ref/decoder_lm.py's ``mtp_forward``.  This file does not build
+        the head yet (``mtp=True`` raises), so a model here never has one: ValueError, as the reference raises
+        for a model without it."""
+        raise ValueError("this model has no MTP head: fast/decoder_lm.py does not build it yet "
+                         "(ref/decoder_lm.py's DecoderLM(mtp=True) does)")
+
+    def mtp_loss(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """ref/decoder_lm.py's ``mtp_loss``; ValueError here, as ``mtp_forward``."""
+        return self.mtp_forward(input_ids, input_ids, input_ids, None)
+
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """log_softmax over the last dim with the model's numerics (batch-invariant in that mode): what
         ``token_logprobs`` applies to the logits, and what a generator samples with."""

@@ -239,6 +239,8 @@ def test_bad_mtp_arguments_raise():
         fast_ge.Generator(fast_lm.DecoderLM(fast_lm.ModelConfig()), speculative="mtp")
     with pytest.raises(ValueError, match="in ref/decoder_lm.py only so far"):
         fast_lm.DecoderLM(fast_lm.ModelConfig(), mtp=True)
+    with pytest.raises(ValueError, match="no MTP head: fast/decoder_lm.py does not build it yet"):
+        fast_lm.DecoderLM(fast_lm.ModelConfig()).mtp_loss(torch.tensor([[1, 2, 3]]))
 
 
 def test_weight_sync_carries_the_head():
