@@ -6,7 +6,7 @@ from vulture.whitelist_utils import Whitelist
 _ = Whitelist()
 
 # public API: users and the tests call them, the files themselves do not
-_.from_hf, _.token_logprobs, _.sync_weights, _.mark_healthy, _.health_events, _.bytes_to, _.attach  # noqa: B018
+_.from_hf, _.token_logprobs, _.mtp_loss, _.sync_weights, _.mark_healthy, _.health_events, _.bytes_to, _.attach  # noqa: B018
 # framework callbacks: torch.library's register_fake functions (all named _), autograd.Function.backward,
 # the fake kernels of paged_varlen_attention's custom ops, a saved-tensor hook's unpack side
 _._, _.backward, _._varlen_attn_fake, _._varlen_attn_out_fake, _._varlen_attn_bwd_fake, _.unpack_hook  # noqa: B018
