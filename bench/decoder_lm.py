@@ -51,8 +51,10 @@ Cases (CPU-meaningful: this measures loading, memory, the engine's batching and 
                               that repeat a phrase (the fast engine, POOL_MODEL); Qwen3.5's MTP head (k = 3,
                               the reference engine, a tiny hybrid) on held-out prompts, untrained and after
                               ``mtp_loss`` training on the model's own completions of other prompts; decode
-                              ``tokens_per_s`` with and without n-gram drafting at a Qwen3.5-0.8B-shaped
-                              model (random weights, fp32, B = 1 and 8).  Per drafter: ``acceptance``
+                              ``tokens_per_s`` at a Qwen3.5-0.8B-shaped model (random weights, fp32, B = 1
+                              and 8), plain and with drafts of plain decoding's own tokens, all accepted or
+                              with one planted error each (a random model repeats nothing: n-gram drafting
+                              would propose nothing there).  Per drafter: ``acceptance``
                               (accepted / proposed drafts), ``forwards_per_token`` (target forwards per
                               generated token: 1 - accepted / generated) and ``verifications_accepting_j``.
 
@@ -666,26 +668,58 @@ def bench_speculative(rec, quick: bool) -> None:
         opt.step()
     rec.add(case, f"mtp trained {steps} steps", "final_mtp_loss", loss.item(), "nats")
     _speculation_rows(rec, case, f"mtp trained {steps} steps", serve(held_out, "mtp")[1])
+    _speculation_rows(rec, "speculative mtp training prompts B=1 k=3", f"mtp trained {steps} steps",
+                      serve(train, "mtp")[1])
 
-    # 3. decode tokens/s at Qwen3.5-0.8B's shape (random weights, fp32, the reference Gated DeltaNet layer)
+    # 3. decode tokens/s at Qwen3.5-0.8B's shape (random weights, fp32, the reference Gated DeltaNet layer):
+    #    plain decoding, then drafts that plain decoding's tokens make (what a perfect drafter proposes: every
+    #    draft accepted), then the same with one planted error per draft (positions 0 .. k cycling: half
+    #    accepted, and every rejection rolls the linear layers back by a second pass).  A random model's
+    #    outputs do not repeat its prompt, so n-gram drafting would propose nothing here: these drafters
+    #    measure what verification and rollback cost and buy at this size.
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint("qwen3.5-0.8b", tmp)
         big = lm.DecoderLM.from_pretrained(tmp, linear_layer=gdn.GatedDeltaNet, dtype=torch.float32,
                                            max_seq_len=256)
     for batch in (1, 8):
-        reqs = [ge.Request(p, ge.SamplingParams(max_new_tokens=16 if quick else 48)) for p in repetitive(4096, batch)]
+        prompts = [torch.randint(0, 4096, (24,), generator=gen).tolist() for _ in range(batch)]
+        reqs = [ge.Request(p, ge.SamplingParams(max_new_tokens=16 if quick else 48)) for p in prompts]
         case = f"speculative Qwen3.5-0.8B-shaped fp32 B={batch} k=4"
-        for spec in (None, "ngram"):
-            with ge.Generator(big, page_size=16, speculative=spec, num_speculative_tokens=4, max_seq_len=256) as g:
+        plain = None
+        for impl in ("plain", "all accepted", "one error per draft"):
+            drafter = None if plain is None else _ContinuationDrafter(plain, errors=impl != "all accepted", k=4)
+            with ge.Generator(big, page_size=16, speculative=drafter, num_speculative_tokens=4,
+                              max_seq_len=256) as g:
                 start = time.perf_counter()
                 done = g.generate(reqs)
                 wall = time.perf_counter() - start
                 stats = g.stats()
-            impl = "ngram" if spec else "plain"
+            if plain is None:
+                plain = {tuple(r.prompt_token_ids): c.token_ids for r, c in zip(reqs, done)}
+            elif [c.token_ids for c in done] != [plain[tuple(r.prompt_token_ids)] for r in reqs]:
+                raise AssertionError(f"{case} {impl}: speculative decoding changed the tokens")
             rec.add(case, impl, "tokens_per_s", sum(len(c.token_ids) for c in done) / wall, "tokens/s")
             rec.add(case, impl, "steps", stats["steps"], "")
-            if spec:
+            if drafter is not None:
                 _speculation_rows(rec, case, impl, stats)
+
+
+class _ContinuationDrafter:
+    """Drafts what plain decoding produced after the sequence so far (found by its prompt); ``errors``: one
+    draft token replaced per proposal, at positions 0 .. k cycling (k: none)."""
+
+    def __init__(self, plain: dict, errors: bool, k: int):
+        self.plain, self.errors, self.k, self.calls = plain, errors, k, 0
+
+    def __call__(self, tokens: list, k: int) -> list:
+        for prompt, completion in self.plain.items():
+            if tuple(tokens[:len(prompt)]) == prompt:
+                draft = list(completion[len(tokens) - len(prompt):][:k])
+                spot, self.calls = self.calls % (self.k + 1), self.calls + 1
+                if self.errors and spot < len(draft):
+                    draft[spot] = (draft[spot] + 1) % 4096
+                return draft
+        return []
 
 
 PARTS = {"checkpoint": bench_checkpoints, "tp": bench_tp, "pool": bench_pool, "compiled": bench_compiled,

@@ -144,6 +144,15 @@ FAMILIES: dict[str, list[Family]] = {
                "(28 layers, hidden 128, fp32, one thread), eager and Generator(compile=True), each in a fresh "
                "process with an empty inductor cache: median ms, Python's calls into torch per iteration, the "
                "first run's seconds (compiles included) and the speedup (targets: >= 3x, <= 300 calls)."),
+        Family("speculative", "Speculative decoding on a CPU", "Acceptance (accepted / proposed drafts), target "
+               "forwards per generated token, and the verifications by drafts accepted: n-gram drafting (k = 4, the "
+               "fast engine) on 8 prompts repeating a phrase; Qwen3.5's MTP head (k = 3, the reference engine, a "
+               "tiny hybrid) untrained and after 300 steps of mtp_loss on the model's own completions of 16 "
+               "prompts, on 8 held-out prompts and on those 16; and decode tokens/s at a Qwen3.5-0.8B-shaped model "
+               "(random weights, fp32, the reference Gated DeltaNet layer, 24-token prompts, 48 new tokens), plain "
+               "and with drafts of plain decoding's own tokens, all accepted or with one planted error each (every "
+               "rejection costs the hybrid a second pass to roll its linear layers back).  Tokens equal plain "
+               "decoding's in every run."),
         Family("engine GPU decode", "The engine's decode on a GPU: eager against CUDA graphs", "A Qwen3-0.6B-shaped "
                "model (random weights, bf16) with this repo's kernels, B requests of 128 + 128 tokens: decode step "
                "ms and tokens/s, eager and Generator(cuda_graphs=True), beside the memory floor (the weights and "
