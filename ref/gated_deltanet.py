@@ -445,14 +445,20 @@ def _softplus(x):
     return torch.where(x > 20, x, torch.log1p(torch.exp(x.clamp(max=20))))
 
 
+# The layer continues a cache through the recurrent form when no sequence brings more tokens than this (a decode
+# step, a speculative verification, a short prefill piece): the chunk form would pad each to a whole chunk.
+RECURRENT_MAX_TOKENS = 16
+
+
 class GatedDeltaNet(nn.Module):
     """Qwen3.5's Gated DeltaNet block: ``forward(hidden_states [B, T, D], *, cu_seqlens=None,
     cache=None) -> [B, T, D]``.
 
     ``chunk_fn`` / ``recurrent_fn`` have the signature of this file's ``chunk_gated_delta_rule``
     / ``fused_recurrent_gated_delta_rule`` (pass the fast file's to run on Triton kernels).
-    The recurrent one runs decode steps (a cache holding state, one token per sequence, no
-    cu_seqlens); the chunk one runs everything else (prefill, varlen, continuation).
+    The recurrent one continues a cache holding state when no sequence brings more than
+    ``RECURRENT_MAX_TOKENS`` tokens (decode steps, speculative verifications, short prefill pieces;
+    dense or varlen); the chunk one runs everything else (prefills, longer continuations).
     With ``cu_seqlens`` (B == 1), the conv and the recurrence restart at every document.
     With a ``cache``, the call continues from its state (if any) and leaves the new state in it
     (``new_cache()`` gives an empty one).  ``set_batch_invariant(linear)`` switches the layer to
@@ -578,8 +584,8 @@ class GatedDeltaNet(nn.Module):
             o = self._invariant_rule(qkv, g, beta, lengths, cache, decode=has_state and t == 1 and lengths is None)
         else:
             q, k, v = self._split(qkv)
-            decode = has_state and t == 1 and cu_seqlens is None
-            fn = self.recurrent_fn if decode else self.chunk_fn
+            short = has_state and max(lengths or [t]) <= RECURRENT_MAX_TOKENS    # (module constant's comment)
+            fn = self.recurrent_fn if short else self.chunk_fn
             o, final = fn(q, k, v, g=g, beta=beta, initial_state=cache.recurrent_state if has_state else None,
                           output_final_state=cache is not None, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
             if cache is not None:
