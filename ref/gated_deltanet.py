@@ -445,8 +445,9 @@ def _softplus(x):
     return torch.where(x > 20, x, torch.log1p(torch.exp(x.clamp(max=20))))
 
 
-# The layer continues a cache through the recurrent form when no sequence brings more tokens than this (a decode
-# step, a speculative verification, a short prefill piece): the chunk form would pad each to a whole chunk.
+# Without gradients (an engine), the layer continues a cache through the recurrent form when no sequence brings
+# more tokens than this (a speculative verification, a short prefill piece): the chunk form would pad each to a
+# whole chunk.  (With gradients only decode steps do: the chunk form's backward is the more accurate one.)
 RECURRENT_MAX_TOKENS = 16
 
 
@@ -456,9 +457,10 @@ class GatedDeltaNet(nn.Module):
 
     ``chunk_fn`` / ``recurrent_fn`` have the signature of this file's ``chunk_gated_delta_rule``
     / ``fused_recurrent_gated_delta_rule`` (pass the fast file's to run on Triton kernels).
-    The recurrent one continues a cache holding state when no sequence brings more than
-    ``RECURRENT_MAX_TOKENS`` tokens (decode steps, speculative verifications, short prefill pieces;
-    dense or varlen); the chunk one runs everything else (prefills, longer continuations).
+    The recurrent one runs decode steps (a cache holding state, one token per sequence, no
+    cu_seqlens) and, without gradients, any continuation of a cache in which no sequence brings
+    more than ``RECURRENT_MAX_TOKENS`` tokens (speculative verifications, short prefill pieces);
+    the chunk one runs everything else (prefills, longer continuations, training).
     With ``cu_seqlens`` (B == 1), the conv and the recurrence restart at every document.
     With a ``cache``, the call continues from its state (if any) and leaves the new state in it
     (``new_cache()`` gives an empty one).  ``set_batch_invariant(linear)`` switches the layer to
@@ -584,8 +586,9 @@ class GatedDeltaNet(nn.Module):
             o = self._invariant_rule(qkv, g, beta, lengths, cache, decode=has_state and t == 1 and lengths is None)
         else:
             q, k, v = self._split(qkv)
-            short = has_state and max(lengths or [t]) <= RECURRENT_MAX_TOKENS    # (module constant's comment)
-            fn = self.recurrent_fn if short else self.chunk_fn
+            decode = has_state and t == 1 and cu_seqlens is None
+            short = has_state and max(lengths or [t]) <= RECURRENT_MAX_TOKENS and not torch.is_grad_enabled()
+            fn = self.recurrent_fn if decode or short else self.chunk_fn
             o, final = fn(q, k, v, g=g, beta=beta, initial_state=cache.recurrent_state if has_state else None,
                           output_final_state=cache is not None, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
             if cache is not None:
