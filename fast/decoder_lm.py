@@ -1087,12 +1087,11 @@ class DecoderLM(nn.Module):
         """Qwen3.5's multi-token-prediction head: ref/decoder_lm.py's ``mtp_forward``.  This file does not build
         the head yet (``mtp=True`` raises), so a model here never has one: ValueError, as the reference raises
         for a model without it."""
-        raise ValueError("this model has no MTP head: fast/decoder_lm.py does not build it yet "
-                         "(ref/decoder_lm.py's DecoderLM(mtp=True) does)")
+        raise _no_mtp_head()
 
     def mtp_loss(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """ref/decoder_lm.py's ``mtp_loss``; ValueError here, as ``mtp_forward``."""
-        return self.mtp_forward(input_ids, input_ids, input_ids, None)
+        raise _no_mtp_head()
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """log_softmax over the last dim with the model's numerics (batch-invariant in that mode): what
@@ -1975,6 +1974,11 @@ def _set_invariant(module, index: int, linear, out_linear, plugin: str = "linear
         raise ValueError(f"batch_invariant=True: the {plugin} plug-in of layer {index} ({type(module).__name__}) "
                          f"has no set_batch_invariant(linear) method, so its numerics cannot be made batch-invariant")
     module.set_batch_invariant(linear, out_linear=out_linear)
+
+
+def _no_mtp_head() -> ValueError:
+    return ValueError("this model has no MTP head: fast/decoder_lm.py does not build it yet "
+                      "(ref/decoder_lm.py's DecoderLM(mtp=True) does)")
 
 
 def _check_mode(batch_invariant, varlen_attn) -> None:
