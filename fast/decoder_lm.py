@@ -681,10 +681,24 @@ class _TextModel(nn.Module):
         self.norm = _RMSNorm(c.hidden_size, c.rms_eps, c.zero_centered_norm)
 
 
+class _MTPHead(nn.Module):
+    """Qwen3.5's multi-token-prediction head (``mtp.*``): ref/decoder_lm.py's ``MTPHead`` (its docstring has
+    the math), with this file's fused blocks."""
+
+    def __init__(self, c: ModelConfig, moe_layer):
+        super().__init__()
+        self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+        self.pre_fc_norm_embedding = _RMSNorm(c.hidden_size, c.rms_eps, c.zero_centered_norm)
+        self.pre_fc_norm_hidden = _RMSNorm(c.hidden_size, c.rms_eps, c.zero_centered_norm)
+        self.layers = nn.ModuleList(_Block(c, "attention", None, moe_layer) for _ in range(c.mtp_layers))
+        self.norm = _RMSNorm(c.hidden_size, c.rms_eps, c.zero_centered_norm)
+
+
 class DecoderLM(nn.Module):
     """The reference's decoder-only LM with fused projections (module docstring); the same
     constructor, state dict names, init, ``from_pretrained``, ``forward``, ``layers_forward``,
-    ``logits`` and ``token_logprobs``.
+    ``logits`` and ``token_logprobs``, and with ``mtp=True`` Qwen3.5's multi-token-prediction head
+    (``mtp_forward``, ``mtp_loss``).
 
     ``batch_invariant=True``: the module docstring's batch-invariant numerics (every "linear" plug-in
     must then have ``set_batch_invariant(linear)``); ``varlen_attn``: the attention of ``forward`` and
@@ -694,16 +708,14 @@ class DecoderLM(nn.Module):
     """
 
     # What a Qwen3.5 checkpoint (and a trainer's state dict of it) holds beside the text model: the vision
-    # tower and the multi-token-prediction head.  Loading skips them; so do the generator engines.
+    # tower and the multi-token-prediction head.  Loading skips them (the head too unless mtp=True); so do the
+    # generator engines.
     ignored_weight_prefixes = ("model.visual.", "mtp.")
 
     def __init__(self, config: ModelConfig | None = None, *, seed: int = 0, linear_layer=None, moe_layer=None,
                  device=None, dtype=None, batch_invariant: bool = False, varlen_attn=None, tp_group=None,
                  mtp: bool = False):
         super().__init__()
-        if mtp is not False:
-            raise ValueError("mtp=True: Qwen3.5's multi-token-prediction head is in ref/decoder_lm.py only so far "
-                             "(MTPHead, mtp_forward, mtp_loss; ref/generator_engine.py drafts with it)")
         config = ModelConfig() if config is None else config
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
@@ -715,12 +727,18 @@ class DecoderLM(nn.Module):
                              "class, or a functools.partial of it with the fast kernels)")
         if config.moe_layers and moe_layer is None:
             raise ValueError("this model has Mixture-of-Experts layers: pass moe_layer=MoE (moe.py's class)")
+        if not isinstance(mtp, bool):
+            raise TypeError(f"mtp must be a bool, got {type(mtp).__name__}")
+        if mtp and not config.mtp_layers:
+            raise ValueError("mtp=True needs a config with mtp_layers >= 1 (Qwen3.5's mtp_num_hidden_layers)")
+        if mtp and tp_group is not None:
+            raise ValueError("the MTP head is not built for tensor parallelism yet")
         self.config = config
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = (0, 1) if tp_group is None else (tp_group.rank(), tp_group.size())
         self.local_config = local_config(config, self.tp_size, batch_invariant)   # this rank's sizes
         self.init_kwargs = dict(linear_layer=linear_layer, moe_layer=moe_layer, batch_invariant=batch_invariant,
-                                varlen_attn=varlen_attn)
+                                varlen_attn=varlen_attn, mtp=mtp)
         self.tp_traffic = dict(reductions=0, payload_bytes=0)   # row-parallel sums so far (forward)
         if moe_layer is not None and self.tp_size > 1:          # expert parallelism over the same ranks
             moe_layer = functools.partial(moe_layer, expert_group=tp_group)
@@ -733,6 +751,11 @@ class DecoderLM(nn.Module):
             else:
                 self.model = body
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if mtp:
+                with torch.random.fork_rng(devices=[]):     # (a plug-in's own init: the reference's seed)
+                    torch.manual_seed(seed * 1000003 + config.num_layers)
+                    self.mtp = _MTPHead(self.local_config, moe_layer if config.moe_layers else None)
+                self.ignored_weight_prefixes = ("model.visual.",)
         if config.tie_embeddings:                                # one tensor under both names, as transformers
             self.lm_head.weight = body.embed_tokens.weight
         self._rope_tables: dict = {}  # device -> (cos, sin) [max_seq_len, 1, R/2] fp32
@@ -804,35 +827,39 @@ class DecoderLM(nn.Module):
     def layers_forward(self, ids: torch.Tensor, positions: torch.Tensor, attend, mix) -> torch.Tensor:
         """The blocks on packed tokens, ids / positions [T] -> final-normed hidden [T, hidden];
         ``attend(layer, q, k, v)`` and ``mix(layer, module, h)`` as in the reference (this rank's heads)."""
-        c, inv = self.local_config, self.batch_invariant
-        t = ids.shape[0]
-        cos, sin = self._rotary_at(positions)                              # [T, 1, R/2]
+        rotary = self._rotary_at(positions)                                # cos, sin [T, 1, R/2]
         x = self.body.embed_tokens(ids)                                     # [T, hidden], every rank
         for i, block in enumerate(self.layers):
-            h = self._to_ranks(block.input_layernorm(x, inv))
-            if hasattr(block, "self_attn"):
-                a = block.self_attn
-                q, k, v = _linear(h, a.qkv_proj.weight, a.qkv_proj.bias, inv).split(a.sizes, dim=-1)
-                q = q.view(t, c.num_heads, -1)                              # [T, H_q, D] or [T, H_q, 2 D]
-                q, gate = q.chunk(2, dim=-1) if c.attn_output_gate else (q, None)
-                k = k.view(t, c.num_kv_heads, c.head_dim)
-                if c.qk_norm:
-                    q, k = a.q_norm(q, inv), a.k_norm(k, inv)
-                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-                o = self._attend(attend, i, q, k, v.view(t, c.num_kv_heads, c.head_dim)).reshape(t, -1)
-                if gate is not None:
-                    o = o * _sigmoid(gate.reshape(t, -1), inv)
-                x = x + self._row_parallel(o, a.o_proj.weight, "o_proj")
-                x = x if a.o_proj.bias is None else x + a.o_proj.bias
-            else:
-                x = x + self._reduce(mix(i, block.linear_attn, h))         # out_proj: row-parallel inside
-            m, hm = block.mlp, self._to_ranks(block.post_attention_layernorm(x, inv))
-            if not isinstance(m, _MLP):                                     # a Mixture-of-Experts block
-                x = x + m(hm)
-                continue
-            gate_up, up = _linear(hm, m.gate_up_proj.weight, None, inv).split(m.sizes, dim=-1)
-            x = x + self._row_parallel(_silu(gate_up, inv) * up, m.down_proj.weight, "down_proj")
-        return self.body.norm(x, inv)
+            x = self._block(i, block, x, rotary, attend, mix)
+        return self.body.norm(x, self.batch_invariant)
+
+    def _block(self, i: int, block: _Block, x: torch.Tensor, rotary, attend, mix) -> torch.Tensor:
+        """Decoder block ``i`` on the residual stream x [T, hidden] (``layers_forward``'s callbacks; rotary:
+        cos, sin at the rows' positions)."""
+        c, inv, t = self.local_config, self.batch_invariant, x.shape[0]
+        cos, sin = rotary
+        h = self._to_ranks(block.input_layernorm(x, inv))
+        if hasattr(block, "self_attn"):
+            a = block.self_attn
+            q, k, v = _linear(h, a.qkv_proj.weight, a.qkv_proj.bias, inv).split(a.sizes, dim=-1)
+            q = q.view(t, c.num_heads, -1)                                  # [T, H_q, D] or [T, H_q, 2 D]
+            q, gate = q.chunk(2, dim=-1) if c.attn_output_gate else (q, None)
+            k = k.view(t, c.num_kv_heads, c.head_dim)
+            if c.qk_norm:
+                q, k = a.q_norm(q, inv), a.k_norm(k, inv)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            o = self._attend(attend, i, q, k, v.view(t, c.num_kv_heads, c.head_dim)).reshape(t, -1)
+            if gate is not None:
+                o = o * _sigmoid(gate.reshape(t, -1), inv)
+            x = x + self._row_parallel(o, a.o_proj.weight, "o_proj")
+            x = x if a.o_proj.bias is None else x + a.o_proj.bias
+        else:
+            x = x + self._reduce(mix(i, block.linear_attn, h))             # out_proj: row-parallel inside
+        m, hm = block.mlp, self._to_ranks(block.post_attention_layernorm(x, inv))
+        if not isinstance(m, _MLP):                                         # a Mixture-of-Experts block
+            return x + m(hm)
+        gate_up, up = _linear(hm, m.gate_up_proj.weight, None, inv).split(m.sizes, dim=-1)
+        return x + self._row_parallel(_silu(gate_up, inv) * up, m.down_proj.weight, "down_proj")
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, which: str) -> torch.Tensor:
         """x [T, K_rank] @ weight [N, K_rank]^T summed over the ranks: an all-reduce; batch-invariant: the
@@ -1076,7 +1103,8 @@ class DecoderLM(nn.Module):
     def attention_sinks(self, i: int) -> torch.Tensor | None:
         """Layer i's attention sinks (gpt-oss), or None: one per query head ``attend`` sees ([H_q] of this
         rank; padded with zeros where ``_attend`` pads the query heads, whose rows are dropped)."""
-        sinks, padding = getattr(self.layers[i].self_attn, "sinks", None), self._query_head_padding()
+        block = self.layers[i] if i < len(self.layers) else self.mtp.layers[i - len(self.layers)]
+        sinks, padding = getattr(block.self_attn, "sinks", None), self._query_head_padding()
         if sinks is None or padding is None:
             return sinks
         group, first, heads = padding
@@ -1084,14 +1112,44 @@ class DecoderLM(nn.Module):
 
     def mtp_forward(self, next_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, attend,
                     depth: int = 0) -> torch.Tensor:
-        """Qwen3.5's multi-token-prediction head: ref/decoder_lm.py's ``mtp_forward``.  This file does not build
-        the head yet (``mtp=True`` raises), so a model here never has one: ValueError, as the reference raises
-        for a model without it."""
-        raise _no_mtp_head()
+        """The MTP head (``_MTPHead``; ``DecoderLM(mtp=True)``) on packed rows: next_ids [T] (the token after each
+        row's position), positions [T], hidden [T, hidden] (``layers_forward``'s output at those positions, or
+        the head's own output one depth up) -> the head's final-normed hidden [T, hidden]; ``logits`` gives
+        its distribution over the token two ahead.  ``attend`` is called with layer index num_layers + depth
+        % mtp_layers: the head's keys are its own."""
+        if getattr(self, "mtp", None) is None:
+            raise _no_mtp_head()
+        m, inv = self.mtp, self.batch_invariant
+        e = m.pre_fc_norm_embedding(self.body.embed_tokens(next_ids), inv)
+        x = _linear(torch.cat([e, m.pre_fc_norm_hidden(hidden, inv)], dim=-1), m.fc.weight, None, inv)
+        layer = depth % len(m.layers)
+        x = self._block(len(self.layers) + layer, m.layers[layer], x, self._rotary_at(positions), attend, None)
+        return m.norm(x, inv)
 
     def mtp_loss(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """ref/decoder_lm.py's ``mtp_loss``; ValueError here, as ``mtp_forward``."""
-        raise _no_mtp_head()
+        """Qwen3.5's multi-token-prediction objective (ref/decoder_lm.py's ``mtp_loss``): the mean over every
+        position t whose document holds tokens t + 1 and t + 2 of -log p_mtp(x_(t+2) | h_t, x_(t+1)), h the
+        model's own final-normed hidden states (their gradient flows into the trunk too).  fp32 scalar (0 when
+        no position qualifies)."""
+        if getattr(self, "mtp", None) is None:
+            raise _no_mtp_head()
+        h, cu = self._hidden(input_ids, cu_seqlens)
+        ids, lengths = input_ids.reshape(-1), cu.diff().tolist()
+        rows = [(s, n - 1) for s, n in zip(cu.tolist(), lengths) if n >= 2]  # (first token, MTP rows t = 0 .. n - 2)
+        if not rows:
+            return h.sum() * 0.0
+        dev = ids.device
+        index = torch.cat([torch.arange(s, s + r) for s, r in rows]).to(dev)
+        positions = torch.cat([torch.arange(r) for _, r in rows]).to(dev)
+        bounds = [0, *itertools.accumulate(r for _, r in rows)]
+        attend = self._packed_attention(torch.tensor(bounds, dtype=torch.int32, device=dev),
+                                        max(r for _, r in rows), bounds[-1])
+        y = self.mtp_forward(ids[index + 1], positions, h[index], attend)
+        scored = torch.cat([torch.arange(b, b + r - 1) for b, (_, r) in zip(bounds, rows)]).to(dev)
+        if scored.numel() == 0:
+            return y.sum() * 0.0
+        logp = self.log_softmax(self.logits(y[scored]))
+        return -logp.gather(1, ids[index[scored] + 2][:, None]).mean()
 
     def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
         """log_softmax over the last dim with the model's numerics (batch-invariant in that mode): what
@@ -1104,6 +1162,12 @@ class DecoderLM(nn.Module):
         runs eagerly."""
         if self.batch_invariant and torch.compiler.is_compiling():
             return _eager_forward(self, input_ids, cu_seqlens)
+        h, _ = self._hidden(input_ids, cu_seqlens)
+        return self.logits(h).view(*input_ids.shape, -1)
+
+    def _hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s checks and pass -> (final-normed hidden [B T, hidden], the documents' bounds cu [N + 1]
+        int32: B rows of T without cu_seqlens)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
             raise TypeError(f"input_ids must be an integer tensor [B, T], got "
                             f"{getattr(input_ids, 'shape', input_ids)!r}")
@@ -1135,8 +1199,7 @@ class DecoderLM(nn.Module):
                 return module(h.view(b, t, -1)).reshape(h.shape)
             return module(h[None], cu_seqlens=cu)[0]
 
-        h = self.layers_forward(input_ids.reshape(-1), positions, attend, mix)
-        return self.logits(h).view(b, t, -1)
+        return self.layers_forward(input_ids.reshape(-1), positions, attend, mix), cu
 
     def _check_documents(self, cu: torch.Tensor, t: int) -> int:
         """cu_seqlens (int32 [N + 1]) must partition the T tokens into documents of at most max_seq_len tokens;
@@ -1977,8 +2040,7 @@ def _set_invariant(module, index: int, linear, out_linear, plugin: str = "linear
 
 
 def _no_mtp_head() -> ValueError:
-    return ValueError("this model has no MTP head: fast/decoder_lm.py does not build it yet "
-                      "(ref/decoder_lm.py's DecoderLM(mtp=True) does)")
+    return ValueError("this model has no MTP head: build it with DecoderLM(..., mtp=True)")
 
 
 def _check_mode(batch_invariant, varlen_attn) -> None:

@@ -94,12 +94,14 @@ Weights
     only when every rank received everything: a refused or failed receive leaves every rank on the old
     weights and version.
 
-Speculative decoding (``speculative="ngram"`` or a drafter function; ref/generator_engine.py's ``generate``
-states the rule and is the oracle)
+Speculative decoding (``speculative="ngram"``, ``"mtp"`` or a drafter function; ref/generator_engine.py's
+``generate`` states the rule and is the oracle)
     draft         ``drafter(tokens, k) -> up to k token ids`` per decoding sample and step (``ngram_draft``:
-                  prompt lookup); cut to the completion's room less one and to the free pages (a draft
-                  never preempts); a hybrid model with checkpoints stops a draft at the next checkpointed
-                  page boundary (and drafts nothing from one), so ``decoded`` checkpoints the right state
+                  prompt lookup), or Qwen3.5's MTP head for every decoding sample at once (``MTPDrafter``:
+                  its K/V in the page pool, one more attention layer per head layer); cut to the
+                  completion's room less one and to the free pages (a draft never preempts); a hybrid model
+                  with checkpoints stops a draft at the next checkpointed page boundary (and drafts nothing
+                  from one), so ``decoded`` checkpoints the right state
     verify        the sample's last token and its m drafts ride in the step's prefill pass (m + 1 rows at
                   their positions, their K/V into the pages; decode work: not counted against
                   ``max_prefill_tokens``); row r draws token j = generated + r with
@@ -113,7 +115,7 @@ states the rule and is the oracle)
                   a decode step's (``Scheduler.verified``): the prefix cache keys the same pages
     the mode      a verification row is computed as its decode step would be (a row's bits do not depend on
                   how many rows share the call), so rollouts stay bitwise on-policy (parity/test_speculative.py)
-    Limits: no tensor parallelism (it raises); Qwen3.5's MTP head is not a drafter yet.
+    Limits: no tensor parallelism (it raises).
 
 Batch-invariant mode: bitwise on-policy (a model with ``batch_invariant=True``)
     Given a model in fast/decoder_lm.py's batch-invariant mode (its docstring states the contract), a
@@ -445,8 +447,9 @@ class Generator:
                                         mode keeps the eager step under compile (graphs replay its
                                         kernels, hybrid models' too); tensor-parallel engines compile
                                         each rank's step but replay no graphs; a warning says which.
-    ``speculative``,                    None, ``"ngram"`` (prompt lookup) or a drafter function ``(tokens,
-    ``num_speculative_tokens``          k) -> up to k token ids``: verify up to k drafts per decoding
+    ``speculative``,                    None, ``"ngram"`` (prompt lookup), ``"mtp"`` (Qwen3.5's MTP head:
+    ``num_speculative_tokens``          the model built with ``mtp=True``) or a drafter function ``(tokens,
+                                        k) -> up to k token ids``: verify up to k drafts per decoding
                                         sample and step (the section "speculative decoding"); the same
                                         tokens as plain decoding
                                         ``cuda_graphs`` is off by default until a GPU run has tested it
@@ -537,11 +540,17 @@ class Generator:
                           "inductor changes its rounding: engine logprobs would no longer equal token_logprobs bit "
                           "for bit; cuda_graphs=True replays its own kernels)", stacklevel=3)
         static = graphs or compiled
-        self.pools = StatePools(model, self.memory, state_shapes, padding=static)
+        mtp = opts.speculative == "mtp"
+        if mtp and getattr(model, "mtp", None) is None:
+            raise ValueError("speculative='mtp' needs a model with Qwen3.5's MTP head: decoder_lm.py's "
+                             "DecoderLM(..., mtp=True) or DecoderLM.from_pretrained(path, mtp=True)")
+        self.pools = StatePools(model, self.memory, state_shapes, padding=static, mtp=mtp)
         self.scheduler = Scheduler(opts, self.memory, self.pools, hybrid="linear" in self.config.kinds, lock=self._cv,
                                    group_decode=opts.cascade_decode is not None and not self.batch_invariant,
                                    version=self._version)
         self.runner = ModelRunner(model, self.pools, attention, self.memory, self.batch_invariant, self._tp)
+        if mtp:                                         # (the drafter runs the head through the runner)
+            self.scheduler.drafter = MTPDrafter(self.runner, lambda: self.model)
         if static:
             self.runner.static = StaticDecode(self.runner, opts.capture_sizes, self.max_batch_size, compile=compiled,
                                               cuda_graphs=graphs)
@@ -731,29 +740,36 @@ class Generator:
         verify = self.scheduler.speculate(plan.decode, self.config.vocab_size)   # drafts, to verify in the pass
         verifying = {id(c.seq) for c in verify}
         decode = [s for s in plan.decode if id(s) not in verifying]
+        mtp = self.scheduler.drafter if isinstance(self.scheduler.drafter, MTPDrafter) else None
         if plan.prefill or verify:                         # one packed pass; prompts done fork and sample
             saved = self.pools.save_rows([c.seq.row for c in verify]) if verify and self.scheduler.hybrid else None
             logits = self.runner.prefill(self.model, plan.prefill + verify)
+            if mtp is not None:                            # the head's rows of the prompts (before they fork)
+                mtp.prefilled(self.model, plan.prefill, self.runner.hidden)
             started, rows = self.scheduler.prompts_done(plan.prefill)
             if started:
                 self.scheduler.advance(started, *self.runner.sample(self.model, started, logits, rows), settle)
             if verify:
-                self._verify(verify, logits[logits.shape[0] - sum(len(c.drafts) + 1 for c in verify):], saved,
-                             settle)
+                rows = sum(len(c.drafts) + 1 for c in verify)
+                self._verify(verify, logits[logits.shape[0] - rows:], self.runner.hidden[-rows:], saved, settle)
         if decode:                                         # one token for every other decoding sample
             logits = self.runner.decode(self.model, decode)
+            if mtp is not None:
+                mtp.observe([(s, len(s.tokens) - 1) for s in decode], self.runner.hidden)
             self.scheduler.decoded(decode)
             self.scheduler.advance(decode, *self.runner.sample(self.model, decode, logits), settle)
         self.scheduler.counts["steps"] += 1
 
-    def _verify(self, chunks: list, logits: torch.Tensor, saved: dict | None, settle: list) -> None:
+    def _verify(self, chunks: list, logits: torch.Tensor, hidden: torch.Tensor, saved: dict | None,
+                settle: list) -> None:
         """Speculative verification (ref/generator_engine.py's ``generate`` states the rule): every row of
         each chunk draws its token with its own keyed draw; the drafts are accepted while each equals the
         token drawn before it, and the first token that differs (or the one after the last draft) is emitted
         too: plain decoding's tokens.  Rejected rows' KV lies past the sample's length (overwritten later);
         a hybrid model's linear layers, which ran over every row, go back to their state before the pass
         (``saved``) and run again over the accepted rows (in the batch-invariant mode bit for bit what the
-        decode steps would have left)."""
+        decode steps would have left).  The MTP drafter keeps the accepted rows' hidden states (``hidden``:
+        the chunks' rows of the pass)."""
         tokens, logprobs = self.runner.sample_verification(self.model, chunks, logits)
         outcomes, redo, at = [], [], 0
         for n, c in enumerate(chunks):
@@ -765,6 +781,11 @@ class Generator:
             if accepted < len(c.drafts):
                 redo.append(n)
             at += len(c.drafts) + 1
+        if isinstance(self.scheduler.drafter, MTPDrafter):
+            starts = [0, *itertools.accumulate(len(c.drafts) + 1 for c in chunks)]
+            index = [starts[n] + r for n, (drawn, _) in enumerate(outcomes) for r in range(len(drawn))]
+            self.scheduler.drafter.observe([(c.seq, c.start + r) for c, (drawn, _) in zip(chunks, outcomes)
+                                            for r in range(len(drawn))], hidden[index])
         if saved is not None and redo:
             self.pools.restore_rows(saved, [c.seq.row for c in chunks], redo)
             self.runner.prefill(self.model, [PrefillChunk(chunks[n].seq, chunks[n].start,
@@ -1104,7 +1125,7 @@ class _Seq:
     until its prompt is prefilled; then they fork from it."""
 
     __slots__ = ("group", "index", "tokens", "n_prompt", "logprobs", "seed", "limit", "pages", "row",
-                 "computed", "node", "keyed", "kv_version", "min_version", "followers", "spare", "admitted")
+                 "computed", "node", "keyed", "kv_version", "min_version", "followers", "spare", "admitted", "mtp")
 
     def __init__(self, group: _Group, index: int, max_seq_len: int):
         sp = group.request.sampling
@@ -1121,6 +1142,7 @@ class _Seq:
         self.followers: list = []
         self.spare: list = []               # (row, partial page or None) reserved for each follower
         self.admitted = 0                   # admission order (preemption takes the newest)
+        self.mtp = None                     # speculative="mtp": its head's rows (_MTPRows), None until computed
 
     @classmethod
     def leader(cls, request, future: Future, max_seq_len: int) -> _Seq:
@@ -1233,32 +1255,46 @@ class Scheduler:
         """Speculative decoding: for each decoding sample the drafter proposes up to num_speculative_tokens
         (fewer where the completion has less room, less one: a verification emits drafts + 1 tokens) and the
         sample's verification chunk takes pages for them from the free ones (no preemption for a draft: it
-        is cut to the pages there are).  A hybrid model with checkpoints never verifies past the next
-        checkpointed page boundary, nor from one: ``verified`` checkpoints with the state after the last
-        verified row, which is the boundary's only there.  Returns the verification chunks."""
+        is cut to the pages there are; the MTP head's draft rows write K/V ahead, so it takes them first).
+        A hybrid model with checkpoints never verifies past the next checkpointed page boundary, nor from
+        one: ``verified`` checkpoints with the state after the last verified row, which is the boundary's
+        only there.  Returns the verification chunks."""
         if self.drafter is None:
             return []
-        ps, chunks = self.page_size, []
+        rooms, batched = [], isinstance(self.drafter, MTPDrafter)
         for seq in decode:
             length = len(seq.tokens)
             room = min(self.num_speculative_tokens, seq.limit - (length - seq.n_prompt) - 1)
             if self.checkpointing and self.prefix_caching:
-                stride = self.checkpoint_interval * ps
+                stride = self.checkpoint_interval * self.page_size
                 room = 0 if length % stride == 0 else min(room, stride - length % stride)
-            draft = [] if room <= 0 else list(self.drafter(list(seq.tokens), room))[:room]
+            if room > 0 and batched:
+                room = min(room, self._take_pages(seq, length + room) - length)
+            rooms.append(max(room, 0))
+        if batched:
+            drafts = self.drafter.propose(decode, rooms)
+        else:
+            drafts = [list(self.drafter(list(s.tokens), r))[:r] if r > 0 else [] for s, r in zip(decode, rooms)]
+        chunks = []
+        for seq, draft in zip(decode, drafts):
             if not all(_is_int(t) and 0 <= t < vocab_size for t in draft):
                 raise ValueError(f"the drafter proposed {draft}: token ids must be ints in [0, {vocab_size})")
-            while draft and len(seq.pages) * ps < length + len(draft):
-                if not self.pages.available():
-                    draft = draft[:len(seq.pages) * ps - length]
-                    break
-                page = self.pages.allocate()
-                self.pools.set_pages(seq.row, len(seq.pages), [page])
-                seq.pages.append(page)
+            length = len(seq.tokens)
+            draft = draft[:self._take_pages(seq, length + len(draft)) - length]
             if draft:
                 chunks.append(PrefillChunk(seq, length - 1, length + len(draft), (), tuple(draft)))
                 self.counts["draft_tokens"] += len(draft)
         return chunks
+
+    def _take_pages(self, seq: _Seq, tokens: int) -> int:
+        """Free pages for ``seq`` until its pages hold ``tokens`` tokens or none is left; returns what they
+        hold."""
+        ps = self.page_size
+        while len(seq.pages) * ps < tokens and self.pages.available():
+            page = self.pages.allocate()
+            self.pools.set_pages(seq.row, len(seq.pages), [page])
+            seq.pages.append(page)
+        return len(seq.pages) * ps
 
     def verified(self, chunk: PrefillChunk, tokens: list, logprobs: list, settle: list) -> None:
         """A verification's outcome: ``tokens`` are the accepted drafts and the token after them.  Each goes
@@ -1380,6 +1416,7 @@ class Scheduler:
             self.pools.copy_row(seq.row, row)
             follower.computed, follower.node, follower.keyed = seq.computed, seq.node, seq.keyed
             follower.kv_version, follower.min_version = seq.kv_version, seq.min_version
+            follower.mtp = seq.mtp                      # (the head's prompt rows: in the pages just shared)
             follower.admitted = next(self.admissions)
             self.pools.set_pages(row, 0, follower.pages)
             self.counts["prefix_hit_tokens"] += n
@@ -1487,7 +1524,7 @@ class Scheduler:
     def release(self, seq: _Seq) -> None:
         """Give back a sample's pages (cached ones stay cached), its row and its followers' reservations."""
         self.pages.release(seq.pages)
-        seq.pages = []
+        seq.pages, seq.mtp = [], None
         for row, page in seq.spare:
             self.free_rows.append(row)
             if page is not None:
@@ -1543,14 +1580,16 @@ class StatePools:
     ``row`` (block table and state pools), a ``page`` of the KV pool, a ``checkpoint``, and a token's
     ``kv_index`` (page * page_size + offset: its place in the pool seen as [pages * page_size, H_kv, D]).
     ``padding``: one more page and one more state row past the plan's (``pad_page``, ``pad_row``), never
-    handed out: the static decode step's padding rows write there."""
+    handed out: the static decode step's padding rows write there.  ``mtp``: the MTP head's layers
+    (num_layers + d) get pools too (``ModelRunner.mtp_rows``)."""
 
-    def __init__(self, model: nn.Module, plan: MemoryPlan, state_shapes: dict, padding: bool = False):
+    def __init__(self, model: nn.Module, plan: MemoryPlan, state_shapes: dict, padding: bool = False,
+                 mtp: bool = False):
         c = model.config
         local = getattr(model, "local_config", c)       # this rank's heads under tensor parallelism
         p = next(model.parameters())
         self.device, self.page_size, self.num_checkpoints = p.device, plan.page_size, plan.num_checkpoints
-        attention = [i for i, kind in enumerate(c.kinds) if kind == "attention"]
+        attention = _attention_layers(c, mtp)
         self.pool_index = {layer: j for j, layer in enumerate(attention)}
         self.pages_per_seq = -(-plan.max_seq_len // plan.page_size)
         self.pad_page, self.pad_row = plan.num_pages, plan.max_batch_size
@@ -1705,6 +1744,7 @@ class ModelRunner:
         self.table = torch.zeros(plan.max_batch_size, pools.pages_per_seq, dtype=torch.int32, device=pools.device)
         self.static: StaticDecode | None = None          # compile=True: the decode step over padded buffers
         self.decode_steps = 0
+        self.hidden: torch.Tensor | None = None          # the last pass's final-normed hidden states (its rows)
 
     # ------------------------------------------------------------------ phase 3: the prefill pass
 
@@ -1749,7 +1789,7 @@ class ModelRunner:
         def mix(i, module, h):
             return self._prefill_linear(i, module, h, work, rows)
 
-        h = model.layers_forward(ids, positions, attend, mix)
+        h = self.hidden = model.layers_forward(ids, positions, attend, mix)
         bounds = [0, *itertools.accumulate(lengths)]
         wanted = ([bounds[n + 1] - 1 for n, c in enumerate(work) if c.end == len(c.seq.tokens) and not c.drafts]
                   + [r for n, c in enumerate(work) if c.drafts for r in range(bounds[n], bounds[n + 1])])
@@ -1842,7 +1882,7 @@ class ModelRunner:
             self.pools.scatter(i, cache, rows)
             return out
 
-        h = model.layers_forward(ids, positions, attend, mix)
+        h = self.hidden = model.layers_forward(ids, positions, attend, mix)
         return model.logits(h) if self.samples else None
 
     def _decode_groups(self, seqs: list):
@@ -1897,6 +1937,36 @@ class ModelRunner:
             o_b, lse_b = o_b.flatten(0, 1), lse_b.transpose(1, 2).flatten(0, 1).t()   # [B, H, S_q] -> [H, B * S_q]
         out, _ = _merge_states(o_a, lse_a, o_b, lse_b)
         return out.to(q.dtype).unflatten(0, (b, s_q))
+
+    # ------------------------------------------------------------------ the MTP head's rows
+
+    def mtp_rows(self, model: nn.Module, rows: list, hidden: torch.Tensor, depth: int) -> torch.Tensor:
+        """The MTP head (decoder_lm.py's ``mtp_forward``) over ``rows`` [(sample, position t, the token at t + 1,
+        the sample's first head row)] with hidden [R, hidden] (the main model's at t, or the head's own one
+        depth up) -> the head's hidden [R, hidden].  Row t's K/V go to the head layer's pool at the slot of
+        position t + 1: that slot's content then depends on tokens 0 .. t + 1, as the main layers' slot does,
+        so the pages a group shares hold the same head rows for every sample of it and no sample writes a
+        page it shares.  Each row attends to its sample's head rows first .. t (slots first + 1 .. t + 1:
+        ``cache_leftpad``), written in this call before any is read."""
+        put, ps, pools = self.staging.put, self.page_size, self.pools
+        ids = put("mtp_ids", [token for _, _, token, _ in rows], torch.int64)
+        positions = put("mtp_positions", [t for _, t, _, _ in rows], torch.int64)
+        slots = put("mtp_slots", [s.pages[(t + 1) // ps] * ps + (t + 1) % ps for s, t, _, _ in rows], torch.int64)
+        used = put("mtp_used", [t + 2 for _, t, _, _ in rows], torch.int32)
+        first = put("mtp_first", [f + 1 for _, _, _, f in rows], torch.int32)
+        pools.flush_table()
+        table = pools.table[put("mtp_rows", [s.row for s, _, _, _ in rows], torch.int64)]
+        sinks = getattr(model, "attention_sinks", lambda i: None)
+
+        def attend(i, q, k, v):
+            kc, vc = pools.kv(i)
+            kc.view(-1, *kc.shape[-2:]).index_copy_(0, slots, k)
+            vc.view(-1, *vc.shape[-2:]).index_copy_(0, slots, v)
+            extra = {} if sinks(i) is None else dict(sinks=sinks(i))
+            return self.attention.decode(q[:, None], kc, vc, used, block_table=table, cache_leftpad=first,
+                                         scale=self.scale, **extra, **self.attention.kw)[:, 0]
+
+        return model.mtp_forward(ids, positions, hidden, attend, depth)
 
     # ------------------------------------------------------------------ sampling
 
@@ -2011,7 +2081,7 @@ class StaticDecode:
             "cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}) if compile
                           else self._forward)
         self.cuda_graphs = cuda_graphs
-        self.graphs: dict = {}                     # (id(model), P) -> (CUDAGraph, its logits)
+        self.graphs: dict = {}                     # (id(model), P) -> (CUDAGraph, its (logits, hidden))
         self.graph_bytes = 0                       # what the graphs' memory pool reserved
         self._pool = None
 
@@ -2039,9 +2109,10 @@ class StaticDecode:
         self.table[b:size].fill_(pools.pad_page)
         if graph is not None:
             graph[0].replay()
-            logits = graph[1]
+            logits, hidden = graph[1]
         else:
-            logits = self._call(model, size, width)
+            logits, hidden = self._call(model, size, width)
+        self.runner.hidden = hidden[:b]
         self.shapes.add((size, width))
         self.steps += 1
         return True, None if logits is None else logits[:b]
@@ -2073,7 +2144,7 @@ class StaticDecode:
                 torch.cuda.current_stream(self.runner.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
-                    logits = self._call(model, size, pools.pages_per_seq)
+                    outputs = self._call(model, size, pools.pages_per_seq)
             except Exception as exc:                    # (a plug-in that syncs with the host, say)
                 warnings.warn(f"Generator(cuda_graphs=True): capturing the decode step at batch {size} failed "
                               f"({type(exc).__name__}: {exc}); this engine decodes eagerly", stacklevel=2)
@@ -2081,7 +2152,7 @@ class StaticDecode:
                 return None
             self._pool = graph.pool()
             self.graph_bytes += torch.cuda.memory_reserved(self.runner.device) - before
-            self.graphs[key] = (graph, logits)
+            self.graphs[key] = (graph, outputs)
         return self.graphs[key]
 
     def _forward(self, model, ids, positions, used, rows, prompts, table):
@@ -2125,7 +2196,7 @@ class StaticDecode:
             src += [torch.cat([k for _, k, _ in new_kv]), torch.cat([v for _, _, v in new_kv])]
         if dst:
             _write_rows(dst, index, src)
-        return model.logits(h) if runner.samples else None
+        return (model.logits(h) if runner.samples else None), h
 
 
 def _sinks(model) -> list:
@@ -2168,10 +2239,99 @@ def _drafter(speculative, k):
     if speculative == "ngram":
         return ngram_draft
     if speculative == "mtp":
-        raise ValueError("speculative='mtp' (Qwen3.5's MTP head) is in the reference engine only so far "
-                         "(ref/generator_engine.py's MTPDrafter); the fast engine takes 'ngram' or a drafter function")
+        return MTPDrafter
     raise ValueError(f"speculative must be None, 'ngram', 'mtp' or a drafter function (tokens, k) -> token ids, "
                      f"got {speculative!r}")
+
+
+class _MTPRows(NamedTuple):
+    """A sample's MTP head rows: computed for positions first .. next - 1 (their K/V in its pages), and the
+    main model's hidden states of positions next, next + 1, ... waiting for theirs (``pending`` [n, hidden])."""
+    first: int
+    next: int
+    pending: torch.Tensor
+
+
+class MTPDrafter:
+    """``speculative="mtp"``: Qwen3.5's multi-token-prediction head drafts (decoder_lm.py's ``mtp_forward``;
+    the model built with ``mtp=True``), greedily, batched over the decoding samples: ref/generator_engine.py's
+    ``MTPDrafter`` computes the same rows, one sample at a time.  Row t of the head combines the main model's
+    hidden state at t with the token at t + 1 and predicts the token at t + 2; its K/V live in the page pool
+    (``ModelRunner.mtp_rows``).  The engine hands over the hidden states of every position it computes
+    (``prefilled``: the prompt pieces, whose rows are computed at once where the next token is known, so a
+    group's samples share them; ``observe``: a decode step's rows and a verification's accepted ones).  A
+    draft first computes every sample's rows whose next token is now known (the last of them, position
+    len - 2, proposes the token at len), then feeds the head its own output with each draft, k - 1 more
+    times (rows at positions len - 1 ..., scratch: the next rows computed overwrite their slots).  A sample's
+    head rows start at its first computed position (after a prefix-cache hit drafts may be worse there; the
+    tokens never change: verification decides them)."""
+
+    def __init__(self, runner: ModelRunner, model_of):
+        self.runner, self.model_of = runner, model_of     # (model_of: the live weights, a hot swap changes them)
+
+    def observe(self, rows: list, hidden: torch.Tensor) -> None:
+        """The main model's hidden states [n, hidden] of ``rows`` [(sample, position)], each sample's positions
+        consecutive from where its head rows stand."""
+        for n, (s, position) in enumerate(rows):
+            r = s.mtp
+            if r is None:                                 # its first computed position: the head starts there
+                s.mtp = _MTPRows(position, position, hidden[n:n + 1])
+                continue
+            if r.next + r.pending.shape[0] != position:
+                raise RuntimeError(f"MTPDrafter: position {position} follows {r.next + r.pending.shape[0] - 1}")
+            s.mtp = r._replace(pending=torch.cat([r.pending, hidden[n:n + 1]]))
+
+    @torch.no_grad()
+    def prefilled(self, model: nn.Module, work: list, hidden: torch.Tensor) -> None:
+        """After a prefill pass over ``work`` (hidden: the pass's rows, in work order): its rows are observed
+        and the head's computed wherever the next token is known (every row but a prompt's last)."""
+        at, rows, index = 0, [], []
+        for c in work:
+            rows += [(c.seq, p) for p in range(c.start, c.end)]
+            index += range(at, at + c.end - c.start)
+            at += c.end - c.start
+        if rows:
+            self.observe(rows, hidden[index])
+            self._catch_up(model, list({id(c.seq): c.seq for c in work}.values()))
+
+    def _catch_up(self, model: nn.Module, seqs: list) -> list:
+        """The head's rows of ``seqs``' pending positions whose next token is known, in one call; returns each
+        sample's last new row's output (None where it had none)."""
+        rows, hidden, last = [], [], []
+        for s in seqs:
+            r = s.mtp
+            n = 0 if r is None else min(r.pending.shape[0], len(s.tokens) - 1 - r.next)
+            if n > 0:
+                rows += [(s, r.next + j, s.tokens[r.next + j + 1], r.first) for j in range(n)]
+                hidden.append(r.pending[:n])
+                s.mtp = _MTPRows(r.first, r.next + n, r.pending[n:])
+            last.append(len(rows) - 1 if n > 0 else None)
+        if not rows:
+            return [None] * len(seqs)
+        y = self.runner.mtp_rows(model, rows, torch.cat(hidden), 0)
+        return [None if i is None else y[i] for i in last]
+
+    @torch.no_grad()
+    def propose(self, seqs: list, rooms: list) -> list:
+        """Up to rooms[n] drafts for each of ``seqs`` (their pages hold the draft rows' slots)."""
+        model = self.model_of()
+        drafting = [(s, r) for s, r in zip(seqs, rooms) if r > 0]
+        ys = self._catch_up(model, [s for s, _ in drafting])
+        live = [(s, room, y) for (s, room), y in zip(drafting, ys)
+                if y is not None and s.mtp.next == len(s.tokens) - 1]   # its row at len - 2 is the newest
+        drafts = {id(s): [] for s in seqs}
+        depth = 0
+        while live:
+            y = torch.stack([y for _, _, y in live])
+            for (s, _, _), token in zip(live, torch.argmax(model.logits(y), dim=-1).tolist()):
+                drafts[id(s)].append(token)
+            depth += 1
+            live = [(s, room, y[n]) for n, (s, room, _) in enumerate(live) if room > depth]
+            if live:                                      # the head on its own output, one position on
+                rows = [(s, len(s.tokens) - 2 + depth, drafts[id(s)][-1], s.mtp.first) for s, _, _ in live]
+                y = self.runner.mtp_rows(model, rows, torch.stack([y for _, _, y in live]), depth)
+                live = [(s, room, y[n]) for n, (s, room, _) in enumerate(live)]
+        return [drafts[id(s)] for s in seqs]
 
 
 # ----------------------------------------------------------------------------- batched sampling
@@ -2580,6 +2740,7 @@ def plan_pools(model: nn.Module, opts: EngineOptions, attention: _AttentionFns, 
     rank has the same pages, rows and checkpoints (the scheduler is the same on every rank)."""
     c, p = model.config, next(model.parameters())
     local = getattr(model, "local_config", c)          # this rank's heads under tensor parallelism
+    attention = _attention_layers(c, opts.speculative == "mtp")
     state_shapes = _linear_state_shapes(model)         # linear layer -> {name: (shape of one sequence, dtype)}
     weight_bytes = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))   # (tied: once)
     budget, source = _memory_budget(p.device, kv_cache_memory=opts.kv_cache_memory,
@@ -2589,12 +2750,18 @@ def plan_pools(model: nn.Module, opts: EngineOptions, attention: _AttentionFns, 
         budget = tp.least(budget)
     plan = plan_memory(
         budget, source, page_size=opts.page_size, model_max_seq_len=c.max_seq_len, max_seq_len=opts.max_seq_len,
-        kv_bytes_per_token=2 * c.kinds.count("attention") * local.num_kv_heads * local.head_dim * p.dtype.itemsize,
+        kv_bytes_per_token=2 * len(attention) * local.num_kv_heads * local.head_dim * p.dtype.itemsize,
         state_bytes_per_sequence=sum(math.prod(shape) * dtype.itemsize for shapes in state_shapes.values()
                                      for shape, dtype in shapes.values()),
         max_batch_size=opts.max_batch_size, num_pages=opts.num_pages, num_checkpoints=opts.num_checkpoints,
         checkpoints_wanted="linear" in c.kinds and opts.prefix_caching)
     return plan, state_shapes
+
+
+def _attention_layers(c, mtp: bool) -> list:
+    """The layers with K/V pools: the attention layers, then (``mtp``: speculative="mtp") the MTP head's."""
+    return [i for i, kind in enumerate(c.kinds) if kind == "attention"] + (
+        [c.num_layers + d for d in range(c.mtp_layers)] if mtp else [])
 
 
 @torch.no_grad()

@@ -42,7 +42,8 @@ DIFFERENT = {
     ("ref/decoder_lm.py", "fast/decoder_lm.py", "_sigmoid"): "fast: composed from exp in the mode",
     ("ref/decoder_lm.py", "fast/decoder_lm.py", "_silu"): "fast: composed from exp in the mode",
     ("ref/generator_engine.py", "fast/generator_engine.py", "Generator"): "the engines themselves",
-    ("ref/generator_engine.py", "fast/generator_engine.py", "_drafter"): "fast: no MTP drafter yet",
+    ("ref/generator_engine.py", "fast/generator_engine.py", "MTPDrafter"): "ref: a sample's own K/V tensors; "
+                                                                          "fast: every sample, the page pool",
     ("ref/routed_generator.py", "fast/routed_generator.py", "GeneratorProtocol"): "fast adds Ray's members",
     ("ref/routed_generator.py", "fast/routed_generator.py", "GeneratorRouter"): "the routers themselves",
     ("ref/routed_generator.py", "fast/routed_generator.py", "_Attempt"): "fast: deadlines on a heap",

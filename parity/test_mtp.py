@@ -1,5 +1,6 @@
-"""Qwen3.5's multi-token-prediction head: ref/decoder_lm.py's ``MTPHead`` (``DecoderLM(mtp=True)``), its loss, its
-checkpoint tensors, and the reference engine's ``speculative="mtp"`` drafter (issue 43).
+"""Qwen3.5's multi-token-prediction head: decoder_lm.py's ``DecoderLM(mtp=True)`` (ref's ``MTPHead``, fast's
+``_MTPHead``), its loss, its checkpoint tensors, and both engines' ``speculative="mtp"`` drafter (issue 43; the fast
+engine's keeps the head's K/V in its page pool and drafts for every sample in one call per depth).
 
 The head (vLLM's qwen3_5_mtp.py is the public statement of it): row t combines the main model's final-normed hidden
 state at position t with the embedding of token t + 1, x = fc([pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)]),
@@ -18,6 +19,8 @@ import json
 import pytest
 import torch
 
+import fast.decoder_lm as fast_lm
+import fast.generator_engine as fast_ge
 import ref.decoder_lm as ref_lm
 import ref.gated_deltanet as ref_gdn
 import ref.generator_engine as ref_ge
@@ -33,8 +36,14 @@ CONFIG = ref_lm.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
                             mtp_layers=1, tie_embeddings=False)
 
 
-def model(config=CONFIG, seed=1, **kw) -> ref_lm.DecoderLM:
-    return ref_lm.DecoderLM(config, seed=seed, linear_layer=GDN, mtp=True, **kw)
+def model(config=CONFIG, seed=1, lm=ref_lm, **kw):
+    if lm is fast_lm:
+        config = fast_lm.ModelConfig(**dataclasses.asdict(config))
+    return lm.DecoderLM(config, seed=seed, linear_layer=GDN, mtp=True, **kw)
+
+
+ENGINES = [pytest.param(ref_ge, id="ref"), pytest.param(fast_ge, id="fast")]
+LM = {ref_ge: ref_lm, fast_ge: fast_lm}
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe"])
@@ -83,6 +92,49 @@ def test_the_head_loads_from_a_qwen35_checkpoint(tmp_path, family):
     ids = torch.randint(0, config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(with_head(ids), without(ids))
+    fast_moe = dict(moe_layer=__import__("fast.moe", fromlist=["MoE"]).MoE) if config.num_experts else {}
+    fast_head = fast_lm.DecoderLM.from_pretrained(tmp_path, linear_layer=GDN, mtp=True, **fast_moe).state_dict()
+    for name, t in loaded.items():                            # fast/decoder_lm.py's head: the same tensors
+        assert torch.equal(fast_head[name], t), name
+
+
+def test_the_fast_head_is_the_references():
+    """fast/decoder_lm.py's head (fused q/k/v and gate/up, its own _block) from the same seed: the same tensors
+    under the same names, mtp_forward at depths 0 .. 2 over two layers, mtp_loss and its gradients within fp32
+    rounding of the reference's."""
+    config = dataclasses.replace(CONFIG, mtp_layers=2)
+    r, f = model(config, seed=4), model(config, seed=4, lm=fast_lm)
+    with torch.no_grad():                                     # every parameter away from its init
+        gen = torch.Generator().manual_seed(2)
+        for (name, p), (name_f, p_f) in zip(r.state_dict().items(), f.state_dict().items(), strict=True):
+            assert name == name_f and torch.equal(p, p_f), name
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+            p_f.copy_(p)
+    gen = torch.Generator().manual_seed(3)
+    ids, hidden = torch.randint(0, 64, (7,), generator=gen), torch.randn(7, 32, generator=gen)
+    with torch.no_grad():
+        for depth in (0, 1, 2):
+            want = r.mtp_forward(ids, torch.arange(3, 10), hidden, r._documents_attention([0, 7]), depth)
+            got = f.mtp_forward(ids, torch.arange(3, 10), hidden,
+                                f._packed_attention(torch.tensor([0, 7], dtype=torch.int32), 7, 7), depth)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    lengths = [9, 1, 2, 13]
+    ids = torch.randint(0, 64, (1, sum(lengths)), generator=gen)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    loss_r, loss_f = r.mtp_loss(ids, cu_seqlens=cu), f.mtp_loss(ids, cu_seqlens=cu)
+    torch.testing.assert_close(loss_f, loss_r, rtol=1e-5, atol=1e-6)
+    (loss_r + r.mtp_loss(ids[:, :12].view(2, 6))).backward()
+    (loss_f + f.mtp_loss(ids[:, :12].view(2, 6))).backward()
+    grads_r = {name: p.grad for name, p in r.named_parameters()}
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for name, p in f.named_parameters():
+        *stem, fused, leaf = name.split(".")
+        want = [grads_r[".".join([*stem, part, leaf])] for part in parts[fused]] if fused in parts else [grads_r[name]]
+        if any(g is None for g in want):                           # (depth 0 runs the head's layer 0 only)
+            assert p.grad is None, name
+            continue
+        torch.testing.assert_close(p.grad, torch.cat(want), rtol=1e-4, atol=1e-6, msg=name)
+    assert f.mtp.fc.weight.grad.abs().sum() > 0
 
 
 def test_the_head_is_its_definition():
@@ -147,59 +199,99 @@ def test_mtp_loss_is_the_mean_over_documents():
     assert m.mtp_loss(torch.tensor([[5, 6]])).item() == 0.0
 
 
-def test_the_engines_drafts_are_the_head_over_the_sequence():
-    """The reference engine's MTPDrafter keeps the head's keys across steps (rows with the main model's hidden
-    states as they are computed; draft rows scratch): at every step its first draft is the argmax of the head
-    run at once over the whole sequence so far (the trainer's computation), and the completions with
-    speculative='mtp' are plain decoding's (greedy and sampled; prefix-cache hits: the head's rows start there).
-    Each deeper draft is the head run again with its own output as the hidden state of one more row."""
+def one_document(m, n: int):
+    """m's attend over one causal document of n rows (decoder_lm.py's own: the reference's or the fast file's)."""
+    if isinstance(m, ref_lm.DecoderLM):
+        return m._documents_attention([0, n])
+    return m._packed_attention(torch.tensor([0, n], dtype=torch.int32), n, n)
+
+
+def recording_drafter(ge, calls: list):
+    """ge's MTPDrafter recording (tokens so far, its draft, the sample's first head row) for every draft."""
+    if ge is ref_ge:
+        class Recording(ref_ge.MTPDrafter):
+            def __call__(self, tokens, k):
+                draft = super().__call__(tokens, k)
+                calls.append((list(tokens), draft, self.first))
+                return draft
+    else:
+        class Recording(fast_ge.MTPDrafter):
+            def propose(self, seqs, rooms):
+                drafts = super().propose(seqs, rooms)
+                calls.extend((list(s.tokens), d, s.mtp.first) for s, d in zip(seqs, drafts) if d)
+                return drafts
+    return Recording
+
+
+GROUP_PROMPT = [4, 1, 4, 1, 5, 9, 2]
+ENGINE_CASES = [pytest.param(ref_ge, {}, id="ref"),
+                pytest.param(fast_ge, dict(num_pages=18, max_prefill_tokens=8), id="fast"),   # chunks, preemption
+                pytest.param(fast_ge, dict(compile=True, capture_sizes=(4,)), id="fast-compiled")]
+
+
+@pytest.mark.parametrize("ge,knobs", ENGINE_CASES)
+def test_the_engines_drafts_are_the_head_over_the_sequence(ge, knobs, monkeypatch):
+    """The engines' MTPDrafter keeps the head's keys across steps (rows with the main model's hidden states as
+    they are computed; draft rows scratch; the fast engine's in its page pool, every sample's rows in one call):
+    at every step its first draft is the argmax of the head run at once over the whole sequence so far (the
+    trainer's computation), and the completions with speculative='mtp' are plain decoding's (greedy and
+    sampled; prefix-cache hits: the head's rows start there; the fast engine also with a group, whose samples
+    share the head's prompt rows, chunked prefill, preemption, and decode steps through the compiled static
+    step).  Each deeper draft is the head run again with its own output as the hidden state of one more row."""
     calls = []
-
-    class Recording(ref_ge.MTPDrafter):
-        def __call__(self, tokens, k):
-            draft = super().__call__(tokens, k)
-            calls.append((list(tokens), draft, self.first))
-            return draft
-
-    sp = ref_ge.SamplingParams
+    if ge is ref_ge:
+        drafter = recording_drafter(ge, calls)
+    else:
+        monkeypatch.setattr(fast_ge, "MTPDrafter", recording_drafter(ge, calls))
+        drafter = "mtp"
+    sp = ge.SamplingParams
     shared = [(5 * i + 1) % 64 for i in range(12)]
-    reqs = [ref_ge.Request(shared + [3], sp(max_new_tokens=14)), ref_ge.Request(shared + [9], sp(max_new_tokens=14)),
-            ref_ge.Request([7, 2], sp(max_new_tokens=12, temperature=1.0, seed=8))]
-    with ref_ge.Generator(model(), page_size=4) as gen:
-        plain = gen.generate(reqs)
-    with ref_ge.Generator(model(), page_size=4, speculative=Recording, num_speculative_tokens=3) as gen:
-        got = gen.generate(reqs)
+    reqs = [ge.Request(shared + [3], sp(max_new_tokens=14)), ge.Request(shared + [9], sp(max_new_tokens=14)),
+            ge.Request([7, 2], sp(max_new_tokens=12, temperature=1.0, seed=8))]
+    if ge is fast_ge:
+        reqs.append(ge.Request(GROUP_PROMPT, sp(max_new_tokens=12, temperature=1.0, seed=3, n=3)))
+    lm = LM[ge]
+    with ge.Generator(model(lm=lm), page_size=4, **knobs) as gen:
+        plain = [c for d in gen.generate(reqs) for c in (d if isinstance(d, list) else [d])]
+    with ge.Generator(model(lm=lm), page_size=4, speculative=drafter, num_speculative_tokens=3, **knobs) as gen:
+        got = [c for d in gen.generate(reqs) for c in (d if isinstance(d, list) else [d])]
         stats = gen.stats()
     for a, b in zip(plain, got, strict=True):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=2e-5)
     assert stats["draft_tokens"] > 0 and stats["prefix_hit_tokens"] > 0
-    m = model()
+    if "num_pages" in knobs:
+        assert stats["preemptions"] > 0, stats
+    if knobs.get("compile"):
+        assert stats["static_decode_steps"] > 0, stats
+    m = model(lm=lm)
     assert any(first > 0 for _, _, first in calls)          # after a prefix hit
+    if ge is fast_ge:       # the group's samples share the prompt's head rows: each starts at 0 (or a cache hit)
+        group = [first for tokens, _, first in calls if tokens[:7] == GROUP_PROMPT]
+        assert len(group) >= 3 and 0 in group and all(first % 4 == 0 for first in group), group
     with torch.no_grad():
         for tokens, draft, first in calls:
-            if not draft:
-                continue
-            h, _ = m._hidden(torch.tensor([tokens[:-1]]), None)        # positions 0 .. N - 2
-            hidden, ids = h[first:], tokens[first + 1:]
+            hidden = m._hidden(torch.tensor([tokens[:-1]]), None)[0][first:]     # positions first .. N - 2
+            ids = tokens[first + 1:]
             for depth, proposed in enumerate(draft):                   # depth d: the head fed its own output
                 rows = torch.arange(first, first + len(ids))
-                y = m.mtp_forward(torch.tensor(ids), rows, hidden, m._documents_attention([0, len(ids)]), depth)
+                y = m.mtp_forward(torch.tensor(ids), rows, hidden, one_document(m, len(ids)), depth)
                 assert int(torch.argmax(m.logits(y[-1]))) == proposed, (tokens, draft, depth)
                 hidden, ids = torch.cat([hidden, y[-1:]]), ids + [proposed]
 
 
-def test_training_the_head_raises_acceptance():
+@pytest.mark.parametrize("ge", ENGINES)
+def test_training_the_head_raises_acceptance(ge):
     """The trainer keeps the drafter current: a few dozen Adam steps of mtp_loss on the model's own greedy
     completions (the trunk frozen) take the head from chance to accepting many of its drafts, and the tokens
     stay plain decoding's."""
-    m = model()
+    m = model(lm=LM[ge])
     gen = torch.Generator().manual_seed(6)
-    reqs = [ref_ge.Request(torch.randint(0, 64, (5,), generator=gen).tolist(), ref_ge.SamplingParams(max_new_tokens=20))
+    reqs = [ge.Request(torch.randint(0, 64, (5,), generator=gen).tolist(), ge.SamplingParams(max_new_tokens=20))
             for _ in range(8)]
 
     def serve(spec):
-        with ref_ge.Generator(m, speculative=spec, num_speculative_tokens=2, prefix_caching=False) as engine:
+        with ge.Generator(m, speculative=spec, num_speculative_tokens=2, prefix_caching=False) as engine:
             done = engine.generate(reqs)
             stats = engine.stats()
         return done, stats["accepted_draft_tokens"] / max(1, stats["draft_tokens"])
@@ -218,7 +310,7 @@ def test_training_the_head_raises_acceptance():
         loss.backward()
         opt.step()
     after_done, after = serve("mtp")
-    print(f"\n[mtp] acceptance {before:.2f} -> {after:.2f} after 40 steps (loss {loss.item():.2f})")
+    print(f"\n[mtp, {ge.__name__}] acceptance {before:.2f} -> {after:.2f} after 40 steps (loss {loss.item():.2f})")
     assert before < 0.15 < 0.4 < after
     assert [c.token_ids for c in after_done] == [c.token_ids for c in plain]
 
@@ -233,24 +325,75 @@ def test_bad_mtp_arguments_raise():
                                                                torch.zeros(1, 32), None)
     with pytest.raises(ValueError, match="needs a model with Qwen3.5's MTP head"):
         ref_ge.Generator(ref_lm.DecoderLM(CONFIG, linear_layer=GDN), speculative="mtp")
-    import fast.decoder_lm as fast_lm
-    import fast.generator_engine as fast_ge
-    with pytest.raises(ValueError, match="reference engine only"):
+    with pytest.raises(ValueError, match="needs a model with Qwen3.5's MTP head"):
         fast_ge.Generator(fast_lm.DecoderLM(fast_lm.ModelConfig()), speculative="mtp")
-    with pytest.raises(ValueError, match="in ref/decoder_lm.py only so far"):
+    with pytest.raises(ValueError, match="mtp_layers >= 1"):
         fast_lm.DecoderLM(fast_lm.ModelConfig(), mtp=True)
-    with pytest.raises(ValueError, match="no MTP head: fast/decoder_lm.py does not build it yet"):
-        fast_lm.DecoderLM(fast_lm.ModelConfig()).mtp_loss(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(TypeError, match="mtp must be a bool"):
+        fast_lm.DecoderLM(fast_lm.ModelConfig(mtp_layers=1), mtp=1)
+    for lm in (ref_lm, fast_lm):
+        with pytest.raises(ValueError, match="no MTP head"):
+            lm.DecoderLM(lm.ModelConfig()).mtp_loss(torch.tensor([[1, 2, 3]]))
+        with pytest.raises(ValueError, match="not built for tensor parallelism"):
+            lm.DecoderLM(lm.ModelConfig(mtp_layers=1), mtp=True, tp_group=object())
 
 
-def test_weight_sync_carries_the_head():
+@pytest.mark.parametrize("ge", ENGINES)
+def test_weight_sync_carries_the_head(ge):
     """load_weights with a trainer's state dict (the head's mtp.* tensors in it) updates the engine's head, so
     its drafts follow the policy; an engine whose model has no head skips those names."""
-    trainer = model(seed=9)
-    with ref_ge.Generator(model(), speculative="mtp") as gen:
+    lm = LM[ge]
+    trainer = model(seed=9, lm=lm)
+    with ge.Generator(model(lm=lm), speculative="mtp") as gen:
         gen.load_weights(trainer.state_dict(), 1)
+        gen.generate([ge.Request([1, 2, 3], ge.SamplingParams(max_new_tokens=2))])     # (the swap is done)
         for name, t in trainer.state_dict().items():
             assert torch.equal(gen.model.state_dict()[name], t), name
-    with ref_ge.Generator(ref_lm.DecoderLM(CONFIG, seed=1, linear_layer=GDN)) as gen:
+    config = CONFIG if lm is ref_lm else fast_lm.ModelConfig(**dataclasses.asdict(CONFIG))
+    with ge.Generator(lm.DecoderLM(config, seed=1, linear_layer=GDN)) as gen:
         gen.load_weights(trainer.state_dict(), 1)
+        gen.generate([ge.Request([1, 2, 3], ge.SamplingParams(max_new_tokens=2))])
         assert not any(n.startswith("mtp.") for n in gen.model.state_dict())
+
+
+def test_mtp_rollouts_stay_bitwise_in_the_mode():
+    """The fast engine in the batch-invariant mode (the repo's attention kernels, interpreter) drafting with a
+    head trained a few steps (so drafts are accepted and rejected): every completion's tokens and logprobs are
+    plain decoding's bit for bit and the trainer's token_logprobs (the head's own rows, attended through
+    flash_decode with cache_leftpad, decide only what is proposed)."""
+    from conftest import DEVICE
+    from fast.flash_decoding import flash_decode
+    from fast.paged_varlen_attention import varlen_attn
+    mode = functools.partial(model, lm=fast_lm, batch_invariant=True, varlen_attn=varlen_attn, device=DEVICE)
+    sp = fast_ge.SamplingParams
+    reqs = [fast_ge.Request([3, 9, 27, 17, 51], sp(max_new_tokens=12), request_id="greedy"),
+            fast_ge.Request([3, 9, 27, 17, 8], sp(max_new_tokens=12, temperature=0.8, seed=2, n=2), request_id="group")]
+    kw = dict(page_size=4, num_pages=24, flash_decode=flash_decode)
+    flat = lambda done: [c for d in done for c in (d if isinstance(d, list) else [d])]      # noqa: E731
+    with fast_ge.Generator(mode(), **kw) as gen:
+        plain = flat(gen.generate(reqs))
+    trainer = mode()
+    for p in trainer.parameters():
+        p.requires_grad_(False)
+    for p in trainer.mtp.parameters():
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(trainer.mtp.parameters(), lr=2e-2)
+    sequences = torch.tensor([c.prompt_token_ids + c.token_ids for c in plain], device=DEVICE)
+    for _ in range(30):
+        loss = trainer.mtp_loss(sequences)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    drafting = mode()
+    drafting.load_state_dict(trainer.state_dict())
+    with fast_ge.Generator(drafting, speculative="mtp", num_speculative_tokens=3, **kw) as gen:
+        got = flat(gen.generate(reqs))
+        stats = gen.stats()
+    assert 0 < stats["accepted_draft_tokens"] < stats["draft_tokens"], stats
+    with torch.no_grad():
+        lps = trainer.token_logprobs([c.prompt_token_ids + c.token_ids for c in got],
+                                     [len(c.prompt_token_ids) for c in got],
+                                     temperature=[r.sampling.temperature for r in reqs for _ in range(r.sampling.n)])
+    for e, g, lp in zip(plain, got, lps, strict=True):
+        assert (g.token_ids, g.logprobs) == (e.token_ids, e.logprobs)
+        assert torch.equal(torch.tensor(g.logprobs, dtype=torch.float32), lp.cpu())
