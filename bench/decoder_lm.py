@@ -48,23 +48,29 @@ Cases (CPU-meaningful: this measures loading, memory, the engine's batching and 
                               weights and 192 keys of K and V a request over the measured copy bandwidth),
                               the graphs' ``over_floor``, ``graph_bytes`` and ``speedup``.
     speculative ...           speculative decoding (bench_speculative): n-gram drafting (k = 4) on 8 prompts
-                              that repeat a phrase (the fast engine, POOL_MODEL); Qwen3.5's MTP head (k = 3,
-                              the reference engine, a tiny hybrid) on held-out prompts, untrained and after
+                              that repeat a phrase (the fast engine throughout, POOL_MODEL); Qwen3.5's MTP
+                              head (k = 3, a tiny hybrid) on held-out prompts, untrained and after
                               ``mtp_loss`` training on the model's own completions of other prompts; decode
                               ``tokens_per_s`` at a Qwen3.5-0.8B-shaped model (random weights, fp32, B = 1
-                              and 8), plain and with drafts of plain decoding's own tokens, all accepted or
-                              with one planted error each (a random model repeats nothing: n-gram drafting
-                              would propose nothing there).  Per drafter: ``acceptance``
+                              and 8), plain, with drafts of plain decoding's own tokens (all accepted, or
+                              one planted error each) and with an untrained MTP head (a random model
+                              repeats nothing: n-gram drafting would propose nothing there).  Per drafter: ``acceptance``
                               (accepted / proposed drafts), ``forwards_per_token`` (target forwards per
                               generated token: 1 - accepted / generated) and ``verifications_accepting_j``.
+    modeled GPU speculative step ...  not a measurement (bench_modeled_speculative): the speculative step on an
+                              H100 priced as ``modeled GPU decode step`` (plus the compute bound), Qwen3-0.6B /
+                              8B shapes, B = 1, 16, 64, k = 2, 4, assumed acceptance 0.6 and 0.8: ``step_us``,
+                              ``tokens_per_step`` and ``speedup`` over the plain graph step, n-gram and MTP
+                              drafting, verification as built (eager) and captured.
 
     python bench/decoder_lm.py                 # every part; rows to bench/results/latest/ (untracked)
     python bench/decoder_lm.py --record        # ... and appended to bench/results/decoder_lm.csv
     python bench/decoder_lm.py --part tp       # checkpoint | tp | pool | compiled | engine-compiled |
-                                               # modeled-step | speculative
+                                               # modeled-step | speculative | modeled-speculative
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -496,8 +502,9 @@ GPU_SHAPES = {   # Qwen3 0.6B and 8B (their config.json): hidden, FFN, layers, q
 }
 
 
-def _step_counts(layers: int, batch: int) -> dict:
-    """(eager calls, static-step kernels) of one decode iteration of ENGINE_MODEL at this depth."""
+def _step_counts(layers: int, batch: int, compiled: bool = True) -> dict:
+    """(eager calls, static-step kernels, and with ``compiled`` the compiled step's kernels) of one decode
+    iteration of ENGINE_MODEL at this depth."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import fast.decoder_lm as lm
@@ -531,7 +538,8 @@ def _step_counts(layers: int, batch: int) -> dict:
             static.prompts[:batch], static.table[:batch, :2])
     with torch.no_grad(), Kernels():
         static._forward(*args)
-    return dict(calls=calls[-1], kernels=Kernels.count, compiled_kernels=_compiled_kernels(static, args))
+    return dict(calls=calls[-1], kernels=Kernels.count,
+                compiled_kernels=_compiled_kernels(static, args) if compiled else 0)
 
 
 def _compiled_kernels(static, args) -> int:
@@ -583,6 +591,66 @@ def bench_modeled_step(rec, quick: bool) -> None:
 
 # ----------------------------------------------------------------------------- speculative decoding
 
+H100_BF16_FLOPS = 989e12        # dense bf16 tensor-core peak (H100 SXM5 datasheet), the compute bound's rate
+SPEC_ACCEPTANCE = (0.6, 0.8)    # assumed per-draft acceptance rates (i.i.d.): the model's inputs, not measured
+
+
+def bench_modeled_speculative(rec, quick: bool) -> None:
+    """The speculative decode step on an H100, modeled like ``bench_modeled_step`` (counts from this CPU, the
+    observatory's prices) at Qwen3-0.6B and Qwen3-8B shapes, B = 1, 16, 64, k = 2 and 4, against the plain
+    graph-replayed decode step.  A verification of B samples with k drafts computes R = B (k + 1) rows and
+    reads the weights once: device time = kernels x launch cost + max(bytes / HBM bandwidth, FLOPs / bf16
+    peak), the FLOPs 2 x (layer and lm_head parameters) x R plus attention's 4 R x context x heads x
+    head_dim per layer.  With each draft accepted with probability a (independently), a verification emits
+    E = (1 - a^(k + 1)) / (1 - a) tokens per sample.  Drafters: n-gram (no device work) and the MTP head (one
+    decoder layer, its fc and the lm_head per depth, k depths a step: at a 152k vocabulary the lm_head
+    reads dominate).  Verification as built runs in the eager prefill pass (host-bound: the eager step's
+    torch calls at 5 us each, plus the MTP depths' own); "captured" prices it as one replay of the compiled
+    step's kernels, what a verification step captured per (B, k) would cost (not built).  The plain step it is
+    set against: the graph of the compiled decode step."""
+    from observatory import H100
+    for batch in (1, 16, 64):
+        low, high = _step_counts(2, batch), _step_counts(4, batch)
+        per_layer = {k: (high[k] - low[k]) / 2 for k in low}
+        fixed = {k: low[k] - 2 * per_layer[k] for k in low}
+        for name, s in GPU_SHAPES.items():
+            h, d = s["hidden"], s["head_dim"]
+            layer_params = h * (s["heads"] + 2 * s["kv_heads"]) * d + s["heads"] * d * h + 3 * h * s["ffn"] + 2 * h
+            head_params = s["vocab"] * h
+            kv_per_token = s["layers"] * 2 * s["kv_heads"] * d * 2                     # bytes, bf16
+            kernels = fixed["compiled_kernels"] + per_layer["compiled_kernels"] * s["layers"]   # the fused step
+            calls = fixed["calls"] + per_layer["calls"] * s["layers"]
+
+            def device_us(rows: int, layers: int, extra_params: int = 0, launches: int = kernels) -> float:
+                weight_bytes = 2 * (layers * layer_params + head_params + extra_params)
+                memory = (weight_bytes + batch * CONTEXT * kv_per_token * layers / s["layers"]) / H100.hbm_bytes_per_s
+                flops = 2 * (layers * layer_params + head_params + extra_params) * rows \
+                    + 4 * rows * CONTEXT * s["heads"] * d * layers
+                return launches * H100.launch_us + max(memory, flops / H100_BF16_FLOPS) * 1e6
+
+            plain_us = device_us(batch, s["layers"])
+            case_plain = f"modeled GPU speculative step {name} B={batch} context {CONTEXT} bf16 H100"
+            rec.add(case_plain, "plain graph of the compiled step", "step_us", plain_us, "us")
+            rec.add(case_plain, "plain graph of the compiled step", "tokens_per_s", batch / plain_us * 1e6, "tokens/s")
+            for k in (2, 4):
+                verify_us = device_us(batch * (k + 1), s["layers"])
+                # the MTP head per depth: one decoder layer and fc (2 h x h) over B rows, the lm_head
+                mtp_launches = per_layer["compiled_kernels"] + 4
+                mtp_us = k * device_us(batch, 1, extra_params=2 * h * h, launches=mtp_launches)
+                mtp_calls = k * (per_layer["calls"] + 20)
+                for a in SPEC_ACCEPTANCE:
+                    emitted = (1 - a ** (k + 1)) / (1 - a)
+                    case = f"modeled GPU speculative step {name} B={batch} k={k} acceptance {a} context {CONTEXT}"
+                    for impl, step_us in (
+                            ("ngram captured", verify_us),
+                            ("ngram as built", max(calls * HOST_US_PER_CALL, verify_us)),
+                            ("mtp captured", verify_us + mtp_us),
+                            ("mtp as built", max((calls + mtp_calls) * HOST_US_PER_CALL, verify_us + mtp_us))):
+                        rec.add(case, impl, "step_us", step_us, "us")
+                        rec.add(case, impl, "tokens_per_step", emitted, "tokens")
+                        rec.add(case, impl, "speedup", emitted * plain_us / step_us, "x")
+
+
 SPEC_MTP_MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8, max_seq_len=96, layer_types=("linear", "attention"),
                       linear_num_k_heads=2, linear_num_v_heads=4, linear_head_k_dim=8, linear_head_v_dim=8,
@@ -603,14 +671,12 @@ def _speculation_rows(rec, case: str, impl: str, stats: dict) -> None:
 
 
 def bench_speculative(rec, quick: bool) -> None:
-    """Speculative decoding (issue 43): n-gram drafting on a repetitive task (the fast engine), Qwen3.5's MTP
-    head before and after training it with ``mtp_loss`` (the reference engine), and decode tokens/s with and
-    without n-gram speculation at a Qwen3.5-0.8B-shaped model on this CPU."""
+    """Speculative decoding (issue 43), the fast engine: n-gram drafting on a repetitive task, Qwen3.5's MTP
+    head before and after training it with ``mtp_loss``, and decode tokens/s with and without speculation at
+    a Qwen3.5-0.8B-shaped model on this CPU."""
     import fast.decoder_lm as lm
     import fast.generator_engine as ge
-    import ref.decoder_lm as ref_lm
     import ref.gated_deltanet as gdn
-    import ref.generator_engine as ref_ge
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     gen = torch.Generator().manual_seed(1)
 
@@ -637,16 +703,15 @@ def bench_speculative(rec, quick: bool) -> None:
         if spec:
             _speculation_rows(rec, case, impl, stats)
 
-    # 2. the MTP head (ref): its drafts on held-out prompts before and after training it on the model's own
-    #    greedy completions of other prompts (the trunk frozen; Adam, lr 1e-2)
-    mtp_model = ref_lm.DecoderLM(ref_lm.ModelConfig(**SPEC_MTP_MODEL), seed=1, linear_layer=gdn.GatedDeltaNet,
-                                 mtp=True)
+    # 2. the MTP head (the fast engine): its drafts on held-out prompts before and after training it on the
+    #    model's own greedy completions of other prompts (the trunk frozen; Adam, lr 1e-2)
+    mtp_model = lm.DecoderLM(lm.ModelConfig(**SPEC_MTP_MODEL), seed=1, linear_layer=gdn.GatedDeltaNet, mtp=True)
     prompts = [torch.randint(0, 64, (5,), generator=gen).tolist() for _ in range(24)]
-    train = [ref_ge.Request(p, ref_ge.SamplingParams(max_new_tokens=24)) for p in prompts[:16]]
-    held_out = [ref_ge.Request(p, ref_ge.SamplingParams(max_new_tokens=24)) for p in prompts[16:]]
+    train = [ge.Request(p, ge.SamplingParams(max_new_tokens=24)) for p in prompts[:16]]
+    held_out = [ge.Request(p, ge.SamplingParams(max_new_tokens=24)) for p in prompts[16:]]
 
     def serve(requests, spec):
-        with ref_ge.Generator(mtp_model, speculative=spec, num_speculative_tokens=3, prefix_caching=False) as g:
+        with ge.Generator(mtp_model, speculative=spec, num_speculative_tokens=3, prefix_caching=False) as g:
             done = g.generate(requests)
             stats = g.stats()
         stats["generated_tokens"] = sum(len(c.token_ids) for c in done)
@@ -674,20 +739,25 @@ def bench_speculative(rec, quick: bool) -> None:
     # 3. decode tokens/s at Qwen3.5-0.8B's shape (random weights, fp32, the reference Gated DeltaNet layer):
     #    plain decoding, then drafts that plain decoding's tokens make (what a perfect drafter proposes: every
     #    draft accepted), then the same with one planted error per draft (positions 0 .. k cycling: half
-    #    accepted, and every rejection rolls the linear layers back by a second pass).  A random model's
-    #    outputs do not repeat its prompt, so n-gram drafting would propose nothing here: these drafters
-    #    measure what verification and rollback cost and buy at this size.
+    #    accepted, and every rejection runs the linear layers again over the accepted rows), then Qwen3.5's
+    #    MTP head, untrained (what drafting costs: its drafts are rejected).  A random model's outputs do
+    #    not repeat its prompt, so n-gram drafting would propose nothing here: these drafters measure what
+    #    verification, rollback and the head cost and buy at this size.
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint("qwen3.5-0.8b", tmp)
-        big = lm.DecoderLM.from_pretrained(tmp, linear_layer=gdn.GatedDeltaNet, dtype=torch.float32,
-                                           max_seq_len=256)
+        trunk = lm.DecoderLM.from_pretrained(tmp, linear_layer=gdn.GatedDeltaNet, dtype=torch.float32,
+                                             max_seq_len=256)
+    big = lm.DecoderLM(dataclasses.replace(trunk.config, mtp_layers=1), linear_layer=gdn.GatedDeltaNet, mtp=True)
+    big.load_state_dict(trunk.state_dict(), strict=False)        # the trunk's weights, a random head
+    del trunk
     for batch in (1, 8):
         prompts = [torch.randint(0, 4096, (24,), generator=gen).tolist() for _ in range(batch)]
         reqs = [ge.Request(p, ge.SamplingParams(max_new_tokens=16 if quick else 48)) for p in prompts]
         case = f"speculative Qwen3.5-0.8B-shaped fp32 B={batch} k=4"
         plain = None
-        for impl in ("plain", "all accepted", "one error per draft"):
-            drafter = None if plain is None else _ContinuationDrafter(plain, errors=impl != "all accepted", k=4)
+        for impl in ("plain", "all accepted", "one error per draft", "mtp untrained"):
+            drafter = (None if plain is None else "mtp" if impl.startswith("mtp") else
+                       _ContinuationDrafter(plain, errors=impl != "all accepted", k=4))
             with ge.Generator(big, page_size=16, speculative=drafter, num_speculative_tokens=4,
                               max_seq_len=256) as g:
                 start = time.perf_counter()
@@ -724,7 +794,7 @@ class _ContinuationDrafter:
 
 PARTS = {"checkpoint": bench_checkpoints, "tp": bench_tp, "pool": bench_pool, "compiled": bench_compiled,
          "engine-compiled": bench_engine_compiled, "modeled-step": bench_modeled_step,
-         "speculative": bench_speculative}
+         "speculative": bench_speculative, "modeled-speculative": bench_modeled_speculative}
 
 
 def cpu(rec, args) -> None:

@@ -110,9 +110,11 @@ Speculative decoding (``speculative="ngram"``, ``"mtp"`` or a drafter function; 
                   the last draft) is emitted too: plain decoding's tokens, the target's logprobs
     roll back     rejected rows' K/V lie past the sample's length (overwritten as it grows; their pages stay
                   with it); the linear layers ran over every row, so where a draft was rejected their state
-                  rows go back to before the pass (``StatePools.save_rows``) and the accepted rows run again
-                  (a second pass; vLLM keeps k + 1 state slots instead); each emitted token then goes in as
-                  a decode step's (``Scheduler.verified``): the prefix cache keys the same pages
+                  rows go back to before the pass (``StatePools.save_rows``) and those layers alone run again
+                  over the accepted rows, from their inputs in the pass (``ModelRunner.rerun_linear``: a row
+                  before the first rejection saw accepted tokens only; vLLM keeps k + 1 state slots
+                  instead); each emitted token then goes in as a decode step's (``Scheduler.verified``):
+                  the prefix cache keys the same pages
     the mode      a verification row is computed as its decode step would be (a row's bits do not depend on
                   how many rows share the call), so rollouts stay bitwise on-policy (parity/test_speculative.py)
     Limits: no tensor parallelism (it raises).
@@ -767,8 +769,8 @@ class Generator:
         token drawn before it, and the first token that differs (or the one after the last draft) is emitted
         too: plain decoding's tokens.  Rejected rows' KV lies past the sample's length (overwritten later);
         a hybrid model's linear layers, which ran over every row, go back to their state before the pass
-        (``saved``) and run again over the accepted rows (in the batch-invariant mode bit for bit what the
-        decode steps would have left).  The MTP drafter keeps the accepted rows' hidden states (``hidden``:
+        (``saved``) and run again over the accepted rows (``ModelRunner.rerun_linear``: those layers only; in
+        the batch-invariant mode bit for bit what the decode steps would have left).  The MTP drafter keeps the accepted rows' hidden states (``hidden``:
         the chunks' rows of the pass)."""
         tokens, logprobs = self.runner.sample_verification(self.model, chunks, logits)
         outcomes, redo, at = [], [], 0
@@ -788,9 +790,7 @@ class Generator:
                                             for r in range(len(drawn))], hidden[index])
         if saved is not None and redo:
             self.pools.restore_rows(saved, [c.seq.row for c in chunks], redo)
-            self.runner.prefill(self.model, [PrefillChunk(chunks[n].seq, chunks[n].start,
-                                                          chunks[n].start + len(outcomes[n][0]), (),
-                                                          chunks[n].drafts[:len(outcomes[n][0]) - 1]) for n in redo])
+            self.runner.rerun_linear(chunks, [len(outcomes[n][0]) if n in redo else 0 for n in range(len(chunks))])
         for c, (drawn, lps) in zip(chunks, outcomes):
             self.scheduler.verified(c, drawn, lps, settle)
 
@@ -1745,6 +1745,7 @@ class ModelRunner:
         self.static: StaticDecode | None = None          # compile=True: the decode step over padded buffers
         self.decode_steps = 0
         self.hidden: torch.Tensor | None = None          # the last pass's final-normed hidden states (its rows)
+        self.linear_inputs: dict = {}                    # linear layer -> (module, its verification rows' inputs)
 
     # ------------------------------------------------------------------ phase 3: the prefill pass
 
@@ -1786,7 +1787,13 @@ class ModelRunner:
                                                dict(scale=self.scale, **sinks[i]), w)[0]
             return out
 
+        verification = [r for n, c in enumerate(work) if c.drafts for r in range(int(cu[n]), int(cu[n + 1]))]
+        verification = torch.tensor(verification, device=dev) if verification else None
+        self.linear_inputs = {}
+
         def mix(i, module, h):
+            if verification is not None:       # (a rejected draft's rollback runs this layer again over them)
+                self.linear_inputs[i] = (module, h[verification])
             return self._prefill_linear(i, module, h, work, rows)
 
         h = self.hidden = model.layers_forward(ids, positions, attend, mix)
@@ -1835,6 +1842,21 @@ class ModelRunner:
                         self.pools.checkpoint_store(i, name, t)[checkpoint] = t[n]
         self.pools.scatter(i, SimpleNamespace(**states), rows)
         return out
+
+    def rerun_linear(self, chunks: list, kept: list) -> None:
+        """A speculative rollback: the linear layers' state rows of the verification ``chunks`` (restored to
+        before the pass) continued over the first kept[n] rows of chunk n, from those layers' inputs in the
+        pass (``linear_inputs``).  A row before the first rejected draft saw accepted tokens only (causal), so
+        its inputs are the ones a plain step would give: only the linear layers run again, not the model,
+        and they leave what the decode steps would have left (in the batch-invariant mode bit for bit)."""
+        starts = [0, *itertools.accumulate(len(c.drafts) + 1 for c in chunks)]
+        redo = [(c, start, n) for c, start, n in zip(chunks, starts, kept) if n]
+        index = torch.tensor([start + r for _, start, n in redo for r in range(n)], device=self.device)
+        work = [PrefillChunk(c.seq, c.start, c.start + n, ()) for c, _, n in redo]
+        rows = torch.tensor([c.seq.row for c, _, _ in redo], device=self.device)
+        for i, (module, h) in self.linear_inputs.items():
+            self._prefill_linear(i, module, h[index], work, rows)
+        self.linear_inputs = {}
 
     # ------------------------------------------------------------------ phase 4: the decode step
 
