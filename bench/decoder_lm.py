@@ -54,8 +54,8 @@ Cases (CPU-meaningful: this measures loading, memory, the engine's batching and 
                               ``tokens_per_s`` at a Qwen3.5-0.8B-shaped model (random weights, fp32, B = 1
                               and 8), plain, with drafts of plain decoding's own tokens (all accepted, or
                               one planted error each) and with an untrained MTP head (a random model
-                              repeats nothing: n-gram drafting would propose nothing there).  Per drafter: ``acceptance``
-                              (accepted / proposed drafts), ``forwards_per_token`` (target forwards per
+                              repeats nothing: n-gram drafting would propose nothing there).  Per drafter:
+                              ``acceptance`` (accepted / proposed drafts), ``forwards_per_token`` (target forwards per
                               generated token: 1 - accepted / generated) and ``verifications_accepting_j``.
     modeled GPU speculative step ...  not a measurement (bench_modeled_speculative): the speculative step on an
                               H100 priced as ``modeled GPU decode step`` (plus the compute bound), Qwen3-0.6B /

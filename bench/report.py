@@ -158,8 +158,8 @@ FAMILIES: dict[str, list[Family]] = {
                "as the modeled decode step below plus a compute bound (FLOPs over 989 TFLOPS bf16), drafts accepted "
                "independently with an assumed probability a, so a verification emits (1 - a^(k+1)) / (1 - a) tokens; "
                "the MTP head's k depths each read one decoder layer and the lm_head; 'as built' verifies in the eager "
-               "prefill pass (host-bound at 5 us a torch call), 'captured' as one replay of the compiled step's kernels "
-               "(not built).  speedup = tokens per second over the graph of the compiled plain decode step's."),
+               "prefill pass (host-bound at 5 us a torch call), 'captured' as one replay of the compiled step's "
+               "kernels (not built).  speedup = tokens per second over the graph of the compiled plain decode step's."),
         Family("engine GPU decode", "The engine's decode on a GPU: eager against CUDA graphs", "A Qwen3-0.6B-shaped "
                "model (random weights, bf16) with this repo's kernels, B requests of 128 + 128 tokens: decode step "
                "ms and tokens/s, eager and Generator(cuda_graphs=True), beside the memory floor (the weights and "

@@ -770,8 +770,8 @@ class Generator:
         too: plain decoding's tokens.  Rejected rows' KV lies past the sample's length (overwritten later);
         a hybrid model's linear layers, which ran over every row, go back to their state before the pass
         (``saved``) and run again over the accepted rows (``ModelRunner.rerun_linear``: those layers only; in
-        the batch-invariant mode bit for bit what the decode steps would have left).  The MTP drafter keeps the accepted rows' hidden states (``hidden``:
-        the chunks' rows of the pass)."""
+        the batch-invariant mode bit for bit what the decode steps would have left).  The MTP drafter keeps
+        the accepted rows' hidden states (``hidden``: the chunks' rows of the pass)."""
         tokens, logprobs = self.runner.sample_verification(self.model, chunks, logits)
         outcomes, redo, at = [], [], 0
         for n, c in enumerate(chunks):
