@@ -117,7 +117,9 @@ Speculative decoding (``speculative="ngram"``, ``"mtp"`` or a drafter function; 
                   the prefix cache keys the same pages
     the mode      a verification row is computed as its decode step would be (a row's bits do not depend on
                   how many rows share the call), so rollouts stay bitwise on-policy (parity/test_speculative.py)
-    Limits: no tensor parallelism (it raises).
+    tensor        every rank drafts for itself (the same tokens: the same drafts; a drafter function must be
+    parallelism   picklable), verifies its shard, and takes rank 0's drawn tokens (``share_tokens``); the MTP
+                  head is not sharded (speculative="mtp" raises)
 
 Batch-invariant mode: bitwise on-policy (a model with ``batch_invariant=True``)
     Given a model in fast/decoder_lm.py's batch-invariant mode (its docstring states the contract), a
@@ -176,6 +178,7 @@ import itertools
 import math
 import operator
 import os
+import pickle
 import random
 import sys
 import threading
@@ -377,9 +380,16 @@ class EngineOptions:
             raise ValueError(f"memory_utilization must be a fraction in (0, 1], got {self.memory_utilization!r}")
         if not _is_number(self.tp_timeout_s) or not self.tp_timeout_s > 0:
             raise ValueError(f"tp_timeout_s must be a number of seconds > 0, got {self.tp_timeout_s!r}")
-        if _drafter(self.speculative, self.num_speculative_tokens) is not None and self.tensor_parallel_size > 1:
-            raise ValueError("speculative decoding is not built for tensor-parallel engines yet (the ranks would "
-                             "have to share a variable number of tokens per sample each step)")
+        drafter = _drafter(self.speculative, self.num_speculative_tokens)
+        if self.tensor_parallel_size > 1 and self.speculative == "mtp":
+            raise ValueError("speculative='mtp' is not built for tensor-parallel engines (the MTP head is not "
+                             "sharded): take 'ngram' or a drafter function")
+        if self.tensor_parallel_size > 1 and drafter is not None:
+            try:                                  # every rank drafts for itself: the workers get the function
+                pickle.dumps(drafter)
+            except Exception as exc:              # noqa: BLE001 (any pickling failure: the same advice)
+                raise ValueError(f"a tensor-parallel engine's drafter must be picklable (a module-level function: "
+                                 f"every rank runs it on the same tokens), got {drafter!r}: {exc}") from exc
 
 
 # (field, least value, None allowed): the integer knobs
@@ -753,7 +763,8 @@ class Generator:
                 self.scheduler.advance(started, *self.runner.sample(self.model, started, logits, rows), settle)
             if verify:
                 rows = sum(len(c.drafts) + 1 for c in verify)
-                self._verify(verify, logits[logits.shape[0] - rows:], self.runner.hidden[-rows:], saved, settle)
+                self._verify(verify, None if logits is None else logits[logits.shape[0] - rows:],
+                             self.runner.hidden[-rows:], saved, settle)
         if decode:                                         # one token for every other decoding sample
             logits = self.runner.decode(self.model, decode)
             if mtp is not None:
@@ -2012,10 +2023,16 @@ class ModelRunner:
     def sample_verification(self, model: nn.Module, chunks: list, logits: torch.Tensor) -> tuple[list, list]:
         """Every row of the verification ``chunks`` (``logits`` [rows, V], in order): row r of a sample's chunk
         draws its completion's token j = (tokens generated so far) + r with ``keyed_uniform(seed, j)``, as
-        plain decoding's step for that token draws it."""
+        plain decoding's step for that token draws it.  Tensor-parallel: rank 0 draws (``logits`` is None on a
+        worker), every rank takes its tokens."""
         params = [c.seq.group.request.sampling for c in chunks for _ in range(len(c.drafts) + 1)]
         keys = [(c.seq.seed, len(c.seq.tokens) - c.seq.n_prompt + r) for c in chunks for r in range(len(c.drafts) + 1)]
-        return sample_rows(logits, params, keys, self.staging, getattr(model, "log_softmax", None))
+        tokens, logprobs = [0] * len(keys), [0.0] * len(keys)
+        if logits is not None:
+            tokens, logprobs = sample_rows(logits, params, keys, self.staging, getattr(model, "log_softmax", None))
+        if self.tp is not None:                      # (rank 0 draws; every rank accepts alike)
+            tokens = self.tp.share_tokens(self.staging.put("tokens", tokens, torch.int64))
+        return tokens, logprobs
 
 
 # ----------------------------------------------------------------------------- the static decode step

@@ -229,8 +229,10 @@ def test_bad_speculative_knobs_raise(ge):
         with pytest.raises(ValueError, match="num_speculative_tokens"):
             ge.Generator(m, speculative="ngram", num_speculative_tokens=k)
     if ge is fast_ge:
-        with pytest.raises(ValueError, match="not built for tensor-parallel engines"):
-            ge.Generator(m, speculative="ngram", tensor_parallel_size=2)
+        with pytest.raises(ValueError, match="speculative='mtp' is not built for tensor-parallel engines"):
+            ge.Generator(m, speculative="mtp", tensor_parallel_size=2)
+        with pytest.raises(ValueError, match="drafter must be picklable"):
+            ge.Generator(m, speculative=lambda tokens, k: [], tensor_parallel_size=2)
         with ge.Generator(m, speculative=lambda tokens, k: [VOCAB] * k) as gen:   # a drafter out of the vocabulary
             with pytest.raises(ValueError, match="the drafter proposed"):
                 gen.generate([ge.Request([1, 2, 3], ge.SamplingParams(max_new_tokens=4))])

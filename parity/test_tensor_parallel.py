@@ -268,6 +268,19 @@ def test_fast_engine_tensor_parallel_compiled():
     assert f["tokens_equal_tp1"] and f["logprobs_max_diff_tp1"] < 1e-5, f
 
 
+def test_fast_engine_tensor_parallel_speculative():
+    """Generator(model, tensor_parallel_size=2, speculative=drafter) on the hybrid (a picklable drafter of the tp = 1
+    engine's continuations, one token wrong in most drafts): every rank drafts from the same tokens, verifies with
+    its shard and takes rank 0's drawn tokens; a rejection reruns each rank's linear layers.
+    The tp = 1 plain engine's tokens (greedy and sampled, a group, a prefix hit, chunks, preemption, a weight
+    load), its logprobs to fp32 rounding, with drafts accepted and rejected."""
+    facts = _probe("engine-speculative", "hybrid", "default", 2)
+    f = facts["2"]
+    assert 0 < f["accepted_draft_tokens"] < f["draft_tokens"] and facts["1"]["draft_tokens"] == 0, facts
+    assert f["preemptions"] >= 1 and f["prefix_hit_tokens"] > 0 and f["versions"] == [1] * len(f["versions"]), f
+    assert f["tokens_equal_tp1"] and f["logprobs_max_diff_tp1"] < 1e-5, f
+
+
 def test_a_dead_or_hung_worker_fails_its_generator():
     """A worker killed (SIGKILL) or hung (SIGSTOP) mid-decode: every request the generator held fails with a
     RuntimeError naming the cause, within tp_timeout_s (plus slack for a loaded machine) for the hang; later

@@ -55,14 +55,15 @@ def model_kw(mode: str, moe_layer=fast_moe.MoE) -> dict:
                 varlen_attn=pva.varlen_attn if invariant else None)
 
 
-def requests() -> list:
+def requests(repeating: bool = False) -> list:
     """A group of 3, a prompt sharing the group's first pages (a prefix-cache hit), a long prompt cut into
-    chunks, short ones; greedy and sampled."""
+    chunks, short ones; greedy and sampled (``repeating``: and a prompt repeating a phrase, for n-gram drafts)."""
     base = list(range(3, 22))
+    extra = [ge.Request([9, 4, 30, 12, 50] * 4, ge.SamplingParams(max_new_tokens=12))] if repeating else []
     return [ge.Request(base, ge.SamplingParams(max_new_tokens=5, temperature=1.0, seed=1, n=3)),
             ge.Request(base[:12] + [40, 41, 42], ge.SamplingParams(max_new_tokens=4)),
             ge.Request([7] * 30, ge.SamplingParams(max_new_tokens=3, temperature=0.7, seed=9)),
-            ge.Request([1, 2], ge.SamplingParams(max_new_tokens=5))]
+            ge.Request([1, 2], ge.SamplingParams(max_new_tokens=5)), *extra]
 
 
 def engine_kw(mode: str) -> dict:
@@ -155,9 +156,31 @@ def trainer(kind: str, mode: str, tps: list) -> dict:
 
 # ----------------------------------------------------------------------------- the engine
 
-def engine(kind: str, mode: str, tps: list, compiled: bool = False) -> dict:
-    """tp = 1 (eager) and each of ``tps`` (``compiled``: Generator(compile=True), every rank its compiled static
-    step, one padded size)."""
+class ContinuationDrafter:
+    """Drafts a known continuation of the sequence so far (the tp = 1 plain engine's completions, matched by
+    prefix), one token wrong where len(tokens) % (k + 1) < k: accepted and rejected drafts.  No state: every
+    rank (a pickled copy each) proposes the same drafts for the same tokens."""
+
+    def __init__(self, completions: list, vocab: int):
+        self.known, self.vocab = [c.prompt_token_ids + c.token_ids for c in completions], vocab
+
+    def __call__(self, tokens: list, k: int) -> list:
+        for seq in self.known:
+            if len(seq) > len(tokens) and seq[:len(tokens)] == tokens:
+                draft, spot = seq[len(tokens):len(tokens) + k], len(tokens) % (k + 1)
+                if spot < len(draft):
+                    draft[spot] = (draft[spot] + 1) % self.vocab
+                return draft
+        return []
+
+
+PAGES_SPECULATIVE = 20     # (drafts take free pages only: a little room beside the preempting pool)
+
+
+def engine(kind: str, mode: str, tps: list, compiled: bool = False, speculative: bool = False) -> dict:
+    """tp = 1 (eager, plain decoding) and each of ``tps`` (``compiled``: Generator(compile=True), every rank its
+    compiled static step, one padded size; ``speculative``: a picklable drafter's drafts, k = 3, accepted
+    and rejected, and a prompt repeating a phrase among the requests)."""
     torch.set_num_threads(1)
     cfg, mkw = config(kind), model_kw(mode, moe_layer=ref_moe.MoE)
     new_weights = lm.DecoderLM(cfg, seed=2, **mkw).state_dict()
@@ -165,14 +188,18 @@ def engine(kind: str, mode: str, tps: list, compiled: bool = False) -> dict:
     for tp in [1, *tps]:
         start = time.time()
         static = dict(compile=True, capture_sizes=(8,)) if compiled and tp > 1 else {}
+        if speculative and tp > 1:
+            static = dict(speculative=ContinuationDrafter(runs[1][0] + runs[1][1], cfg.vocab_size),
+                          num_speculative_tokens=3)
+        kw = dict(engine_kw(mode), num_pages=PAGES_SPECULATIVE) if speculative else engine_kw(mode)
         with ge.Generator(lm.DecoderLM(cfg, seed=1, **mkw), tensor_parallel_size=tp, tp_timeout_s=120,
-                          **engine_kw(mode), **static) as g:
-            first = flat(g.generate(requests()))
+                          **kw, **static) as g:
+            first = flat(g.generate(requests(speculative)))
             stats = g.stats()
             g.load_weights(new_weights, 1)
-            second = flat(g.generate(requests()))
+            second = flat(g.generate(requests(speculative)))
         runs[tp] = (first, second, stats, time.time() - start)
-    temps = [r.sampling.temperature for r in requests() for _ in range(r.sampling.n)]   # one per sample, in order
+    temps = [r.sampling.temperature for r in requests(speculative) for _ in range(r.sampling.n)]   # per sample
     trainer_lps = {}
     for version, seed in ((0, 1), (1, 2)):
         model = lm.DecoderLM(cfg, seed=seed, **mkw)
@@ -189,6 +216,7 @@ def engine(kind: str, mode: str, tps: list, compiled: bool = False) -> dict:
         facts[tp] = dict(
             seconds=round(seconds, 1), preemptions=stats["preemptions"], prefix_hit_tokens=stats["prefix_hit_tokens"],
             decode_steps=stats["decode_steps"], static_decode_steps=stats["static_decode_steps"],
+            draft_tokens=stats["draft_tokens"], accepted_draft_tokens=stats["accepted_draft_tokens"],
             tensor_parallel_size=stats["tensor_parallel_size"], versions=[s.max_policy_version for s in second],
             tokens_equal_tp1=all(a.token_ids == b.token_ids for a, b in pairs),
             logprobs_bitwise_tp1=all(a.logprobs == b.logprobs for a, b in pairs),
@@ -258,8 +286,9 @@ if __name__ == "__main__":
     command, args = sys.argv[1], sys.argv[2:]
     if command == "trainer":
         result = trainer(args[0], args[1], [int(a) for a in args[2:]])
-    elif command in ("engine", "engine-compiled"):
-        result = engine(args[0], args[1], [int(a) for a in args[2:]], compiled=command == "engine-compiled")
+    elif command in ("engine", "engine-compiled", "engine-speculative"):
+        result = engine(args[0], args[1], [int(a) for a in args[2:]], compiled=command == "engine-compiled",
+                        speculative=command == "engine-speculative")
     elif command == "faults":
         result = faults()
     else:
