@@ -57,6 +57,10 @@ Cases (CPU-meaningful: this measures loading, memory, the engine's batching and 
                               repeats nothing: n-gram drafting would propose nothing there).  Per drafter:
                               ``acceptance`` (accepted / proposed drafts), ``forwards_per_token`` (target forwards per
                               generated token: 1 - accepted / generated) and ``verifications_accepting_j``.
+                              On a GPU instead (``speculative GPU Qwen3-0.6B-shaped bf16 B=<b> k=4``): the
+                              fast engine with this repo's kernels, B = 1 and 16 requests of 128 + 128
+                              tokens: ``tokens_per_s`` of plain decoding (``cuda_graphs=True``) and of
+                              drafts of its own tokens (all accepted; one error each), ``speedup``.
     modeled GPU speculative step ...  not a measurement (bench_modeled_speculative): the speculative step on an
                               H100 priced as ``modeled GPU decode step`` (plus the compute bound), Qwen3-0.6B /
                               8B shapes, B = 1, 16, 64, k = 2, 4, assumed acceptance 0.6 and 0.8: ``step_us``,
@@ -670,10 +674,64 @@ def _speculation_rows(rec, case: str, impl: str, stats: dict) -> None:
         rec.add(case, impl, f"verifications_accepting_{j}", n, "")
 
 
+def speculative_gpu_run(batch: int, config: dict, dev, new_tokens: int = 128, **engine) -> dict:
+    """tokens/s of the fast engine (this repo's kernels on a GPU) over ``batch`` greedy requests of 128 prompt
+    tokens: plain decoding with ``cuda_graphs=True`` (its best), then drafts of plain decoding's own tokens (k
+    = 4: all accepted, then one planted error each), verified in the eager prefill pass.  The tokens must be
+    plain decoding's."""
+    import fast.decoder_lm as lm
+    import fast.generator_engine as ge
+    from fast.flash_decoding import flash_decode
+    from fast.paged_varlen_attention import varlen_attn
+    model = lm.DecoderLM(lm.ModelConfig(**config), seed=0, device=dev, dtype=torch.bfloat16 if dev.type == "cuda"
+                         else torch.float32, varlen_attn=varlen_attn)
+    reqs = [ge.Request([(7 * i + j) % 1000 for j in range(128)], ge.SamplingParams(max_new_tokens=new_tokens))
+            for i in range(batch)]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    facts, plain = {}, None
+    for impl in ("plain", "all accepted", "one error per draft"):
+        drafter = None if plain is None else _ContinuationDrafter(plain, errors=impl != "all accepted", k=4,
+                                                                  vocab=config["vocab_size"])
+        with ge.Generator(model, page_size=16, max_batch_size=max(batch, 8), flash_decode=flash_decode,
+                          cuda_graphs=drafter is None and dev.type == "cuda", speculative=drafter,
+                          num_speculative_tokens=4, **engine) as gen:
+            gen.generate(reqs[:1])                                     # warm: compiles, autotunes, captures
+            sync()
+            start = time.perf_counter()
+            done = gen.generate(reqs)
+            sync()
+            wall = time.perf_counter() - start
+            stats = gen.stats()
+        if plain is None:
+            plain = {tuple(r.prompt_token_ids): c.token_ids for r, c in zip(reqs, done)}
+        elif [c.token_ids for c in done] != [plain[tuple(r.prompt_token_ids)] for r in reqs]:
+            raise AssertionError(f"speculative GPU B={batch} {impl}: speculative decoding changed the tokens")
+        facts[impl] = dict(tokens_per_s=sum(len(c.token_ids) for c in done) / wall,
+                           acceptance=stats["accepted_draft_tokens"] / max(1, stats["draft_tokens"]))
+    return facts
+
+
+def bench_speculative_gpu(rec, quick: bool) -> None:
+    """On a GPU (``make gpu-evidence``): speculative_gpu_run at Qwen3-0.6B's shape, B = 1 and 16."""
+    for batch in (1, 16):
+        proc = subprocess.run([sys.executable, __file__, "--speculative-gpu-child", str(batch)], capture_output=True,
+                              text=True, timeout=1200, cwd=ROOT)
+        facts = child_facts(proc, f"speculative GPU B={batch}")
+        case = f"speculative GPU Qwen3-0.6B-shaped bf16 B={batch} k=4"
+        for impl, f in facts.items():
+            rec.add(case, impl, "tokens_per_s", f["tokens_per_s"], "tok/s")
+            if impl != "plain":
+                rec.add(case, impl, "acceptance", f["acceptance"], "")
+                rec.add(case, impl, "speedup", f["tokens_per_s"] / facts["plain"]["tokens_per_s"], "x")
+
+
 def bench_speculative(rec, quick: bool) -> None:
     """Speculative decoding (issue 43), the fast engine: n-gram drafting on a repetitive task, Qwen3.5's MTP
     head before and after training it with ``mtp_loss``, and decode tokens/s with and without speculation at
-    a Qwen3.5-0.8B-shaped model on this CPU."""
+    a Qwen3.5-0.8B-shaped model on this CPU.  On a GPU: ``bench_speculative_gpu``."""
+    if torch.cuda.is_available():
+        bench_speculative_gpu(rec, quick)
+        return
     import fast.decoder_lm as lm
     import fast.generator_engine as ge
     import ref.gated_deltanet as gdn
@@ -757,7 +815,7 @@ def bench_speculative(rec, quick: bool) -> None:
         plain = None
         for impl in ("plain", "all accepted", "one error per draft", "mtp untrained"):
             drafter = (None if plain is None else "mtp" if impl.startswith("mtp") else
-                       _ContinuationDrafter(plain, errors=impl != "all accepted", k=4))
+                       _ContinuationDrafter(plain, errors=impl != "all accepted", k=4, vocab=4096))
             with ge.Generator(big, page_size=16, speculative=drafter, num_speculative_tokens=4,
                               max_seq_len=256) as g:
                 start = time.perf_counter()
@@ -778,8 +836,8 @@ class _ContinuationDrafter:
     """Drafts what plain decoding produced after the sequence so far (found by its prompt); ``errors``: one
     draft token replaced per proposal, at positions 0 .. k cycling (k: none)."""
 
-    def __init__(self, plain: dict, errors: bool, k: int):
-        self.plain, self.errors, self.k, self.calls = plain, errors, k, 0
+    def __init__(self, plain: dict, errors: bool, k: int, vocab: int):
+        self.plain, self.errors, self.k, self.vocab, self.calls = plain, errors, k, vocab, 0
 
     def __call__(self, tokens: list, k: int) -> list:
         for prompt, completion in self.plain.items():
@@ -787,7 +845,7 @@ class _ContinuationDrafter:
                 draft = list(completion[len(tokens) - len(prompt):][:k])
                 spot, self.calls = self.calls % (self.k + 1), self.calls + 1
                 if self.errors and spot < len(draft):
-                    draft[spot] = (draft[spot] + 1) % 4096
+                    draft[spot] = (draft[spot] + 1) % self.vocab
                 return draft
         return []
 
@@ -816,6 +874,10 @@ def main(argv=None) -> int:
         return 0
     if argv[:1] == ["--engine-gpu-child"]:
         print("FACTS " + json.dumps(engine_gpu_child(int(argv[1]))), flush=True)
+        return 0
+    if argv[:1] == ["--speculative-gpu-child"]:
+        facts = speculative_gpu_run(int(argv[1]), QWEN3_06B, torch.device("cuda"), kv_cache_memory=8 << 30)
+        print("FACTS " + json.dumps(facts), flush=True)
         return 0
     if argv[:1] == ["--engine-child"]:
         print("FACTS " + json.dumps(engine_child(int(argv[1]), bool(int(argv[2])), int(argv[3]))), flush=True)

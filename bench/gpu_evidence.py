@@ -89,6 +89,8 @@ PARTS = [
          _bench("view_replay_offload"), 120, ("bench/view_replay_offload.py",)),
     Part("bench-engine", "benchmark: the engine's decode eager against CUDA graphs, Qwen3-0.6B-shaped, B = 1..64",
          [*_bench("decoder_lm"), "--part", "engine-compiled"], 100, ("bench/decoder_lm.py",)),
+    Part("bench-speculative", "benchmark: speculative decoding against plain CUDA-graph decoding, Qwen3-0.6B-shaped, "
+         "B = 1 and 16", [*_bench("decoder_lm"), "--part", "speculative"], 150, ("bench/decoder_lm.py",)),
     Part("report", "regenerate the tables and plots from bench/results/*.csv (make report)",
          ["bench/report.py"], 20, ("bench/report.py",)),
 ]

@@ -153,6 +153,10 @@ FAMILIES: dict[str, list[Family]] = {
                "drafts of plain decoding's own tokens (all accepted, or one planted error each: every rejection "
                "runs the linear layers again over the accepted rows) and with an untrained MTP head (its drafts "
                "rejected: what drafting costs).  Tokens equal plain decoding's in every run."),
+        Family("speculative GPU", "Speculative decoding on a GPU", "The fast engine with this repo's kernels at a "
+               "Qwen3-0.6B shape (random weights, bf16), B greedy requests of 128 + 128 tokens: tokens/s of plain "
+               "decoding replayed from CUDA graphs, and of drafts of its own tokens (k = 4, all accepted, or one "
+               "planted error each) verified in the eager prefill pass; speedup over plain."),
         Family("modeled GPU speculative step", "The speculative decode step on an H100, modeled", "Not a "
                "measurement: the verification of B samples' k drafts (B (k + 1) rows, the weights read once) priced "
                "as the modeled decode step below plus a compute bound (FLOPs over 989 TFLOPS bf16), drafts accepted "
