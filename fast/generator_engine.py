@@ -110,11 +110,13 @@ Speculative decoding (``speculative="ngram"``, ``"mtp"`` or a drafter function; 
                   the last draft) is emitted too: plain decoding's tokens, the target's logprobs
     roll back     rejected rows' K/V lie past the sample's length (overwritten as it grows; their pages stay
                   with it); the linear layers ran over every row, so where a draft was rejected their state
-                  rows go back to before the pass (``StatePools.save_rows``) and those layers alone run again
-                  over the accepted rows, from their inputs in the pass (``ModelRunner.rerun_linear``: a row
-                  before the first rejection saw accepted tokens only; vLLM keeps k + 1 state slots
-                  instead); each emitted token then goes in as a decode step's (``Scheduler.verified``):
-                  the prefix cache keys the same pages
+                  rows go back to the state after the accepted rows from those layers' inputs in the pass
+                  alone (``ModelRunner.roll_back``: a row before the first rejection saw accepted tokens
+                  only): in the batch-invariant mode the layer drops the rejected rows from its chunk buffer
+                  and rebuilds its conv state (``GatedDeltaNet.rewind``), else the rows go back to before
+                  the pass (``StatePools.save_rows``) and the layer runs again over the accepted rows (vLLM
+                  keeps k + 1 state slots instead); each emitted token then goes in as a decode step's
+                  (``Scheduler.verified``): the prefix cache keys the same pages
     the mode      a verification row is computed as its decode step would be (a row's bits do not depend on
                   how many rows share the call), so rollouts stay bitwise on-policy (parity/test_speculative.py)
     tensor        every rank drafts for itself (the same tokens: the same drafts; a drafter function must be
@@ -780,8 +782,9 @@ class Generator:
         token drawn before it, and the first token that differs (or the one after the last draft) is emitted
         too: plain decoding's tokens.  Rejected rows' KV lies past the sample's length (overwritten later);
         a hybrid model's linear layers, which ran over every row, go back to their state before the pass
-        (``saved``) and run again over the accepted rows (``ModelRunner.rerun_linear``: those layers only; in
-        the batch-invariant mode bit for bit what the decode steps would have left).  The MTP drafter keeps
+        (``ModelRunner.roll_back``: those layers only, their rejected rows dropped where the layer can, else
+        rerun over the accepted rows; in the batch-invariant mode bit for bit what the decode steps would have
+        left).  The MTP drafter keeps
         the accepted rows' hidden states (``hidden``: the chunks' rows of the pass)."""
         tokens, logprobs = self.runner.sample_verification(self.model, chunks, logits)
         outcomes, redo, at = [], [], 0
@@ -800,8 +803,8 @@ class Generator:
             self.scheduler.drafter.observe([(c.seq, c.start + r) for c, (drawn, _) in zip(chunks, outcomes)
                                             for r in range(len(drawn))], hidden[index])
         if saved is not None and redo:
-            self.pools.restore_rows(saved, [c.seq.row for c in chunks], redo)
-            self.runner.rerun_linear(chunks, [len(outcomes[n][0]) if n in redo else 0 for n in range(len(chunks))])
+            self.runner.roll_back(chunks, [len(outcomes[n][0]) if n in redo else 0 for n in range(len(chunks))],
+                                  saved)
         for c, (drawn, lps) in zip(chunks, outcomes):
             self.scheduler.verified(c, drawn, lps, settle)
 
@@ -1671,10 +1674,12 @@ class StatePools:
         index = torch.tensor(rows, device=self.device)
         return {layer: {name: pool[index] for name, pool in pools.items()} for layer, pools in self.states.items()}
 
-    def restore_rows(self, saved: dict, rows: list, which: list) -> None:
-        """Rows ``rows[n]`` for n in ``which`` back to ``saved`` (``save_rows(rows)``)."""
+    def restore_rows(self, saved: dict, rows: list, which: list, layers=None) -> None:
+        """Rows ``rows[n]`` for n in ``which`` back to ``saved`` (``save_rows(rows)``), in ``layers`` (all)."""
         index, pick = (torch.tensor(x, device=self.device) for x in ([rows[n] for n in which], which))
         for layer, pools in self.states.items():
+            if layers is not None and layer not in layers:
+                continue
             for name, pool in pools.items():
                 pool[index] = saved[layer][name][pick]
 
@@ -1854,19 +1859,37 @@ class ModelRunner:
         self.pools.scatter(i, SimpleNamespace(**states), rows)
         return out
 
-    def rerun_linear(self, chunks: list, kept: list) -> None:
-        """A speculative rollback: the linear layers' state rows of the verification ``chunks`` (restored to
-        before the pass) continued over the first kept[n] rows of chunk n, from those layers' inputs in the
-        pass (``linear_inputs``).  A row before the first rejected draft saw accepted tokens only (causal), so
-        its inputs are the ones a plain step would give: only the linear layers run again, not the model,
-        and they leave what the decode steps would have left (in the batch-invariant mode bit for bit)."""
+    def roll_back(self, chunks: list, kept: list, saved: dict) -> None:
+        """A speculative rollback: the linear layers' state rows of the verification ``chunks`` whose drafts
+        were rejected (kept[n] of chunk n's rows accepted; 0: nothing to undo) go back to the state after
+        their kept rows.  A row before the first rejection saw accepted tokens only (causal), so its inputs
+        to each layer (``linear_inputs``, from the pass) are the ones a plain step would give, and the layer
+        needs no other: its own ``rewind`` does it where it can (the batch-invariant mode, no chunk completed:
+        the rejected rows dropped from its chunk buffer, the conv state rebuilt), else the rows go back to
+        ``saved`` (before the pass) and the layer alone runs again over the kept rows.  Either way the state
+        is what the decode steps would have left (in the batch-invariant mode bit for bit)."""
         starts = [0, *itertools.accumulate(len(c.drafts) + 1 for c in chunks)]
-        redo = [(c, start, n) for c, start, n in zip(chunks, starts, kept) if n]
-        index = torch.tensor([start + r for _, start, n in redo for r in range(n)], device=self.device)
-        work = [PrefillChunk(c.seq, c.start, c.start + n, ()) for c, _, n in redo]
-        rows = torch.tensor([c.seq.row for c, _, _ in redo], device=self.device)
+        redo = [n for n, k in enumerate(kept) if k]
+        rows = [c.seq.row for c in chunks]
         for i, (module, h) in self.linear_inputs.items():
-            self._prefill_linear(i, module, h[index], work, rows)
+            again = redo
+            if hasattr(module, "rewind"):
+                index = torch.tensor([rows[n] for n in redo], device=self.device)
+                after, before = module.new_cache(), module.new_cache()
+                self.pools.gather(i, index, after)
+                pick = torch.tensor(redo, device=self.device)
+                for name, t in saved[i].items():
+                    setattr(before, name, t[pick])
+                done = module.rewind(after, before, [h[starts[n]:starts[n + 1]] for n in redo],
+                                     [kept[n] for n in redo])
+                self.pools.scatter(i, after, index)
+                again = [n for n, d in zip(redo, done) if not d]
+            if again:
+                self.pools.restore_rows(saved, rows, again, layers=[i])
+                index = torch.tensor([starts[n] + r for n in again for r in range(kept[n])], device=self.device)
+                work = [PrefillChunk(chunks[n].seq, chunks[n].start, chunks[n].start + kept[n], ()) for n in again]
+                self._prefill_linear(i, module, h[index], work,
+                                     torch.tensor([rows[n] for n in again], device=self.device))
         self.linear_inputs = {}
 
     # ------------------------------------------------------------------ phase 4: the decode step

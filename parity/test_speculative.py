@@ -157,12 +157,20 @@ def test_speculation_beside_the_compiled_static_step():
 
 @pytest.mark.usefixtures("wide_interpreter_segments")
 @pytest.mark.parametrize("kind", ["attention", "hybrid"])
-def test_speculative_rollouts_stay_bitwise_in_the_mode(kind):
+def test_speculative_rollouts_stay_bitwise_in_the_mode(kind, monkeypatch):
     """The fast engine in the batch-invariant mode (the repo's attention kernels, interpreter): a verification's
     rows are computed as the decode steps would compute them (a row's bits do not depend on how many rows share
     the call), so with every acceptance length the completions' logprobs are plain decoding's bit for bit and
-    the trainer's token_logprobs; the hybrid's Gated DeltaNet layers go back to their state before the pass and
-    run again over the accepted rows."""
+    the trainer's token_logprobs; the hybrid's Gated DeltaNet layers drop the rejected rows from their chunk
+    buffers (``GatedDeltaNet.rewind``) or, where the pass completed a chunk, go back to their state before it
+    and run again over the accepted rows."""
+    rewound = []
+    rewind = ref_gdn.GatedDeltaNet.rewind
+
+    def counted(*args):
+        rewound.extend(rewind(*args))
+        return rewound[len(rewound) - len(args[3]):]
+    monkeypatch.setattr(ref_gdn.GatedDeltaNet, "rewind", counted)
     from fast.flash_decoding import flash_decode
     from fast.paged_varlen_attention import varlen_attn
     reqs = [fast_ge.Request(r.prompt_token_ids, dataclasses.replace(r.sampling, max_new_tokens=14),
@@ -178,6 +186,7 @@ def test_speculative_rollouts_stay_bitwise_in_the_mode(kind):
         stats = gen.stats()
     assert stats["preemptions"] >= 1 and 0 < stats["accepted_draft_tokens"] < stats["draft_tokens"], stats
     assert {error for n, error in drafter.proposals if n == K} >= set(range(K + 1))
+    assert kind == "attention" or rewound.count(True) > 0, rewound
     temps = {r.request_id: r.sampling.temperature for r in reqs}
     with torch.no_grad():
         lps = trainer.token_logprobs([c.prompt_token_ids + c.token_ids for c in got],
@@ -236,3 +245,44 @@ def test_bad_speculative_knobs_raise(ge):
         with ge.Generator(m, speculative=lambda tokens, k: [VOCAB] * k) as gen:   # a drafter out of the vocabulary
             with pytest.raises(ValueError, match="the drafter proposed"):
                 gen.generate([ge.Request([1, 2, 3], ge.SamplingParams(max_new_tokens=4))])
+
+
+@pytest.mark.parametrize("count", [0, 9, 58, 60])
+def test_the_layers_rewind_is_the_shorter_call(count):
+    """GatedDeltaNet.rewind in the batch-invariant mode: two sequences whose current chunks hold ``count`` and
+    count + 1 tokens, continued by 5 tokens each, then rewound to their first k (1 .. 5): every field of the
+    cache (the chunk's start state, its buffered rows and their count, the conv state) is bit for bit the
+    cache continued by those k tokens alone.  Where the 5 tokens complete a chunk (count + 5 >= 64) the start
+    state moved: rewind declines (False) and leaves that sequence for the engine to rerun."""
+    import copy
+
+    torch.manual_seed(count)
+    layer = ref_gdn.GatedDeltaNet(32, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.1 * torch.randn(p.shape))
+    layer.set_batch_invariant(ref_lm.invariant_linear)
+    prompts = [torch.randn(1, count + n + 1, 32) for n in range(2)]       # (at least one token: a cache)
+    new = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        caches = []
+        for x in prompts:
+            cache = layer.new_cache()
+            layer(x, cache=cache)
+            caches.append(cache)
+        start = ref_gdn.GatedDeltaNetCache(*[torch.cat([getattr(c, f) for c in caches]) for f in FIELDS])
+        for k in range(1, 6):
+            before, after = copy.deepcopy(start), copy.deepcopy(start)
+            layer(new, cache=after)
+            done = layer.rewind(after, before, list(new), [k, k])
+            want = copy.deepcopy(start)
+            layer(new[:, :k], cache=want)
+            for n in range(2):
+                completes = count + n + 1 + 5 >= 64
+                assert done[n] is not completes, (count, n, k)
+                if done[n]:
+                    for field in FIELDS:
+                        assert torch.equal(getattr(after, field)[n], getattr(want, field)[n]), (count, n, k, field)
+
+
+FIELDS = ("conv_state", "recurrent_state", "chunk_qkv", "chunk_g", "chunk_beta", "chunk_len")

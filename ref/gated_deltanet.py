@@ -465,7 +465,8 @@ class GatedDeltaNet(nn.Module):
     With a ``cache``, the call continues from its state (if any) and leaves the new state in it
     (``new_cache()`` gives an empty one).  ``set_batch_invariant(linear)`` switches the layer to
     batch-invariant numerics (see there): then every call runs the chunk form, chunks aligned to
-    absolute positions, and the cache carries the current chunk's start state and tokens.
+    absolute positions, and the cache carries the current chunk's start state and tokens; ``rewind``
+    takes a cache back to fewer of a call's tokens (speculative decoding's rejected drafts).
     """
 
     def __init__(self, hidden_size, *, num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128,
@@ -598,6 +599,31 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o, z, self.invariant_linear)                      # [B, T, HV, V]
         o = o.reshape(b, t, self.value_dim)
         return self.out_proj(o) if self.invariant_linear is None else self.invariant_out_linear(o, self.out_proj.weight)
+
+    def rewind(self, cache: GatedDeltaNetCache, before: GatedDeltaNetCache, inputs: list, keep: list) -> list:
+        """Speculative decoding's rollback in the batch-invariant mode: ``cache`` holds N sequences continued
+        from ``before`` (their caches then) by a call over inputs[n] [L_n, D] (the tokens' hidden states);
+        leave in it what a call over their first keep[n] tokens alone would have left, bit for bit.  Where the
+        call completed no chunk, the chunk's start state is unchanged and the buffer holds the new tokens'
+        rows (each a function of its own token and the conv's earlier inputs), so the rejected rows are
+        dropped from it (the rest zeros again, as the buffer keeps them) and the conv state is rebuilt from
+        ``before``'s and the kept tokens' conv inputs (their projection, row by row as the call computed it).
+        Returns per sequence whether it was rewound; the others (outside the mode, or where a chunk was
+        completed and its start state moved) need their kept tokens run again from ``before``."""
+        done = []
+        for n, (x, k) in enumerate(zip(inputs, keep)):
+            count = None if before.chunk_len is None or self.invariant_linear is None else int(before.chunk_len[n])
+            if count is None or count + x.shape[0] >= CHUNK:
+                done.append(False)
+                continue
+            cache.chunk_len[n] = count + k
+            for buffer in (cache.chunk_qkv, cache.chunk_g, cache.chunk_beta):
+                buffer[n, count + k:count + x.shape[0]] = 0
+            w = self.conv_kernel_size - 1
+            tail = self._project(x[max(0, k - w):k][None], self.in_proj_qkv)[0].t()     # [C, <= W - 1]
+            cache.conv_state[n] = torch.cat([before.conv_state[n], tail], dim=-1)[:, -w:]
+            done.append(True)
+        return done
 
     def _split(self, qkv):
         """The conv output [B, T, conv_dim] -> q, k [B, T, H, K], v [B, T, HV, V] (views)."""
