@@ -93,9 +93,17 @@ def test_the_head_loads_from_a_qwen35_checkpoint(tmp_path, family):
     with torch.no_grad():
         assert torch.equal(with_head(ids), without(ids))
     fast_moe = dict(moe_layer=__import__("fast.moe", fromlist=["MoE"]).MoE) if config.num_experts else {}
-    fast_head = fast_lm.DecoderLM.from_pretrained(tmp_path, linear_layer=GDN, mtp=True, **fast_moe).state_dict()
+    fast_model = fast_lm.DecoderLM.from_pretrained(tmp_path, linear_layer=GDN, mtp=True, **fast_moe)
     for name, t in loaded.items():                            # fast/decoder_lm.py's head: the same tensors
-        assert torch.equal(fast_head[name], t), name
+        assert torch.equal(fast_model.state_dict()[name], t), name
+    reqs = [fast_ge.Request([5, 17, 3, 44, 2, 9] * 2, fast_ge.SamplingParams(max_new_tokens=10)),
+            fast_ge.Request([1, 2, 3], fast_ge.SamplingParams(max_new_tokens=10, temperature=1.0, seed=4, n=2))]
+    done = {}
+    for spec in (None, "mtp"):                                # the fast engine drafting with the loaded head
+        with fast_ge.Generator(fast_model, page_size=4, speculative=spec) as gen:
+            done[spec] = [c for d in gen.generate(reqs) for c in (d if isinstance(d, list) else [d])]
+            drafts = gen.stats()["draft_tokens"]
+    assert drafts > 0 and [c.token_ids for c in done["mtp"]] == [c.token_ids for c in done[None]]
 
 
 def test_the_fast_head_is_the_references():
