@@ -581,12 +581,14 @@ class Generator:
         """A generator serving the Hugging Face checkpoint at ``path``: ``model_class.from_pretrained(path,
         linear_layer=..., moe_layer=..., dtype=..., device=..., max_seq_len=..., batch_invariant=..., varlen_attn=...)``
         (fast/decoder_lm.py's ``DecoderLM``; those keywords go to it when given, ``varlen_attn`` and
-        ``max_seq_len`` to both: an explicit max_seq_len must fit the memory budget), the other keywords to
-        ``Generator``."""
+        ``max_seq_len`` to both: an explicit max_seq_len must fit the memory budget; ``mtp=True``, the MTP
+        head, is implied by ``speculative="mtp"``), the other keywords to ``Generator``."""
         if not callable(getattr(model_class, "from_pretrained", None)):
             raise TypeError(f"model_class must have a from_pretrained(path, ...) classmethod (decoder_lm.py's "
                             f"DecoderLM), got {model_class!r}")
         model_kw = {k: kwargs.pop(k) for k in _MODEL_KEYWORDS if k in kwargs}
+        if kwargs.get("speculative") == "mtp":          # the head drafts: load it (mtp.*) with the model
+            model_kw.setdefault("mtp", True)
         for shared in ("varlen_attn", "max_seq_len"):  # the model's and the engine's
             if shared in model_kw or shared in kwargs:
                 model_kw[shared] = kwargs[shared] = model_kw.get(shared, kwargs.get(shared))
@@ -3256,7 +3258,7 @@ def _checked_state_dict(state_dict, shapes: dict, optional: set = frozenset(), i
 
 
 
-_MODEL_KEYWORDS = ("moe_layer", "dtype", "device", "max_seq_len", "batch_invariant")
+_MODEL_KEYWORDS = ("moe_layer", "dtype", "device", "max_seq_len", "batch_invariant", "mtp")
 
 
 def _check_model(model) -> None:

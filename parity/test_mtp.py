@@ -104,6 +104,14 @@ def test_the_head_loads_from_a_qwen35_checkpoint(tmp_path, family):
             done[spec] = [c for d in gen.generate(reqs) for c in (d if isinstance(d, list) else [d])]
             drafts = gen.stats()["draft_tokens"]
     assert drafts > 0 and [c.token_ids for c in done["mtp"]] == [c.token_ids for c in done[None]]
+    for ge in (ref_ge, fast_ge):                              # speculative="mtp" loads the head with the model
+        model_kw = dict(moe_layer=ref_moe.MoE if ge is ref_ge else fast_moe["moe_layer"]) if config.num_experts else {}
+        with ge.Generator.from_pretrained(tmp_path, model_class=LM[ge].DecoderLM, linear_layer=GDN, page_size=4,
+                                          speculative="mtp", **model_kw) as gen:
+            assert gen.model.mtp is not None
+            got = gen.generate([ge.Request(r.prompt_token_ids, ge.SamplingParams(**vars(r.sampling))) for r in reqs])
+            assert [c.token_ids for d in got for c in (d if isinstance(d, list) else [d])] == \
+                [c.token_ids for c in done[None]], ge.__name__
 
 
 def test_the_fast_head_is_the_references():

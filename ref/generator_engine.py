@@ -831,11 +831,14 @@ class Generator:
         """A generator serving the Hugging Face checkpoint at ``path``: ``model_class.from_pretrained(path,
         linear_layer=..., moe_layer=..., dtype=..., device=..., max_seq_len=..., batch_invariant=...)`` (decoder_lm.py's
         ``DecoderLM``; those keywords go to it when given, ``max_seq_len`` to the engine too: it must fit the
-        memory budget), the other keywords to ``Generator``."""
+        memory budget; ``mtp=True``, the MTP head, is implied by ``speculative="mtp"``), the other keywords to
+        ``Generator``."""
         if not callable(getattr(model_class, "from_pretrained", None)):
             raise TypeError(f"model_class must have a from_pretrained(path, ...) classmethod (decoder_lm.py's "
                             f"DecoderLM), got {model_class!r}")
         model_kw = {k: kwargs.pop(k) for k in _MODEL_KEYWORDS if k in kwargs}
+        if kwargs.get("speculative") == "mtp":          # the head drafts: load it (mtp.*) with the model
+            model_kw.setdefault("mtp", True)
         if "max_seq_len" in model_kw:                   # the model's and the engine's
             kwargs["max_seq_len"] = model_kw["max_seq_len"]
         return cls(model_class.from_pretrained(path, linear_layer=linear_layer, **model_kw), **kwargs)
@@ -1011,7 +1014,7 @@ def _check_cache_options(prefix_caching, page_size, cache_pages, kv_on_swap, kv_
         raise ValueError(f"kv_on_swap must be 'keep' or 'recompute', got {kv_on_swap!r}")
 
 
-_MODEL_KEYWORDS = ("moe_layer", "dtype", "device", "max_seq_len", "batch_invariant")
+_MODEL_KEYWORDS = ("moe_layer", "dtype", "device", "max_seq_len", "batch_invariant", "mtp")
 
 
 def _check_model(model) -> None:
