@@ -61,6 +61,12 @@ Cases (CPU-meaningful: this measures loading, memory, the engine's batching and 
                               fast engine with this repo's kernels, B = 1 and 16 requests of 128 + 128
                               tokens: ``tokens_per_s`` of plain decoding (``cuda_graphs=True``) and of
                               drafts of its own tokens (all accepted; one error each), ``speedup``.
+    observatory Qwen3-0.6B decode layer ...  one Qwen3-0.6B decoder layer's decode step (fp16, B = 1 and 16,
+                              context 1024) run in the kernel observatory (parity/observatory.py: Triton
+                              kernels interpreted, torch ops recorded as launches of their own), without
+                              and with fast/decoder_lm.py's fused elementwise kernels: ``launches``
+                              (``kernels`` + ``torch_ops``), ``issued_bytes``, the H100 latency model's
+                              ``modeled_us``, ``speedup`` and the output's ``max_abs_diff``.
     modeled GPU speculative step ...  not a measurement (bench_modeled_speculative): the speculative step on an
                               H100 priced as ``modeled GPU decode step`` (plus the compute bound), Qwen3-0.6B /
                               8B shapes, B = 1, 16, 64, k = 2, 4, assumed acceptance 0.6 and 0.8: ``step_us``,
@@ -70,7 +76,8 @@ Cases (CPU-meaningful: this measures loading, memory, the engine's batching and 
     python bench/decoder_lm.py                 # every part; rows to bench/results/latest/ (untracked)
     python bench/decoder_lm.py --record        # ... and appended to bench/results/decoder_lm.csv
     python bench/decoder_lm.py --part tp       # checkpoint | tp | pool | compiled | engine-compiled |
-                                               # modeled-step | speculative | modeled-speculative
+                                               # modeled-step | speculative | modeled-speculative |
+                                               # fused-layer
 """
 from __future__ import annotations
 
@@ -593,6 +600,66 @@ def bench_modeled_step(rec, quick: bool) -> None:
             rec.add(case, "graph of the compiled step", "kernels_per_layer", per_layer["compiled_kernels"], "kernels")
 
 
+# ----------------------------------------------------------------------------- the decode layer, fused
+
+def fused_layer_child(batch: int, context: int) -> dict:
+    """One Qwen3-0.6B decoder layer's decode step (fp16: the interpreter computes no bf16) for ``batch``
+    requests at ``context`` keys, fast/decoder_lm.py's ``_block`` with flash_decode over a paged cache, run
+    in the kernel observatory (parity/observatory.py, torch ops recorded as launches of their own) with the
+    fused elementwise kernels off and on: launches, issued bytes, the H100 latency model's microseconds."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(ROOT / "parity"))
+    import fast.decoder_lm as lm
+    from fast.flash_decoding import flash_decode
+    from observatory import H100, observe
+    torch.manual_seed(0)
+    config = lm.ModelConfig(**dict(QWEN3_06B, num_layers=1, vocab_size=1024))
+    model = lm.DecoderLM(config, seed=0, dtype=torch.float16)
+    c, ps = model.config, 16
+    pages = context // ps
+    kc = torch.randn(batch * pages, ps, c.num_kv_heads, c.head_dim, dtype=torch.float16)
+    vc = torch.randn_like(kc)
+    table = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+    used = torch.full((batch,), context, dtype=torch.int32)
+    x = torch.randn(batch, c.hidden_size, dtype=torch.float16)
+    rotary = model._rotary_at(torch.full((batch,), context - 1))
+
+    def attend(i, q, k, v):
+        return flash_decode(q[:, None], kc, vc, used, block_table=table, k_new=k[:, None], v_new=v[:, None],
+                            scale=c.head_dim ** -0.5)[:, 0]
+
+    facts, outputs = {}, {}
+    for fused in (False, "always"):
+        lm.FUSED_KERNELS = fused
+        with torch.no_grad(), observe(torch_ops=True) as obs:
+            outputs[fused] = model._block(0, model.layers[0], x, rotary, attend, None)
+        total = H100.total(obs.launches)
+        facts["fused" if fused else "unfused"] = dict(
+            kernels=total["launches"], torch_ops=total["torch_ops"], launches=total["launches"] + total["torch_ops"],
+            modeled_us=total["us"] + total["torch_ops_us"],
+            issued_bytes=sum(r.issued_bytes for r in obs.launches),
+            names=sorted({r.kernel for r in obs.launches if r.module != "torch"}))
+    facts["max_abs_diff"] = float((outputs[False].float() - outputs["always"].float()).abs().max())
+    return facts
+
+
+def bench_fused_layer(rec, quick: bool) -> None:
+    """fused_layer_child at B = 1 and 16 (context 1024; 256 with --quick), each in a fresh process."""
+    context = 256 if quick else 1024
+    for batch in (1, 16):
+        proc = subprocess.run([sys.executable, __file__, "--fused-layer-child", str(batch), str(context)],
+                              capture_output=True, text=True, timeout=3600, cwd=ROOT)
+        facts = child_facts(proc, f"fused layer B={batch}")
+        case = f"observatory Qwen3-0.6B decode layer fp16 B={batch} context {context} H100 model"
+        for impl in ("unfused", "fused"):
+            f = facts[impl]
+            for metric, unit in (("launches", "launches"), ("kernels", "kernels"), ("torch_ops", "ops"),
+                                 ("issued_bytes", "B"), ("modeled_us", "us")):
+                rec.add(case, impl, metric, f[metric], unit)
+        rec.add(case, "fused", "max_abs_diff", facts["max_abs_diff"], "")
+        rec.add(case, "fused", "speedup", facts["unfused"]["modeled_us"] / facts["fused"]["modeled_us"], "x")
+
+
 # ----------------------------------------------------------------------------- speculative decoding
 
 H100_BF16_FLOPS = 989e12        # dense bf16 tensor-core peak (H100 SXM5 datasheet), the compute bound's rate
@@ -852,7 +919,8 @@ class _ContinuationDrafter:
 
 PARTS = {"checkpoint": bench_checkpoints, "tp": bench_tp, "pool": bench_pool, "compiled": bench_compiled,
          "engine-compiled": bench_engine_compiled, "modeled-step": bench_modeled_step,
-         "speculative": bench_speculative, "modeled-speculative": bench_modeled_speculative}
+         "speculative": bench_speculative, "modeled-speculative": bench_modeled_speculative,
+         "fused-layer": bench_fused_layer}
 
 
 def cpu(rec, args) -> None:
@@ -874,6 +942,9 @@ def main(argv=None) -> int:
         return 0
     if argv[:1] == ["--engine-gpu-child"]:
         print("FACTS " + json.dumps(engine_gpu_child(int(argv[1]))), flush=True)
+        return 0
+    if argv[:1] == ["--fused-layer-child"]:
+        print("FACTS " + json.dumps(fused_layer_child(int(argv[1]), int(argv[2]))), flush=True)
         return 0
     if argv[:1] == ["--speculative-gpu-child"]:
         facts = speculative_gpu_run(int(argv[1]), QWEN3_06B, torch.device("cuda"), kv_cache_memory=8 << 30)

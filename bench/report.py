@@ -157,6 +157,14 @@ FAMILIES: dict[str, list[Family]] = {
                "Qwen3-0.6B shape (random weights, bf16), B greedy requests of 128 + 128 tokens: tokens/s of plain "
                "decoding replayed from CUDA graphs, and of drafts of its own tokens (k = 4, all accepted, or one "
                "planted error each) verified in the eager prefill pass; speedup over plain."),
+        Family("observatory Qwen3-0.6B decode layer", "The decode layer's elementwise work fused, in the kernel "
+               "observatory", "One Qwen3-0.6B decoder layer's decode step (fp16, random weights, flash_decode over "
+               "a paged cache of 1,024 keys a request) run by the kernel observatory: Triton kernels interpreted "
+               "and counted, every PyTorch op between them a launch of its own (on a GPU each is a kernel, or a "
+               "host-side check a CUDA graph would not replay), priced by the H100 latency model (2 us a launch "
+               "plus bytes); unfused: the four RMSNorms, the rotary and SwiGLU as PyTorch ops; fused: "
+               "fast/decoder_lm.py's three kernels (residual add + RMSNorm, q/k norm + rotary, SwiGLU).  Not a "
+               "GPU measurement."),
         Family("modeled GPU speculative step", "The speculative decode step on an H100, modeled", "Not a "
                "measurement: the verification of B samples' k drafts (B (k + 1) rows, the weights read once) priced "
                "as the modeled decode step below plus a compute bound (FLOPs over 989 TFLOPS bf16), drafts accepted "

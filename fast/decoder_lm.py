@@ -24,6 +24,10 @@ What it changes
                   and the reference's all load as they are.
     rotary        cos / sin from a table built once per device (the reference's fp32 products: the
                   same values, bitwise).
+    elementwise   on a GPU without gradients, in the default mode, outside torch.compile: the residual add
+                  and RMSNorm, a q/k head's norm and rotary, and SwiGLU are one Triton kernel each
+                  (``fused_add_rms_norm``, ``fused_norm_rope``, ``fused_swiglu``; the section "fused
+                  elementwise kernels"), the torch expressions' values but for the sum of squares' order.
     attention     training and ``token_logprobs`` run ``scaled_dot_product_attention`` (causal, GQA; a
                   block-diagonal mask for documents), or the ``varlen_attn`` plug-in when given
                   (fast/paged_varlen_attention.varlen_attn: packed documents without a mask).  gpt-oss's
@@ -592,6 +596,26 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(x.dtype)
 
 
+def _add_norm(x: torch.Tensor, delta, bias, norm: _RMSNorm, invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta (+ bias), its RMSNorm); x itself and its norm when delta is None: one kernel on a GPU
+    (``fused_add_rms_norm``), else torch's ops in the reference's order."""
+    if bias is None and _fused(x, invariant):
+        return fused_add_rms_norm(x, delta, norm.weight, norm.eps, norm.zero_centered)
+    if delta is not None:
+        x = x + delta
+        x = x if bias is None else x + bias
+    return x, norm(x, invariant)
+
+
+def _norm_rotate(x: torch.Tensor, norm, cos: torch.Tensor, sin: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """The rotary embedding of x [T, H, D] after its head norm (q_norm / k_norm; None: none): one kernel on a
+    GPU (``fused_norm_rope``)."""
+    if _fused(x, invariant):
+        return fused_norm_rope(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, cos,
+                               sin, norm is not None and norm.zero_centered)
+    return _rotate(x if norm is None else norm(x, invariant), cos, sin)
+
+
 # ----------------------------------------------------------------------------- the model, fused
 
 class _RMSNorm(nn.Module):
@@ -838,28 +862,28 @@ class DecoderLM(nn.Module):
         cos, sin at the rows' positions)."""
         c, inv, t = self.local_config, self.batch_invariant, x.shape[0]
         cos, sin = rotary
-        h = self._to_ranks(block.input_layernorm(x, inv))
+        h = self._to_ranks(_add_norm(x, None, None, block.input_layernorm, inv)[1])
         if hasattr(block, "self_attn"):
             a = block.self_attn
             q, k, v = _linear(h, a.qkv_proj.weight, a.qkv_proj.bias, inv).split(a.sizes, dim=-1)
             q = q.view(t, c.num_heads, -1)                                  # [T, H_q, D] or [T, H_q, 2 D]
             q, gate = q.chunk(2, dim=-1) if c.attn_output_gate else (q, None)
             k = k.view(t, c.num_kv_heads, c.head_dim)
-            if c.qk_norm:
-                q, k = a.q_norm(q, inv), a.k_norm(k, inv)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q = _norm_rotate(q, a.q_norm if c.qk_norm else None, cos, sin, inv)
+            k = _norm_rotate(k, a.k_norm if c.qk_norm else None, cos, sin, inv)
             o = self._attend(attend, i, q, k, v.view(t, c.num_kv_heads, c.head_dim)).reshape(t, -1)
             if gate is not None:
                 o = o * _sigmoid(gate.reshape(t, -1), inv)
-            x = x + self._row_parallel(o, a.o_proj.weight, "o_proj")
-            x = x if a.o_proj.bias is None else x + a.o_proj.bias
+            delta, bias = self._row_parallel(o, a.o_proj.weight, "o_proj"), a.o_proj.bias
         else:
-            x = x + self._reduce(mix(i, block.linear_attn, h))             # out_proj: row-parallel inside
-        m, hm = block.mlp, self._to_ranks(block.post_attention_layernorm(x, inv))
+            delta, bias = self._reduce(mix(i, block.linear_attn, h)), None  # out_proj: row-parallel inside
+        x, hm = _add_norm(x, delta, bias, block.post_attention_layernorm, inv)
+        m, hm = block.mlp, self._to_ranks(hm)
         if not isinstance(m, _MLP):                                         # a Mixture-of-Experts block
             return x + m(hm)
         gate_up, up = _linear(hm, m.gate_up_proj.weight, None, inv).split(m.sizes, dim=-1)
-        return x + self._row_parallel(_silu(gate_up, inv) * up, m.down_proj.weight, "down_proj")
+        act = fused_swiglu(gate_up, up) if _fused(gate_up, inv) else _silu(gate_up, inv) * up
+        return x + self._row_parallel(act, m.down_proj.weight, "down_proj")
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, which: str) -> torch.Tensor:
         """x [T, K_rank] @ weight [N, K_rank]^T summed over the ranks: an all-reduce; batch-invariant: the
@@ -1949,6 +1973,145 @@ class _no_context:
 
     def __exit__(self, *exc):
         return False
+
+
+# ----------------------------------------------------------------------------- fused elementwise kernels (GPU)
+# A decode step at a small model is launch-bound: eagerly (or replayed from a CUDA graph of the eager step) a
+# Qwen3 layer runs ~68 kernels, two dozen of them the four RMSNorms' pow / mean / add / rsqrt / mul / mul,
+# a dozen the rotary's slices, products and cat (bench/README's modeled step).  On a GPU, in the default mode,
+# without gradients (the kernels have no backward) and outside torch.compile (whose inductor fuses them
+# itself), three Triton kernels do that work instead:
+#   _norm_kernel      the residual add and the RMSNorm after it (rows of [M, N]): one kernel for x + delta
+#                     and norm(x + delta), each element read once
+#   _norm_rope_kernel a q or k head's RMSNorm (q_norm / k_norm) and the rotary embedding: one program per
+#                     (token, head) row, each element and its rotary partner read once
+#   _swiglu_kernel    silu(gate) * up from the fused gate_up product
+# Each rounds where the torch expression it replaces rounds (the add and the norm's output to the model's
+# dtype, the rotary in fp32); only the sum of squares is summed in another order (the default mode's
+# tolerance; the batch-invariant mode never takes these kernels).  ``FUSED_KERNELS``: True (on CUDA tensors),
+# False (never), "always" (CPU tensors too, under TRITON_INTERPRET=1: the tests and the kernel observatory).
+
+FUSED_KERNELS = True
+
+
+def _fused(x: torch.Tensor, invariant: bool) -> bool:
+    """Whether the fused kernels run for x: a CUDA tensor (any, with "always"), Triton present, the default
+    mode, no gradient recorded (they have no backward: an engine's steps, token_logprobs under no_grad), not
+    compiling."""
+    return (bool(FUSED_KERNELS) and triton is not None and (x.is_cuda or FUSED_KERNELS == "always")
+            and not invariant and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """x [T, N] or [T, H, N] with unit stride in N -> (rows T H, heads H, token stride, head stride)."""
+    if x.stride(-1) != 1:
+        raise ValueError("the fused kernels read rows of unit stride")
+    if x.dim() == 2:
+        return x.shape[0], 1, x.stride(0), 0
+    return x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)
+
+
+def fused_add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, norm(h)) with h = x + delta (x itself when delta is None), x / delta [T, N], one kernel (CUDA, or
+    CPU tensors under TRITON_INTERPRET=1): ``_rms_norm``'s values, the sum of squares in the kernel's order."""
+    m, n = x.shape
+    h = torch.empty_like(x) if delta is not None else x
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        res = delta if delta is not None else x
+        _norm_kernel[(m,)](x, res, h, y, weight, n, x.stride(0), res.stride(0), h.stride(0), eps,
+                           HAS_RES=delta is not None, ZERO_CENTERED=zero_centered,
+                           BLOCK_N=triton.next_power_of_2(n), num_warps=4 if n <= 2048 else 8)
+    return h, y
+
+
+def fused_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor, zero_centered: bool = False) -> torch.Tensor:
+    """``_rotate(_rms_norm(x, weight, eps))`` (no norm when weight is None) in one kernel: x [T, H, D] (a view
+    of the qkv product is fine: unit stride in D), cos / sin [T, 1, R/2] fp32 -> [T, H, D] contiguous."""
+    t, heads, d = x.shape
+    out = torch.empty(t, heads, d, dtype=x.dtype, device=x.device)
+    if t * heads:
+        rows, _, stride_t, stride_h = _rows(x)
+        cos, sin = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
+        _norm_rope_kernel[(rows,)](x, weight if weight is not None else x, cos, sin, out, heads, stride_t, stride_h,
+                                   d, cos.shape[1], eps, HAS_NORM=weight is not None, ZERO_CENTERED=zero_centered,
+                                   BLOCK_D=triton.next_power_of_2(d))
+    return out
+
+
+def fused_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (gate and up [T, I], views of the gate_up product) in one kernel -> [T, I]."""
+    m, n = gate.shape
+    out = torch.empty(m, n, dtype=gate.dtype, device=gate.device)
+    if m and n:
+        block = min(1024, triton.next_power_of_2(n))
+        _swiglu_kernel[(m, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), BLOCK=block)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _norm_kernel(x, res, h, y, w, N, stride_x, stride_r, stride_h, eps, HAS_RES: tl.constexpr,
+                     ZERO_CENTERED: tl.constexpr, BLOCK_N: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        o = tl.arange(0, BLOCK_N)
+        m = o < N
+        b_x = tl.load(x + row * stride_x + o, mask=m, other=0)
+        if HAS_RES:                         # x + delta, rounded to the model's dtype as torch's add rounds it
+            b_x = (b_x.to(tl.float32) + tl.load(res + row * stride_r + o, mask=m, other=0).to(tl.float32)
+                   ).to(b_x.dtype)
+            tl.store(h + row * stride_h + o, b_x, mask=m)
+        b_f = b_x.to(tl.float32)
+        b_n = b_f * tl.rsqrt(tl.sum(b_f * b_f, axis=0) / N + eps)
+        b_w = tl.load(w + o, mask=m, other=0).to(tl.float32)
+        if ZERO_CENTERED:
+            b_y = b_n * (1.0 + b_w)
+        else:                               # the normed row in the model's dtype, times the weight
+            b_y = b_n.to(b_x.dtype).to(tl.float32) * b_w
+        tl.store(y + row * N + o, b_y.to(y.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _norm_rope_kernel(x, w, cos, sin, out, H, stride_t, stride_h, D, HALF, eps, HAS_NORM: tl.constexpr,
+                          ZERO_CENTERED: tl.constexpr, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)                                 # (token, head) = (row // H, row % H)
+        t = row // H
+        src = x + t * stride_t + (row % H) * stride_h
+        o = tl.arange(0, BLOCK_D)
+        m = o < D
+        rotary = o < 2 * HALF
+        partner = tl.where(o < HALF, o + HALF, tl.where(rotary, o - HALF, o))   # the other half of its pair
+        b_x = tl.load(src + o, mask=m, other=0)
+        b_p = tl.load(src + partner, mask=m, other=0)
+        b_f, b_pf = b_x.to(tl.float32), b_p.to(tl.float32)
+        if HAS_NORM:                        # the head's RMSNorm, each value rounded as q_norm / k_norm round it
+            r = tl.rsqrt(tl.sum(b_f * b_f, axis=0) / D + eps)
+            b_w = tl.load(w + o, mask=m, other=0).to(tl.float32)
+            b_wp = tl.load(w + partner, mask=m, other=0).to(tl.float32)
+            if ZERO_CENTERED:
+                b_f = (b_f * r * (1.0 + b_w)).to(b_x.dtype).to(tl.float32)
+                b_pf = (b_pf * r * (1.0 + b_wp)).to(b_x.dtype).to(tl.float32)
+            else:
+                b_f = ((b_f * r).to(b_x.dtype).to(tl.float32) * b_w).to(b_x.dtype).to(tl.float32)
+                b_pf = ((b_pf * r).to(b_x.dtype).to(tl.float32) * b_wp).to(b_x.dtype).to(tl.float32)
+        j = tl.where(rotary, o % HALF, 0)
+        b_c = tl.load(cos + t * HALF + j, mask=m & rotary, other=1.0)
+        b_s = tl.load(sin + t * HALF + j, mask=m & rotary, other=0.0)
+        b_s = tl.where(o < HALF, -b_s, b_s)          # x1 cos - x2 sin, x2 cos + x1 sin; the rest as it is
+        b_y = tl.where(rotary, b_f * b_c + b_pf * b_s, b_f)
+        tl.store(out + row * D + o, b_y.to(out.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _swiglu_kernel(gate, up, out, N, stride_g, stride_u, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = o < N
+        b_g = tl.load(gate + row * stride_g + o, mask=m, other=0)
+        b_gf = b_g.to(tl.float32)
+        b_act = (b_gf / (1.0 + tl.exp(-b_gf))).to(b_g.dtype).to(tl.float32)   # silu, rounded as F.silu's
+        b_u = tl.load(up + row * stride_u + o, mask=m, other=0).to(tl.float32)
+        tl.store(out + row * N + o, (b_act * b_u).to(out.dtype.element_ty), mask=m)
 
 
 # ----------------------------------------------------------------------------- the batch-invariant matmul (GPU)

@@ -1,0 +1,105 @@
+"""fast/decoder_lm.py's fused elementwise kernels (the default mode's decode step on a GPU: the residual add and
+RMSNorm, a head's q/k norm and rotary embedding, SwiGLU, one kernel each), under the Triton interpreter: each
+equals the torch expressions it replaces (``_rms_norm``, ``_rotate``, ``_silu``) to fp32 rounding (fp16: its
+rounding) on odd widths, strided views, partial rotary, zero-centred norms and empty inputs; and the whole
+model's forward and an engine's completions are the same with them as without (``FUSED_KERNELS="always"``
+runs them on CPU tensors).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fast.decoder_lm as lm
+import fast.generator_engine as ge
+from conftest import INTERPRET
+
+pytestmark = [pytest.mark.usefixtures("one_intra_op_thread"),
+              pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs Triton's interpreter")]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float16: dict(rtol=2e-3, atol=2e-3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,zero", [(200, False), (64, True), (1024, False)])
+def test_add_rms_norm(dtype, n, zero):
+    gen = torch.Generator().manual_seed(n)
+    x, delta = (torch.randn(7, n, generator=gen).to(DEV, dtype) for _ in range(2))
+    w = (torch.randn(n, generator=gen) * 0.1 + (0 if zero else 1)).to(DEV, dtype)
+    h, y = lm.fused_add_rms_norm(x, delta, w, 1e-6, zero)
+    assert torch.equal(h, x + delta)                             # the add rounds as torch's
+    torch.testing.assert_close(y, lm._rms_norm(x + delta, w, 1e-6, False, zero), **TOL[dtype])
+    same, y0 = lm.fused_add_rms_norm(x, None, w, 1e-6, zero)     # no residual: the norm of x
+    assert same is x
+    torch.testing.assert_close(y0, lm._rms_norm(x, w, 1e-6, False, zero), **TOL[dtype])
+    h, y = lm.fused_add_rms_norm(x[:0], delta[:0], w, 1e-6, zero)
+    assert h.shape == y.shape == (0, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("d,rotary,norm,zero", [(16, 16, True, False), (32, 8, True, True), (16, 16, False, False)])
+def test_norm_rope(dtype, d, rotary, norm, zero):
+    """On a view of a fused qkv product (unit stride in D, token stride past the heads): the head norm, then
+    the rotary embedding on the first ``rotary`` dims, the rest as normed."""
+    gen = torch.Generator().manual_seed(d + rotary)
+    t, heads = 5, 3
+    qkv = torch.randn(t, heads * d * 2 + 7, generator=gen).to(DEV, dtype)
+    x = qkv[:, 3:3 + heads * d].view(t, heads, d)                 # (a view: strides (2 H D + 7, D, 1))
+    angles = torch.arange(t, dtype=torch.float32)[:, None] * torch.rand(rotary // 2, generator=gen)[None]
+    cos, sin = angles.cos()[:, None].to(DEV), angles.sin()[:, None].to(DEV)      # [T, 1, R/2]
+    w = (torch.randn(d, generator=gen) * 0.1 + (0 if zero else 1)).to(DEV, dtype)
+    got = lm.fused_norm_rope(x, w if norm else None, 1e-6, cos, sin, zero)
+    want = lm._rotate(lm._rms_norm(x, w, 1e-6, False, zero) if norm else x, cos, sin)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert lm.fused_norm_rope(x[:0], w, 1e-6, cos[:0], sin[:0]).shape == (0, heads, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_swiglu(dtype):
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(6, 2 * 1500, generator=gen) * 3).to(DEV, dtype)      # more columns than a block
+    gate, up = gate_up.split(1500, dim=-1)
+    torch.testing.assert_close(lm.fused_swiglu(gate, up), F.silu(gate) * up, **TOL[dtype])
+    assert lm.fused_swiglu(gate[:0], up[:0]).shape == (0, 1500)
+
+
+def test_the_model_and_engine_are_the_same_fused(monkeypatch):
+    """A Qwen3.5-style model (q/k norms, zero-centred norms, partial rotary, the attention gate, o_proj bias off)
+    and a Qwen2-style one (q/k/v biases): the packed forward's logits to fp32 rounding, an engine's greedy
+    tokens equal, with the kernels (on CPU tensors) and without; the batch-invariant mode never takes them."""
+    configs = [lm.ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=16, qk_norm=True, zero_centered_norm=True,
+                              partial_rotary_factor=0.5, attn_output_gate=True, max_seq_len=64),
+               lm.ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=12, qkv_bias=True, max_seq_len=64)]
+    for config in configs:
+        model = lm.DecoderLM(config, seed=4, device=DEV)
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(1)
+            for p in model.parameters():
+                p.add_((0.05 * torch.randn(p.shape, generator=gen)).to(p.device))
+        ids = torch.randint(0, 96, (2, 11), generator=gen).to(DEV)
+        reqs = [ge.Request([5, 7, 9, 11, 2], ge.SamplingParams(max_new_tokens=8)),
+                ge.Request([1, 2, 3], ge.SamplingParams(max_new_tokens=8))]
+        runs = {}
+        for fused in (False, "always"):
+            monkeypatch.setattr(lm, "FUSED_KERNELS", fused)
+            calls = []
+            for name in ("fused_add_rms_norm", "fused_norm_rope", "fused_swiglu"):
+                original = getattr(lm, name)
+                monkeypatch.setattr(lm, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+            with torch.no_grad():
+                logits = model(ids)
+            with ge.Generator(model, page_size=4) as engine:
+                tokens = [c.token_ids for c in engine.generate(reqs)]
+            runs[fused] = (logits, tokens, set(calls))
+        assert runs[False][2] == set() and len(runs["always"][2]) == 3, runs["always"][2]
+        torch.testing.assert_close(runs["always"][0], runs[False][0], rtol=1e-5, atol=1e-5)
+        assert runs["always"][1] == runs[False][1]
+    monkeypatch.setattr(lm, "FUSED_KERNELS", "always")
+    x = torch.zeros(2, 2, device=DEV)
+    assert not lm._fused(x, invariant=True)                   # the mode keeps its own numerics
+    with torch.no_grad():
+        assert lm._fused(x, invariant=False)
+    assert not lm._fused(x, invariant=False)                  # training: torch's ops (they have a backward)
