@@ -15,7 +15,7 @@ DRY_RUN ?= 0
 help:
 	@echo "Targets (durations measured on a 2-core CPU machine without a GPU; parity/make_durations.py):"
 	@echo "  make install        dependencies into the active Python (keeps an installed torch)        ~1 min"
-	@echo "  make parity         the parity tests: every case on CUDA, else the Triton interpreter on  ~14 min"
+	@echo "  make parity         the parity tests: every case on CUDA, else the Triton interpreter on  ~17 min"
 	@echo "                      small shapes less the cases marked slow, plus the sm_90 build check,"
 	@echo "                      over one pytest-xdist worker per core (PARITY_JOBS=1: one process)"
 	@echo "  make parity-all     make parity with the slow cases too (CPU; one process: ~50 min)"

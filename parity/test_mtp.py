@@ -382,26 +382,27 @@ def test_mtp_rollouts_stay_bitwise_in_the_mode():
     from fast.paged_varlen_attention import varlen_attn
     mode = functools.partial(model, lm=fast_lm, batch_invariant=True, varlen_attn=varlen_attn, device=DEVICE)
     sp = fast_ge.SamplingParams
-    reqs = [fast_ge.Request([3, 9, 27, 17, 51], sp(max_new_tokens=12), request_id="greedy"),
-            fast_ge.Request([3, 9, 27, 17, 8], sp(max_new_tokens=12, temperature=0.8, seed=2, n=2), request_id="group")]
+    reqs = [fast_ge.Request([3, 9, 27, 17, 51], sp(max_new_tokens=9), request_id="greedy"),
+            fast_ge.Request([3, 9, 27, 17, 8], sp(max_new_tokens=9, temperature=0.8, seed=2, n=2), request_id="group")]
     kw = dict(page_size=4, num_pages=24, flash_decode=flash_decode)
     flat = lambda done: [c for d in done for c in (d if isinstance(d, list) else [d])]      # noqa: E731
     with fast_ge.Generator(mode(), **kw) as gen:
         plain = flat(gen.generate(reqs))
-    trainer = mode()
-    for p in trainer.parameters():
+    head = model(lm=fast_lm)             # the same weights outside the mode: its head trained (the mode's speed)
+    for p in head.parameters():
         p.requires_grad_(False)
-    for p in trainer.mtp.parameters():
+    for p in head.mtp.parameters():
         p.requires_grad_(True)
-    opt = torch.optim.Adam(trainer.mtp.parameters(), lr=2e-2)
-    sequences = torch.tensor([c.prompt_token_ids + c.token_ids for c in plain], device=DEVICE)
+    opt = torch.optim.Adam(head.mtp.parameters(), lr=2e-2)
+    sequences = torch.tensor([c.prompt_token_ids + c.token_ids for c in plain])
     for _ in range(30):
-        loss = trainer.mtp_loss(sequences)
+        loss = head.mtp_loss(sequences)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    drafting = mode()
-    drafting.load_state_dict(trainer.state_dict())
+    trainer, drafting = mode(), mode()
+    for m in (trainer, drafting):
+        m.load_state_dict(head.state_dict())
     with fast_ge.Generator(drafting, speculative="mtp", num_speculative_tokens=3, **kw) as gen:
         got = flat(gen.generate(reqs))
         stats = gen.stats()
