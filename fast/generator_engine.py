@@ -772,7 +772,7 @@ class Generator:
         if decode:                                         # one token for every other decoding sample
             logits = self.runner.decode(self.model, decode)
             if mtp is not None:
-                mtp.observe([(s, len(s.tokens) - 1) for s in decode], self.runner.hidden)
+                mtp.observe([(s, len(s.tokens) - 1, self.runner.hidden[n:n + 1]) for n, s in enumerate(decode)])
             self.scheduler.decoded(decode)
             self.scheduler.advance(decode, *self.runner.sample(self.model, decode, logits), settle)
         self.scheduler.counts["steps"] += 1
@@ -799,11 +799,10 @@ class Generator:
             if accepted < len(c.drafts):
                 redo.append(n)
             at += len(c.drafts) + 1
-        if isinstance(self.scheduler.drafter, MTPDrafter):
+        if isinstance(self.scheduler.drafter, MTPDrafter):     # the accepted rows' hidden states
             starts = [0, *itertools.accumulate(len(c.drafts) + 1 for c in chunks)]
-            index = [starts[n] + r for n, (drawn, _) in enumerate(outcomes) for r in range(len(drawn))]
-            self.scheduler.drafter.observe([(c.seq, c.start + r) for c, (drawn, _) in zip(chunks, outcomes)
-                                            for r in range(len(drawn))], hidden[index])
+            self.scheduler.drafter.observe([(c.seq, c.start, hidden[a:a + len(drawn)])
+                                            for c, a, (drawn, _) in zip(chunks, starts, outcomes)])
         if saved is not None and redo:
             self.runner.roll_back(chunks, [len(outcomes[n][0]) if n in redo else 0 for n in range(len(chunks))],
                                   saved)
@@ -2333,29 +2332,25 @@ class MTPDrafter:
     def __init__(self, runner: ModelRunner, model_of):
         self.runner, self.model_of = runner, model_of     # (model_of: the live weights, a hot swap changes them)
 
-    def observe(self, rows: list, hidden: torch.Tensor) -> None:
-        """The main model's hidden states [n, hidden] of ``rows`` [(sample, position)], each sample's positions
-        consecutive from where its head rows stand."""
-        for n, (s, position) in enumerate(rows):
+    def observe(self, runs: list) -> None:
+        """The main model's hidden states of ``runs`` [(sample, first position, hidden [n, hidden])], each
+        continuing its sample's positions from where its head rows stand (copied: a pass's tensor is not kept)."""
+        for s, position, hidden in runs:
             r = s.mtp
             if r is None:                                 # its first computed position: the head starts there
-                s.mtp = _MTPRows(position, position, hidden[n:n + 1])
+                s.mtp = _MTPRows(position, position, hidden.clone())
                 continue
             if r.next + r.pending.shape[0] != position:
                 raise RuntimeError(f"MTPDrafter: position {position} follows {r.next + r.pending.shape[0] - 1}")
-            s.mtp = r._replace(pending=torch.cat([r.pending, hidden[n:n + 1]]))
+            s.mtp = r._replace(pending=torch.cat([r.pending, hidden]))
 
     @torch.no_grad()
     def prefilled(self, model: nn.Module, work: list, hidden: torch.Tensor) -> None:
         """After a prefill pass over ``work`` (hidden: the pass's rows, in work order): its rows are observed
         and the head's computed wherever the next token is known (every row but a prompt's last)."""
-        at, rows, index = 0, [], []
-        for c in work:
-            rows += [(c.seq, p) for p in range(c.start, c.end)]
-            index += range(at, at + c.end - c.start)
-            at += c.end - c.start
-        if rows:
-            self.observe(rows, hidden[index])
+        bounds = [0, *itertools.accumulate(c.end - c.start for c in work)]
+        if work:
+            self.observe([(c.seq, c.start, hidden[a:b]) for c, a, b in zip(work, bounds, bounds[1:])])
             self._catch_up(model, list({id(c.seq): c.seq for c in work}.values()))
 
     def _catch_up(self, model: nn.Module, seqs: list) -> list:
