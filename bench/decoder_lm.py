@@ -567,15 +567,26 @@ def _compiled_kernels(static, args) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("graph_") or e.name in extern)
 
 
+def _counts_by_depth(batch: int) -> tuple[dict, dict]:
+    """(fixed, per layer) of ``_step_counts``, from two depths: count = fixed + per layer x layers."""
+    low, high = _step_counts(2, batch), _step_counts(4, batch)
+    per_layer = {k: (high[k] - low[k]) / 2 for k in low}
+    return {k: low[k] - 2 * per_layer[k] for k in low}, per_layer
+
+
+def _layer_params(s: dict) -> int:
+    """One decoder layer's parameters at a GPU_SHAPES shape: q, k, v, o, the SwiGLU MLP, two norms."""
+    h, d = s["hidden"], s["head_dim"]
+    return h * (s["heads"] + 2 * s["kv_heads"]) * d + s["heads"] * d * h + 3 * h * s["ffn"] + 2 * h
+
+
 def bench_modeled_step(rec, quick: bool) -> None:
     from observatory import H100
     for batch in (1, 16, 64):
-        low, high = _step_counts(2, batch), _step_counts(4, batch)
-        per_layer = {k: (high[k] - low[k]) / 2 for k in low}
-        fixed = {k: low[k] - 2 * per_layer[k] for k in low}
+        fixed, per_layer = _counts_by_depth(batch)
         for name, s in GPU_SHAPES.items():
             h, d = s["hidden"], s["head_dim"]
-            layer_params = h * (s["heads"] + 2 * s["kv_heads"]) * d + s["heads"] * d * h + 3 * h * s["ffn"] + 2 * h
+            layer_params = _layer_params(s)
             weight_bytes = 2 * (s["layers"] * layer_params + s["vocab"] * h + (0 if s["tied"] else batch * h))
             kv_bytes = 2 * batch * CONTEXT * s["layers"] * 2 * s["kv_heads"] * d
             floor_us = (weight_bytes + kv_bytes) / H100.hbm_bytes_per_s * 1e6
@@ -681,12 +692,10 @@ def bench_modeled_speculative(rec, quick: bool) -> None:
     set against: the graph of the compiled decode step."""
     from observatory import H100
     for batch in (1, 16, 64):
-        low, high = _step_counts(2, batch), _step_counts(4, batch)
-        per_layer = {k: (high[k] - low[k]) / 2 for k in low}
-        fixed = {k: low[k] - 2 * per_layer[k] for k in low}
+        fixed, per_layer = _counts_by_depth(batch)
         for name, s in GPU_SHAPES.items():
             h, d = s["hidden"], s["head_dim"]
-            layer_params = h * (s["heads"] + 2 * s["kv_heads"]) * d + s["heads"] * d * h + 3 * h * s["ffn"] + 2 * h
+            layer_params = _layer_params(s)
             head_params = s["vocab"] * h
             kv_per_token = s["layers"] * 2 * s["kv_heads"] * d * 2                     # bytes, bf16
             kernels = fixed["compiled_kernels"] + per_layer["compiled_kernels"] * s["layers"]   # the fused step

@@ -1874,7 +1874,7 @@ class ModelRunner:
         rows = [c.seq.row for c in chunks]
         for i, (module, h) in self.linear_inputs.items():
             again = redo
-            if hasattr(module, "rewind"):
+            if self.batch_invariant and hasattr(module, "rewind"):   # (only the mode's cache can be rewound)
                 index = torch.tensor([rows[n] for n in redo], device=self.device)
                 after, before = module.new_cache(), module.new_cache()
                 self.pools.gather(i, index, after)

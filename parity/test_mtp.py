@@ -296,6 +296,22 @@ def test_the_engines_drafts_are_the_head_over_the_sequence(ge, knobs, monkeypatc
                 hidden, ids = torch.cat([hidden, y[-1:]]), ids + [proposed]
 
 
+def train_head(m, sequences: list, steps: int, lr: float) -> torch.Tensor:
+    """Adam steps of m.mtp_loss on equal-length ``sequences``, the trunk frozen; returns the last loss."""
+    for p in m.parameters():
+        p.requires_grad_(False)
+    for p in m.mtp.parameters():
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(m.mtp.parameters(), lr=lr)
+    batch = torch.tensor(sequences)
+    for _ in range(steps):
+        loss = m.mtp_loss(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return loss
+
+
 @pytest.mark.parametrize("ge", ENGINES)
 def test_training_the_head_raises_acceptance(ge):
     """The trainer keeps the drafter current: a few dozen Adam steps of mtp_loss on the model's own greedy
@@ -314,17 +330,7 @@ def test_training_the_head_raises_acceptance(ge):
 
     plain, _ = serve(None)
     _, before = serve("mtp")
-    for p in m.parameters():
-        p.requires_grad_(False)
-    for p in m.mtp.parameters():
-        p.requires_grad_(True)
-    opt = torch.optim.Adam(m.mtp.parameters(), lr=1e-2)
-    sequences = torch.tensor([c.prompt_token_ids + c.token_ids for c in plain])
-    for _ in range(40):
-        loss = m.mtp_loss(sequences)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    loss = train_head(m, [c.prompt_token_ids + c.token_ids for c in plain], steps=40, lr=1e-2)
     after_done, after = serve("mtp")
     print(f"\n[mtp, {ge.__name__}] acceptance {before:.2f} -> {after:.2f} after 40 steps (loss {loss.item():.2f})")
     assert before < 0.15 < 0.4 < after
@@ -389,17 +395,7 @@ def test_mtp_rollouts_stay_bitwise_in_the_mode():
     with fast_ge.Generator(mode(), **kw) as gen:
         plain = flat(gen.generate(reqs))
     head = model(lm=fast_lm)             # the same weights outside the mode: its head trained (the mode's speed)
-    for p in head.parameters():
-        p.requires_grad_(False)
-    for p in head.mtp.parameters():
-        p.requires_grad_(True)
-    opt = torch.optim.Adam(head.mtp.parameters(), lr=2e-2)
-    sequences = torch.tensor([c.prompt_token_ids + c.token_ids for c in plain])
-    for _ in range(30):
-        loss = head.mtp_loss(sequences)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train_head(head, [c.prompt_token_ids + c.token_ids for c in plain], steps=30, lr=2e-2)
     trainer, drafting = mode(), mode()
     for m in (trainer, drafting):
         m.load_state_dict(head.state_dict())
