@@ -77,9 +77,10 @@ Supported, and what raises
     CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``).  Everything the reference rejects
     raises the same ValueError / TypeError here, plus fp64, D > 256 and caches or ``out``
     without unit stride in D.  The value checks cost one small device-to-host copy per call and
-    are skipped during CUDA-graph capture.  The ops are ``torch.library.custom_op``s, so
-    ``torch.compile(fullgraph=True)`` traces through them.  Inference only.  The README's
-    "Known limits" lists the rest.
+    are skipped during CUDA-graph capture; ``cascade_decode`` also sizes its launch from its group
+    check's copy, except with ``capturable=True`` (sized from shapes: the call a graph captures).
+    The ops are ``torch.library.custom_op``s, so ``torch.compile(fullgraph=True)`` traces through
+    them.  Inference only.  The README's "Known limits" lists the rest.
 
 Batch invariance (``batch_invariant=True``; the default, False, keeps the fast path)
     The contract: each query row's out and lse are bitwise equal (``torch.equal``) to what
@@ -191,7 +192,7 @@ def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None
 
 
 def cascade_decode(q, k_cache, v_cache, seqused_k, *, block_table, cu_groups, prefix_lens, k_new=None, v_new=None,
-                   scale=None, softcap=0.0, sinks=None, return_lse=False, out=None):
+                   scale=None, softcap=0.0, sinks=None, return_lse=False, out=None, capturable=False):
     """Cascade (shared-prefix) decode over a paged cache: ``flash_decode`` for groups of sequences whose
     first keys lie in the same pages, such as a GRPO group's samples behind their prompt.
 
@@ -204,6 +205,13 @@ def cascade_decode(q, k_cache, v_cache, seqused_k, *, block_table, cu_groups, pr
     sink.  The result equals ``flash_decode``'s for every row, to
     rounding; the other keywords are flash_decode's.  Returns ``out [B, S_q, H_q, D]``, or ``(out,
     lse [B, H_q, S_q] fp32)``.
+
+    ``capturable=True``: the launch is sized from shapes alone, as if one group held all B rows and every
+    prefix and suffix could fill the cache's capacity (``block_table``'s width), so a CUDA graph can capture
+    the call and replay it over other groups: empty groups (cu_groups[g] == cu_groups[g + 1]) and prefixes
+    of 0 are allowed, the group values are not checked (the caller vouches for them: their check reads
+    them back), and the programs with no rows or keys exit at once.
+    The split counts then follow the capacity, not the keys in use, so the bits differ from a sized call's.
     """
     if block_table is None:
         raise ValueError("cascade_decode needs a paged cache (block_table): a group's rows share the pages "
@@ -214,7 +222,8 @@ def cascade_decode(q, k_cache, v_cache, seqused_k, *, block_table, cu_groups, pr
     _check_group_tensors(cu_groups, prefix_lens, q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     lse = torch.ops.twofold.cascade_decode(q, k_cache, v_cache, seqused_k, block_table, cu_groups.contiguous(),
-                                           prefix_lens.contiguous(), sinks, out, scale, float(softcap), k_new is None)
+                                           prefix_lens.contiguous(), sinks, out, scale, float(softcap),
+                                           k_new is None, bool(capturable))
     return (out, lse) if return_lse else out
 
 
@@ -477,10 +486,12 @@ def _decode_invariant(q, k_cache, v_cache, seqused_k, block_table, sinks, out, l
 def _cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqused_k: torch.Tensor,
                     block_table: torch.Tensor, cu_groups: torch.Tensor, prefix_lens: torch.Tensor,
                     sinks: Optional[torch.Tensor], out: torch.Tensor, scale: float, softcap: float,
-                    check_values: bool) -> torch.Tensor:
+                    check_values: bool, capturable: bool) -> torch.Tensor:
     """Writes out [B, S_q, H_q, D]; returns lse [B, H_q, S_q]: one launch of ``_cascade_fwd_kernel``
     (the prefix splits of every group's row tiles, then every row's suffix splits; the program that
-    finishes a sequence's keys last merges its partials), after a memset of its arrival counters."""
+    finishes a sequence's keys last merges its partials), after a memset of its arrival counters.
+    ``capturable``: sized for any groups (one of all B rows; prefixes and suffixes up to the capacity, not
+    known to end on a page boundary), nothing read back."""
     batch, s_q, h_q, d = q.shape
     h_kv, page_size = k_cache.shape[2], k_cache.shape[1]
     group = h_q // h_kv
@@ -488,8 +499,11 @@ def _cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if check_values:
         _check_values(seqused_k, block_table, s_q=s_q, capacity=capacity, num_pages=k_cache.shape[0],
                       page_size=page_size)
-    largest, shortest_prefix, longest_prefix, aligned = _check_group_values(
-        cu_groups, prefix_lens, seqused_k, block_table, s_q=s_q, page_size=page_size)
+    if capturable:
+        largest, shortest_prefix, longest_prefix, aligned = batch, 0, max(0, capacity - s_q + 1), False
+    else:
+        largest, shortest_prefix, longest_prefix, aligned = _check_group_values(
+            cu_groups, prefix_lens, seqused_k, block_table, s_q=s_q, page_size=page_size)
     lse = torch.empty(batch, h_q, s_q, dtype=torch.float32, device=q.device)
     if q.numel() == 0:
         return lse
@@ -501,10 +515,10 @@ def _cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     p_tiles = -(-largest * rows // block_m) if longest_prefix > 0 else 0   # no prefix: no prefix programs
     s_tiles = -(-rows // block_m)
     suffix = capacity - shortest_prefix                     # the most keys a row has after its prefix
-    p_splits, s_splits = _cascade_splits(
-        n_groups=n_groups, p_tiles=p_tiles, prefix=longest_prefix, p_rows=min(block_m, largest * rows),
-        batch=batch, s_tiles=s_tiles, suffix=suffix, s_rows=min(block_m, rows), h_kv=h_kv, head_dim=d, elt=elt,
-        block_n=block_n, num_sms=_sm_count(q.device))
+    p_splits, s_splits = _cascade_splits(      # (capturable: budgeted as one group of all the rows)
+        n_groups=1 if capturable else n_groups, p_tiles=p_tiles, prefix=longest_prefix,
+        p_rows=min(block_m, largest * rows), batch=batch, s_tiles=s_tiles, suffix=suffix, s_rows=min(block_m, rows),
+        h_kv=h_kv, head_dim=d, elt=elt, block_n=block_n, num_sms=_sm_count(q.device))
     if _CASCADE_SPLITS is not None:                          # tests only
         p_splits, s_splits = _CASCADE_SPLITS
     n_prefix, n_items = n_groups * p_tiles * p_splits, n_groups * p_tiles * p_splits + batch * s_tiles * s_splits
@@ -527,7 +541,8 @@ def _cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 @_cascade_decode.register_fake
-def _(q, k_cache, v_cache, seqused_k, block_table, cu_groups, prefix_lens, sinks, out, scale, softcap, check_values):
+def _(q, k_cache, v_cache, seqused_k, block_table, cu_groups, prefix_lens, sinks, out, scale, softcap, check_values,
+      capturable):
     batch, s_q, h_q, _ = q.shape
     return q.new_empty(batch, h_q, s_q, dtype=torch.float32)
 

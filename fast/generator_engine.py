@@ -176,6 +176,7 @@ import contextlib
 import copy
 import dataclasses
 import enum
+import inspect
 import itertools
 import math
 import operator
@@ -449,8 +450,9 @@ class Generator:
     ``weight_receiver``                 a weight transport connected on every rank (``connect_weights``)
     ``compile``, ``cuda_graphs``,       decode through the static step (the section "the static decode
     ``capture_sizes``                   step"): a batch padded to the next of ``capture_sizes`` (larger
-                                        ones, and a step with a group's cascade, run eagerly: leave
-                                        ``cascade_decode`` unset to keep a GRPO step in it), compiled by
+                                        ones run eagerly; a step with a group's cascade takes it through
+                                        ``cascade_decode(..., capturable=True)``, eagerly with a plug-in
+                                        that has no such keyword), compiled by
                                         ``torch.compile`` (one compile per padded size and weight set:
                                         seconds to minutes on a CPU) and / or, on CUDA, replayed from a
                                         graph captured per padded size and weight set (its inputs copied
@@ -708,7 +710,8 @@ class Generator:
         num_checkpoints x, per linear layer, every tensor of its cache: the fp32 recurrent state and the
         conv state, and in the batch-invariant mode the chunk buffer), max_seq_len; decode_steps,
         static_decode_steps (those through the static step, compiled or replayed) and static_decode_shapes
-        (the (padded batch, table width in pages) it ran at); cuda_graph_sizes (the padded batches captured)
+        (the (padded batch, table width in pages) it ran at), static_cascade_steps (those of them with a
+        group's cascade); cuda_graph_sizes (the padded batches captured)
         and cuda_graph_bytes (what their memory pool reserved); draft_tokens and accepted_draft_tokens
         (speculative decoding: proposed, and accepted by verification) and acceptance_lengths (how many
         verifications accepted 0, 1, ..., num_speculative_tokens drafts)."""
@@ -724,10 +727,12 @@ class Generator:
     def _static_report(self) -> dict:
         static, steps = self.runner.static, self.runner.decode_steps
         if static is None:
-            return dict(decode_steps=steps, static_decode_steps=0, static_decode_shapes=[], cuda_graph_sizes=[],
-                        cuda_graph_bytes=0)
+            return dict(decode_steps=steps, static_decode_steps=0, static_decode_shapes=[], static_cascade_steps=0,
+                        cuda_graph_sizes=[], cuda_graph_bytes=0)
         return dict(decode_steps=steps, static_decode_steps=static.steps, static_decode_shapes=sorted(static.shapes),
-                    cuda_graph_sizes=sorted({size for _, size in static.graphs}), cuda_graph_bytes=static.graph_bytes)
+                    static_cascade_steps=static.cascade_steps,
+                    cuda_graph_sizes=sorted({size for _, size, _ in static.graphs}),
+                    cuda_graph_bytes=static.graph_bytes)
 
     def close(self) -> None:
         """Stop the engine (what is queued or running fails) and, tensor-parallel, every worker process."""
@@ -1903,10 +1908,12 @@ class ModelRunner:
         b, put, at = len(seqs), self.staging.put, self.attention
         self.decode_steps += 1
         groups = self._decode_groups(seqs) if at.cascade is not None and not self.batch_invariant else None
-        if self.static is not None and groups is None:
-            ran, logits = self.static.run(model, seqs)
+        if self.static is not None:
+            ran, logits = self.static.run(model, seqs, groups)
             if ran:
                 return logits
+        if groups is not None:
+            groups = put("cu_groups", groups[0], torch.int32), put("prefix_lens", groups[1], torch.int32)
         ids = put("ids", [s.tokens[-1] for s in seqs], torch.int64)
         positions = put("positions", [len(s.tokens) - 1 for s in seqs], torch.int64)
         used = put("used", [len(s.tokens) for s in seqs], torch.int32)
@@ -1943,9 +1950,9 @@ class ModelRunner:
         return model.logits(h) if self.samples else None
 
     def _decode_groups(self, seqs: list):
-        """(cu_groups, prefix_lens) of a decode batch ordered by request: the samples of one request that
-        still share its prompt's full pages form a group (prefix: those pages' keys); None when no
-        group has two samples (plain flash_decode then)."""
+        """(cu_groups, prefix_lens), as lists, of a decode batch ordered by request: the samples of one
+        request that still share its prompt's full pages form a group (prefix: those pages' keys); None
+        when no group has two samples (plain flash_decode then)."""
         ps, bounds, prefixes = self.page_size, [0], []
         for n, s in enumerate(seqs):
             shared = s.n_prompt // ps
@@ -1959,9 +1966,7 @@ class ModelRunner:
         if len(prefixes) == len(seqs):
             return None
         sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-        prefixes = [p if size > 1 else 0 for p, size in zip(prefixes, sizes)]
-        put = self.staging.put
-        return put("cu_groups", bounds, torch.int32), put("prefix_lens", prefixes, torch.int32)
+        return bounds, [p if size > 1 else 0 for p, size in zip(prefixes, sizes)]
 
     def _two_segments(self, q, kc, vc, used, table, prompts, new, window: int = 0):
         """The batch-invariant mode's attention for completion rows q [B, S_q, H_q, D] (positions used - S_q
@@ -2068,6 +2073,12 @@ class ModelRunner:
 # P (W is dynamic) and per weight set (a hot swap alternates two modules); ``cuda_graphs=True`` captures it
 # (compiled or not) per P and weight set at the table's full width, and replays it.
 #
+# A step with a group's cascade (``cascade_decode``, a GRPO group's samples side by side) takes it too, when
+# the plug-in has a ``capturable`` keyword (fast/flash_decoding.py's: its launch sized from shapes, nothing
+# read back): the groups in two more buffers, cu_groups [P + 1] and prefix_lens [P], a padding row a group of
+# its own with no prefix, the groups past them empty; one more graph (or compiled variant) per P and weight
+# set, for the steps that have groups.  A plug-in without the keyword keeps those steps eager.
+#
 # The state writes are deferred to the step's end, one op for all of them (``_write_rows``): the attention
 # of layer i sees the cached keys 0 .. L - 2 from the pool and the new key from the step itself, which is
 # what flash_decode computes after writing it.  (An index_put_ into a pool the graph was given is
@@ -2135,8 +2146,13 @@ class StaticDecode:
         self.rows = torch.zeros(largest, dtype=torch.int64, device=dev)
         self.prompts = torch.ones(largest, dtype=torch.int32, device=dev)
         self.table = torch.zeros(largest, self.pools.pages_per_seq, dtype=torch.int32, device=dev)
+        self.cu_groups = torch.zeros(largest + 1, dtype=torch.int32, device=dev)
+        self.prefix_lens = torch.zeros(largest, dtype=torch.int32, device=dev)
+        cascade = runner.attention.cascade
+        self.cascade = (cascade is not None and not runner.batch_invariant
+                        and "capturable" in inspect.signature(cascade).parameters)
         self.shapes: set = set()                   # the (P, W) the step ran at
-        self.steps = 0
+        self.steps = self.cascade_steps = 0
         # (Dynamo's guards on the model's modules are skipped: ~0.5 ms a step at 28 layers.  The engine owns its
         # model and never changes a module's attributes; a weight load copies into tensors, a swap passes the
         # other module, of the same structure, whose parameters the graph reads as inputs: the hot-swap test.)
@@ -2144,19 +2160,21 @@ class StaticDecode:
             "cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}) if compile
                           else self._forward)
         self.cuda_graphs = cuda_graphs
-        self.graphs: dict = {}                     # (id(model), P) -> (CUDAGraph, its (logits, hidden))
+        self.graphs: dict = {}        # (id(model), P, cascade) -> (CUDAGraph, its (logits, hidden))
         self.graph_bytes = 0                       # what the graphs' memory pool reserved
         self._pool = None
 
-    def run(self, model: nn.Module, seqs: list) -> tuple[bool, torch.Tensor | None]:
-        """(ran, logits [B, V] or None on a worker)."""
+    def run(self, model: nn.Module, seqs: list, groups=None) -> tuple[bool, torch.Tensor | None]:
+        """(ran, logits [B, V] or None on a worker).  ``groups``: the batch's (cu_groups, prefix_lens) lists,
+        or None (no group to cascade)."""
         b, pools = len(seqs), self.pools
-        if b > self.sizes[-1]:
+        cascade = groups is not None
+        if b > self.sizes[-1] or (cascade and not self.cascade):
             return False, None
         size = next(n for n in self.sizes if n >= b)
         pages = max(len(s.pages) for s in seqs)
         width = pools.pages_per_seq if self.cuda_graphs else min(1 << (pages - 1).bit_length(), pools.pages_per_seq)
-        graph = self._graph(model, size) if self.cuda_graphs else None
+        graph = self._graph(model, size, cascade) if self.cuda_graphs else None
         if self.cuda_graphs and graph is None:
             return False, None
         pad, put = size - b, self.runner.staging.put
@@ -2170,44 +2188,53 @@ class StaticDecode:
         pools.flush_table()
         torch.index_select(pools.table, 0, self.rows[:b], out=self.table[:b])
         self.table[b:size].fill_(pools.pad_page)
+        if cascade:       # then each padding row a group of its own, no prefix; the groups after them empty
+            bounds, prefixes = groups
+            self.cu_groups[:size + 1].copy_(put("cu_groups", bounds + list(range(b + 1, size + 1))
+                                                + [size] * (size + 1 - len(bounds) - pad), torch.int32))
+            self.prefix_lens[:size].copy_(put("prefix_lens", prefixes + [0] * (size - len(prefixes)), torch.int32))
         if graph is not None:
             graph[0].replay()
             logits, hidden = graph[1]
         else:
-            logits, hidden = self._call(model, size, width)
+            logits, hidden = self._call(model, size, width, cascade)
         self.runner.hidden = hidden[:b]
         self.shapes.add((size, width))
         self.steps += 1
+        self.cascade_steps += cascade
         return True, None if logits is None else logits[:b]
 
-    def _call(self, model: nn.Module, size: int, width: int):
+    def _call(self, model: nn.Module, size: int, width: int, cascade: bool):
         table = self.table[:size, :width]
         if not self.cuda_graphs:      # (a graph's table is full width: a symbolic width would read sizes back)
             torch._dynamo.maybe_mark_dynamic(table, 1)
+        groups = (self.cu_groups[:size + 1], self.prefix_lens[:size]) if cascade else (None, None)
         with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=4096):
             return self._compiled(model, self.ids[:size], self.positions[:size], self.used[:size], self.rows[:size],
-                                  self.prompts[:size], table)
+                                  self.prompts[:size], table, *groups)
 
-    def _graph(self, model: nn.Module, size: int):
-        """The CUDA graph of the step at padded size ``size`` for this weight set: captured on first use (two
-        warm-up runs on a side stream first: Triton compiles and autotunes there), over inputs that are
-        padding only; None (and a warning, once) when the capture fails: the engine then steps eagerly."""
-        key = (id(model), size)
+    def _graph(self, model: nn.Module, size: int, cascade: bool):
+        """The CUDA graph of the step at padded size ``size`` for this weight set, with or without a cascade:
+        captured on first use (two warm-up runs on a side stream first: Triton compiles and autotunes there),
+        over inputs that are padding only; None (and a warning, once) when the capture fails: the engine
+        then steps eagerly."""
+        key = (id(model), size, cascade)
         if key not in self.graphs:
             pools = self.pools
             self.ids[:size].zero_(), self.positions[:size].zero_(), self.used[:size].fill_(1)
             self.rows[:size].fill_(pools.pad_row), self.prompts[:size].fill_(1), self.table[:size].fill_(pools.pad_page)
+            torch.arange(size + 1, out=self.cu_groups[:size + 1]), self.prefix_lens[:size].zero_()
             before = torch.cuda.memory_reserved(self.runner.device)
             try:
                 side = torch.cuda.Stream(self.runner.device)
                 side.wait_stream(torch.cuda.current_stream(self.runner.device))
                 with torch.cuda.stream(side):
                     for _ in range(2):
-                        self._call(model, size, pools.pages_per_seq)
+                        self._call(model, size, pools.pages_per_seq, cascade)
                 torch.cuda.current_stream(self.runner.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
-                    outputs = self._call(model, size, pools.pages_per_seq)
+                    outputs = self._call(model, size, pools.pages_per_seq, cascade)
             except Exception as exc:                    # (a plug-in that syncs with the host, say)
                 warnings.warn(f"Generator(cuda_graphs=True): capturing the decode step at batch {size} failed "
                               f"({type(exc).__name__}: {exc}); this engine decodes eagerly", stacklevel=2)
@@ -2218,7 +2245,7 @@ class StaticDecode:
             self.graphs[key] = (graph, outputs)
         return self.graphs[key]
 
-    def _forward(self, model, ids, positions, used, rows, prompts, table):
+    def _forward(self, model, ids, positions, used, rows, prompts, table, cu_groups=None, prefix_lens=None):
         runner, pools, ps = self.runner, self.pools, self.pools.page_size
         pos = used.long() - 1
         kv_index = table.long().gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps     # [P] the new token's
@@ -2233,6 +2260,9 @@ class StaticDecode:
             new = dict(k_new=k[:, None], v_new=v[:, None], scale=runner.scale, **sinks[i])
             if runner.batch_invariant:                                  # (measured, not used: Generator's note)
                 return runner._two_segments(q[:, None], kc, vc, used, table, prompts, new, w)[:, 0]
+            if cu_groups is not None and not w:    # a plug-in (writes the new K/V); its launch sized from shapes
+                return runner.attention.cascade(q[:, None], kc, vc, used, block_table=table, cu_groups=cu_groups,
+                                                prefix_lens=prefix_lens, capturable=True, **new)[:, 0]
             if runner.attention.decode is not _torch_flash_decode:     # a plug-in: it writes the new K/V itself
                 return runner.attention.decode(q[:, None], kc, vc, used, block_table=table, cache_leftpad=first,
                                                **new)[:, 0]

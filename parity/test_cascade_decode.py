@@ -310,6 +310,64 @@ def test_any_split_count_and_any_merger_give_the_same_bits(name, page, h_q, h_kv
         assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+def padded_groups(case, pad_rows: int):
+    """The groups as a captured step may lay them out: an empty group before each real one (a prefix of a
+    million keys, never read), ``pad_rows`` rows at the end in groups of their own with no prefix, then two
+    empty groups."""
+    cu, prefixes = case["cu_groups"].tolist(), case["prefix_lens"].tolist()
+    bounds, lens = [0], []
+    for g, prefix in enumerate(prefixes):
+        bounds += [cu[g], cu[g + 1]]
+        lens += [10 ** 6, prefix]
+    batch = cu[-1] + pad_rows
+    bounds += list(range(cu[-1] + 1, batch + 1)) + [batch, batch]
+    lens += [0] * (pad_rows + 2)
+    return (torch.tensor(bounds, dtype=torch.int32, device=DEVICE),
+            torch.tensor(lens, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("name,page,h_q,h_kv,d,s_q,use_sinks,softcap,groups",
+                         [pytest.param(*c, id=c[0]) for c in CORNERS])
+def test_a_capturable_call_reads_nothing_back_and_takes_any_groups(name, page, h_q, h_kv, d, s_q, use_sinks,
+                                                                   softcap, groups, monkeypatch):
+    """``capturable=True`` (what a CUDA graph captures: the engine's static decode step) sizes the launch from
+    shapes alone, so one launch serves any groups: here with empty groups between the real ones (their prefix
+    a million keys, never read), two padding rows of S_q keys each (a spare page) in groups of their own and
+    empty groups after them, the new keys written first (k_new / v_new).  The group values are never read
+    back (their check is made to raise); every row, padding included, is flash_decode's within the tolerance
+    rule of the fp64 reference, and the cache holds the new keys as flash_decode writes them."""
+    case64 = group_case(groups=groups, s_q=s_q, h_q=h_q, h_kv=h_kv, d=d, page=page, seed=sum(map(ord, name)) + 1)
+    gen = make_generator(len(name))
+    pad = 2
+    spare = case64["k_cache"].shape[0]                         # one more page: the padding rows'
+    nan_page = torch.full((1, *case64["k_cache"].shape[1:]), float("nan"), dtype=torch.float64, device=DEVICE)
+    case64["k_cache"] = torch.cat([case64["k_cache"], nan_page])
+    case64["v_cache"] = torch.cat([case64["v_cache"], nan_page])
+    width = case64["block_table"].shape[1]
+    case64["block_table"] = torch.cat([case64["block_table"],
+                                       torch.full((pad, width), spare, dtype=torch.int32, device=DEVICE)])
+    case64["seqused_k"] = torch.cat([case64["seqused_k"], torch.full((pad,), s_q, dtype=torch.int32, device=DEVICE)])
+    case64["q"] = torch.cat([case64["q"], randn(pad, s_q, h_q, d, gen=gen, dtype=torch.float64)])
+    b = case64["q"].shape[0]
+    k_new, v_new = (randn(b, s_q, h_kv, d, gen=gen, dtype=torch.float64) for _ in range(2))
+    kw = dict(softcap=softcap)
+    expect, low = {k: v.clone() for k, v in case64.items()}, cast(case64, torch.float32)
+    o64, lse64 = decode(ref, expect, sinks=expect["sinks"] if use_sinks else None, k_new=k_new, v_new=v_new, **kw)
+    o_low, lse_low = decode(ref, low, sinks=low["sinks"] if use_sinks else None, upcast=False, k_new=k_new.float(),
+                            v_new=v_new.float(), **kw)
+    case = cast(case64, torch.float32)
+    cu_groups, prefix_lens = padded_groups(case64, pad)
+    monkeypatch.setattr(fast, "_check_group_values", lambda *a, **k: pytest.fail("capturable read the groups back"))
+    o, lse = fast.cascade_decode(case["q"], case["k_cache"], case["v_cache"], case["seqused_k"],
+                                 block_table=case["block_table"], cu_groups=cu_groups, prefix_lens=prefix_lens,
+                                 k_new=k_new.float(), v_new=v_new.float(), sinks=case["sinks"] if use_sinks else None,
+                                 return_lse=True, capturable=True, out=poison_(torch.empty_like(case["q"])), **kw)
+    check_close(f"{name} capturable out", o, o64, o_low)
+    check_close(f"{name} capturable lse", lse, lse64, lse_low)
+    assert torch.equal(case["k_cache"].nan_to_num(7), low["k_cache"].nan_to_num(7))
+    assert torch.equal(case["v_cache"].nan_to_num(7), low["v_cache"].nan_to_num(7))
+
+
 def test_split_counts_follow_the_traffic_budget():
     """_cascade_splits at the GRPO case (one group of 8, 2k + 256 keys, GQA 8/2, D = 128, fp16, BLOCK_N 16):
     7 prefix splits a KV head and one suffix split, whose extra bytes stay within the budget where 8 would

@@ -12,6 +12,7 @@ Each case compiles one padded size (``capture_sizes=(8,)``) to keep the compile 
 from __future__ import annotations
 
 import functools
+import random
 import threading
 import warnings
 
@@ -151,6 +152,68 @@ def test_hot_swap_lands_between_compiled_steps():
     assert tokens != _switch_run(a, a, prompt, n_tokens, 99)[0]                     # the new weights did serve
 
 
+def _grpo_workload(seed: int) -> list:
+    """Two GRPO groups of 3 samples (greedy and sampled) behind a shared system prompt of 8 tokens, and two
+    single requests between them."""
+    rng = random.Random(seed)
+    system = [rng.randrange(1, 96) for _ in range(8)]
+    reqs = []
+    for i in range(4):
+        prompt = system + [rng.randrange(1, 96) for _ in range(rng.randint(2, 9))]
+        n = 3 if i % 2 == 0 else 1
+        sp = fast_ge.SamplingParams(max_new_tokens=rng.randint(6, 10), temperature=(0.0, 0.9)[i // 2], seed=i, n=n)
+        reqs.append(fast_ge.Request(prompt, sp, request_id=f"q{i}"))
+    return reqs
+
+
+def test_compiled_decode_cascades_a_group(monkeypatch):
+    """With this repo's flash_decode and cascade_decode plugged in (the Triton interpreter here), a step whose
+    batch holds a GRPO group's samples runs the compiled static step too: ``cascade_decode(...,
+    capturable=True)`` over the padded groups (a padding row a group of its own), a sliding layer through
+    flash_decode (the window may not reach the group's prompt).  The completions equal the eager engine's
+    with the same plug-ins; every decode step ran compiled, most of them with a cascade.  A plug-in without
+    a ``capturable`` keyword keeps those steps eager (and only those)."""
+    from fast.flash_decoding import cascade_decode, flash_decode
+    model = _model("windows+sinks", seed=5).to(DEVICE)
+    kw = dict(flash_decode=flash_decode, page_size=4, num_pages=40, max_batch_size=8, capture_sizes=(8,))
+    with fast_ge.Generator(model, cascade_decode=cascade_decode, **kw) as gen:
+        eager = gen.generate(_grpo_workload(7))
+    import fast.flash_decoding as fast_fd
+    kernel, largest_groups = fast_fd._cascade_fwd_kernel, []
+
+    class Recording:         # each launch's largest group and the smallest prefix of a group of several
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                sizes, prefixes = args[5].diff(), args[6]
+                largest_groups.append((int(sizes.max()), int(prefixes[sizes > 1].min()) if sizes.max() > 1 else 0))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(fast_fd, "_cascade_fwd_kernel", Recording())
+    with fast_ge.Generator(model, cascade_decode=cascade_decode, compile=True, **kw) as gen:
+        got = gen.generate(_grpo_workload(7))
+        stats = gen.stats()
+    assert stats["static_decode_steps"] == stats["decode_steps"] > 5, stats
+    assert 0 < stats["static_cascade_steps"] < stats["static_decode_steps"], stats
+    assert max(size for size, _ in largest_groups) == 3, largest_groups        # a group's 3 samples in a launch,
+    assert all(prefix >= 8 for size, prefix in largest_groups if size > 1), largest_groups   # 2+ pages shared
+    monkeypatch.undo()
+    flat = lambda groups: [c for g in groups for c in (g if isinstance(g, list) else [g])]   # noqa: E731
+    for e, g in zip(flat(eager), flat(got), strict=True):
+        assert_same(e, g, model=None)
+
+    def sized_only(q, k_cache, v_cache, seqused_k, **kw):      # the same kernel, no capturable keyword
+        return cascade_decode(q, k_cache, v_cache, seqused_k, **kw)
+
+    with fast_ge.Generator(model, cascade_decode=sized_only, compile=True, **kw) as gen:
+        again = gen.generate(_grpo_workload(7))
+        plain = gen.stats()
+    assert plain["static_cascade_steps"] == 0, plain
+    assert plain["static_decode_steps"] == plain["decode_steps"] - stats["static_cascade_steps"], (plain, stats)
+    for e, g in zip(flat(eager), flat(again), strict=True):
+        assert_same(e, g, model=None)
+
+
 @pytest.mark.parametrize("window", [0, 4], ids=["full", "window4"])
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
 def test_static_attention_is_the_definition(window, with_sinks):
@@ -227,3 +290,25 @@ def test_gpu_cuda_graphs_equal_eager(kind, kernels):
     for e, g in zip(eager, got, strict=True):
         for a, b in zip(e if isinstance(e, list) else [e], g if isinstance(g, list) else [g], strict=True):
             assert_same(a, b, rtol=4 * LP_RTOL)                 # (fp32 on a GPU: the doubled factor, twice)
+
+
+@requires_gpu
+@pytest.mark.gpu
+def test_gpu_cuda_graphs_cascade_a_group():
+    """On a GPU, fp32: the GRPO workload's steps with a group's cascade replay a graph of their own (captured
+    with ``cascade_decode(..., capturable=True)``), the others the plain one; the completions equal the eager
+    engine's with the same plug-ins."""
+    from fast.flash_decoding import cascade_decode, flash_decode
+    model = _model("windows+sinks", seed=5).to(DEVICE)
+    kw = dict(flash_decode=flash_decode, cascade_decode=cascade_decode, page_size=4, num_pages=40, max_batch_size=8,
+              capture_sizes=(2, 8))
+    with fast_ge.Generator(model, **kw) as gen:
+        eager = gen.generate(_grpo_workload(7))
+    with fast_ge.Generator(model, cuda_graphs=True, **kw) as gen:
+        got = gen.generate(_grpo_workload(7))
+        stats, keys = gen.stats(), set(gen.runner.static.graphs)
+    assert stats["static_decode_steps"] == stats["decode_steps"] and stats["static_cascade_steps"] > 0, stats
+    assert {cascade for _, _, cascade in keys} == {False, True}, keys
+    flat = lambda groups: [c for g in groups for c in (g if isinstance(g, list) else [g])]   # noqa: E731
+    for e, g in zip(flat(eager), flat(got), strict=True):
+        assert_same(e, g, rtol=4 * LP_RTOL)

@@ -57,6 +57,8 @@ ALLOWED_EXTRA = {
     ("fast", "OffloadActivations", "prefetch"): "storages reloaded ahead of use in backward (fast prefetches)",
     ("fast", "OffloadActivations", "max_inflight_bytes"): "device bytes whose async copy may be pending",
     ("fast", "OffloadActivations", "max_pool_bytes"): "cap on the free pinned-buffer pool (fast only pins)",
+    ("fast", "cascade_decode", "capturable"): "its launch sized from shapes, nothing read back, so a CUDA graph "
+                                              "can capture it (the reference has no launch to size)",
     # generator_engine: the fast engine's knobs (the reference engine has a contiguous per-request
     # cache and plain attention, so it has nothing to tune or plug in).
     ("fast", "Generator", "varlen_attn"): "prefill attention plug-in of the paged engine",
