@@ -29,8 +29,9 @@ One iteration, and the method that does each phase (the engine thread's ``Genera
                       while a row per sample, their pages and ``max_prefill_tokens`` allow (a long prompt
                       is cut at a page boundary and goes on next iteration)     Scheduler._admit, _chunk
        drafts         speculative decoding: each decoding sample's drafter proposes up to k tokens; its
-                      verification (its last token and the drafts) joins the prefill work
-                                                                      Scheduler.speculate
+                      verification (its last token and the drafts) joins the prefill work (alone, with
+                      ``compile=True`` / ``cuda_graphs=True``: the static step, k + 1 rows a sample)
+                                                                      Scheduler.speculate, StaticDecode.verify
     3. prefill        one packed pass over that work: K/V scattered into the pages, ``varlen_attn`` over
                       the paged cache, the linear layers continued from their state rows
                                                                       ModelRunner.prefill
@@ -467,7 +468,8 @@ class Generator:
     ``num_speculative_tokens``          the model built with ``mtp=True``) or a drafter function ``(tokens,
                                         k) -> up to k token ids``: verify up to k drafts per decoding
                                         sample and step (the section "speculative decoding"); the same
-                                        tokens as plain decoding
+                                        tokens as plain decoding; with ``compile`` / ``cuda_graphs`` a
+                                        verification alone in its iteration runs the static step too
                                         ``cuda_graphs`` is off by default until a GPU run has tested it
     A model in the batch-invariant mode (``model.batch_invariant``) makes the engine batch-invariant (the
     module docstring): it then needs ``varlen_attn`` (default: the model's) and ``flash_decode``.
@@ -569,7 +571,8 @@ class Generator:
             self.scheduler.drafter = MTPDrafter(self.runner, lambda: self.model)
         if static:
             self.runner.static = StaticDecode(self.runner, opts.capture_sizes, self.max_batch_size, compile=compiled,
-                                              cuda_graphs=graphs)
+                                              cuda_graphs=graphs, rows=1 + opts.num_speculative_tokens
+                                              if opts.speculative is not None else 1)
         if isinstance(self._tp, _TensorParallel):
             self._tp.ready()                              # every worker sized its pools alike
         self._load_lock = threading.Lock()
@@ -711,7 +714,8 @@ class Generator:
         conv state, and in the batch-invariant mode the chunk buffer), max_seq_len; decode_steps,
         static_decode_steps (those through the static step, compiled or replayed) and static_decode_shapes
         (the (padded batch, table width in pages) it ran at), static_cascade_steps (those of them with a
-        group's cascade); cuda_graph_sizes (the padded batches captured)
+        group's cascade), static_verify_steps (speculative verifications through it: not decode steps);
+        cuda_graph_sizes (the padded batches captured)
         and cuda_graph_bytes (what their memory pool reserved); draft_tokens and accepted_draft_tokens
         (speculative decoding: proposed, and accepted by verification) and acceptance_lengths (how many
         verifications accepted 0, 1, ..., num_speculative_tokens drafts)."""
@@ -728,9 +732,9 @@ class Generator:
         static, steps = self.runner.static, self.runner.decode_steps
         if static is None:
             return dict(decode_steps=steps, static_decode_steps=0, static_decode_shapes=[], static_cascade_steps=0,
-                        cuda_graph_sizes=[], cuda_graph_bytes=0)
+                        static_verify_steps=0, cuda_graph_sizes=[], cuda_graph_bytes=0)
         return dict(decode_steps=steps, static_decode_steps=static.steps, static_decode_shapes=sorted(static.shapes),
-                    static_cascade_steps=static.cascade_steps,
+                    static_cascade_steps=static.cascade_steps, static_verify_steps=static.verify_steps,
                     cuda_graph_sizes=sorted({size for _, size, _ in static.graphs}),
                     cuda_graph_bytes=static.graph_bytes)
 
@@ -764,7 +768,10 @@ class Generator:
         mtp = self.scheduler.drafter if isinstance(self.scheduler.drafter, MTPDrafter) else None
         if plan.prefill or verify:                         # one packed pass; prompts done fork and sample
             saved = self.pools.save_rows([c.seq.row for c in verify]) if verify and self.scheduler.hybrid else None
-            logits = self.runner.prefill(self.model, plan.prefill + verify)
+            static = self.runner.static if verify and not plan.prefill else None    # verification alone: static
+            padded, logits = static.verify(self.model, verify) if static is not None else (False, None)
+            if not padded:
+                logits = self.runner.prefill(self.model, plan.prefill + verify)
             if mtp is not None:                            # the head's rows of the prompts (before they fork)
                 mtp.prefilled(self.model, plan.prefill, self.runner.hidden)
             started, rows = self.scheduler.prompts_done(plan.prefill)
@@ -773,7 +780,8 @@ class Generator:
             if verify:
                 rows = sum(len(c.drafts) + 1 for c in verify)
                 self._verify(verify, None if logits is None else logits[logits.shape[0] - rows:],
-                             self.runner.hidden[-rows:], saved, settle)
+                             self.runner.hidden[-rows:], saved, settle,
+                             padded=self.runner.static.rows_per_seq if padded else 0)
         if decode:                                         # one token for every other decoding sample
             logits = self.runner.decode(self.model, decode)
             if mtp is not None:
@@ -783,7 +791,7 @@ class Generator:
         self.scheduler.counts["steps"] += 1
 
     def _verify(self, chunks: list, logits: torch.Tensor, hidden: torch.Tensor, saved: dict | None,
-                settle: list) -> None:
+                settle: list, padded: int = 0) -> None:
         """Speculative verification (ref/generator_engine.py's ``generate`` states the rule): every row of
         each chunk draws its token with its own keyed draw; the drafts are accepted while each equals the
         token drawn before it, and the first token that differs (or the one after the last draft) is emitted
@@ -791,8 +799,9 @@ class Generator:
         a hybrid model's linear layers, which ran over every row, go back to their state before the pass
         (``ModelRunner.roll_back``: those layers only, their rejected rows dropped where the layer can, else
         rerun over the accepted rows; in the batch-invariant mode bit for bit what the decode steps would have
-        left).  The MTP drafter keeps
-        the accepted rows' hidden states (``hidden``: the chunks' rows of the pass)."""
+        left; after the static verification, whose linear layers ran over ``padded`` rows a chunk, every chunk
+        that kept fewer).  The MTP drafter keeps the accepted rows' hidden states (``hidden``: the chunks' rows
+        of the pass)."""
         tokens, logprobs = self.runner.sample_verification(self.model, chunks, logits)
         outcomes, redo, at = [], [], 0
         for n, c in enumerate(chunks):
@@ -801,7 +810,7 @@ class Generator:
             while accepted < len(c.drafts) and drawn[accepted] == c.drafts[accepted]:
                 accepted += 1
             outcomes.append((drawn[:accepted + 1], logprobs[at:at + accepted + 1]))
-            if accepted < len(c.drafts):
+            if accepted < len(c.drafts) or accepted + 1 < padded:
                 redo.append(n)
             at += len(c.drafts) + 1
         if isinstance(self.scheduler.drafter, MTPDrafter):     # the accepted rows' hidden states
@@ -2079,6 +2088,14 @@ class ModelRunner:
 # its own with no prefix, the groups past them empty; one more graph (or compiled variant) per P and weight
 # set, for the steps that have groups.  A plug-in without the keyword keeps those steps eager.
 #
+# A speculative verification alone in its iteration (no prompt prefilling beside it: the steady state) takes
+# it too (``StaticDecode.verify``): S = k + 1 rows a sequence, a chunk with fewer drafts padded with token 0
+# at the next positions, whose keys go to the spare page (the block table's columns past a sequence's pages
+# point there) and which the real rows never see (causal).  A linear layer runs over all S rows, so a
+# sequence that keeps fewer is rolled back as a rejection is (its inputs are returned for that).  Not in the
+# batch-invariant mode (its verification rows reduce as the trainer's prefill does: the eager pass) nor with
+# sliding layers (flash_decode's cache_leftpad starts a sequence's keys, not each row's window).
+#
 # The state writes are deferred to the step's end, one op for all of them (``_write_rows``): the attention
 # of layer i sees the cached keys 0 .. L - 2 from the pool and the new key from the step itself, which is
 # what flash_decode computes after writing it.  (An index_put_ into a pool the graph was given is
@@ -2097,31 +2114,38 @@ def _(dst, index, src):
     return None
 
 
+def _replay(graph: tuple):
+    """Replay a captured step (CUDAGraph, its outputs); returns the outputs, refilled."""
+    graph[0].replay()
+    return graph[1]
+
+
 def _paged_decode_attention(q, k, v, k_pages, v_pages, table, used, first, scale, sinks):
-    """One new row per sequence over its cached keys and its new key: q [P, H_q, D], k / v [P, H_kv, D] (the
-    new token's, at position used - 1, not yet in the pool), k_pages / v_pages [pages, page_size, H_kv, D],
-    table [P, W] int32, used [P] (keys after this step), first [P] (the first visible key: a sliding window)
-    or None.  The cached keys 0 .. used - 2 and the new key are visible; sinks as ``_masked_attention``.
-    Static shapes: W page_size + 1 keys a row, the rest masked.  Written as products and sums, not matmuls,
-    so the compiler fuses the page gather into them (no [P, keys, H_kv, D] copy; with D small, a matmul per
-    row and head would not pay)."""
-    b, h_q, d = q.shape
-    h_kv = k.shape[1]
-    keys = torch.cat([k_pages[table].flatten(1, 2), k[:, None]], 1).float()[:, :, :, None]   # [P, L, H_kv, 1, D]
-    values = torch.cat([v_pages[table].flatten(1, 2), v[:, None]], 1).float()[:, :, :, None]
-    n_keys = keys.shape[1]
-    j = torch.arange(n_keys, device=q.device)
-    visible = j < (used[:, None].long() - 1)
+    """S new rows per sequence over its cached keys and its new keys: q [P, S, H_q, D], k / v [P, S, H_kv, D]
+    (the new tokens', at positions used - S .. used - 1, not yet in the pool), k_pages / v_pages [pages,
+    page_size, H_kv, D], table [P, W] int32, used [P] (keys after this step), first [P] (the first visible
+    cached key: a sliding window, S = 1) or None.  Row r sees the cached keys 0 .. used - S - 1 and the new
+    keys 0 .. r (causal); sinks as ``_masked_attention``.  Static shapes: W page_size + S keys a row, the
+    rest masked.  Written as products and sums, not matmuls, so the compiler fuses the page gather into them
+    (no [P, keys, H_kv, D] copy; with D small, a matmul per row and head would not pay)."""
+    b, s_q, h_q, d = q.shape
+    h_kv = k.shape[2]
+    keys = torch.cat([k_pages[table].flatten(1, 2), k], 1).float()[:, None, :, :, None]   # [P, 1, L, H_kv, 1, D]
+    values = torch.cat([v_pages[table].flatten(1, 2), v], 1).float()[:, None, :, :, None]
+    n_keys = keys.shape[2]
+    n_cached = n_keys - s_q
+    j, r = torch.arange(n_keys, device=q.device), torch.arange(s_q, device=q.device)
+    visible = j < (used[:, None].long() - s_q)                                       # [P, L]: cached keys
     if first is not None:
         visible = visible & (j >= first[:, None])
-    visible = visible | (j == n_keys - 1)                                   # the new key: never empty
-    s = (q.float().view(b, 1, h_kv, h_q // h_kv, d) * keys).sum(-1) * scale   # [P, L, H_kv, G]
-    s = s.masked_fill(~visible[:, :, None, None], float("-inf"))
+    visible = visible[:, None] | ((j >= n_cached) & (j - n_cached <= r[:, None]))    # [P, S, L]: + the new ones
+    s = (q.float().view(b, s_q, 1, h_kv, h_q // h_kv, d) * keys).sum(-1) * scale      # [P, S, L, H_kv, G]
+    s = s.masked_fill(~visible[..., None, None], float("-inf"))
     if sinks is not None:                                                   # one more key per head, value 0
-        s = torch.cat([s, sinks.float().view(1, 1, h_kv, -1).expand(b, 1, -1, -1)], dim=1)
-    p = torch.softmax(s, dim=1)[:, :n_keys]
-    values = values.masked_fill(~visible[:, :, None, None, None], 0.0)     # (0 * a stale NaN would be NaN)
-    return (p[..., None] * values).sum(1).reshape(b, h_q, d).to(q.dtype)
+        s = torch.cat([s, sinks.float().view(1, 1, 1, h_kv, -1).expand(b, s_q, 1, -1, -1)], dim=2)
+    p = torch.softmax(s, dim=2)[:, :, :n_keys]
+    values = values.masked_fill(~visible[..., None, None, None], 0.0)     # (0 * a stale NaN would be NaN)
+    return (p[..., None] * values).sum(2).reshape(b, s_q, h_q, d).to(q.dtype)
 
 
 COMPILE_THE_MODE = False   # the batch-invariant mode's step compiled: measured not bitwise (Generator's note)
@@ -2129,30 +2153,38 @@ COMPILE_THE_MODE = False   # the batch-invariant mode's step compiled: measured 
 
 class StaticDecode:
     """The decode step over persistent padded buffers (the section above), compiled (``compile=True``) and /
-    or replayed from a CUDA graph per padded size and weight set (``cuda_graphs=True``: the block table at its
-    full width, captured on first use over padding-only inputs, so its warm-up runs write the spare page and
-    row only).  ``run`` says when a step cannot take it (a batch larger than the largest size; a capture
-    that failed, after a warning) and the runner steps eagerly."""
+    or replayed from a CUDA graph per padded size, kind and weight set (``cuda_graphs=True``: the block table
+    at its full width, captured on first use over padding-only inputs, so its warm-up runs write the spare
+    page and row only).  Kinds: "decode" (one row a sequence), "cascade" (the same with a group's cascade),
+    "verify" (``rows`` rows a sequence: speculative verification, ``verify``).  ``run`` / ``verify`` say when
+    a step cannot take it (a batch larger than the largest size; a capture that failed, after a warning) and
+    the runner steps eagerly."""
 
     def __init__(self, runner: ModelRunner, sizes: tuple, max_batch_size: int, *, compile: bool = True,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, rows: int = 1):
         self.runner, self.pools = runner, runner.pools
         # the sizes up to the first that holds max_batch_size (larger ones would never be used)
         self.sizes = tuple(n for n in sizes if n < max_batch_size) + tuple(n for n in sizes if n >= max_batch_size)[:1]
         largest, dev = self.sizes[-1], runner.device
-        self.ids = torch.zeros(largest, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(largest, dtype=torch.int64, device=dev)
+        self.rows_per_seq = rows                   # a verification's rows a sequence: 1 + the most drafts
+        self.ids = torch.zeros(largest * rows, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(largest * rows, dtype=torch.int64, device=dev)
         self.used = torch.ones(largest, dtype=torch.int32, device=dev)
         self.rows = torch.zeros(largest, dtype=torch.int64, device=dev)
         self.prompts = torch.ones(largest, dtype=torch.int32, device=dev)
         self.table = torch.zeros(largest, self.pools.pages_per_seq, dtype=torch.int32, device=dev)
+        self.n_pages = torch.zeros(largest, dtype=torch.int32, device=dev)
         self.cu_groups = torch.zeros(largest + 1, dtype=torch.int32, device=dev)
         self.prefix_lens = torch.zeros(largest, dtype=torch.int32, device=dev)
         cascade = runner.attention.cascade
         self.cascade = (cascade is not None and not runner.batch_invariant
                         and "capturable" in inspect.signature(cascade).parameters)
+        # verification: outside the mode (its rows reduce as the trainer's prefill does: the eager pass), and
+        # without sliding layers (a plug-in's cache_leftpad starts a sequence's keys, not each row's window)
+        self.verifies = rows > 1 and not runner.batch_invariant and not any(runner.windows)
+        self.max_positions = min(self.pools.pages_per_seq * self.pools.page_size, runner.config.max_seq_len)
         self.shapes: set = set()                   # the (P, W) the step ran at
-        self.steps = self.cascade_steps = 0
+        self.steps = self.cascade_steps = self.verify_steps = 0
         # (Dynamo's guards on the model's modules are skipped: ~0.5 ms a step at 28 layers.  The engine owns its
         # model and never changes a module's attributes; a weight load copies into tensors, a swap passes the
         # other module, of the same structure, whose parameters the graph reads as inputs: the hot-swap test.)
@@ -2160,68 +2192,115 @@ class StaticDecode:
             "cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}) if compile
                           else self._forward)
         self.cuda_graphs = cuda_graphs
-        self.graphs: dict = {}        # (id(model), P, cascade) -> (CUDAGraph, its (logits, hidden))
+        self.graphs: dict = {}        # (id(model), P, kind) -> (CUDAGraph, its outputs)
         self.graph_bytes = 0                       # what the graphs' memory pool reserved
         self._pool = None
 
     def run(self, model: nn.Module, seqs: list, groups=None) -> tuple[bool, torch.Tensor | None]:
-        """(ran, logits [B, V] or None on a worker).  ``groups``: the batch's (cu_groups, prefix_lens) lists,
-        or None (no group to cascade)."""
-        b, pools = len(seqs), self.pools
-        cascade = groups is not None
-        if b > self.sizes[-1] or (cascade and not self.cascade):
+        """A decode step: (ran, logits [B, V] or None on a worker).  ``groups``: the batch's (cu_groups,
+        prefix_lens) lists, or None (no group to cascade)."""
+        b = len(seqs)
+        kind = "decode" if groups is None else "cascade"
+        if b > self.sizes[-1] or (groups is not None and not self.cascade):
             return False, None
-        size = next(n for n in self.sizes if n >= b)
-        pages = max(len(s.pages) for s in seqs)
-        width = pools.pages_per_seq if self.cuda_graphs else min(1 << (pages - 1).bit_length(), pools.pages_per_seq)
-        graph = self._graph(model, size, cascade) if self.cuda_graphs else None
-        if self.cuda_graphs and graph is None:
+        size, width, graph = self._shape(model, b, max(len(s.pages) for s in seqs), kind)
+        if size is None:
             return False, None
         pad, put = size - b, self.runner.staging.put
         self.ids[:size].copy_(put("ids", [s.tokens[-1] for s in seqs] + [0] * pad, torch.int64))
         self.positions[:size].copy_(put("positions", [len(s.tokens) - 1 for s in seqs] + [0] * pad, torch.int64))
         self.used[:size].copy_(put("used", [len(s.tokens) for s in seqs] + [1] * pad, torch.int32))
-        self.rows[:size].copy_(put("rows", [s.row for s in seqs] + [pools.pad_row] * pad, torch.int64))
         # (a padding row is a one-token sequence that is all prompt: the mode's windowed attention needs a
         # prompt of at least one key, as every request has)
-        self.prompts[:size].copy_(put("prompts", [s.n_prompt for s in seqs] + [1] * pad, torch.int32))
-        pools.flush_table()
-        torch.index_select(pools.table, 0, self.rows[:b], out=self.table[:b])
-        self.table[b:size].fill_(pools.pad_page)
-        if cascade:       # then each padding row a group of its own, no prefix; the groups after them empty
+        self._fill_rows(seqs, size)
+        if groups is not None:       # then each padding row a group of its own, no prefix; the groups after them empty
             bounds, prefixes = groups
             self.cu_groups[:size + 1].copy_(put("cu_groups", bounds + list(range(b + 1, size + 1))
                                                 + [size] * (size + 1 - len(bounds) - pad), torch.int32))
             self.prefix_lens[:size].copy_(put("prefix_lens", prefixes + [0] * (size - len(prefixes)), torch.int32))
-        if graph is not None:
-            graph[0].replay()
-            logits, hidden = graph[1]
-        else:
-            logits, hidden = self._call(model, size, width, cascade)
+        logits, hidden = _replay(graph) if graph is not None else self._call(model, size, width, kind)
         self.runner.hidden = hidden[:b]
         self.shapes.add((size, width))
         self.steps += 1
-        self.cascade_steps += cascade
+        self.cascade_steps += groups is not None
         return True, None if logits is None else logits[:b]
 
-    def _call(self, model: nn.Module, size: int, width: int, cascade: bool):
+    def verify(self, model: nn.Module, chunks: list) -> tuple[bool, torch.Tensor | None]:
+        """A verification pass over the chunks (``Scheduler.speculate``'s: a sample's last token and its
+        drafts, positions start .. end - 1), each padded to ``rows_per_seq`` rows (token 0 at the next
+        positions; the block table's columns past a sample's pages point at the spare page, where the
+        padding rows' keys go; the real rows never see them: causal), the batch to the next size.  Returns
+        (ran, the logits of every real row [R, V], in chunk order, or None on a worker); leaves the real
+        rows' hidden states in ``runner.hidden`` and each linear layer's inputs for a rollback in
+        ``runner.linear_inputs`` (its state is left after all the padded rows: ``Generator._verify`` rolls
+        back every chunk with fewer rows than that)."""
+        b, pools, s_q = len(chunks), self.pools, self.rows_per_seq
+        if (not self.verifies or b > self.sizes[-1]
+                or any(len(c.drafts) >= s_q or c.start + s_q > self.max_positions for c in chunks)):
+            return False, None
+        ps = pools.page_size                   # (the table's width covers the padding rows' positions too)
+        size, width, graph = self._shape(model, b, max(-(-(c.start + s_q) // ps) for c in chunks), "verify")
+        if size is None:
+            return False, None
+        pad, put = size - b, self.runner.staging.put
+        self.ids[:size * s_q].copy_(put("ids", [t for c in chunks for t in c.tokens() + [0] * (s_q - len(c.tokens()))]
+                                        + [0] * (pad * s_q), torch.int64))
+        self.positions[:size * s_q].copy_(put("positions", [c.start + r for c in chunks for r in range(s_q)]
+                                              + list(range(s_q)) * pad, torch.int64))
+        self.used[:size].copy_(put("used", [c.start + s_q for c in chunks] + [s_q] * pad, torch.int32))
+        self.n_pages[:size].copy_(put("n_pages", [len(c.seq.pages) for c in chunks] + [pools.pages_per_seq] * pad,
+                                      torch.int32))
+        self._fill_rows([c.seq for c in chunks], size)
+        outputs = _replay(graph) if graph is not None else self._call(model, size, width, "verify")
+        (logits, hidden), inputs = outputs[:2], outputs[2:]
+        real = put("verify_rows", [n * s_q + r for n, c in enumerate(chunks) for r in range(len(c.tokens()))],
+                   torch.int64)
+        self.runner.hidden = hidden.index_select(0, real)
+        linear = [i for i, kind in enumerate(model.config.kinds) if kind == "linear"]
+        self.runner.linear_inputs = {i: (model.layers[i].linear_attn, h.index_select(0, real))
+                                     for i, h in zip(linear, inputs)}
+        self.shapes.add((size, width))
+        self.verify_steps += 1
+        return True, None if logits is None else logits.index_select(0, real)
+
+    def _shape(self, model: nn.Module, b: int, pages: int, kind: str):
+        """(padded size, table width, its graph or None) of a step over b sequences of up to ``pages`` pages;
+        (None, ...) when its graph failed to capture."""
+        size = next(n for n in self.sizes if n >= b)
+        width = (self.pools.pages_per_seq if self.cuda_graphs
+                 else min(1 << (pages - 1).bit_length(), self.pools.pages_per_seq))
+        graph = self._graph(model, size, kind) if self.cuda_graphs else None
+        return (None if self.cuda_graphs and graph is None else size), width, graph
+
+    def _fill_rows(self, seqs: list, size: int) -> None:
+        """The state rows, prompt lengths and block-table rows of the sequences, then padding to ``size``."""
+        b, pools, put = len(seqs), self.pools, self.runner.staging.put
+        self.rows[:size].copy_(put("rows", [s.row for s in seqs] + [pools.pad_row] * (size - b), torch.int64))
+        self.prompts[:size].copy_(put("prompts", [s.n_prompt for s in seqs] + [1] * (size - b), torch.int32))
+        pools.flush_table()
+        torch.index_select(pools.table, 0, self.rows[:b], out=self.table[:b])
+        self.table[b:size].fill_(pools.pad_page)
+
+    def _call(self, model: nn.Module, size: int, width: int, kind: str):
         table = self.table[:size, :width]
         if not self.cuda_graphs:      # (a graph's table is full width: a symbolic width would read sizes back)
             torch._dynamo.maybe_mark_dynamic(table, 1)
-        groups = (self.cu_groups[:size + 1], self.prefix_lens[:size]) if cascade else (None, None)
+        s_q = self.rows_per_seq if kind == "verify" else 1
+        extra = ((self.cu_groups[:size + 1], self.prefix_lens[:size]) if kind == "cascade"
+                 else (None, None, self.n_pages[:size]) if kind == "verify" else ())
         with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=4096):
-            return self._compiled(model, self.ids[:size], self.positions[:size], self.used[:size], self.rows[:size],
-                                  self.prompts[:size], table, *groups)
+            return self._compiled(model, self.ids[:size * s_q], self.positions[:size * s_q], self.used[:size],
+                                  self.rows[:size], self.prompts[:size], table, *extra)
 
-    def _graph(self, model: nn.Module, size: int, cascade: bool):
-        """The CUDA graph of the step at padded size ``size`` for this weight set, with or without a cascade:
-        captured on first use (two warm-up runs on a side stream first: Triton compiles and autotunes there),
-        over inputs that are padding only; None (and a warning, once) when the capture fails: the engine
-        then steps eagerly."""
-        key = (id(model), size, cascade)
+    def _graph(self, model: nn.Module, size: int, kind: str):
+        """The CUDA graph of a step of ``kind`` at padded size ``size`` for this weight set: captured on first
+        use (two warm-up runs on a side stream first: Triton compiles and autotunes there), over inputs that
+        are padding only; None (and a warning, once) when the capture fails: the engine then steps eagerly."""
+        key = (id(model), size, kind)
         if key not in self.graphs:
-            pools = self.pools
-            self.ids[:size].zero_(), self.positions[:size].zero_(), self.used[:size].fill_(1)
+            pools, s_q = self.pools, self.rows_per_seq if kind == "verify" else 1
+            self.ids[:size * s_q].zero_(), self.used[:size].fill_(s_q), self.n_pages[:size].fill_(pools.pages_per_seq)
+            self.positions[:size * s_q].copy_(torch.arange(s_q, device=self.positions.device).repeat(size))
             self.rows[:size].fill_(pools.pad_row), self.prompts[:size].fill_(1), self.table[:size].fill_(pools.pad_page)
             torch.arange(size + 1, out=self.cu_groups[:size + 1]), self.prefix_lens[:size].zero_()
             before = torch.cuda.memory_reserved(self.runner.device)
@@ -2230,13 +2309,13 @@ class StaticDecode:
                 side.wait_stream(torch.cuda.current_stream(self.runner.device))
                 with torch.cuda.stream(side):
                     for _ in range(2):
-                        self._call(model, size, pools.pages_per_seq, cascade)
+                        self._call(model, size, pools.pages_per_seq, kind)
                 torch.cuda.current_stream(self.runner.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
-                    outputs = self._call(model, size, pools.pages_per_seq, cascade)
+                    outputs = self._call(model, size, pools.pages_per_seq, kind)
             except Exception as exc:                    # (a plug-in that syncs with the host, say)
-                warnings.warn(f"Generator(cuda_graphs=True): capturing the decode step at batch {size} failed "
+                warnings.warn(f"Generator(cuda_graphs=True): capturing the {kind} step at batch {size} failed "
                               f"({type(exc).__name__}: {exc}); this engine decodes eagerly", stacklevel=2)
                 self.cuda_graphs, self.graphs = False, {}
                 return None
@@ -2245,35 +2324,47 @@ class StaticDecode:
             self.graphs[key] = (graph, outputs)
         return self.graphs[key]
 
-    def _forward(self, model, ids, positions, used, rows, prompts, table, cu_groups=None, prefix_lens=None):
+    def _forward(self, model, ids, positions, used, rows, prompts, table, cu_groups=None, prefix_lens=None,
+                 n_pages=None):
+        """The step over P sequences of S = len(ids) / P rows each (S > 1: a verification, ``n_pages`` each
+        sequence's pages, the table's columns past them the spare page).  Returns (logits, hidden) and, in a
+        verification, each linear layer's inputs [P S, hidden]."""
         runner, pools, ps = self.runner, self.pools, self.pools.page_size
-        pos = used.long() - 1
-        kv_index = table.long().gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps     # [P] the new token's
+        p_seqs = used.shape[0]
+        s_q = ids.shape[0] // p_seqs
+        if n_pages is not None:
+            cols = torch.arange(table.shape[1], device=table.device)
+            table = torch.where(cols[None, :] < n_pages[:, None], table, pools.pad_page)
+        kv_index = (table.long().gather(1, (positions // ps).view(p_seqs, s_q)) * ps
+                    + (positions % ps).view(p_seqs, s_q)).flatten()             # [P S] the new rows' slots
         sinks = _sinks(model)
-        dst, index, src = [], [], []
+        dst, index, src, inputs = [], [], [], []
         new_kv, slots = [], pools.k.shape[1] * ps        # (layer's pool index, k, v); slots per layer's pool
 
         def attend(i, q, k, v):
             kc, vc = pools.kv(i)
             w = runner.windows[i]
             first = (used - w).clamp(min=0) if w else None
-            new = dict(k_new=k[:, None], v_new=v[:, None], scale=runner.scale, **sinks[i])
+            q, k, v = (t.unflatten(0, (p_seqs, s_q)) for t in (q, k, v))         # [P, S, H, D]
+            new = dict(k_new=k, v_new=v, scale=runner.scale, **sinks[i])
             if runner.batch_invariant:                                  # (measured, not used: Generator's note)
-                return runner._two_segments(q[:, None], kc, vc, used, table, prompts, new, w)[:, 0]
+                return runner._two_segments(q, kc, vc, used, table, prompts, new, w).flatten(0, 1)
             if cu_groups is not None and not w:    # a plug-in (writes the new K/V); its launch sized from shapes
-                return runner.attention.cascade(q[:, None], kc, vc, used, block_table=table, cu_groups=cu_groups,
-                                                prefix_lens=prefix_lens, capturable=True, **new)[:, 0]
+                return runner.attention.cascade(q, kc, vc, used, block_table=table, cu_groups=cu_groups,
+                                                prefix_lens=prefix_lens, capturable=True, **new).flatten(0, 1)
             if runner.attention.decode is not _torch_flash_decode:     # a plug-in: it writes the new K/V itself
-                return runner.attention.decode(q[:, None], kc, vc, used, block_table=table, cache_leftpad=first,
-                                               **new)[:, 0]
-            new_kv.append((pools.pool_index[i], k, v))
+                return runner.attention.decode(q, kc, vc, used, block_table=table, cache_leftpad=first,
+                                               **new).flatten(0, 1)
+            new_kv.append((pools.pool_index[i], k.flatten(0, 1), v.flatten(0, 1)))
             return _paged_decode_attention(q, k, v, kc, vc, table.long(), used, first, runner.scale,
-                                           sinks[i].get("sinks"))
+                                           sinks[i].get("sinks")).flatten(0, 1)
 
         def mix(i, module, h):
             cache = module.new_cache()
             pools.gather(i, rows, cache)
-            out = module(h[:, None], cache=cache)[:, 0]
+            if s_q > 1:                              # (a rollback runs the layer again over the accepted rows)
+                inputs.append(h)
+            out = module(h.unflatten(0, (p_seqs, s_q)), cache=cache).flatten(0, 1)
             for name, value in vars(cache).items():
                 if isinstance(value, torch.Tensor):
                     dst.append(pools.states[i][name])
@@ -2289,7 +2380,7 @@ class StaticDecode:
             src += [torch.cat([k for _, k, _ in new_kv]), torch.cat([v for _, _, v in new_kv])]
         if dst:
             _write_rows(dst, index, src)
-        return (model.logits(h) if runner.samples else None), h
+        return ((model.logits(h) if runner.samples else None), h, *inputs)
 
 
 def _sinks(model) -> list:

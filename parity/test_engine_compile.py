@@ -214,35 +214,37 @@ def test_compiled_decode_cascades_a_group(monkeypatch):
         assert_same(e, g, model=None)
 
 
-@pytest.mark.parametrize("window", [0, 4], ids=["full", "window4"])
+@pytest.mark.parametrize("window,s_q", [(0, 1), (4, 1), (0, 3)], ids=["full", "window4", "verify3"])
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
-def test_static_attention_is_the_definition(window, with_sinks):
+def test_static_attention_is_the_definition(window, s_q, with_sinks):
     """The static step's attention (``_paged_decode_attention``, eager here) against the row-by-row
-    definition: GQA 3, D 10, pages of 3, a table wider than the sequences, the new key from the step, padding
-    rows that see only their own key."""
-    gen = torch.Generator().manual_seed(window + 10 * with_sinks)
+    definition: GQA 3, D 10, pages of 3, a table wider than the sequences, the step's S new keys (1 in a
+    decode step, 3 in a verification: causal among them), padding rows that see only their own keys."""
+    gen = torch.Generator().manual_seed(window + 10 * with_sinks + 100 * s_q)
     h_q, h_kv, d, ps, scale = 6, 2, 10, 3, 10 ** -0.5
     sinks = torch.randn(h_q, generator=gen) * 2 if with_sinks else None
-    n_keys = [7, 1, 11]
+    n_keys = [7, s_q, 11]
     keys = [torch.randn(n, h_kv, d, generator=gen) for n in n_keys]
     values = [torch.randn(n, h_kv, d, generator=gen) for n in n_keys]
     k_pool, v_pool, table = paged(keys, values, ps, gen)
     table = torch.cat([table, table[:, :1]], 1)                   # one more column than any sequence needs
     used = torch.tensor(n_keys, dtype=torch.int32)
-    q = torch.randn(3, h_q, d, generator=gen)
-    k_new = torch.stack([k[-1] for k in keys])                    # the new key: the step's, not yet in the pool
-    v_new = torch.stack([v[-1] for v in values])
+    q = torch.randn(3, s_q, h_q, d, generator=gen)
+    k_new = torch.stack([k[-s_q:] for k in keys])                 # the new keys: the step's, not yet in the pool
+    v_new = torch.stack([v[-s_q:] for v in values])
     for b in range(3):
-        slot = table[b, (n_keys[b] - 1) // ps] * ps + (n_keys[b] - 1) % ps
-        k_pool.view(-1, h_kv, d)[slot] = float("nan")            # poisoned: the step must not read it
-        v_pool.view(-1, h_kv, d)[slot] = float("nan")
+        for p in range(n_keys[b] - s_q, n_keys[b]):
+            slot = table[b, p // ps] * ps + p % ps
+            k_pool.view(-1, h_kv, d)[slot] = float("nan")        # poisoned: the step must not read them
+            v_pool.view(-1, h_kv, d)[slot] = float("nan")
     first = (used - window).clamp(min=0) if window else None
     got = fast_ge._paged_decode_attention(q, k_new, v_new, k_pool, v_pool, table.long(), used, first, scale, sinks)
+    assert got.shape == q.shape
     for b in range(3):
-        p = n_keys[b] - 1
-        want = dense_attention(q[b:b + 1], keys[b], values[b], [p], [max(p - window + 1, 0) if window else 0], scale,
-                               sinks)
-        torch.testing.assert_close(got[b:b + 1].double(), want, rtol=1e-5, atol=1e-5)
+        positions = list(range(n_keys[b] - s_q, n_keys[b]))
+        want = dense_attention(q[b], keys[b], values[b], positions,
+                               [max(p - window + 1, 0) if window else 0 for p in positions], scale, sinks)
+        torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_compile_knobs_are_checked_and_the_mode_stays_eager():
@@ -308,7 +310,7 @@ def test_gpu_cuda_graphs_cascade_a_group():
         got = gen.generate(_grpo_workload(7))
         stats, keys = gen.stats(), set(gen.runner.static.graphs)
     assert stats["static_decode_steps"] == stats["decode_steps"] and stats["static_cascade_steps"] > 0, stats
-    assert {cascade for _, _, cascade in keys} == {False, True}, keys
+    assert {kind for _, _, kind in keys} == {"decode", "cascade"}, keys
     flat = lambda groups: [c for g in groups for c in (g if isinstance(g, list) else [g])]   # noqa: E731
     for e, g in zip(flat(eager), flat(got), strict=True):
         assert_same(e, g, rtol=4 * LP_RTOL)

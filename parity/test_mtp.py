@@ -278,8 +278,8 @@ def test_the_engines_drafts_are_the_head_over_the_sequence(ge, knobs, monkeypatc
     assert stats["draft_tokens"] > 0 and stats["prefix_hit_tokens"] > 0
     if "num_pages" in knobs:
         assert stats["preemptions"] > 0, stats
-    if knobs.get("compile"):
-        assert stats["static_decode_steps"] > 0, stats
+    if knobs.get("compile"):                  # decode steps and verifications alone through the static step
+        assert stats["static_decode_steps"] > 0 and stats["static_verify_steps"] > 0, stats
     m = model(lm=lm)
     assert any(first > 0 for _, _, first in calls)          # after a prefix hit
     if ge is fast_ge:       # the group's samples share the prompt's head rows: each starts at 0 (or a cache hit)

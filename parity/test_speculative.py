@@ -24,7 +24,7 @@ import fast.generator_engine as fast_ge
 import ref.decoder_lm as ref_lm
 import ref.gated_deltanet as ref_gdn
 import ref.generator_engine as ref_ge
-from conftest import DEVICE
+from conftest import DEVICE, requires_gpu
 from test_batch_invariant_engine import wide_interpreter_segments  # noqa: F401  (a fixture)
 from test_generator_engine import LP_RTOL, assert_same
 
@@ -137,22 +137,53 @@ def test_speculative_tokens_are_plain_decodings(ge, kind):
         stats["accepted_draft_tokens"], lengths
 
 
-def test_speculation_beside_the_compiled_static_step():
-    """Generator(compile=True, speculative=...): samples with drafts verify in the prefill pass, the others step
-    through the compiled static step in the same iteration; the completions stay plain decoding's."""
+@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+def test_speculation_through_the_compiled_static_step(kind):
+    """Generator(compile=True, speculative=...): an iteration whose work is verification alone runs it through
+    the compiled static step too (each chunk padded to k + 1 rows, the batch to 8); samples without drafts step
+    through the compiled decode step beside it.  Every acceptance length 0 .. k occurs, drafts shorter than k
+    too (a third of the samples propose none, the completions' ends cut the rest), and the completions stay
+    plain decoding's; the hybrid's Gated DeltaNet layers, which ran over the padding rows too, are rolled back
+    to the accepted rows."""
     reqs = requests(fast_ge)
     knobs = dict(page_size=8, num_pages=14, max_prefill_tokens=12)
-    with fast_ge.Generator(model("attention", fast_lm), **knobs) as gen:
+    with fast_ge.Generator(model(kind, fast_lm), **knobs) as gen:
         plain = flat(gen.generate(reqs))
     drafter = PlantedDrafter(plain, reqs)
     sometimes = lambda tokens, k: drafter(tokens, k) if len(tokens) % 3 else []      # noqa: E731  (a third: none)
-    with fast_ge.Generator(model("attention", fast_lm), compile=True, capture_sizes=(8,), speculative=sometimes,
+    with fast_ge.Generator(model(kind, fast_lm), compile=True, capture_sizes=(8,), speculative=sometimes,
                            num_speculative_tokens=K, **knobs) as gen:
         got = flat(gen.generate(reqs))
         stats = gen.stats()
-    assert stats["static_decode_steps"] > 0 and stats["accepted_draft_tokens"] > 0, stats
+    assert stats["static_decode_steps"] > 0 and stats["static_verify_steps"] > 5, stats
+    assert {error for n, error in drafter.proposals if n == K} >= set(range(K + 1))
+    assert any(0 < n < K for n, _ in drafter.proposals), drafter.proposals       # padded rows beside real ones
+    assert 0 < stats["accepted_draft_tokens"] < stats["draft_tokens"], stats
     for e, g in zip(plain, got, strict=True):
         assert_same(e, g, rtol=4 * LP_RTOL)                 # (the compiled step rounds its own way)
+
+
+@requires_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+def test_gpu_speculation_replays_cuda_graphs(kind):
+    """On a GPU, fp32, this repo's flash_decode: a verification alone replays its own CUDA graph (k + 1 rows a
+    sample, captured per padded size), decode steps theirs; the completions are plain decoding's (an eager
+    engine's on the same GPU), every acceptance length occurs."""
+    from fast.flash_decoding import flash_decode
+    reqs = requests(fast_ge)
+    knobs = dict(page_size=8, num_pages=14, max_prefill_tokens=12, flash_decode=flash_decode)
+    with fast_ge.Generator(model(kind, fast_lm).to(DEVICE), **knobs) as gen:
+        plain = flat(gen.generate(reqs))
+    drafter = PlantedDrafter(plain, reqs)
+    with fast_ge.Generator(model(kind, fast_lm).to(DEVICE), cuda_graphs=True, capture_sizes=(2, 8),
+                           speculative=drafter, num_speculative_tokens=K, **knobs) as gen:
+        got = flat(gen.generate(reqs))
+        stats, keys = gen.stats(), set(gen.runner.static.graphs)
+    assert stats["static_verify_steps"] > 0 and "verify" in {kind for _, _, kind in keys}, (stats, keys)
+    assert {error for n, error in drafter.proposals if n == K} >= set(range(K + 1))
+    for e, g in zip(plain, got, strict=True):
+        assert_same(e, g, rtol=4 * LP_RTOL)
 
 
 @pytest.mark.usefixtures("wide_interpreter_segments")

@@ -270,13 +270,15 @@ def test_fast_engine_tensor_parallel_compiled():
 
 def test_fast_engine_tensor_parallel_speculative():
     """Generator(model, tensor_parallel_size=2, speculative=drafter) on the hybrid (a picklable drafter of the tp = 1
-    engine's continuations, one token wrong in most drafts): every rank drafts from the same tokens, verifies with
-    its shard and takes rank 0's drawn tokens; a rejection reruns each rank's linear layers.
+    engine's continuations, one token wrong in most drafts; compile=True): every rank drafts from the same tokens,
+    verifies with its shard (a verification alone through its compiled static step) and takes rank 0's drawn
+    tokens; a rejection reruns each rank's linear layers.
     The tp = 1 plain engine's tokens (greedy and sampled, a group, a prefix hit, chunks, preemption, a weight
     load), its logprobs to fp32 rounding, with drafts accepted and rejected."""
     facts = _probe("engine-speculative", "hybrid", "default", 2)
     f = facts["2"]
     assert 0 < f["accepted_draft_tokens"] < f["draft_tokens"] and facts["1"]["draft_tokens"] == 0, facts
+    assert f["static_verify_steps"] > 0 and f["static_decode_steps"] > 0, f
     assert f["preemptions"] >= 1 and f["prefix_hit_tokens"] > 0 and f["versions"] == [1] * len(f["versions"]), f
     assert f["tokens_equal_tp1"] and f["logprobs_max_diff_tp1"] < 1e-5, f
 

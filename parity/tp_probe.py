@@ -180,7 +180,7 @@ PAGES_SPECULATIVE = 20     # (drafts take free pages only: a little room beside 
 def engine(kind: str, mode: str, tps: list, compiled: bool = False, speculative: bool = False) -> dict:
     """tp = 1 (eager, plain decoding) and each of ``tps`` (``compiled``: Generator(compile=True), every rank its
     compiled static step, one padded size; ``speculative``: a picklable drafter's drafts, k = 3, accepted
-    and rejected, and a prompt repeating a phrase among the requests)."""
+    and rejected, and a prompt repeating a phrase among the requests; compiled, every rank's static step)."""
     torch.set_num_threads(1)
     cfg, mkw = config(kind), model_kw(mode, moe_layer=ref_moe.MoE)
     new_weights = lm.DecoderLM(cfg, seed=2, **mkw).state_dict()
@@ -188,9 +188,9 @@ def engine(kind: str, mode: str, tps: list, compiled: bool = False, speculative:
     for tp in [1, *tps]:
         start = time.time()
         static = dict(compile=True, capture_sizes=(8,)) if compiled and tp > 1 else {}
-        if speculative and tp > 1:
+        if speculative and tp > 1:               # (compiled: a verification alone runs each rank's static step)
             static = dict(speculative=ContinuationDrafter(runs[1][0] + runs[1][1], cfg.vocab_size),
-                          num_speculative_tokens=3)
+                          num_speculative_tokens=3, compile=True, capture_sizes=(8,))
         kw = dict(engine_kw(mode), num_pages=PAGES_SPECULATIVE) if speculative else engine_kw(mode)
         with ge.Generator(lm.DecoderLM(cfg, seed=1, **mkw), tensor_parallel_size=tp, tp_timeout_s=120,
                           **kw, **static) as g:
@@ -216,6 +216,7 @@ def engine(kind: str, mode: str, tps: list, compiled: bool = False, speculative:
         facts[tp] = dict(
             seconds=round(seconds, 1), preemptions=stats["preemptions"], prefix_hit_tokens=stats["prefix_hit_tokens"],
             decode_steps=stats["decode_steps"], static_decode_steps=stats["static_decode_steps"],
+            static_verify_steps=stats["static_verify_steps"],
             draft_tokens=stats["draft_tokens"], accepted_draft_tokens=stats["accepted_draft_tokens"],
             tensor_parallel_size=stats["tensor_parallel_size"], versions=[s.max_policy_version for s in second],
             tokens_equal_tp1=all(a.token_ids == b.token_ids for a, b in pairs),
