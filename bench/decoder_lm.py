@@ -41,7 +41,10 @@ Cases (CPU-meaningful: this measures loading, memory, the engine's batching and 
                               requests of 16 + 40 tokens: ``step_ms`` (median), ``torch_calls`` (median per
                               step: Python's calls into torch's C functions on the engine thread),
                               ``warm_s`` (the first run, its compiles included) and ``speedup`` (eager ms /
-                              compiled ms; the target: >= 3 at B = 1 and 16).  On a GPU instead:
+                              compiled ms; the target: >= 3 at B = 1 and 16).  ``engine verification
+                              step ... k=4`` (part engine-verify): the same for an iteration whose work is
+                              speculative verification alone (4 drafts a sample, ``_repeat_last``): the
+                              eager prefill pass against the compiled static step.  On a GPU instead:
     engine GPU decode Qwen3-0.6B-shaped bf16 B=<b>   the fast engine with this repo's kernels, eager and
                               ``cuda_graphs=True``, B = 1, 16, 64 requests of 128 + 128 tokens:
                               decode ``tokens_per_s`` and ``step_ms``, the memory floor's ``step_ms`` (the
@@ -71,11 +74,12 @@ Cases (CPU-meaningful: this measures loading, memory, the engine's batching and 
                               H100 priced as ``modeled GPU decode step`` (plus the compute bound), Qwen3-0.6B /
                               8B shapes, B = 1, 16, 64, k = 2, 4, assumed acceptance 0.6 and 0.8: ``step_us``,
                               ``tokens_per_step`` and ``speedup`` over the plain graph step, n-gram and MTP
-                              drafting, verification as built (eager) and captured.
+                              drafting, verification captured (built: ``cuda_graphs=True``) and in
+                              the eager pass; the MTP head eager or captured (not built).
 
     python bench/decoder_lm.py                 # every part; rows to bench/results/latest/ (untracked)
     python bench/decoder_lm.py --record        # ... and appended to bench/results/decoder_lm.csv
-    python bench/decoder_lm.py --part tp       # checkpoint | tp | pool | compiled | engine-compiled |
+    python bench/decoder_lm.py --part tp       # checkpoint | tp | pool | compiled | engine-compiled | engine-verify |
                                                # modeled-step | speculative | modeled-speculative |
                                                # fused-layer
 """
@@ -343,20 +347,26 @@ class _TorchCalls:
 
 
 class _DecodeSteps:
-    """Wraps ``gen._step``: each decode-only iteration (no prefill in it) appends its wall time to ``times``
-    and, with a ``_TorchCalls`` counter, the torch calls it made to ``calls``; ``sync`` (CUDA) closes the
-    device's work on both sides of the timing."""
+    """Wraps ``gen._step``: each decode-only iteration (no prompt prefilled in it, no verification) appends
+    its wall time to ``times`` and, with a ``_TorchCalls`` counter, the torch calls it made to ``calls``; an
+    iteration whose work was verification alone (speculative decoding) to ``verify_times`` / ``verify_calls``;
+    ``sync`` (CUDA) closes the device's work on both sides of the timing."""
 
     def __init__(self, gen, counter=None, sync=lambda: None):
-        self.times, self.calls, self._prefilled = [], [], False
-        step, prefill = gen._step, gen.runner.prefill
+        self.times, self.calls, self.verify_times, self.verify_calls = [], [], [], []
+        self._prefilled = self._verified = False
+        step, prefill, verify = gen._step, gen.runner.prefill, gen._verify
 
-        def timed_prefill(*args):
-            self._prefilled = True
-            return prefill(*args)
+        def timed_prefill(model, work):
+            self._prefilled |= any(not c.drafts for c in work)        # (an eager verification is a pass too)
+            return prefill(model, work)
+
+        def timed_verify(*args, **kwargs):
+            self._verified = True
+            return verify(*args, **kwargs)
 
         def timed_step(settle):
-            self._prefilled = False
+            self._prefilled = self._verified = False
             if counter is not None:
                 counter.calls, counter.on = 0, True
             sync()
@@ -367,28 +377,37 @@ class _DecodeSteps:
             if counter is not None:
                 counter.on = False
             if not self._prefilled:
-                self.times.append(elapsed)
-                self.calls.append(counter.calls if counter is not None else 0)
+                times, calls = (self.verify_times, self.verify_calls) if self._verified else (self.times, self.calls)
+                times.append(elapsed)
+                calls.append(counter.calls if counter is not None else 0)
 
-        gen.runner.prefill, gen._step = timed_prefill, timed_step
+        gen.runner.prefill, gen._step, gen._verify = timed_prefill, timed_step, timed_verify
 
     def clear(self):
-        self.times.clear(), self.calls.clear()
+        self.times.clear(), self.calls.clear(), self.verify_times.clear(), self.verify_calls.clear()
 
 
-def engine_child(batch: int, compiled: bool, reps: int) -> dict:
+def _repeat_last(tokens: list, k: int) -> list:
+    """A drafter for timing verification: k copies of the last token (mostly rejected; a verification's rows
+    and work do not depend on what it accepts in a model without linear layers)."""
+    return [tokens[-1]] * k
+
+
+def engine_child(batch: int, compiled: bool, reps: int, verify: bool = False) -> dict:
     """One engine (eager or ``compile=True``) at one thread: B requests of a 16-token prompt decoding 40 tokens
     greedily; a first run compiles (every padded size and table width the measured runs meet), then per
     decode-only iteration (``Generator._step`` with no prefill) its wall time and the torch calls made on the
-    engine thread."""
+    engine thread.  ``verify``: with speculative decoding (k = 4 drafts, ``_repeat_last``), per iteration
+    whose work is verification alone instead."""
     import statistics
 
     import fast.decoder_lm as lm
     import fast.generator_engine as ge
     torch.set_num_threads(1)
     counter = _TorchCalls()
+    spec = dict(speculative=_repeat_last, num_speculative_tokens=4) if verify else {}
     gen = ge.Generator(lm.DecoderLM(lm.ModelConfig(**ENGINE_MODEL), seed=0), page_size=16, num_pages=16 * batch + 8,
-                       max_batch_size=max(batch, 1), compile=compiled)
+                       max_batch_size=max(batch, 1), compile=compiled, **spec)
     steps = _DecodeSteps(gen, counter)
 
     def run():
@@ -402,8 +421,10 @@ def engine_child(batch: int, compiled: bool, reps: int) -> dict:
         run()
     stats = gen.stats()
     gen.close()
-    return dict(step_ms=1e3 * statistics.median(steps.times), calls=statistics.median(steps.calls), warm_s=warm_s,
-                static_steps=stats["static_decode_steps"], decode_steps=stats["decode_steps"])
+    times, calls = (steps.verify_times, steps.verify_calls) if verify else (steps.times, steps.calls)
+    return dict(step_ms=1e3 * statistics.median(times), calls=statistics.median(calls), warm_s=warm_s,
+                static_steps=stats["static_verify_steps" if verify else "static_decode_steps"],
+                decode_steps=stats["decode_steps"], iterations=len(times))
 
 
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
@@ -476,15 +497,27 @@ def bench_engine_compiled(rec, quick: bool) -> None:
     if torch.cuda.is_available():
         bench_engine_gpu(rec, quick)
         return
+    _engine_steps(rec, quick, verify=False)
+
+
+def bench_engine_verify(rec, quick: bool) -> None:
+    """An iteration of speculative verification alone, eager (the prefill pass) and compiled (the static step)."""
+    _engine_steps(rec, quick, verify=True)
+
+
+def _engine_steps(rec, quick: bool, verify: bool) -> None:
     for batch in (1, 16):
         facts = {}
         for compiled in (False, True):
             with tempfile.TemporaryDirectory() as cache:    # inductor's cache empty: warm_s includes a first compile
                 proc = subprocess.run([sys.executable, __file__, "--engine-child", str(batch), str(int(compiled)),
-                                       str(1 if quick else 3)], capture_output=True, text=True, timeout=3600,
-                                      cwd=ROOT, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
-            facts[compiled] = child_facts(proc, f"engine compiled={compiled} B={batch}")
-        case = f"engine decode step L28 h128 fp32 B={batch} threads=1"
+                                       str(1 if quick else 3), str(int(verify))], capture_output=True, text=True,
+                                      timeout=3600, cwd=ROOT, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
+            facts[compiled] = child_facts(proc, f"engine compiled={compiled} B={batch} verify={verify}")
+            if compiled and not facts[compiled]["static_steps"]:
+                raise AssertionError(f"engine B={batch} verify={verify}: no step went through the static step")
+        case = (f"engine verification step L28 h128 fp32 B={batch} k=4 threads=1" if verify
+                else f"engine decode step L28 h128 fp32 B={batch} threads=1")
         for compiled, name in ((False, "eager"), (True, "compile=True")):
             rec.add(case, name, "step_ms", facts[compiled]["step_ms"], "ms")
             rec.add(case, name, "torch_calls", facts[compiled]["calls"], "calls")
@@ -686,10 +719,13 @@ def bench_modeled_speculative(rec, quick: bool) -> None:
     head_dim per layer.  With each draft accepted with probability a (independently), a verification emits
     E = (1 - a^(k + 1)) / (1 - a) tokens per sample.  Drafters: n-gram (no device work) and the MTP head (one
     decoder layer, its fc and the lm_head per depth, k depths a step: at a 152k vocabulary the lm_head
-    reads dominate).  Verification as built runs in the eager prefill pass (host-bound: the eager step's
-    torch calls at 5 us each, plus the MTP depths' own); "captured" prices it as one replay of the compiled
-    step's kernels, what a verification step captured per (B, k) would cost (not built).  The plain step it is
-    set against: the graph of the compiled decode step."""
+    reads dominate).  "captured": the verification replayed from a graph of the compiled step's kernels
+    (``StaticDecode.verify`` under ``cuda_graphs=True``, built, not yet run on a GPU); "eager pass": in the
+    prefill pass, as a verification beside a prompt's prefill, in the batch-invariant mode or with sliding
+    layers runs (host-bound: the eager step's torch calls at 5 us each).  The MTP head's depths run eagerly
+    (their torch calls on the host while the device works: "mtp captured verification"); "mtp captured"
+    prices them captured too (not built).  The plain step it is set against: the graph of the compiled decode
+    step."""
     from observatory import H100
     for batch in (1, 16, 64):
         fixed, per_layer = _counts_by_depth(batch)
@@ -723,9 +759,10 @@ def bench_modeled_speculative(rec, quick: bool) -> None:
                     case = f"modeled GPU speculative step {name} B={batch} k={k} acceptance {a} context {CONTEXT}"
                     for impl, step_us in (
                             ("ngram captured", verify_us),
-                            ("ngram as built", max(calls * HOST_US_PER_CALL, verify_us)),
+                            ("ngram eager pass", max(calls * HOST_US_PER_CALL, verify_us)),
                             ("mtp captured", verify_us + mtp_us),
-                            ("mtp as built", max((calls + mtp_calls) * HOST_US_PER_CALL, verify_us + mtp_us))):
+                            ("mtp captured verification", max(mtp_calls * HOST_US_PER_CALL, verify_us + mtp_us)),
+                            ("mtp eager pass", max((calls + mtp_calls) * HOST_US_PER_CALL, verify_us + mtp_us))):
                         rec.add(case, impl, "step_us", step_us, "us")
                         rec.add(case, impl, "tokens_per_step", emitted, "tokens")
                         rec.add(case, impl, "speedup", emitted * plain_us / step_us, "x")
@@ -753,8 +790,8 @@ def _speculation_rows(rec, case: str, impl: str, stats: dict) -> None:
 def speculative_gpu_run(batch: int, config: dict, dev, new_tokens: int = 128, **engine) -> dict:
     """tokens/s of the fast engine (this repo's kernels on a GPU) over ``batch`` greedy requests of 128 prompt
     tokens: plain decoding with ``cuda_graphs=True`` (its best), then drafts of plain decoding's own tokens (k
-    = 4: all accepted, then one planted error each), verified in the eager prefill pass.  The tokens must be
-    plain decoding's."""
+    = 4: all accepted, then one planted error each), verifications replayed from CUDA graphs too (alone in their
+    iteration; the static step, ``StaticDecode.verify``).  The tokens must be plain decoding's."""
     import fast.decoder_lm as lm
     import fast.generator_engine as ge
     from fast.flash_decoding import flash_decode
@@ -769,7 +806,7 @@ def speculative_gpu_run(batch: int, config: dict, dev, new_tokens: int = 128, **
         drafter = None if plain is None else _ContinuationDrafter(plain, errors=impl != "all accepted", k=4,
                                                                   vocab=config["vocab_size"])
         with ge.Generator(model, page_size=16, max_batch_size=max(batch, 8), flash_decode=flash_decode,
-                          cuda_graphs=drafter is None and dev.type == "cuda", speculative=drafter,
+                          cuda_graphs=dev.type == "cuda", speculative=drafter,
                           num_speculative_tokens=4, **engine) as gen:
             gen.generate(reqs[:1])                                     # warm: compiles, autotunes, captures
             sync()
@@ -927,7 +964,8 @@ class _ContinuationDrafter:
 
 
 PARTS = {"checkpoint": bench_checkpoints, "tp": bench_tp, "pool": bench_pool, "compiled": bench_compiled,
-         "engine-compiled": bench_engine_compiled, "modeled-step": bench_modeled_step,
+         "engine-compiled": bench_engine_compiled, "engine-verify": bench_engine_verify,
+         "modeled-step": bench_modeled_step,
          "speculative": bench_speculative, "modeled-speculative": bench_modeled_speculative,
          "fused-layer": bench_fused_layer}
 
@@ -960,7 +998,8 @@ def main(argv=None) -> int:
         print("FACTS " + json.dumps(facts), flush=True)
         return 0
     if argv[:1] == ["--engine-child"]:
-        print("FACTS " + json.dumps(engine_child(int(argv[1]), bool(int(argv[2])), int(argv[3]))), flush=True)
+        print("FACTS " + json.dumps(engine_child(int(argv[1]), bool(int(argv[2])), int(argv[3]),
+                                                 bool(int(argv[4])) if len(argv) > 4 else False)), flush=True)
         return 0
 
     def configure(ap):

@@ -72,9 +72,11 @@ PARTS = [
     Part("parity-gdn", "GPU parity, Gated DeltaNet chunk, recurrent and backward (full grid, bf16 too)",
          _pytest("parity/test_gated_deltanet.py", "parity/test_gated_deltanet_backward.py"), 420,
          ("parity/test_gated_deltanet.py", "parity/test_gated_deltanet_backward.py")),
-    Part("parity-engine-offload", "GPU parity, the generator engine (eager and its CUDA graphs) and the activation "
-         "offload", _pytest("parity/test_generator_engine.py", "parity/test_engine_compile.py",
-                             "parity/test_view_replay_offload.py"), 240,
+    Part("parity-engine-offload", "GPU parity, the generator engine (eager and its CUDA graphs: decode, a group's "
+         "cascade, speculative verification) and the activation offload",
+         _pytest("parity/test_generator_engine.py", "parity/test_engine_compile.py",
+                 "parity/test_speculative.py::test_gpu_speculation_replays_cuda_graphs",
+                 "parity/test_view_replay_offload.py"), 270,
          ("parity/test_generator_engine.py", "parity/test_engine_compile.py", "parity/test_view_replay_offload.py")),
     Part("bitwise-gpu", "the bitwise GPU tier: pytest -m gpu of parity/test_batch_invariant_*.py",
          _pytest("-m", "gpu", "parity/test_batch_invariant_attention.py", "parity/test_batch_invariant_engine.py"),

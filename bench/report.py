@@ -144,6 +144,11 @@ FAMILIES: dict[str, list[Family]] = {
                "(28 layers, hidden 128, fp32, one thread), eager and Generator(compile=True), each in a fresh "
                "process with an empty inductor cache: median ms, Python's calls into torch per iteration, the "
                "first run's seconds (compiles included) and the speedup (targets: >= 3x, <= 300 calls)."),
+        Family("engine verification step", "The engine's speculative verification compiled on a CPU", "An "
+               "iteration of the fast engine whose work is speculative verification alone (k = 4 drafts a sample, "
+               "B (k + 1) rows; the same model, thread and fresh processes as the decode step's table): eager (the "
+               "prefill pass) and through the compiled static step (StaticDecode.verify): median ms, Python's "
+               "calls into torch per iteration, the first run's seconds and the speedup."),
         Family("speculative", "Speculative decoding on a CPU", "Acceptance (accepted / proposed drafts), target "
                "forwards per generated token, and the verifications by drafts accepted, all on the fast engine: "
                "n-gram drafting (k = 4) on 8 prompts repeating a phrase; Qwen3.5's MTP head (k = 3, a tiny hybrid) "
@@ -156,7 +161,7 @@ FAMILIES: dict[str, list[Family]] = {
         Family("speculative GPU", "Speculative decoding on a GPU", "The fast engine with this repo's kernels at a "
                "Qwen3-0.6B shape (random weights, bf16), B greedy requests of 128 + 128 tokens: tokens/s of plain "
                "decoding replayed from CUDA graphs, and of drafts of its own tokens (k = 4, all accepted, or one "
-               "planted error each) verified in the eager prefill pass; speedup over plain."),
+               "planted error each) whose verifications replay CUDA graphs too; speedup over plain."),
         Family("observatory Qwen3-0.6B decode layer", "The decode layer's elementwise work fused, in the kernel "
                "observatory", "One Qwen3-0.6B decoder layer's decode step (fp16, random weights, flash_decode over "
                "a paged cache of 1,024 keys a request) run by the kernel observatory: Triton kernels interpreted "
@@ -169,9 +174,12 @@ FAMILIES: dict[str, list[Family]] = {
                "measurement: the verification of B samples' k drafts (B (k + 1) rows, the weights read once) priced "
                "as the modeled decode step below plus a compute bound (FLOPs over 989 TFLOPS bf16), drafts accepted "
                "independently with an assumed probability a, so a verification emits (1 - a^(k+1)) / (1 - a) tokens; "
-               "the MTP head's k depths each read one decoder layer and the lm_head; 'as built' verifies in the eager "
-               "prefill pass (host-bound at 5 us a torch call), 'captured' as one replay of the compiled step's "
-               "kernels (not built).  speedup = tokens per second over the graph of the compiled plain decode step's."),
+               "the MTP head's k depths each read one decoder layer and the lm_head; 'captured' verifies as one "
+               "replay of the compiled step's kernels (built since: StaticDecode.verify under cuda_graphs=True, not "
+               "yet run on a GPU), 'eager pass' in the prefill pass (beside a prompt's prefill, the batch-invariant "
+               "mode, sliding layers; host-bound at 5 us a torch call); the MTP head's depths eager on the host "
+               "('mtp captured verification') or captured too ('mtp captured': not built).  speedup = tokens per "
+               "second over the graph of the compiled plain decode step's."),
         Family("engine GPU decode", "The engine's decode on a GPU: eager against CUDA graphs", "A Qwen3-0.6B-shaped "
                "model (random weights, bf16) with this repo's kernels, B requests of 128 + 128 tokens: decode step "
                "ms and tokens/s, eager and Generator(cuda_graphs=True), beside the memory floor (the weights and "

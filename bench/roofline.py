@@ -654,11 +654,12 @@ class GrpoDecode(Decode):
     run as a prefix-caching server runs them: n paged sequences whose block tables share the prompt's
     pages (Decode's peer methods, unchanged: B = n sequences of L = P + S keys)."""
     N, PROMPT, SUFFIX, HQ, HKV, D, PAGE = 8, 2048, 256, 8, 2, 128, 16
+    CAPTURED_KEYS = 8192                         # ours_captured: the block table's width, in keys
 
     def __init__(self, mods):
         self.mods, self.op, self.paged = mods, "fwd", True
         self.B, self.L = self.N, self.PROMPT + self.SUFFIX
-        self.impls = ("ours", "ours_plain", "vllm_2d", "vllm_2stage", "sglang_2stage")
+        self.impls = ("ours", "ours_captured", "ours_plain", "vllm_2d", "vllm_2stage", "sglang_2stage")
         self.vllm_splits = min(1 << max(0, (self.L // 512 - 1).bit_length()), 2 * 132)   # vLLM's rule
         shared = "n sequences over the shared prompt pages"
         self.kernels = {
@@ -700,6 +701,19 @@ class GrpoDecode(Decode):
     def ours_plain(self, observed):
         with observed():
             o = self.mods["fd"].flash_decode(self.q, self.k_cache, self.v_cache, self.used, block_table=self.table)
+        return [o]
+
+    def ours_captured(self, observed):
+        """The call the engine's CUDA graph captures at padded batch 8 (fast/generator_engine.py's static step):
+        ``capturable=True``, the block table at the full width of an 8k-key max_seq_len (its spare columns
+        the padding page), the group's bounds padded to one group a row (the 7 after it empty)."""
+        n, width = self.N, self.CAPTURED_KEYS // self.PAGE
+        table = torch.cat([self.table, self.table[:, -1:].expand(n, width - self.table.shape[1])], 1).contiguous()
+        cu_groups = torch.tensor([0] + [n] * n, dtype=torch.int32)
+        prefix = torch.tensor([self.PROMPT] + [0] * (n - 1), dtype=torch.int32)
+        with observed():
+            o = self.mods["fd"].cascade_decode(self.q, self.k_cache, self.v_cache, self.used, block_table=table,
+                                               cu_groups=cu_groups, prefix_lens=prefix, capturable=True)
         return [o]
 
 
@@ -856,13 +870,13 @@ def make_cases(mods, quick: bool, moe_prefill: bool = False) -> list[Case]:
 # ----------------------------------------------------------------------------- measuring
 
 IMPLS = {"ours": "twofold", "ours_invariant": "twofold, batch_invariant=True", "ours_plain": "twofold, plain",
-         "ours_recurrent": "twofold, recurrent form",
+         "ours_recurrent": "twofold, recurrent form", "ours_captured": "twofold, capturable",
          "fla": f"fla-core {FLA_VERSION}",
          "vllm_3d": "vLLM 0.33.0", "vllm_2d": "vLLM 0.33.0", "vllm_2stage": "vLLM 0.33.0",
          "sglang_2stage": "SGLang 0.5.23", "sglang_extend": "SGLang 0.5.23",
          "vllm_moe": "vLLM 0.33.0", "sglang_moe": "SGLang 0.5.23"}
 SHORT = {"ours": "twofold", "ours_invariant": "twofold, batch_invariant=True", "ours_plain": "twofold, plain",
-         "ours_recurrent": "twofold, recurrent form",
+         "ours_recurrent": "twofold, recurrent form", "ours_captured": "twofold, capturable",
          "vllm_3d": "vLLM unified_attention 3D", "vllm_2d": "vLLM unified_attention 2D",
          "vllm_2stage": "vLLM decode_attention_fwd 2-stage", "sglang_2stage": "SGLang decode_attention_fwd 2-stage",
          "sglang_extend": "SGLang extend_attention_fwd", "vllm_moe": "vLLM fused_moe (Triton)",
@@ -1227,6 +1241,8 @@ LEGEND = {
     "ours_invariant": "twofold, batch_invariant=True",
     "ours_plain": "twofold, plain: n flash_decode rows where the cascade shares the prompt (GRPO decode)",
     "ours_recurrent": "twofold, recurrent form: fused_recurrent fwd + bwd (GDN trainer)",
+    "ours_captured": "twofold, capturable: cascade_decode(capturable=True) as the engine's CUDA graph captures it "
+                     "(GRPO decode: padded groups, an 8k-key table)",
     "fla": f"fla-core {FLA_VERSION}: chunk / fused_recurrent (GDN), parallel_attn (prefill), "
            "its naive decoding kernel (decode)",
     "vllm_3d": "vLLM 0.33.0 unified_attention, 3D path (16 segments)",
