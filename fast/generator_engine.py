@@ -769,8 +769,8 @@ class Generator:
         if plan.prefill or verify:                         # one packed pass; prompts done fork and sample
             saved = self.pools.save_rows([c.seq.row for c in verify]) if verify and self.scheduler.hybrid else None
             static = self.runner.static if verify and not plan.prefill else None    # verification alone: static
-            padded, logits = static.verify(self.model, verify) if static is not None else (False, None)
-            if not padded:
+            static_verified, logits = static.verify(self.model, verify) if static is not None else (False, None)
+            if not static_verified:
                 logits = self.runner.prefill(self.model, plan.prefill + verify)
             if mtp is not None:                            # the head's rows of the prompts (before they fork)
                 mtp.prefilled(self.model, plan.prefill, self.runner.hidden)
@@ -781,7 +781,7 @@ class Generator:
                 rows = sum(len(c.drafts) + 1 for c in verify)
                 self._verify(verify, None if logits is None else logits[logits.shape[0] - rows:],
                              self.runner.hidden[-rows:], saved, settle,
-                             padded=self.runner.static.rows_per_seq if padded else 0)
+                             padded=self.runner.static.rows_per_seq if static_verified else 0)
         if decode:                                         # one token for every other decoding sample
             logits = self.runner.decode(self.model, decode)
             if mtp is not None:
@@ -2183,6 +2183,7 @@ class StaticDecode:
         # without sliding layers (a plug-in's cache_leftpad starts a sequence's keys, not each row's window)
         self.verifies = rows > 1 and not runner.batch_invariant and not any(runner.windows)
         self.max_positions = min(self.pools.pages_per_seq * self.pools.page_size, runner.config.max_seq_len)
+        self.linear_layers = [i for i, kind in enumerate(runner.config.kinds) if kind == "linear"]
         self.shapes: set = set()                   # the (P, W) the step ran at
         self.steps = self.cascade_steps = self.verify_steps = 0
         # (Dynamo's guards on the model's modules are skipped: ~0.5 ms a step at 28 layers.  The engine owns its
@@ -2256,9 +2257,8 @@ class StaticDecode:
         real = put("verify_rows", [n * s_q + r for n, c in enumerate(chunks) for r in range(len(c.tokens()))],
                    torch.int64)
         self.runner.hidden = hidden.index_select(0, real)
-        linear = [i for i, kind in enumerate(model.config.kinds) if kind == "linear"]
         self.runner.linear_inputs = {i: (model.layers[i].linear_attn, h.index_select(0, real))
-                                     for i, h in zip(linear, inputs)}
+                                     for i, h in zip(self.linear_layers, inputs)}
         self.shapes.add((size, width))
         self.verify_steps += 1
         return True, None if logits is None else logits.index_select(0, real)
