@@ -293,11 +293,6 @@ BACKGROUND_NICE = 19
 _BACKGROUND: dict = {"jobs": [], "procs": set(), "pool": None, "own_dir": False}
 
 
-def lowest_priority() -> None:
-    """A child's preexec_fn: the lowest CPU priority."""
-    os.nice(BACKGROUND_NICE)
-
-
 def starts_background() -> bool:
     """Whether this process starts the run's background jobs: a plain run, or pytest-xdist's worker gw0."""
     return os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
@@ -340,12 +335,18 @@ def job_result(name: str, timeout: float) -> dict:
 
 def background_process(cmd: list, *, timeout: float, **popen_kw) -> dict:
     """For a job: run ``cmd`` at the lowest priority (output to a file: a full pipe would stall it), killed at
-    ``timeout`` or when the session is interrupted.  -> {returncode, log}."""
+    ``timeout`` or when the session is interrupted.  -> {returncode, log}.
+
+    The priority comes from nice(1), not a preexec_fn: a preexec_fn makes Python fork() the test process,
+    and the kernel charges the child a copy of every private writable mapping of a parent that may hold
+    gigabytes by then; once that passes the machine's memory, fork() fails with ENOMEM (it did, late in a
+    make parity on a 24 GiB machine).  Without one, Python starts the child with vfork(), which copies nothing."""
     import subprocess
     import tempfile
+    if shutil.which("nice"):
+        cmd = ["nice", "-n", str(BACKGROUND_NICE), *cmd]
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                preexec_fn=lowest_priority if hasattr(os, "nice") else None, **popen_kw)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, **popen_kw)
         _BACKGROUND["procs"].add(proc)
         try:
             returncode = proc.wait(timeout=timeout)

@@ -345,6 +345,7 @@ def test_generator_refuses_a_corrupted_sync_and_never_mixes_versions():
     o = f["overlap"]
     assert o["every_step_one_version"] and o["versions_in_order"] and o["labels_match_version"], o
     assert o["steps_during_sync"] >= 3 and [2, 3] in o["spans"], o      # decoding went on; a request spans the swap
+    assert o["chains_ended"] and not o["errors"], o
 
 
 def test_a_receiver_killed_or_stopped_mid_sync_costs_the_others_nothing():

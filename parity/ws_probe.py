@@ -200,28 +200,43 @@ def _flipped(data: torch.Tensor) -> torch.Tensor:
 
 
 def _overlap(gen, handle, weights) -> dict:
-    """Requests decode, one after another, while version 3 streams in slowly: every step must run on one
-    version's weights, whole (rank 0's live weights fingerprinted before and after each step)."""
+    """Requests decode while version 3 streams in slowly: every step must run on one version's weights, whole
+    (rank 0's live weights fingerprinted before and after each step), and a request spans the swap.
+
+    Two chains of requests of 20 tokens each keep the engine busy, the second started 10 iterations after
+    the first, each request submitted by its predecessor's done-callback (on the engine thread, in time for
+    the next iteration): the engine never idles and the chains' boundaries never meet, so whichever iteration
+    the swap lands before, one chain's request is midway and spans it (one chain alone leaves it 1 in 20 to
+    land between two requests, and a thread that submits the next after result() leaves the engine idle)."""
     fp = {v: _fingerprint(_as_model(gen, weights[v])) for v in (gen.policy_version, 3)}
     steps, step = [], gen._step
     receiving, stop = threading.Event(), threading.Event()
+    spans, ended, errors = [], threading.Semaphore(0), []
+
+    def chain(i):                                       # one request, then (unless told to stop) the next
+        if stop.is_set():
+            ended.release()
+            return
+        future = gen.submit(rg.Request([1, 2, 3 + i % 50], rg.SamplingParams(max_new_tokens=20)))
+
+        def then(f):
+            if f.exception() is not None:
+                errors.append(repr(f.exception()))
+                ended.release()
+                return
+            spans.append((f.result().min_policy_version, f.result().max_policy_version))
+            chain(i + 2)
+        future.add_done_callback(then)
 
     def watched(settle):
         a = _fingerprint(gen.model)
         step(settle)
         steps.append((a, _fingerprint(gen.model), gen.policy_version, receiving.is_set()))
+        if len(steps) == 10:                            # (the engine thread: the next iteration takes it)
+            chain(1)
     gen._step = watched
-    spans = []
-
-    def feed():                                         # always a request decoding, until told to stop
-        i = 0
-        while not stop.is_set():
-            done = gen.submit(rg.Request([1, 2, 3 + i % 50], rg.SamplingParams(max_new_tokens=20))).result(120)
-            spans.append((done.min_policy_version, done.max_policy_version))
-            i += 1
-    feeder = threading.Thread(target=feed, daemon=True)
-    feeder.start()
-    while not steps:
+    chain(0)
+    while len(steps) < 12:
         time.sleep(0.01)
     handle._sender._corrupt = lambda name, bucket, data: time.sleep(0.01)   # pace: ~10 ms a bucket
     receiving.set()
@@ -234,14 +249,14 @@ def _overlap(gen, handle, weights) -> dict:
     while len(steps) < seen + 5:
         time.sleep(0.01)
     stop.set()
-    feeder.join(120)
+    chains_ended = all(ended.acquire(timeout=120) for _ in range(2))
     gen._step = step
     labels = [[v for v, f in fp.items() if f == a] for a, _, _, _ in steps]
     return dict(steps=len(steps), steps_during_sync=sum(1 for s in steps if s[3]), sync_s=round(sync_s, 2),
                 every_step_one_version=all(a == b for a, b, _, _ in steps) and all(len(x) == 1 for x in labels),
                 versions_in_order=[x[:1] for x in labels] == sorted(x[:1] for x in labels),
                 labels_match_version=all(x[:1] == [s[2]] for x, s in zip(labels, steps)),
-                spans=sorted(set(spans)))
+                spans=sorted(set(spans)), chains_ended=chains_ended, errors=errors)
 
 
 def _as_model(gen, weights):
