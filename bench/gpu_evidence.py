@@ -22,11 +22,12 @@ The test parts run on pytest-xdist workers where it is installed (``--workers``)
 Triton compiles each kernel config on one host core, so workers finish the parity files several times
 sooner (the first lent H200: 568 tests in 272 s on 14 workers).  The benchmarks always run alone.
 
-The parts: GPU parity (on CUDA the parity tests run their full grid, bf16 included), the bitwise
-GPU tier (the ``pytest -m gpu`` tests of parity/test_batch_invariant_*.py), the kernel benchmarks
-against PyTorch / flash-attn / fla / FlashInfer where installed (a missing peer is recorded as
-missing), the offload overhead, then the report.  The GPU budgets are plans, not measurements: the
-state file keeps what each part really took.
+The parts, in the order of what a GPU still owes (``PARTS``): the bitwise GPU tier (the ``pytest -m gpu``
+tests of parity/test_batch_invariant_*.py), the engine's GPU parity (its CUDA graphs among them) and its
+decode and speculative benchmarks, then GPU parity of the kernels (on CUDA the parity tests run their full
+grid, bf16 included), the kernel benchmarks against PyTorch / flash-attn / fla / FlashInfer where
+installed (a missing peer is recorded as missing), the offload overhead, then the report.  The GPU
+budgets are plans, not measurements: the state file keeps what each part really took.
 """
 from __future__ import annotations
 
@@ -63,7 +64,24 @@ def _bench(feature: str) -> list:
     return [f"bench/{feature}.py", "--record"]
 
 
+# In the order of what a GPU still owes, so that a short loan (15 minutes, ~11 of them usable) records that
+# first: the bitwise GPU tier (never passed on a GPU: the first loan found its kernels did not build on Triton
+# 3.6) and the engine's CUDA graphs (written, never replayed on a GPU) with their benchmarks; then the kernel
+# parity grids and benchmarks, which the first loan (an H200, 2026-11-29) ran once; the report last.
 PARTS = [
+    Part("bitwise-gpu", "the bitwise GPU tier: pytest -m gpu of parity/test_batch_invariant_*.py",
+         _pytest("-m", "gpu", "parity/test_batch_invariant_attention.py", "parity/test_batch_invariant_engine.py"),
+         300, ("parity/test_batch_invariant_attention.py", "parity/test_batch_invariant_engine.py")),
+    Part("parity-engine-offload", "GPU parity, the generator engine (eager and its CUDA graphs: decode, a group's "
+         "cascade, speculative verification) and the activation offload",
+         _pytest("parity/test_generator_engine.py", "parity/test_engine_compile.py",
+                 "parity/test_speculative.py::test_gpu_speculation_replays_cuda_graphs",
+                 "parity/test_view_replay_offload.py"), 270,
+         ("parity/test_generator_engine.py", "parity/test_engine_compile.py", "parity/test_view_replay_offload.py")),
+    Part("bench-engine", "benchmark: the engine's decode eager against CUDA graphs, Qwen3-0.6B-shaped, B = 1..64",
+         [*_bench("decoder_lm"), "--part", "engine-compiled"], 100, ("bench/decoder_lm.py",)),
+    Part("bench-speculative", "benchmark: speculative decoding against plain CUDA-graph decoding, Qwen3-0.6B-shaped, "
+         "B = 1 and 16", [*_bench("decoder_lm"), "--part", "speculative"], 150, ("bench/decoder_lm.py",)),
     Part("parity-attention", "GPU parity, paged varlen attention forward and backward (full grid, bf16 too)",
          _pytest("parity/test_paged_varlen_attention.py", "parity/test_paged_varlen_attention_backward.py"), 420,
          ("parity/test_paged_varlen_attention.py", "parity/test_paged_varlen_attention_backward.py")),
@@ -72,15 +90,6 @@ PARTS = [
     Part("parity-gdn", "GPU parity, Gated DeltaNet chunk, recurrent and backward (full grid, bf16 too)",
          _pytest("parity/test_gated_deltanet.py", "parity/test_gated_deltanet_backward.py"), 420,
          ("parity/test_gated_deltanet.py", "parity/test_gated_deltanet_backward.py")),
-    Part("parity-engine-offload", "GPU parity, the generator engine (eager and its CUDA graphs: decode, a group's "
-         "cascade, speculative verification) and the activation offload",
-         _pytest("parity/test_generator_engine.py", "parity/test_engine_compile.py",
-                 "parity/test_speculative.py::test_gpu_speculation_replays_cuda_graphs",
-                 "parity/test_view_replay_offload.py"), 270,
-         ("parity/test_generator_engine.py", "parity/test_engine_compile.py", "parity/test_view_replay_offload.py")),
-    Part("bitwise-gpu", "the bitwise GPU tier: pytest -m gpu of parity/test_batch_invariant_*.py",
-         _pytest("-m", "gpu", "parity/test_batch_invariant_attention.py", "parity/test_batch_invariant_engine.py"),
-         300, ("parity/test_batch_invariant_attention.py", "parity/test_batch_invariant_engine.py")),
     Part("bench-prefill", "benchmark: paged varlen attention vs PyTorch varlen_attn / SDPA, flash-attn, FlashInfer",
          _bench("paged_varlen_attention"), 300, ("bench/paged_varlen_attention.py",)),
     Part("bench-decode", "benchmark: FlashDecoding vs PyTorch, flash-attn's kvcache kernel, FlashInfer",
@@ -89,10 +98,6 @@ PARTS = [
          ("bench/gated_deltanet.py",)),
     Part("bench-offload", "benchmark: the activation offload's overhead and memory saved",
          _bench("view_replay_offload"), 120, ("bench/view_replay_offload.py",)),
-    Part("bench-engine", "benchmark: the engine's decode eager against CUDA graphs, Qwen3-0.6B-shaped, B = 1..64",
-         [*_bench("decoder_lm"), "--part", "engine-compiled"], 100, ("bench/decoder_lm.py",)),
-    Part("bench-speculative", "benchmark: speculative decoding against plain CUDA-graph decoding, Qwen3-0.6B-shaped, "
-         "B = 1 and 16", [*_bench("decoder_lm"), "--part", "speculative"], 150, ("bench/decoder_lm.py",)),
     Part("report", "regenerate the tables and plots from bench/results/*.csv (make report)",
          ["bench/report.py"], 20, ("bench/report.py",)),
 ]

@@ -161,8 +161,10 @@ Supported, and what raises
     together (n free rows); the pages before a sliding layer's window stay allocated (the full layers
     share them).  ``compile=True``: the batch-invariant mode keeps its eager step (measured: compiled, 8 of
     15 decode logprobs of a tiny model moved by up to 6.6e-7: inductor fuses the norms and activations
-    its own way), as do steps with a group's cascade and batches past the largest capture size;
-    tensor-parallel engines compile each rank's step (the collectives between the compiled pieces).
+    its own way), as do batches past the largest capture size, a group's cascade through a plug-in
+    without a ``capturable`` keyword, and a verification beside a prompt's prefill, in the mode or with
+    sliding layers (the eager pass); tensor-parallel engines compile each rank's step (the collectives
+    between the compiled pieces); the MTP head's draft rows run eagerly.
     ``cuda_graphs=True`` (replaying the static step on a GPU) is written and in the GPU tier of the tests,
     not yet run on a GPU: off by default until it is; tensor-parallel engines do not replay graphs.
 

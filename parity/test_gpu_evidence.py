@@ -34,6 +34,18 @@ def test_parts_fit_the_lent_machine():
     assert all("--record" in p.argv for p in gpu_evidence.PARTS if p.name.startswith("bench-"))
 
 
+def test_owed_parts_come_first_and_the_readme_lists_them_as_they_run():
+    """A short loan runs parts in order: the ones never run on a GPU (the bitwise tier, the engine's CUDA graphs
+    and their benchmarks) fit its first command; bench/README's table is the list, in order, with the budgets."""
+    names = [p.name for p in gpu_evidence.PARTS]
+    owed = ["bitwise-gpu", "parity-engine-offload", "bench-engine", "bench-speculative"]
+    assert names[:4] == owed, names
+    assert sum(p.budget_s for p in gpu_evidence.PARTS[:2]) <= gpu_evidence.WINDOW_S
+    table = (ROOT / "bench" / "README.md").read_text().split("| part | runs | GPU budget |")[1].split("\n\n")[0]
+    rows = re.findall(r"^\| ([\w-]+) \|.*\| (\d+) s \|$", table, flags=re.M)
+    assert rows == [(p.name, str(p.budget_s)) for p in gpu_evidence.PARTS], rows
+
+
 def test_dry_run_lists_every_part_with_cost_and_budget():
     proc = subprocess.run(["make", "-s", "gpu-evidence", "DRY_RUN=1", f"PYTHON={sys.executable}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
