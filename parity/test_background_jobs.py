@@ -18,7 +18,6 @@ def test_a_background_job_starts_beside_a_large_address_space():
     charges the child a copy of every private writable mapping, and the kernel's heuristic overcommit refuses
     one larger than memory and swap (ENOMEM).  conftest.background_process starts the child with vfork (no
     preexec_fn: its priority from nice(1)), which copies nothing."""
-    import torch
     if Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "2":
         pytest.skip("strict overcommit: the address space below cannot be reserved")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
