@@ -44,7 +44,10 @@ Cases (CPU-meaningful: this measures loading, memory, the engine's batching and 
                               compiled ms; the target: >= 3 at B = 1 and 16).  ``engine verification
                               step ... k=4`` (part engine-verify): the same for an iteration whose work is
                               speculative verification alone (4 drafts a sample, ``_repeat_last``): the
-                              eager prefill pass against the compiled static step.  On a GPU instead:
+                              eager prefill pass against the compiled static step; ``engine MTP drafts
+                              ... k=4`` (part engine-draft): a call of the MTP head's drafter (the model
+                              with one head layer, 4 drafts a sample), a call per depth against the
+                              compiled static step's one.  On a GPU instead:
     engine GPU decode Qwen3-0.6B-shaped bf16 B=<b>   the fast engine with this repo's kernels, eager and
                               ``cuda_graphs=True``, B = 1, 16, 64 requests of 128 + 128 tokens:
                               decode ``tokens_per_s`` and ``step_ms``, the memory floor's ``step_ms`` (the
@@ -75,13 +78,13 @@ Cases (CPU-meaningful: this measures loading, memory, the engine's batching and 
                               8B shapes, B = 1, 16, 64, k = 2, 4, assumed acceptance 0.6 and 0.8: ``step_us``,
                               ``tokens_per_step`` and ``speedup`` over the plain graph step, n-gram and MTP
                               drafting, verification captured (built: ``cuda_graphs=True``) and in
-                              the eager pass; the MTP head eager or captured (not built).
+                              the eager pass; the MTP head captured (built: ``StaticDecode.draft``) or eager.
 
     python bench/decoder_lm.py                 # every part; rows to bench/results/latest/ (untracked)
     python bench/decoder_lm.py --record        # ... and appended to bench/results/decoder_lm.csv
     python bench/decoder_lm.py --part tp       # checkpoint | tp | pool | compiled | engine-compiled | engine-verify |
-                                               # modeled-step | speculative | modeled-speculative |
-                                               # fused-layer
+                                               # engine-draft | modeled-step | speculative |
+                                               # modeled-speculative | fused-layer
 """
 from __future__ import annotations
 
@@ -393,22 +396,45 @@ def _repeat_last(tokens: list, k: int) -> list:
     return [tokens[-1]] * k
 
 
-def engine_child(batch: int, compiled: bool, reps: int, verify: bool = False) -> dict:
+ENGINE_STEPS = ("decode", "verify", "draft")
+
+
+def engine_child(batch: int, compiled: bool, reps: int, what: str = "decode") -> dict:
     """One engine (eager or ``compile=True``) at one thread: B requests of a 16-token prompt decoding 40 tokens
     greedily; a first run compiles (every padded size and table width the measured runs meet), then per
     decode-only iteration (``Generator._step`` with no prefill) its wall time and the torch calls made on the
-    engine thread.  ``verify``: with speculative decoding (k = 4 drafts, ``_repeat_last``), per iteration
-    whose work is verification alone instead."""
+    engine thread.  ``what="verify"``: with speculative decoding (k = 4 drafts, ``_repeat_last``), per
+    iteration whose work is verification alone instead; ``"draft"``: the model with an MTP head drafting (k =
+    4, ``speculative="mtp"``), per call of the drafter (``MTPDrafter.propose``: every depth of every sample)."""
     import statistics
 
     import fast.decoder_lm as lm
     import fast.generator_engine as ge
     torch.set_num_threads(1)
     counter = _TorchCalls()
-    spec = dict(speculative=_repeat_last, num_speculative_tokens=4) if verify else {}
-    gen = ge.Generator(lm.DecoderLM(lm.ModelConfig(**ENGINE_MODEL), seed=0), page_size=16, num_pages=16 * batch + 8,
-                       max_batch_size=max(batch, 1), compile=compiled, **spec)
+    config, spec = dict(ENGINE_MODEL), {}
+    if what == "verify":
+        spec = dict(speculative=_repeat_last, num_speculative_tokens=4)
+    elif what == "draft":
+        config, spec = dict(config, mtp_layers=1), dict(speculative="mtp", num_speculative_tokens=4)
+    gen = ge.Generator(lm.DecoderLM(lm.ModelConfig(**config), seed=0, mtp=what == "draft"), page_size=16,
+                       num_pages=16 * batch + 8, max_batch_size=max(batch, 1), compile=compiled, **spec)
     steps = _DecodeSteps(gen, counter)
+    draft_times, draft_calls = [], []
+    if what == "draft":
+        drafter = gen.scheduler.drafter
+        propose = drafter.propose
+
+        def timed_propose(seqs, rooms):
+            before, counted = counter.calls, counter.on
+            counter.on = True
+            start = time.perf_counter()
+            drafts = propose(seqs, rooms)
+            draft_times.append(time.perf_counter() - start)
+            draft_calls.append(counter.calls - before)
+            counter.on = counted
+            return drafts
+        drafter.propose = timed_propose
 
     def run():
         gen.generate([ge.Request(list(range(1, 17)), ge.SamplingParams(max_new_tokens=40)) for _ in range(batch)])
@@ -416,14 +442,16 @@ def engine_child(batch: int, compiled: bool, reps: int, verify: bool = False) ->
     start = time.perf_counter()
     run()
     warm_s = time.perf_counter() - start
-    steps.clear()
+    steps.clear(), draft_times.clear(), draft_calls.clear()
     for _ in range(reps):
         run()
     stats = gen.stats()
     gen.close()
-    times, calls = (steps.verify_times, steps.verify_calls) if verify else (steps.times, steps.calls)
+    times, calls = {"decode": (steps.times, steps.calls), "verify": (steps.verify_times, steps.verify_calls),
+                    "draft": (draft_times, draft_calls)}[what]
     return dict(step_ms=1e3 * statistics.median(times), calls=statistics.median(calls), warm_s=warm_s,
-                static_steps=stats["static_verify_steps" if verify else "static_decode_steps"],
+                static_steps=stats[{"decode": "static_decode_steps", "verify": "static_verify_steps",
+                                    "draft": "static_draft_steps"}[what]],
                 decode_steps=stats["decode_steps"], iterations=len(times))
 
 
@@ -497,27 +525,33 @@ def bench_engine_compiled(rec, quick: bool) -> None:
     if torch.cuda.is_available():
         bench_engine_gpu(rec, quick)
         return
-    _engine_steps(rec, quick, verify=False)
+    _engine_steps(rec, quick)
 
 
 def bench_engine_verify(rec, quick: bool) -> None:
     """An iteration of speculative verification alone, eager (the prefill pass) and compiled (the static step)."""
-    _engine_steps(rec, quick, verify=True)
+    _engine_steps(rec, quick, what="verify")
 
 
-def _engine_steps(rec, quick: bool, verify: bool) -> None:
+def bench_engine_draft(rec, quick: bool) -> None:
+    """The MTP head's drafts of a step, eager (a call per depth) and compiled (the static step: every depth)."""
+    _engine_steps(rec, quick, what="draft")
+
+
+def _engine_steps(rec, quick: bool, what: str = "decode") -> None:
     for batch in (1, 16):
         facts = {}
         for compiled in (False, True):
             with tempfile.TemporaryDirectory() as cache:    # inductor's cache empty: warm_s includes a first compile
                 proc = subprocess.run([sys.executable, __file__, "--engine-child", str(batch), str(int(compiled)),
-                                       str(1 if quick else 3), str(int(verify))], capture_output=True, text=True,
+                                       str(1 if quick else 3), what], capture_output=True, text=True,
                                       timeout=3600, cwd=ROOT, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
-            facts[compiled] = child_facts(proc, f"engine compiled={compiled} B={batch} verify={verify}")
+            facts[compiled] = child_facts(proc, f"engine compiled={compiled} B={batch} {what}")
             if compiled and not facts[compiled]["static_steps"]:
-                raise AssertionError(f"engine B={batch} verify={verify}: no step went through the static step")
-        case = (f"engine verification step L28 h128 fp32 B={batch} k=4 threads=1" if verify
-                else f"engine decode step L28 h128 fp32 B={batch} threads=1")
+                raise AssertionError(f"engine B={batch} {what}: nothing went through the static step")
+        case = {"verify": f"engine verification step L28 h128 fp32 B={batch} k=4 threads=1",
+                "draft": f"engine MTP drafts L28 h128 fp32 B={batch} k=4 threads=1",
+                "decode": f"engine decode step L28 h128 fp32 B={batch} threads=1"}[what]
         for compiled, name in ((False, "eager"), (True, "compile=True")):
             rec.add(case, name, "step_ms", facts[compiled]["step_ms"], "ms")
             rec.add(case, name, "torch_calls", facts[compiled]["calls"], "calls")
@@ -722,9 +756,10 @@ def bench_modeled_speculative(rec, quick: bool) -> None:
     reads dominate).  "captured": the verification replayed from a graph of the compiled step's kernels
     (``StaticDecode.verify`` under ``cuda_graphs=True``, built, not yet run on a GPU); "eager pass": in the
     prefill pass, as a verification beside a prompt's prefill, in the batch-invariant mode or with sliding
-    layers runs (host-bound: the eager step's torch calls at 5 us each).  The MTP head's depths run eagerly
-    (their torch calls on the host while the device works: "mtp captured verification"); "mtp captured"
-    prices them captured too (not built).  The plain step it is set against: the graph of the compiled decode
+    layers runs (host-bound: the eager step's torch calls at 5 us each).  "mtp captured": the MTP head's
+    depths captured too (``StaticDecode.draft``: built, not yet run on a GPU); "mtp captured verification":
+    its depths eager, their torch calls on the host while the device works (the fallback, for a head that
+    lags).  The plain step it is set against: the graph of the compiled decode
     step."""
     from observatory import H100
     for batch in (1, 16, 64):
@@ -965,6 +1000,7 @@ class _ContinuationDrafter:
 
 PARTS = {"checkpoint": bench_checkpoints, "tp": bench_tp, "pool": bench_pool, "compiled": bench_compiled,
          "engine-compiled": bench_engine_compiled, "engine-verify": bench_engine_verify,
+         "engine-draft": bench_engine_draft,
          "modeled-step": bench_modeled_step,
          "speculative": bench_speculative, "modeled-speculative": bench_modeled_speculative,
          "fused-layer": bench_fused_layer}
@@ -999,7 +1035,7 @@ def main(argv=None) -> int:
         return 0
     if argv[:1] == ["--engine-child"]:
         print("FACTS " + json.dumps(engine_child(int(argv[1]), bool(int(argv[2])), int(argv[3]),
-                                                 bool(int(argv[4])) if len(argv) > 4 else False)), flush=True)
+                                                 argv[4] if len(argv) > 4 else "decode")), flush=True)
         return 0
 
     def configure(ap):

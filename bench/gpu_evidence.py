@@ -64,19 +64,21 @@ def _bench(feature: str) -> list:
     return [f"bench/{feature}.py", "--record"]
 
 
-# In the order of what a GPU still owes, so that a short loan (15 minutes, ~11 of them usable) records that
-# first: the bitwise GPU tier (never passed on a GPU: the first loan found its kernels did not build on Triton
-# 3.6) and the engine's CUDA graphs (written, never replayed on a GPU) with their benchmarks; then the kernel
-# parity grids and benchmarks, which the first loan (an H200, 2026-11-29) ran once; the report last.
+# In the order of what a GPU still owes, so that a short loan (15 minutes, ~11 of them usable: two
+# commands) records that first: the bitwise GPU tier (never passed on a GPU: the first loan found its kernels
+# did not build on Triton 3.6) and the engine's CUDA graphs (written, never replayed on a GPU) with their
+# benchmarks; then the kernel parity grids and benchmarks, which the first loan (an H200, 2026-11-29) ran
+# once; the report last.
 PARTS = [
     Part("bitwise-gpu", "the bitwise GPU tier: pytest -m gpu of parity/test_batch_invariant_*.py",
          _pytest("-m", "gpu", "parity/test_batch_invariant_attention.py", "parity/test_batch_invariant_engine.py"),
          300, ("parity/test_batch_invariant_attention.py", "parity/test_batch_invariant_engine.py")),
     Part("parity-engine-offload", "GPU parity, the generator engine (eager and its CUDA graphs: decode, a group's "
-         "cascade, speculative verification) and the activation offload",
+         "cascade, speculative verification, the MTP head's drafts) and the activation offload",
          _pytest("parity/test_generator_engine.py", "parity/test_engine_compile.py",
                  "parity/test_speculative.py::test_gpu_speculation_replays_cuda_graphs",
-                 "parity/test_view_replay_offload.py"), 270,
+                 "parity/test_mtp.py::test_gpu_mtp_drafts_replay_cuda_graphs",
+                 "parity/test_view_replay_offload.py"), 300,
          ("parity/test_generator_engine.py", "parity/test_engine_compile.py", "parity/test_view_replay_offload.py")),
     Part("bench-engine", "benchmark: the engine's decode eager against CUDA graphs, Qwen3-0.6B-shaped, B = 1..64",
          [*_bench("decoder_lm"), "--part", "engine-compiled"], 100, ("bench/decoder_lm.py",)),

@@ -99,7 +99,8 @@ Speculative decoding (``speculative="ngram"``, ``"mtp"`` or a drafter function; 
 ``generate`` states the rule and is the oracle)
     draft         ``drafter(tokens, k) -> up to k token ids`` per decoding sample and step (``ngram_draft``:
                   prompt lookup), or Qwen3.5's MTP head for every decoding sample at once (``MTPDrafter``:
-                  its K/V in the page pool, one more attention layer per head layer); cut to the
+                  its K/V in the page pool, one more attention layer per head layer; every depth in one
+                  static call with compile / cuda_graphs: ``StaticDecode.draft``); cut to the
                   completion's room less one and to the free pages (a draft never preempts); a hybrid model
                   with checkpoints stops a draft at the next checkpointed page boundary (and drafts nothing
                   from one), so ``decoded`` checkpoints the right state
@@ -164,7 +165,7 @@ Supported, and what raises
     its own way), as do batches past the largest capture size, a group's cascade through a plug-in
     without a ``capturable`` keyword, and a verification beside a prompt's prefill, in the mode or with
     sliding layers (the eager pass); tensor-parallel engines compile each rank's step (the collectives
-    between the compiled pieces); the MTP head's draft rows run eagerly.
+    between the compiled pieces).
     ``cuda_graphs=True`` (replaying the static step on a GPU) is written and in the GPU tier of the tests,
     not yet run on a GPU: off by default until it is; tensor-parallel engines do not replay graphs.
 
@@ -466,13 +467,14 @@ class Generator:
                                         mode keeps the eager step under compile (graphs replay its
                                         kernels, hybrid models' too); tensor-parallel engines compile
                                         each rank's step but replay no graphs; a warning says which.
+                                        ``cuda_graphs`` is off by default until a GPU run has tested it.
     ``speculative``,                    None, ``"ngram"`` (prompt lookup), ``"mtp"`` (Qwen3.5's MTP head:
     ``num_speculative_tokens``          the model built with ``mtp=True``) or a drafter function ``(tokens,
                                         k) -> up to k token ids``: verify up to k drafts per decoding
                                         sample and step (the section "speculative decoding"); the same
                                         tokens as plain decoding; with ``compile`` / ``cuda_graphs`` a
-                                        verification alone in its iteration runs the static step too
-                                        ``cuda_graphs`` is off by default until a GPU run has tested it
+                                        verification alone in its iteration runs the static step too, as
+                                        do the MTP head's drafts (every depth in one call)
     A model in the batch-invariant mode (``model.batch_invariant``) makes the engine batch-invariant (the
     module docstring): it then needs ``varlen_attn`` (default: the model's) and ``flash_decode``.
     ``Generator.from_pretrained(path, model_class=DecoderLM, ...)`` serves a checkpoint.
@@ -716,8 +718,8 @@ class Generator:
         conv state, and in the batch-invariant mode the chunk buffer), max_seq_len; decode_steps,
         static_decode_steps (those through the static step, compiled or replayed) and static_decode_shapes
         (the (padded batch, table width in pages) it ran at), static_cascade_steps (those of them with a
-        group's cascade), static_verify_steps (speculative verifications through it: not decode steps);
-        cuda_graph_sizes (the padded batches captured)
+        group's cascade), static_verify_steps (speculative verifications through it: not decode steps),
+        static_draft_steps (the MTP head's drafts through it); cuda_graph_sizes (the padded batches captured)
         and cuda_graph_bytes (what their memory pool reserved); draft_tokens and accepted_draft_tokens
         (speculative decoding: proposed, and accepted by verification) and acceptance_lengths (how many
         verifications accepted 0, 1, ..., num_speculative_tokens drafts)."""
@@ -734,11 +736,11 @@ class Generator:
         static, steps = self.runner.static, self.runner.decode_steps
         if static is None:
             return dict(decode_steps=steps, static_decode_steps=0, static_decode_shapes=[], static_cascade_steps=0,
-                        static_verify_steps=0, cuda_graph_sizes=[], cuda_graph_bytes=0)
+                        static_verify_steps=0, static_draft_steps=0, cuda_graph_sizes=[], cuda_graph_bytes=0)
         return dict(decode_steps=steps, static_decode_steps=static.steps, static_decode_shapes=sorted(static.shapes),
                     static_cascade_steps=static.cascade_steps, static_verify_steps=static.verify_steps,
-                    cuda_graph_sizes=sorted({size for _, size, _ in static.graphs}),
-                    cuda_graph_bytes=static.graph_bytes)
+                    static_draft_steps=static.draft_steps, cuda_graph_bytes=static.graph_bytes,
+                    cuda_graph_sizes=sorted({size for _, size, _ in static.graphs}))
 
     def close(self) -> None:
         """Stop the engine (what is queued or running fails) and, tensor-parallel, every worker process."""
@@ -2098,6 +2100,16 @@ class ModelRunner:
 # batch-invariant mode (its verification rows reduce as the trainer's prefill does: the eager pass) nor with
 # sliding layers (flash_decode's cache_leftpad starts a sequence's keys, not each row's window).
 #
+# The MTP head's drafts (speculative="mtp") take it too (``StaticDecode.draft``, its own compiled function
+# and graph per P): depth 0 the head's rows whose next token is now known, k + 1 a sample (the real ones
+# first, then padding the real ones never see: causal), then depths 1 .. k - 1 one row a sample, each fed the
+# argmax of the depth before, on the device; every depth for every sample (rows past a sample's room write
+# scratch slots past its tokens, as the eager drafter's deeper rows do; its block-table columns past its pages,
+# and all of a sample with nothing to draft, point at the spare page), the [P, k] drafts read back once.  The
+# keys a depth writes are in the pool before the next depth reads them (``_write_rows`` between the depths).
+# A batch with a sample whose head lags (rows to catch up that do not end at its newest position) drafts
+# eagerly, a call per depth.
+#
 # The state writes are deferred to the step's end, one op for all of them (``_write_rows``): the attention
 # of layer i sees the cached keys 0 .. L - 2 from the pool and the new key from the step itself, which is
 # what flash_decode computes after writing it.  (An index_put_ into a pool the graph was given is
@@ -2184,16 +2196,22 @@ class StaticDecode:
         # verification: outside the mode (its rows reduce as the trainer's prefill does: the eager pass), and
         # without sliding layers (a plug-in's cache_leftpad starts a sequence's keys, not each row's window)
         self.verifies = rows > 1 and not runner.batch_invariant and not any(runner.windows)
+        # the MTP head's drafts (speculative="mtp"; outside the mode, as verification): ``draft``
+        self.drafts = rows > 1 and not runner.batch_invariant and runner.config.num_layers in self.pools.pool_index
+        self.draft_hidden = (torch.zeros(largest * rows, runner.config.hidden_size, dtype=self.pools.k.dtype,
+                                         device=dev) if self.drafts else None)
+        self.draft_meta = torch.zeros(4, largest, dtype=torch.int64, device=dev)   # n, start, first, length
         self.max_positions = min(self.pools.pages_per_seq * self.pools.page_size, runner.config.max_seq_len)
         self.linear_layers = [i for i, kind in enumerate(runner.config.kinds) if kind == "linear"]
         self.shapes: set = set()                   # the (P, W) the step ran at
-        self.steps = self.cascade_steps = self.verify_steps = 0
+        self.steps = self.cascade_steps = self.verify_steps = self.draft_steps = 0
         # (Dynamo's guards on the model's modules are skipped: ~0.5 ms a step at 28 layers.  The engine owns its
         # model and never changes a module's attributes; a weight load copies into tensors, a swap passes the
         # other module, of the same structure, whose parameters the graph reads as inputs: the hot-swap test.)
-        self._compiled = (torch.compile(self._forward, dynamic=False, options={
-            "cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}) if compile
-                          else self._forward)
+        options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        self._compiled = torch.compile(self._forward, dynamic=False, options=options) if compile else self._forward
+        self._compiled_draft = (torch.compile(self._draft_forward, dynamic=False, options=options) if compile
+                                else self._draft_forward)
         self.cuda_graphs = cuda_graphs
         self.graphs: dict = {}        # (id(model), P, kind) -> (CUDAGraph, its outputs)
         self.graph_bytes = 0                       # what the graphs' memory pool reserved
@@ -2265,6 +2283,60 @@ class StaticDecode:
         self.verify_steps += 1
         return True, None if logits is None else logits.index_select(0, real)
 
+    def draft(self, model: nn.Module, seqs: list, rooms: list) -> list | None:
+        """``MTPDrafter.propose`` over the static step: up to rooms[n] drafts for each of ``seqs``, or None
+        (nothing changed) when it cannot take them: more drafting samples than the largest size, a sample
+        whose head lags (rows to catch up that do not end at its newest position, or more than k + 1 of
+        them), drafts that would pass the pages.  Depth 0 computes each sample's catch-up rows (the
+        positions whose next token is now known), padded to k + 1 rows after its real ones; depths 1 .. k - 1
+        feed the head its own output and argmax one row a sample, every depth for every sample (rows past
+        a sample's room write scratch slots past its tokens; its block-table columns past its pages, and
+        every column of a sample with nothing to draft, point at the spare page); one read-back of the
+        [P, k] drafts at the end."""
+        s_q, ps = self.rows_per_seq, self.pools.page_size
+        drafting = [(at, s, room) for at, (s, room) in enumerate(zip(seqs, rooms)) if room > 0]
+        if not self.drafts or not drafting or len(drafting) > self.sizes[-1]:
+            return None
+        catch_up = []                          # each drafting sample's rows to compute at depth 0
+        for _, s, _ in drafting:
+            r, length = s.mtp, len(s.tokens)
+            n = 0 if r is None else min(r.pending.shape[0], length - 1 - r.next)
+            if n > s_q or (n > 0 and r.next + n != length - 1) or length + s_q - 1 > self.max_positions:
+                return None
+            catch_up.append(n)
+        b = len(drafting)
+        pages = max(-(-(len(s.tokens) + s_q - 1) // ps) for _, s, _ in drafting)   # (the padding rows' keys too)
+        size, width, graph = self._shape(model, b, pages, "draft")
+        if size is None:
+            return None
+        pad, put = size - b, self.runner.staging.put
+        ids, hidden, dest, meta = [], [], [], [[] for _ in range(4)]
+        for j, ((_, s, _), n) in enumerate(zip(drafting, catch_up)):
+            r = s.mtp
+            start = r.next if n else 0
+            ids += [s.tokens[start + i + 1] if i < n else 0 for i in range(s_q)]
+            if n:
+                hidden.append(r.pending[:n])
+                dest += range(j * s_q, j * s_q + n)
+                s.mtp = _MTPRows(r.first, r.next + n, r.pending[n:])
+            # (n, start, first head row + 1, tokens so far); a sample with none: its rows at 0 .. S - 1
+            for field, value in zip(meta, (n, start, r.first + 1, len(s.tokens)) if n else (0, 0, 0, 2)):
+                field.append(value)
+        self.ids[:size * s_q].copy_(put("ids", ids + [0] * (pad * s_q), torch.int64))
+        if hidden:
+            self.draft_hidden.index_copy_(0, put("draft_rows", dest, torch.int64), torch.cat(hidden))
+        self.draft_meta[:, :size].copy_(put("draft_meta", [m + [2 if i == 3 else 0] * pad for i, m in enumerate(meta)],
+                                            torch.int64))
+        self.n_pages[:size].copy_(put("n_pages", [len(s.pages) if n else 0 for (_, s, _), n in zip(drafting, catch_up)]
+                                      + [0] * pad, torch.int32))
+        self._fill_rows([s for _, s, _ in drafting], size)
+        drafts = (_replay(graph) if graph is not None else self._call(model, size, width, "draft"))[:b].tolist()
+        self.draft_steps += 1
+        out = [[] for _ in seqs]
+        for (at, _, room), tokens, n in zip(drafting, drafts, catch_up):
+            out[at] = tokens[:room] if n else []
+        return out
+
     def _shape(self, model: nn.Module, b: int, pages: int, kind: str):
         """(padded size, table width, its graph or None) of a step over b sequences of up to ``pages`` pages;
         (None, ...) when its graph failed to capture."""
@@ -2287,10 +2359,13 @@ class StaticDecode:
         table = self.table[:size, :width]
         if not self.cuda_graphs:      # (a graph's table is full width: a symbolic width would read sizes back)
             torch._dynamo.maybe_mark_dynamic(table, 1)
-        s_q = self.rows_per_seq if kind == "verify" else 1
+        s_q = self.rows_per_seq if kind in ("verify", "draft") else 1
         extra = ((self.cu_groups[:size + 1], self.prefix_lens[:size]) if kind == "cascade"
                  else (None, None, self.n_pages[:size]) if kind == "verify" else ())
         with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=4096):
+            if kind == "draft":
+                return self._compiled_draft(model, self.ids[:size * s_q], self.draft_hidden[:size * s_q],
+                                            self.draft_meta[:, :size], self.n_pages[:size], table)
             return self._compiled(model, self.ids[:size * s_q], self.positions[:size * s_q], self.used[:size],
                                   self.rows[:size], self.prompts[:size], table, *extra)
 
@@ -2300,8 +2375,10 @@ class StaticDecode:
         are padding only; None (and a warning, once) when the capture fails: the engine then steps eagerly."""
         key = (id(model), size, kind)
         if key not in self.graphs:
-            pools, s_q = self.pools, self.rows_per_seq if kind == "verify" else 1
+            pools, s_q = self.pools, self.rows_per_seq if kind in ("verify", "draft") else 1
             self.ids[:size * s_q].zero_(), self.used[:size].fill_(s_q), self.n_pages[:size].fill_(pools.pages_per_seq)
+            if kind == "draft":            # (samples with nothing to draft: every row to the spare page)
+                self.n_pages[:size].zero_(), self.draft_meta[:, :size].zero_(), self.draft_meta[3, :size].fill_(2)
             self.positions[:size * s_q].copy_(torch.arange(s_q, device=self.positions.device).repeat(size))
             self.rows[:size].fill_(pools.pad_row), self.prompts[:size].fill_(1), self.table[:size].fill_(pools.pad_page)
             torch.arange(size + 1, out=self.cu_groups[:size + 1]), self.prefix_lens[:size].zero_()
@@ -2341,7 +2418,7 @@ class StaticDecode:
                     + (positions % ps).view(p_seqs, s_q)).flatten()             # [P S] the new rows' slots
         sinks = _sinks(model)
         dst, index, src, inputs = [], [], [], []
-        new_kv, slots = [], pools.k.shape[1] * ps        # (layer's pool index, k, v); slots per layer's pool
+        new_kv = []                                      # (layer's pool index, k, v)
 
         def attend(i, q, k, v):
             kc, vc = pools.kv(i)
@@ -2375,14 +2452,74 @@ class StaticDecode:
             return out
 
         h = model.layers_forward(ids, positions, attend, mix)
-        if new_kv:                                       # every layer's new K and V: one copy into each pool
-            at = torch.cat([j * slots + kv_index for j, _, _ in new_kv])
-            dst += [pools.k.view(-1, *pools.k.shape[-2:]), pools.v.view(-1, *pools.v.shape[-2:])]
-            index += [at, at]
-            src += [torch.cat([k for _, k, _ in new_kv]), torch.cat([v for _, _, v in new_kv])]
+        dst, index, src = _kv_writes(pools, new_kv, kv_index, dst, index, src)
         if dst:
             _write_rows(dst, index, src)
         return ((model.logits(h) if runner.samples else None), h, *inputs)
+
+    def _draft_forward(self, model, ids, hidden, meta, n_pages, table):
+        """The MTP head's drafts of P samples (``draft``): ids [P S] and hidden [P S, hidden] depth 0's rows
+        (sample p's real ones first, n of them, at positions start ..), meta [4, P] (n, start, first head row
+        + 1, tokens so far), n_pages [P] (the sample's pages; 0: its rows all to the spare page), table [P, W].
+        -> the drafts [P, k] (greedy: argmax of the head's logits at each depth).  Rows past a sample's room
+        write slots past its tokens, in its own pages (scratch, as the eager drafter's deeper rows) or the
+        spare page."""
+        pools = self.pools
+        p_seqs = table.shape[0]
+        s_q = ids.shape[0] // p_seqs
+        n, start, first, length = meta.unbind(0)
+        cols = torch.arange(table.shape[1], device=table.device)
+        table = torch.where(cols[None, :] < n_pages[:, None], table, pools.pad_page)
+        rows = torch.arange(s_q, device=ids.device)
+        # depth 0: the rows start .. start + n - 1 (the padding after them, never seen by them: causal)
+        y = self._head(model, 0, ids, (start[:, None] + rows).flatten(), hidden, start + 1 + s_q, first, table)
+        y = y.view(p_seqs, s_q, -1)[torch.arange(p_seqs, device=ids.device), (n - 1).clamp(min=0)]
+        drafts = []
+        for depth in range(1, s_q):
+            drafts.append(torch.argmax(model.logits(y), dim=-1))
+            if depth < s_q - 1:              # the head on its own output: the row at length - 2 + depth
+                y = self._head(model, depth, drafts[-1], length - 2 + depth, y, length + depth, first, table)
+        return torch.stack(drafts, 1)
+
+    def _head(self, model, depth, ids, positions, hidden, used, first, table):
+        """The MTP head's layer for depth ``depth`` over S = len(ids) / P rows a sample (positions t, their
+        keys at t + 1, seeing the head's keys from ``first``: ``ModelRunner.mtp_rows``'s rows) -> its hidden
+        states; the new keys are in the pool when it returns."""
+        runner, pools, ps = self.runner, self.pools, self.pools.page_size
+        p_seqs, used, first = used.shape[0], used.int(), first.int()      # (flash_decode's dtypes)
+        s_q = ids.shape[0] // p_seqs
+        slot = (positions + 1).view(p_seqs, s_q)
+        kv_index = (table.long().gather(1, slot // ps) * ps + slot % ps).flatten()
+        sinks, new_kv = getattr(model, "attention_sinks", lambda i: None), []
+
+        def attend(i, q, k, v):
+            kc, vc = pools.kv(i)
+            q, k, v = (t.unflatten(0, (p_seqs, s_q)) for t in (q, k, v))
+            extra = {} if sinks(i) is None else dict(sinks=sinks(i))
+            if runner.attention.decode is not _torch_flash_decode:     # a plug-in: it writes the new K/V itself
+                return runner.attention.decode(q, kc, vc, used, block_table=table, cache_leftpad=first, k_new=k,
+                                               v_new=v, scale=runner.scale, **extra).flatten(0, 1)
+            new_kv.append((pools.pool_index[i], k.flatten(0, 1), v.flatten(0, 1)))
+            return _paged_decode_attention(q, k, v, kc, vc, table.long(), used, first, runner.scale,
+                                           extra.get("sinks")).flatten(0, 1)
+
+        y = model.mtp_forward(ids, positions, hidden, attend, depth)
+        if new_kv:                      # (before the next depth reads them)
+            _write_rows(*_kv_writes(pools, new_kv, kv_index))
+        return y
+
+
+def _kv_writes(pools, new_kv: list, kv_index, dst=(), index=(), src=()) -> tuple[list, list, list]:
+    """``_write_rows``' arguments for the new K and V of the layers in ``new_kv`` [(pool index, k, v)] at the
+    slots ``kv_index`` (one copy into each pool), after the writes dst / index / src."""
+    dst, index, src = list(dst), list(index), list(src)
+    if new_kv:
+        slots = pools.k.shape[1] * pools.page_size                    # slots per layer's pool
+        at = torch.cat([j * slots + kv_index for j, _, _ in new_kv])
+        dst += [pools.k.view(-1, *pools.k.shape[-2:]), pools.v.view(-1, *pools.v.shape[-2:])]
+        index += [at, at]
+        src += [torch.cat([k for _, k, _ in new_kv]), torch.cat([v for _, _, v in new_kv])]
+    return dst, index, src
 
 
 def _sinks(model) -> list:
@@ -2495,8 +2632,14 @@ class MTPDrafter:
 
     @torch.no_grad()
     def propose(self, seqs: list, rooms: list) -> list:
-        """Up to rooms[n] drafts for each of ``seqs`` (their pages hold the draft rows' slots)."""
+        """Up to rooms[n] drafts for each of ``seqs`` (their pages hold the draft rows' slots): through the
+        static step where the engine has one (``StaticDecode.draft``: compiled or replayed, one read-back),
+        else here, a call per depth."""
         model = self.model_of()
+        static = self.runner.static
+        drafts = static.draft(model, seqs, rooms) if static is not None else None
+        if drafts is not None:
+            return drafts
         drafting = [(s, r) for s, r in zip(seqs, rooms) if r > 0]
         ys = self._catch_up(model, [s for s, _ in drafting])
         live = [(s, room, y) for (s, room), y in zip(drafting, ys)

@@ -25,6 +25,7 @@ import ref.decoder_lm as ref_lm
 import ref.gated_deltanet as ref_gdn
 import ref.generator_engine as ref_ge
 import ref.moe as ref_moe
+from conftest import DEVICE, requires_gpu
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -239,6 +240,35 @@ def recording_drafter(ge, calls: list):
     return Recording
 
 
+def police_static_drafts(gen, writes: list):
+    """The head's K/V pools poisoned (1e4: finite, so a masked slot stays harmless, but a row that read a slot
+    nobody wrote would attend to it) and every ``StaticDecode.draft`` call's writes checked: a changed slot
+    lies in the spare page, or in a page of the samples that hold it at a position past the head rows each
+    had computed (never a row already computed, a shared prompt page or another sample's page).  ``writes``
+    gets (slots changed, the most rows a sample caught up) of each call the static step took."""
+    static, pools, ps = gen.runner.static, gen.pools, gen.page_size
+    head = [j for layer, j in pools.pool_index.items() if layer >= gen.config.num_layers]
+    for j in head:
+        pools.k[j].fill_(1e4), pools.v[j].fill_(1e4)
+    draft = static.draft
+
+    def watched(model, seqs, rooms):
+        before = pools.k[head].clone()
+        computed = {id(s): -1 if s.mtp is None else s.mtp.next for s in seqs}
+        rows = [0 if s.mtp is None else min(s.mtp.pending.shape[0], len(s.tokens) - 1 - s.mtp.next)
+                for s, room in zip(seqs, rooms) if room]
+        out = draft(model, seqs, rooms)
+        changed = (pools.k[head] != before).flatten(3).any(-1).any(0).nonzero().tolist()     # [(page, offset)]
+        for page, offset in changed:
+            holders = [(s, s.pages.index(page)) for s in seqs if page in s.pages]
+            assert page == pools.pad_page or holders and all(
+                c * ps + offset > computed[id(s)] for s, c in holders), (page, offset, holders)
+        if out is not None:                         # (None: it left them to the eager drafter)
+            writes.append((len(changed), max(rows)))
+        return out
+    static.draft = watched
+
+
 GROUP_PROMPT = [4, 1, 4, 1, 5, 9, 2]
 ENGINE_CASES = [pytest.param(ref_ge, {}, id="ref"),
                 pytest.param(fast_ge, dict(num_pages=18, max_prefill_tokens=8), id="fast"),   # chunks, preemption
@@ -266,10 +296,16 @@ def test_the_engines_drafts_are_the_head_over_the_sequence(ge, knobs, monkeypatc
             ge.Request([7, 2], sp(max_new_tokens=12, temperature=1.0, seed=8))]
     if ge is fast_ge:
         reqs.append(ge.Request(GROUP_PROMPT, sp(max_new_tokens=12, temperature=1.0, seed=3, n=3)))
-    lm = LM[ge]
+    lm, m = LM[ge], model(lm=LM[ge])
     with ge.Generator(model(lm=lm), page_size=4, **knobs) as gen:
         plain = [c for d in gen.generate(reqs) for c in (d if isinstance(d, list) else [d])]
-    with ge.Generator(model(lm=lm), page_size=4, speculative=drafter, num_speculative_tokens=3, **knobs) as gen:
+    if knobs.get("compile"):     # a head trained on these: drafts accepted, rows to catch up 1 .. k + 1
+        shortest = min(len(c.prompt_token_ids) + len(c.token_ids) for c in plain)
+        train_head(m, [(c.prompt_token_ids + c.token_ids)[:shortest] for c in plain], steps=60, lr=2e-2)
+    writes = []
+    with ge.Generator(m, page_size=4, speculative=drafter, num_speculative_tokens=3, **knobs) as gen:
+        if knobs.get("compile"):
+            police_static_drafts(gen, writes)
         got = [c for d in gen.generate(reqs) for c in (d if isinstance(d, list) else [d])]
         stats = gen.stats()
     for a, b in zip(plain, got, strict=True):
@@ -278,9 +314,11 @@ def test_the_engines_drafts_are_the_head_over_the_sequence(ge, knobs, monkeypatc
     assert stats["draft_tokens"] > 0 and stats["prefix_hit_tokens"] > 0
     if "num_pages" in knobs:
         assert stats["preemptions"] > 0, stats
-    if knobs.get("compile"):                  # decode steps and verifications alone through the static step
+    if knobs.get("compile"):        # decode steps, verifications alone and the head's drafts through the static step
         assert stats["static_decode_steps"] > 0 and stats["static_verify_steps"] > 0, stats
-    m = model(lm=lm)
+        assert stats["static_draft_steps"] > 0 and stats["accepted_draft_tokens"] > 0, stats
+        assert len(writes) == stats["static_draft_steps"] and min(writes)[0] > 0, writes
+        assert max(rows for _, rows in writes) > 1, writes                 # a static draft after an acceptance
     assert any(first > 0 for _, _, first in calls)          # after a prefix hit
     if ge is fast_ge:       # the group's samples share the prompt's head rows: each starts at 0 (or a cache hit)
         group = [first for tokens, _, first in calls if tokens[:7] == GROUP_PROMPT]
@@ -296,6 +334,67 @@ def test_the_engines_drafts_are_the_head_over_the_sequence(ge, knobs, monkeypatc
                 hidden, ids = torch.cat([hidden, y[-1:]]), ids + [proposed]
 
 
+def drafts_static_and_eager(static: dict, device="cpu", uncompiled: bool = False):
+    """A head trained to be accepted, this repo's flash_decode: (plain decoding's completions, then for the
+    eager engine and for one with ``static`` knobs: completions, every draft recorded, stats, the static
+    step's graph keys)."""
+    from fast.flash_decoding import flash_decode
+    sp = fast_ge.SamplingParams
+    shared = [(5 * i + 1) % 64 for i in range(12)]              # (the second request hits the prefix cache)
+    reqs = [fast_ge.Request(shared + [3], sp(max_new_tokens=14)), fast_ge.Request(shared + [9], sp(max_new_tokens=14)),
+            fast_ge.Request([7, 2], sp(max_new_tokens=12, temperature=1.0, seed=8)),
+            fast_ge.Request(GROUP_PROMPT, sp(max_new_tokens=12, temperature=1.0, seed=3, n=3))]
+    flat = lambda done: [c for d in done for c in (d if isinstance(d, list) else [d])]      # noqa: E731
+    m = model(lm=fast_lm).to(device)
+    with fast_ge.Generator(m, page_size=4, flash_decode=flash_decode) as gen:
+        plain = flat(gen.generate(reqs))
+    shortest = min(len(c.prompt_token_ids) + len(c.token_ids) for c in plain)
+    train_head(m, [(c.prompt_token_ids + c.token_ids)[:shortest] for c in plain], steps=60, lr=2e-2)
+    runs = []
+    for knobs in ({}, static):
+        calls = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fast_ge, "MTPDrafter", recording_drafter(fast_ge, calls))
+            if uncompiled:          # (the static step's code without inductor's compile time)
+                patch.setattr(torch, "compile", lambda fn, **options: fn)
+            with fast_ge.Generator(m, page_size=4, flash_decode=flash_decode, speculative="mtp",
+                                   num_speculative_tokens=3, **knobs) as gen:
+                done = flat(gen.generate(reqs))
+                runs.append((done, calls, gen.stats(), set() if gen.runner.static is None else
+                             set(gen.runner.static.graphs)))
+    return plain, runs
+
+
+def check_static_drafts(plain, runs):
+    """The static step's drafts are the eager drafter's, call for call; both engines' completions are plain
+    decoding's."""
+    (eager, eager_calls, _, _), (got, calls, stats, _) = runs
+    assert stats["static_draft_steps"] > 0 and stats["accepted_draft_tokens"] > 0, stats
+    assert calls == eager_calls and any(first > 0 for _, _, first in calls)      # (after the prefix hit)
+    for e, g in zip(plain + plain, eager + got, strict=True):
+        assert e.token_ids == g.token_ids
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), rtol=0, atol=2e-5)
+
+
+def test_static_drafts_through_flash_decode_are_the_eager_drafters():
+    """The static draft's attention through this repo's flash_decode (the GPU's path; here the interpreter, the
+    static step uncompiled): k + 1 rows a sample with k_new and cache_leftpad at depth 0, one at each depth
+    after; every draft equals the eager drafter's (a call per depth)."""
+    check_static_drafts(*drafts_static_and_eager(dict(compile=True, capture_sizes=(2, 8)), uncompiled=True))
+
+
+@requires_gpu
+@pytest.mark.gpu
+def test_gpu_mtp_drafts_replay_cuda_graphs():
+    """On a GPU, fp32: the head's drafts replay their own CUDA graph (every depth in one, one read-back), as
+    decode steps and verifications replay theirs; each draft is the eager engine's, and the completions are
+    plain decoding's."""
+    plain, runs = drafts_static_and_eager(dict(cuda_graphs=True, capture_sizes=(2, 8)), device=DEVICE)
+    keys = runs[1][3]
+    assert "draft" in {kind for _, _, kind in keys}, keys
+    check_static_drafts(plain, runs)
+
+
 def train_head(m, sequences: list, steps: int, lr: float) -> torch.Tensor:
     """Adam steps of m.mtp_loss on equal-length ``sequences``, the trunk frozen; returns the last loss."""
     for p in m.parameters():
@@ -303,7 +402,7 @@ def train_head(m, sequences: list, steps: int, lr: float) -> torch.Tensor:
     for p in m.mtp.parameters():
         p.requires_grad_(True)
     opt = torch.optim.Adam(m.mtp.parameters(), lr=lr)
-    batch = torch.tensor(sequences)
+    batch = torch.tensor(sequences, device=next(m.parameters()).device)
     for _ in range(steps):
         loss = m.mtp_loss(batch)
         opt.zero_grad()
