@@ -149,6 +149,12 @@ FAMILIES: dict[str, list[Family]] = {
                "B (k + 1) rows; the same model, thread and fresh processes as the decode step's table): eager (the "
                "prefill pass) and through the compiled static step (StaticDecode.verify): median ms, Python's "
                "calls into torch per iteration, the first run's seconds and the speedup."),
+        Family("engine MTP drafts", "The MTP head's drafts compiled on a CPU", "One call of the fast engine's "
+               "MTP drafter (MTPDrafter.propose: k = 4 drafts a sample; the same model with one head layer, thread "
+               "and fresh processes as the decode step's table): eager (a head call and a read-back per depth) and "
+               "through the compiled static step (StaticDecode.draft: every depth in one call, one read-back): "
+               "median ms, Python's calls into torch per call, the first run's seconds (every compile of the "
+               "engine: decode, verification, drafts) and the speedup."),
         Family("speculative", "Speculative decoding on a CPU", "Acceptance (accepted / proposed drafts), target "
                "forwards per generated token, and the verifications by drafts accepted, all on the fast engine: "
                "n-gram drafting (k = 4) on 8 prompts repeating a phrase; Qwen3.5's MTP head (k = 3, a tiny hybrid) "
