@@ -415,6 +415,12 @@ SLOW = (
     # tensor-parallel engine: tp = 2 in both modes (tp = 4 replicating KV heads and 2 experts a rank: the trainer's
     # SPMD test); sharded checkpoints: Qwen3-MoE's per-expert tensors and gpt-oss (the GDN shards: the moe kind)
     "parity/test_tensor_parallel.py::test_fast_engine_tensor_parallel[moe-invariant-tp4]",
+    # tensor-parallel compiled: test_fast_engine_tensor_parallel_speculative runs the same hybrid at tp = 2
+    # compiled on both ranks (decode steps and verifications static, preemption, a prefix hit, a weight load)
+    "parity/test_tensor_parallel.py::test_fast_engine_tensor_parallel_compiled",
+    # the compiled step with windows and sinks: test_engine_compile.py's cascade test (a gpt-oss-like model
+    # with both, compiled, against the eager engine)
+    "parity/test_engine_compile.py::test_compiled_decode_equals_eager[windows+sinks]",
     "parity/test_tensor_parallel.py::test_fast_engine_tensor_parallel[attention-invariant-tp4]",
     # gpt-oss's sinks and windows in the mode at tp = 2 and 4: the reference model's threads (test above)
     "parity/test_tensor_parallel.py::test_fast_engine_tensor_parallel[gpt_oss-invariant-tp2-tp4]",
