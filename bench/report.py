@@ -183,9 +183,9 @@ FAMILIES: dict[str, list[Family]] = {
                "the MTP head's k depths each read one decoder layer and the lm_head; 'captured' verifies as one "
                "replay of the compiled step's kernels (built since: StaticDecode.verify under cuda_graphs=True, not "
                "yet run on a GPU), 'eager pass' in the prefill pass (beside a prompt's prefill, the batch-invariant "
-               "mode, sliding layers; host-bound at 5 us a torch call); the MTP head's depths captured too "
-               "('mtp captured': built since, StaticDecode.draft) or eager on the host ('mtp captured verification': "
-               "a head that lags, the fallback).  speedup = tokens per "
+               "mode, sliding layers through a plug-in without window_size; host-bound at 5 us a torch call); "
+               "the MTP head's depths captured too ('mtp captured': built since, StaticDecode.draft) or eager on "
+               "the host ('mtp captured verification': a head that lags, the fallback).  speedup = tokens per "
                "second over the graph of the compiled plain decode step's."),
         Family("engine GPU decode", "The engine's decode on a GPU: eager against CUDA graphs", "A Qwen3-0.6B-shaped "
                "model (random weights, bf16) with this repo's kernels, B requests of 128 + 128 tokens: decode step "

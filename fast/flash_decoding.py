@@ -45,7 +45,11 @@ The math (the reference states it in full)
     result does not depend on the rest of the batch; so is a split launch (the same bits on every
     run), whose result does depend on the split count.
     ``cache_leftpad [B]`` (flash-attn's name) starts sequence b's keys at that position: key k of the
-    kernel is position cache_leftpad[b] + k.
+    kernel is position cache_leftpad[b] + k.  ``window_size=(left, 0)`` (flash-attn's name: a sliding
+    window) bounds each row on its own: row i (position L - S_q + i) sees the keys from L - S_q + i -
+    left on.  The keys before row 0's window are nobody's, so the kernel starts the sequence there (as
+    a cache_leftpad, the larger of the two) and masks each later row's first keys in the loop; the
+    shape gate sizes the splits for the left + S_q keys a sequence can see, not the cache's capacity.
     Cascade (``cascade_decode``): the n rows of a group share their first P keys' pages (a GRPO
     group's prompt).  One launch of ``_cascade_fwd_kernel`` (after a memset of its counters):
     programs that attend all the group's rows (n S_q G of them per KV head, in one tile) to a share
@@ -66,6 +70,7 @@ Tensors (B sequences, S_q rows, H_q / H_kv heads, D head dim)
     block_table   [B, max_pages] int32
     k_new, v_new  [B, S_q, H_kv, D]                 q's dtype
     cache_leftpad [B] int32                         the first key of each sequence (0 <= it <= seqused_k)
+    window_size   (left, right) ints                each row sees its last left + 1 keys; right -1 or 0
     cu_groups     [G + 1] int32                     cascade_decode: group g is rows cu_groups[g] .. [g+1]-1
     prefix_lens   [G] int32                         its shared prefix, <= seqused_k - S_q + 1 for its rows
     sinks         [H_q] float                       any float dtype, read as fp32
@@ -166,7 +171,7 @@ _FDIV_APPROX = tl.constexpr("approx" in inspect.signature(tl.math.fdiv).paramete
 
 def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None, v_new=None, scale=None,
                  num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None, batch_invariant=False,
-                 cache_leftpad=None):
+                 cache_leftpad=None, window_size=(-1, -1)):
     """Decode attention of q against the KV cache; see the module docstring for shapes.
 
     With ``k_new``/``v_new`` the cache is written in place first.  ``num_splits=None`` lets
@@ -176,18 +181,20 @@ def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None
     split over the programs): see "Batch invariance" in the module docstring.  ``cache_leftpad [B]
     int32`` (flash-attn's name): sequence b's keys start at that position (0 <= cache_leftpad[b] <=
     seqused_k[b]); the mode then counts row slots, key blocks and segments from that start.
+    ``window_size=(left, 0)``: row i (position L - S_q + i) sees the keys from L - S_q + i - left on
+    (-1: no bound; not with ``batch_invariant=True``: NotImplementedError).
     Returns ``out [B, S_q, H_q, D]``, or ``(out, lse [B, H_q, S_q] fp32)`` when ``return_lse``;
     with ``out=`` the result is written there.
     """
-    q, seqused_k, block_table, sinks, out = _prepare(
+    q, seqused_k, block_table, sinks, out, left = _prepare(
         q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new, v_new=v_new, scale=scale,
         num_splits=num_splits, softcap=softcap, sinks=sinks, out=out, batch_invariant=batch_invariant,
-        cache_leftpad=cache_leftpad)
+        cache_leftpad=cache_leftpad, window_size=window_size)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     num_splits = 0 if num_splits is None else operator.index(num_splits)   # 0: the shape gate decides
     lse = torch.ops.twofold.flash_decode(q, k_cache, v_cache, seqused_k, block_table, sinks, out, scale,
                                          float(softcap), num_splits, k_new is None, batch_invariant,
-                                         cache_leftpad.contiguous() if cache_leftpad is not None else None)
+                                         cache_leftpad.contiguous() if cache_leftpad is not None else None, left)
     return (out, lse) if return_lse else out
 
 
@@ -216,7 +223,7 @@ def cascade_decode(q, k_cache, v_cache, seqused_k, *, block_table, cu_groups, pr
     if block_table is None:
         raise ValueError("cascade_decode needs a paged cache (block_table): a group's rows share the pages "
                          "that hold its prefix")
-    q, seqused_k, block_table, sinks, out = _prepare(
+    q, seqused_k, block_table, sinks, out, _ = _prepare(
         q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new, v_new=v_new, scale=scale,
         num_splits=None, softcap=softcap, sinks=sinks, out=out, batch_invariant=False, cache_leftpad=None)
     _check_group_tensors(cu_groups, prefix_lens, q)
@@ -228,12 +235,13 @@ def cascade_decode(q, k_cache, v_cache, seqused_k, *, block_table, cu_groups, pr
 
 
 def _prepare(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, scale, num_splits, softcap, sinks, out,
-             batch_invariant, cache_leftpad):
+             batch_invariant, cache_leftpad, window_size=(-1, -1)):
     """The host checks and layouts both decode functions need, and the append of k_new / v_new (which
-    validates the index tensors with one host copy).  Returns (q, seqused_k, block_table, sinks, out)."""
-    _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new, v_new=v_new,
-                  scale=scale, num_splits=num_splits, softcap=softcap, sinks=sinks, out=out,
-                  batch_invariant=batch_invariant, cache_leftpad=cache_leftpad)
+    validates the index tensors with one host copy).  Returns (q, seqused_k, block_table, sinks, out, the
+    window's left: -1 for none)."""
+    left = _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new, v_new=v_new,
+                         scale=scale, num_splits=num_splits, softcap=softcap, sinks=sinks, out=out,
+                         batch_invariant=batch_invariant, cache_leftpad=cache_leftpad, window_size=window_size)
     _check_device("q", q)
     q = q if q.stride(-1) == 1 else q.contiguous()
     seqused_k = seqused_k.contiguous()
@@ -246,7 +254,7 @@ def _prepare(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, scale
         k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
         v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
         torch.ops.twofold.kv_cache_append(k_cache, v_cache, k_new, v_new, seqused_k, block_table)
-    return q, seqused_k, block_table, sinks, out
+    return q, seqused_k, block_table, sinks, out, left
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):
@@ -358,8 +366,9 @@ def _(k_cache, v_cache, k_new, v_new, seqused_k, block_table):
 def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqused_k: torch.Tensor,
                   block_table: Optional[torch.Tensor], sinks: Optional[torch.Tensor], out: torch.Tensor,
                   scale: float, softcap: float, num_splits: int, check_values: bool,
-                  batch_invariant: bool, cache_leftpad: Optional[torch.Tensor]) -> torch.Tensor:
-    """Writes out [B, S_q, H_q, D]; returns lse [B, H_q, S_q].  num_splits 0 = the shape gate."""
+                  batch_invariant: bool, cache_leftpad: Optional[torch.Tensor], window_left: int = -1) -> torch.Tensor:
+    """Writes out [B, S_q, H_q, D]; returns lse [B, H_q, S_q].  num_splits 0 = the shape gate; window_left
+    -1 = no sliding window."""
     batch, s_q, h_q, d = q.shape
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
@@ -378,13 +387,15 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           cache_leftpad, capacity)
         return lse
     cfg = _fwd_config(d, q.dtype, s_q * group, paged, _kv_align(k_cache, v_cache), q.device)
-    max_blocks = max(1, -(-capacity // cfg["BLOCK_N"]))
+    # the most keys a sequence's rows can see: the cache's capacity, or a window's left + S_q keys
+    keys = capacity if window_left < 0 else min(capacity, window_left + s_q)
+    max_blocks = max(1, -(-keys // cfg["BLOCK_N"]))
     fused = _FUSED_MERGE
     if num_splits == 0:
-        num_splits = choose_num_splits(batch, h_kv, capacity, num_sms=_sm_count(q.device),
+        num_splits = choose_num_splits(batch, h_kv, keys, num_sms=_sm_count(q.device),
                                        num_q_tiles=cfg["num_q_tiles"], block_n=cfg["BLOCK_N"],
                                        programs_per_sm=_PROGRAMS_PER_SM)
-        num_splits = min(num_splits, _traffic_splits(capacity, s_q * group, d, q.element_size(), fused=fused))
+        num_splits = min(num_splits, _traffic_splits(keys, s_q * group, d, q.element_size(), fused=fused))
     num_splits = max(1, min(num_splits, max_blocks, _MAX_SPLITS))
     split = num_splits > 1
     fused = fused and split
@@ -412,13 +423,13 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         *o_strides, *l_strides,
         block_table.stride(0) if paged else 0,
         h_kv, group, s_q, k_cache.shape[1], num_splits, qk_scale, softcap,
-        cache_leftpad if cache_leftpad is not None else seqused_k,
+        cache_leftpad if cache_leftpad is not None else seqused_k, max(window_left, 0),
         out, lse, counters, out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=d, BLOCK_D=cfg["BLOCK_D"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         IS_PAGED=paged, IS_SPLIT=split, HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_ALIGN=cfg["KV_ALIGN"],
-        HAS_LEFTPAD=cache_leftpad is not None,
-        BLOCK_IN_PAGE=paged and k_cache.shape[1] % cfg["BLOCK_N"] == 0 and cache_leftpad is None,
+        HAS_LEFTPAD=cache_leftpad is not None, HAS_WINDOW=window_left >= 0,
+        BLOCK_IN_PAGE=paged and k_cache.shape[1] % cfg["BLOCK_N"] == 0 and cache_leftpad is None and window_left < 0,
         FUSED_MERGE=fused, SPLIT_ROTATE=_SPLIT_ROTATE % num_splits if fused else 0,
         num_warps=cfg["fused_warps"] if fused else cfg["num_warps"], num_stages=cfg["num_stages"])
     if split and not fused:
@@ -432,7 +443,7 @@ def _flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 @_flash_decode.register_fake
 def _(q, k_cache, v_cache, seqused_k, block_table, sinks, out, scale, softcap, num_splits, check_values,
-      batch_invariant, cache_leftpad):
+      batch_invariant, cache_leftpad, window_left=-1):
     batch, s_q, h_q, _ = q.shape
     return q.new_empty(batch, h_q, s_q, dtype=torch.float32)
 
@@ -849,13 +860,13 @@ def _decode_fwd_kernel(
     stride_ob, stride_os, stride_oh, stride_osplit,
     stride_lb, stride_ls, stride_lh, stride_lsplit,
     stride_btb,
-    H_kv, GROUP, S_q, PAGE_SIZE, NUM_SPLITS, qk_scale, softcap, leftpad_ptr,
+    H_kv, GROUP, S_q, PAGE_SIZE, NUM_SPLITS, qk_scale, softcap, leftpad_ptr, window_left,
     out_ptr, out_lse_ptr, count_ptr, stride_fb, stride_fs, stride_fh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_PAGED: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_ALIGN: tl.constexpr, BATCH_INVARIANT: tl.constexpr = False,
     BLOCK_IN_PAGE: tl.constexpr = False, HAS_LEFTPAD: tl.constexpr = False, FUSED_MERGE: tl.constexpr = False,
-    SPLIT_ROTATE: tl.constexpr = 0,
+    SPLIT_ROTATE: tl.constexpr = 0, HAS_WINDOW: tl.constexpr = False,
 ):
     """One program per (sequence x KV head, split, query tile).  The tile packs the S_q rows of
     all G query heads of one KV head (row r = i * G + g), so K and V are read once per KV head,
@@ -914,7 +925,14 @@ def _decode_fwd_kernel(
     kv_first = 0
     if HAS_LEFTPAD:
         kv_first = tl.load(leftpad_ptr + i_b)
-    seqlen = tl.load(seqused_ptr + i_b) - kv_first
+    if HAS_WINDOW:
+        # a sliding window: row 0 (position used - S_q) sees the keys from used - S_q - window_left on, and
+        # the keys before them no row sees: the sequence starts there (the later rows' first keys: below)
+        used = tl.load(seqused_ptr + i_b)
+        kv_first = tl.maximum(kv_first, used - S_q - window_left)
+        seqlen = used - kv_first
+    else:
+        seqlen = tl.load(seqused_ptr + i_b) - kv_first
 
     # Tile rows pack (query row i, head g of the group) as r = i * GROUP + g: K/V are read once per KV head.
     # BATCH_INVARIANT puts row (position p, head g) at slot (p * G + g) mod BLOCK_M, as the varlen
@@ -953,6 +971,7 @@ def _decode_fwd_kernel(
         start = i_split * per_split * BLOCK_N
         end = tl.minimum(start + per_split * BLOCK_N, seqlen)
     last_seen = seqlen - S_q + i_q                                             # row i sees keys j <= last_seen
+    first_seen = last_seen - window_left                                       # and j >= first_seen (HAS_WINDOW)
 
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)                 # running max, log2 units
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)                                # running sum of exp2
@@ -989,10 +1008,13 @@ def _decode_fwd_kernel(
         b_v = tl.load(v_ptr + o_v[:, None] + o_d[None, :], mask=m_kv, other=0.0)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)       # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP:                                                # log2-domain scores
-            b_s = softcap * _tanh(b_s * qk_scale) * _LOG2E     # qk_scale = scale / softcap
+            b_s = softcap * _tanh_near_zero(b_s * qk_scale) * _LOG2E     # qk_scale = scale / softcap
         else:
             b_s = b_s * qk_scale                                          # qk_scale = scale * log2(e)
-        b_s = tl.where(m_n[None, :] & (o_n[None, :] <= last_seen[:, None]), b_s, float("-inf"))
+        m_s = m_n[None, :] & (o_n[None, :] <= last_seen[:, None])
+        if HAS_WINDOW:
+            m_s = m_s & (o_n[None, :] >= first_seen[:, None])
+        b_s = tl.where(m_s, b_s, float("-inf"))
         b_acc, b_l, b_m = _online_softmax_step(b_acc, b_l, b_m, b_s, b_v, DOT_PRECISION)
 
     b_sink = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -1062,8 +1084,9 @@ def _decode_fwd_kernel(
 
 
 # A row's result is made of the score transform in the decode loop and the next three functions
-# (fast/paged_varlen_attention.py's default kernel holds the same code; the batch-invariant mode's
-# helpers, shared with that file character for character, are further below).
+# (fast/paged_varlen_attention.py's default kernel holds the same code but its softcap's tanh, which is
+# _tanh_near_zero here: see there; the batch-invariant mode's helpers, shared with that file character for
+# character, _tanh included, are further below).
 
 @triton.jit
 def _online_softmax_step(acc, l_i, m_i, b_s, b_v, DOT_PRECISION: tl.constexpr):
@@ -1142,9 +1165,11 @@ def _tanh(x):
 
 @triton.jit
 def _tanh_near_zero(x):
-    """tanh with a small relative error near 0 as well (cascade_decode's softcap): _tanh's
+    """tanh with a small relative error near 0 as well (flash_decode's and cascade_decode's softcap): _tanh's
     1 - 2 / (e^2x + 1) loses about eps of absolute accuracy where tanh is small, eps * softcap in the
-    score (fp32, softcap 20: 2.4e-6 against a tolerance of 2.1e-6 in parity/test_cascade_decode.py).
+    score (fp32, softcap 20: 2.4e-6 against a tolerance of 2.1e-6 in parity/test_cascade_decode.py; in
+    flash_decode, 4 of 12 seeds of a 4-row verification over 2.0x the fp32 reference's error, up to 4.2x;
+    with this one 1.3x at most).
     Below |x| = 0.3 the Taylor series to x^11 (next term < 6e-10); above, (1 - t) / (1 + t) with
     t = e^(-2|x|) <= 0.55 (no cancellation past eps t).  Saturates to +-1 and keeps NaN."""
     a = tl.abs(x)
@@ -1692,9 +1717,10 @@ _SIZES = {"B": "batch size", "S_q": "query row count", "H_q": "query head count"
 
 
 def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, scale, num_splits,
-                  softcap, sinks, out, batch_invariant, cache_leftpad):
+                  softcap, sinks, out, batch_invariant, cache_leftpad, window_size=(-1, -1)):
     """Shapes, dtypes, devices and strides (no device-to-host copy: this runs under torch.compile):
-    ref/flash_decoding.py's table and rules, then what this kernel adds."""
+    ref/flash_decoding.py's table and rules, then what this kernel adds.  Returns the window's left (-1:
+    none)."""
     paged = block_table is not None
     cache = ("num_pages", "page_size", "H_kv", "D") if paged else ("B", "S_max", "H_kv", "D")
     size = _check_tensors(
@@ -1718,7 +1744,8 @@ def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, 
         raise ValueError("k_new and v_new must be given together")
     if out is not None and out.dtype != q.dtype:
         raise ValueError(f"out must be {q.dtype} like q, got {out.dtype}")
-    _check_scalars(scale=scale, softcap=softcap, num_splits=num_splits, batch_invariant=batch_invariant)
+    left = _check_scalars(scale=scale, softcap=softcap, num_splits=num_splits, batch_invariant=batch_invariant,
+                          window_size=window_size)
     # What this kernel adds to the contract's checks.
     if q.dtype not in _DTYPES:
         raise TypeError(f"q must be float16, bfloat16 or float32 in the fast path, got {q.dtype}")
@@ -1730,6 +1757,7 @@ def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, 
                              f"got strides {tuple(t.stride())}")
     if out is not None and out.stride(-1) != 1:
         raise ValueError(f"out must have unit stride in the head dim, got strides {tuple(out.stride())}")
+    return left
 
 
 def _check_tensors(*rows):
@@ -1765,8 +1793,8 @@ def _check_tensors(*rows):
     return size
 
 
-def _check_scalars(*, scale, softcap, num_splits, batch_invariant):
-    """The non-tensor arguments."""
+def _check_scalars(*, scale, softcap, num_splits, batch_invariant, window_size=(-1, -1)):
+    """The non-tensor arguments; returns the window's left (-1: none)."""
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not isinstance(softcap, (int, float)) or softcap < 0:
@@ -1775,6 +1803,15 @@ def _check_scalars(*, scale, softcap, num_splits, batch_invariant):
         _integer("num_splits", num_splits, 1)
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        raise ValueError(f"window_size must be (left, right) integers >= -1, got {window_size!r}")
+    left, right = (_integer("window_size", w, -1) for w in window_size)
+    if right > 0:
+        raise ValueError(f"window_size = {tuple(window_size)}: decode attention is causal, right must be -1 or 0")
+    if left >= 0 and batch_invariant:
+        raise NotImplementedError("flash_decode(batch_invariant=True) takes no window_size: its kernel counts a "
+                                  "row's segments from one first key per sequence (cache_leftpad, S_q = 1)")
+    return left
 
 
 def _check_device(name, t):

@@ -155,17 +155,19 @@ Supported, and what raises
     can never fit the KV pool, a group larger than ``max_batch_size``, a memory budget too small for one
     sequence, engine knobs out of range, a batch-invariant model without ``varlen_attn`` or
     ``flash_decode``.  gpt-oss: a sliding layer's prefill attends within ``window_size=(W - 1, 0)``, its
-    decode from ``cache_leftpad = used - W`` (never through ``cascade_decode``: the window may not reach a
-    group's prompt; the batch-invariant mode: each row's two segments from where its window starts,
+    decode from ``cache_leftpad = used - W``, a static verification's rows each within theirs
+    (``window_size=(W - 1, 0)``) (never through ``cascade_decode``: the window may not reach a group's
+    prompt; the batch-invariant mode: each row's two segments from where its window starts,
     ``_two_segments``), sinks on every layer (inside the kernels).
     Inference only.  Limits: preemption recomputes (no swapping to host); a group's samples are admitted
     together (n free rows); the pages before a sliding layer's window stay allocated (the full layers
     share them).  ``compile=True``: the batch-invariant mode keeps its eager step (measured: compiled, 8 of
     15 decode logprobs of a tiny model moved by up to 6.6e-7: inductor fuses the norms and activations
     its own way), as do batches past the largest capture size, a group's cascade through a plug-in
-    without a ``capturable`` keyword, and a verification beside a prompt's prefill, in the mode or with
-    sliding layers (the eager pass); tensor-parallel engines compile each rank's step (the collectives
-    between the compiled pieces).
+    without a ``capturable`` keyword, and a verification beside a prompt's prefill (in the pass that
+    iteration runs anyway), in the mode, or with sliding layers through a plug-in without a ``window_size``
+    keyword (the eager pass); tensor-parallel engines compile each rank's step (the collectives between the
+    compiled pieces).
     ``cuda_graphs=True`` (replaying the static step on a GPU) is written and in the GPU tier of the tests,
     not yet run on a GPU: off by default until it is; tensor-parallel engines do not replay graphs.
 
@@ -2097,8 +2099,10 @@ class ModelRunner:
 # at the next positions, whose keys go to the spare page (the block table's columns past a sequence's pages
 # point there) and which the real rows never see (causal).  A linear layer runs over all S rows, so a
 # sequence that keeps fewer is rolled back as a rejection is (its inputs are returned for that).  Not in the
-# batch-invariant mode (its verification rows reduce as the trainer's prefill does: the eager pass) nor with
-# sliding layers (flash_decode's cache_leftpad starts a sequence's keys, not each row's window).
+# batch-invariant mode (its verification rows reduce as the trainer's prefill does: the eager pass).  A
+# sliding layer's rows each see their own window: the plug-in's ``window_size=(W - 1, 0)`` (fast/
+# flash_decoding.py's; a plug-in without the keyword keeps such a model's verification eager: cache_leftpad
+# starts a sequence's keys, not each row's window), or the in-file attention's per-row mask.
 #
 # The MTP head's drafts (speculative="mtp") take it too (``StaticDecode.draft``, its own compiled function
 # and graph per P): depth 0 the head's rows whose next token is now known, k + 1 a sample (the real ones
@@ -2134,14 +2138,16 @@ def _replay(graph: tuple):
     return graph[1]
 
 
-def _paged_decode_attention(q, k, v, k_pages, v_pages, table, used, first, scale, sinks):
+def _paged_decode_attention(q, k, v, k_pages, v_pages, table, used, first, scale, sinks, window: int = 0):
     """S new rows per sequence over its cached keys and its new keys: q [P, S, H_q, D], k / v [P, S, H_kv, D]
     (the new tokens', at positions used - S .. used - 1, not yet in the pool), k_pages / v_pages [pages,
     page_size, H_kv, D], table [P, W] int32, used [P] (keys after this step), first [P] (the first visible
-    cached key: a sliding window, S = 1) or None.  Row r sees the cached keys 0 .. used - S - 1 and the new
-    keys 0 .. r (causal); sinks as ``_masked_attention``.  Static shapes: W page_size + S keys a row, the
-    rest masked.  Written as products and sums, not matmuls, so the compiler fuses the page gather into them
-    (no [P, keys, H_kv, D] copy; with D small, a matmul per row and head would not pay)."""
+    cached key: a sliding window at S = 1, the MTP head's first row) or None, ``window`` (a sliding layer's
+    keys: row r, at position t = used - S + r, sees t - window + 1 .. t; 0 = all).  Row r sees the cached
+    keys 0 .. used - S - 1 and the new keys 0 .. r (causal); sinks as ``_masked_attention``.  Static
+    shapes: W page_size + S keys a row, the rest masked.  Written as products and sums, not matmuls, so
+    the compiler fuses the page gather into them (no [P, keys, H_kv, D] copy; with D small, a matmul per
+    row and head would not pay)."""
     b, s_q, h_q, d = q.shape
     h_kv = k.shape[2]
     keys = torch.cat([k_pages[table].flatten(1, 2), k], 1).float()[:, None, :, :, None]   # [P, 1, L, H_kv, 1, D]
@@ -2153,6 +2159,9 @@ def _paged_decode_attention(q, k, v, k_pages, v_pages, table, used, first, scale
     if first is not None:
         visible = visible & (j >= first[:, None])
     visible = visible[:, None] | ((j >= n_cached) & (j - n_cached <= r[:, None]))    # [P, S, L]: + the new ones
+    if window:                  # key j's position: j (cached) or used - S + j - n_cached (new); row r's: used - S + r
+        pos = torch.where(j >= n_cached, used[:, None].long() - s_q + j - n_cached, j)              # [P, L]
+        visible = visible & (pos[:, None, :] > (used[:, None, None].long() - s_q + r[:, None] - window))
     s = (q.float().view(b, s_q, 1, h_kv, h_q // h_kv, d) * keys).sum(-1) * scale      # [P, S, L, H_kv, G]
     s = s.masked_fill(~visible[..., None, None], float("-inf"))
     if sinks is not None:                                                   # one more key per head, value 0
@@ -2193,9 +2202,11 @@ class StaticDecode:
         cascade = runner.attention.cascade
         self.cascade = (cascade is not None and not runner.batch_invariant
                         and "capturable" in inspect.signature(cascade).parameters)
-        # verification: outside the mode (its rows reduce as the trainer's prefill does: the eager pass), and
-        # without sliding layers (a plug-in's cache_leftpad starts a sequence's keys, not each row's window)
-        self.verifies = rows > 1 and not runner.batch_invariant and not any(runner.windows)
+        # verification: outside the mode (its rows reduce as the trainer's prefill does: the eager pass); with
+        # sliding layers, through a plug-in that bounds each row's window (window_size) or the in-file attention
+        decode = runner.attention.decode
+        per_row_windows = decode is _torch_flash_decode or "window_size" in inspect.signature(decode).parameters
+        self.verifies = (rows > 1 and not runner.batch_invariant and (per_row_windows or not any(runner.windows)))
         # the MTP head's drafts (speculative="mtp"; outside the mode, as verification): ``draft``
         self.drafts = rows > 1 and not runner.batch_invariant and runner.config.num_layers in self.pools.pool_index
         self.draft_hidden = (torch.zeros(largest * rows, runner.config.hidden_size, dtype=self.pools.k.dtype,
@@ -2423,7 +2434,9 @@ class StaticDecode:
         def attend(i, q, k, v):
             kc, vc = pools.kv(i)
             w = runner.windows[i]
-            first = (used - w).clamp(min=0) if w else None
+            # a sliding layer: decoding, the sequence's keys from used - W on; verifying, each row its own W keys
+            first = (used - w).clamp(min=0) if w and s_q == 1 else None
+            window = dict(window_size=(w - 1, 0)) if w and s_q > 1 else dict(cache_leftpad=first)
             q, k, v = (t.unflatten(0, (p_seqs, s_q)) for t in (q, k, v))         # [P, S, H, D]
             new = dict(k_new=k, v_new=v, scale=runner.scale, **sinks[i])
             if runner.batch_invariant:                                  # (measured, not used: Generator's note)
@@ -2432,11 +2445,10 @@ class StaticDecode:
                 return runner.attention.cascade(q, kc, vc, used, block_table=table, cu_groups=cu_groups,
                                                 prefix_lens=prefix_lens, capturable=True, **new).flatten(0, 1)
             if runner.attention.decode is not _torch_flash_decode:     # a plug-in: it writes the new K/V itself
-                return runner.attention.decode(q, kc, vc, used, block_table=table, cache_leftpad=first,
-                                               **new).flatten(0, 1)
+                return runner.attention.decode(q, kc, vc, used, block_table=table, **window, **new).flatten(0, 1)
             new_kv.append((pools.pool_index[i], k.flatten(0, 1), v.flatten(0, 1)))
             return _paged_decode_attention(q, k, v, kc, vc, table.long(), used, first, runner.scale,
-                                           sinks[i].get("sinks")).flatten(0, 1)
+                                           sinks[i].get("sinks"), window=w if s_q > 1 else 0).flatten(0, 1)
 
         def mix(i, module, h):
             cache = module.new_cache()
@@ -2785,11 +2797,13 @@ def _torch_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, r
 
 
 def _torch_flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None, v_new=None, scale=None,
-                        num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None, cache_leftpad=None):
+                        num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None, cache_leftpad=None,
+                        window_size=(-1, -1)):
     """The default decode attention: ``flash_decode``'s signature in plain PyTorch, the whole batch at
     once (keys gathered from the pages, padded to the longest sequence, masked).  k_new / v_new are
     written into the cache first; ``cache_leftpad [B]``: sequence b's keys start there (a sliding
-    window); sinks as varlen_attn's.  No lse or softcap (NotImplementedError)."""
+    window); ``window_size=(left, 0)``: row i (position L - S_q + i) sees from L - S_q + i - left on;
+    sinks as varlen_attn's.  No lse or softcap (NotImplementedError)."""
     if return_lse or softcap:
         raise NotImplementedError("the in-file default flash_decode has no lse or softcap; plug in "
                                   "fast/flash_decoding.flash_decode")
@@ -2819,6 +2833,8 @@ def _torch_flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_n
         k, v = k_cache[:, :longest], v_cache[:, :longest]
     j = torch.arange(longest, device=q.device)[None, None]
     first = cache_leftpad.long()[:, None, None] if cache_leftpad is not None else 0
+    if window_size[0] >= 0:
+        first = torch.maximum(torch.as_tensor(first, device=q.device), pos[:, :, None] - window_size[0])
     o = _masked_attention(q, k, v, (j <= pos[:, :, None]) & (j >= first), scale, sinks)   # visible [B, S_q, L]
     if out is not None:
         out.copy_(o)

@@ -84,14 +84,15 @@ def run_fast(case, **kw):
     return result, lse
 
 
-def varlen_oracle(case, *, softcap=0.0, sinks=None):
+def varlen_oracle(case, *, softcap=0.0, sinks=None, left=-1):
     """The same attention through ref/paged_varlen_attention.py: [B * S_q] packed query rows,
-    bottom-right causal window, the paged cache (or the contiguous cache as packed keys)."""
+    bottom-right causal window (within ``left`` keys back, -1: all), the paged cache (or the contiguous
+    cache as packed keys)."""
     q = case["q"]
     batch, s_q, h_q, d = q.shape
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * s_q
     max_k = max(case["lengths"] + [1])
-    common = dict(window_size=(-1, 0), enable_gqa=True, seqused_k=case["seqused_k"], softcap=softcap,
+    common = dict(window_size=(left, 0), enable_gqa=True, seqused_k=case["seqused_k"], softcap=softcap,
                   sinks=sinks, return_aux=AuxRequest(lse=True))
     if case["block_table"] is not None:
         out, lse = varlen_attn(q.reshape(batch * s_q, h_q, d), case["k_cache"], case["v_cache"], cu_q, None, s_q,
@@ -150,6 +151,104 @@ def test_matches_references(name, page, h_q, h_kv, s_q, d, softcap, use_sinks, s
     check_close(f"{name} out", o_fast, o64, o_low)
     check_close(f"{name} lse", lse_fast, lse64, lse_low)
     check_close(f"{name} out vs varlen", o_fast, o_var, o_low)
+
+
+# (id, page_size or None, H_q, H_kv, S_q, D, softcap, sinks, num_splits, lengths, left, cache_leftpad or None)
+WINDOW_CASES = [
+    ("verify-page3-w5-softcap-sinks", 3, 6, 2, 4, 32, 20.0, True, 2, [17, 0, 9, 40], 5, None),
+    ("decode-dense-w0-7splits", None, 4, 1, 1, 16, 0.0, False, 7, [30, 1, 12], 0, None),
+    ("verify-page16-w20-leftpad-auto", 16, 8, 2, 5, 64, 0.0, True, None, [70, 5, 33], 20, [10, 0, 30]),
+    ("verify-page4-wider-than-keys", 4, 4, 2, 3, 16, 0.0, False, 3, [6, 25], 40, None),
+]
+
+
+def window_oracle(case, left, leftpad, *, softcap, sinks):
+    """Each row's attention written out (fp64): row i of sequence b, at position L - S_q + i, over the keys
+    max(cache_leftpad, L - S_q + i - left) .. L - S_q + i, read from the cache key by key; out [B, S_q, H_q, D]
+    and lse [B, H_q, S_q] (a row with no key: 0 and -inf; the sink as one more logit of value 0)."""
+    q, kc, vc, table = case["q"], case["k_cache"], case["v_cache"], case["block_table"]
+    batch, s_q, h_q, d = q.shape
+    group = h_q // kc.shape[2]
+    out = torch.zeros_like(q)
+    lse = torch.full((batch, h_q, s_q), float("-inf"), dtype=q.dtype, device=q.device)
+    for b, length in enumerate(case["lengths"]):
+        slots = [(int(table[b, j // kc.shape[1]]), j % kc.shape[1]) if table is not None else (b, j)
+                 for j in range(length)]
+        for i in range(s_q):
+            pos = length - s_q + i                                # (an empty sequence's rows: negative, no key)
+            keys = range(max(leftpad[b] if leftpad else 0, pos - left, 0), pos + 1)
+            for h in range(h_q):
+                k = torch.stack([kc[slots[j][0], slots[j][1], h // group] for j in keys]) if keys else q.new_zeros(0, d)
+                v = torch.stack([vc[slots[j][0], slots[j][1], h // group] for j in keys]) if keys else q.new_zeros(0, d)
+                s = k @ q[b, i, h] * d ** -0.5
+                if softcap:
+                    s = softcap * torch.tanh(s / softcap)
+                logits = torch.cat([s, sinks[h:h + 1]]) if sinks is not None else s
+                if len(logits):
+                    lse[b, h, i] = torch.logsumexp(logits, 0)
+                    out[b, i, h] = torch.exp(s - lse[b, h, i]) @ v
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", dtype_params())
+@pytest.mark.parametrize("name,page,h_q,h_kv,s_q,d,softcap,use_sinks,splits,lengths,left,leftpad",
+                         [pytest.param(*c, id=c[0]) for c in WINDOW_CASES])
+def test_sliding_window_matches_references(name, page, h_q, h_kv, s_q, d, softcap, use_sinks, splits, lengths, left,
+                                           leftpad, dtype):
+    """window_size=(left, 0): each row sees its own last left + 1 keys (a sliding layer's verification rows).
+    The reference against a row-by-row oracle and against varlen_attn's window (the engine's prefill); fast
+    against the reference; a window wider than every sequence is no window, bit for bit; at S_q = 1 the
+    window is cache_leftpad = L - left - 1, bit for bit (the engine's decode and verification agree)."""
+    case64 = build_case(batch=len(lengths), s_q=s_q, h_q=h_q, h_kv=h_kv, d=d, page_size=page, max_len=max(lengths),
+                        seed=sum(map(ord, name)), lengths=lengths)
+    sinks64 = case64["sinks"] if use_sinks else None
+    pad = torch.tensor(leftpad, dtype=torch.int32, device=DEVICE) if leftpad else None
+    kw = dict(softcap=softcap, window_size=(left, 0), cache_leftpad=pad)
+    o64, lse64 = run(ref, case64, sinks=sinks64, num_splits=splits, **kw)
+    o_row, lse_row = window_oracle(case64, left, leftpad, softcap=softcap, sinks=sinks64)
+    torch.testing.assert_close(o64, o_row, atol=1e-10, rtol=0)
+    torch.testing.assert_close(lse64, lse_row, atol=1e-10, rtol=0)
+    if leftpad is None:
+        o_var, lse_var = varlen_oracle(case64, softcap=softcap, sinks=sinks64, left=left)
+        torch.testing.assert_close(o64, o_var, atol=1e-10, rtol=0)
+        torch.testing.assert_close(lse64, lse_var, atol=1e-10, rtol=0)
+
+    case = as_dtype(case64, dtype)
+    sinks = case["sinks"] if use_sinks else None
+    o_low, lse_low = run(ref, case, sinks=sinks, num_splits=splits, upcast=False, **kw)
+    o_fast, lse_fast = run_fast(case, sinks=sinks, num_splits=splits, **kw)
+    check_close(f"{name} out", o_fast, o64, o_low)
+    check_close(f"{name} lse", lse_fast, lse64, lse_low)
+    splits = splits or 2
+    wide = run_fast(case, sinks=sinks, num_splits=splits, **{**kw, "window_size": (10_000, 0)})
+    plain = run_fast(case, sinks=sinks, num_splits=splits, **{**kw, "window_size": (-1, -1)})
+    assert all(nan_equal(a, b) for a, b in zip(wide, plain))
+    if s_q == 1 and leftpad is None:
+        first = (case["seqused_k"] - left - 1).clamp(min=0).to(torch.int32)
+        as_leftpad = run_fast(case, sinks=sinks, num_splits=splits, softcap=softcap, cache_leftpad=first)
+        windowed = run_fast(case, sinks=sinks, num_splits=splits, **kw)
+        assert all(nan_equal(a, b) for a, b in zip(as_leftpad, windowed))
+
+
+def test_window_reads_only_its_keys():
+    """A window's sequence starts at row 0's first key: the launch issues the K/V of the left + S_q keys a
+    sequence's rows can see (the interpreter's count of active lanes), not the whole cache, and the shape gate
+    sizes its splits for those keys."""
+    from observatory import observe
+    left, s_q, h_kv, d, length = 20, 4, 2, 32, 400
+    case = as_dtype(build_case(batch=2, s_q=s_q, h_q=4, h_kv=h_kv, d=d, page_size=16, max_len=length, seed=8,
+                               lengths=[length, length - 37]), torch.float32)
+    with observe() as windowed:
+        run_fast(case, window_size=(left, 0))
+    with observe() as plain:
+        run_fast(case)
+    (launch,) = [x for x in windowed.launches if x.kernel == "_decode_fwd_kernel"]
+    kv = 2 * 2 * (left + s_q) * h_kv * d * 4                 # 2 sequences, K and V, fp32
+    total = sum(x.issued_bytes for x in windowed.launches)
+    everything = sum(x.issued_bytes for x in plain.launches)
+    print(f"window {left}: issued {total} B (its keys' K/V {kv} B); no window {everything} B")
+    assert kv < total < 1.5 * kv and everything > 8 * total
+    assert launch.grid[1] <= -(-(left + s_q) // 16), launch.grid     # splits: at most a key block each
 
 
 def test_empty_rows_and_sinks():
@@ -671,6 +770,12 @@ def _bad_input_cases():
         ("out-shape", lambda kw: {**kw, "out": kw["q"][:, :1].clone()}, ValueError, "out must be"),
         ("num_splits", with_(num_splits=0), ValueError, "num_splits"),
         ("softcap", with_(softcap=-1.0), ValueError, "softcap"),
+        ("window-shape", with_(window_size=(4,)), ValueError, r"window_size must be \(left, right\)"),
+        ("window-below", with_(window_size=(-2, 0)), ValueError, "window_size must be an integer >= -1"),
+        ("window-float", with_(window_size=(4.0, 0)), TypeError, "window_size must be an integer"),
+        ("window-right", with_(window_size=(4, 1)), ValueError, "causal, right must be -1 or 0"),
+        ("window-invariant", with_(window_size=(4, 0), batch_invariant=True), NotImplementedError,
+         "batch_invariant=True. takes no window_size"),
     ]
 
 

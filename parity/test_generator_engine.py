@@ -671,6 +671,18 @@ def test_default_attention_windows_and_sinks(window, with_sinks):
         p = n_keys[b] - 1
         want = dense_attention(q1[b], keys[b], values[b], [p], [int(leftpad[b]) if window else 0], scale, sinks)
         torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=1e-5)
+    # Verification: the last 3 rows of each sequence, each within its own window (the 1-key one: empty).
+    rows = 3
+    used = torch.tensor([max(n, rows) if n > 1 else 0 for n in n_keys], dtype=torch.int32)
+    q3 = torch.randn(3, rows, h_q, d, generator=gen)
+    got = fast_ge._torch_flash_decode(q3, k_pool, v_pool, used, block_table=table, scale=scale, sinks=sinks,
+                                      window_size=(left, 0))
+    for b in range(3):
+        if used[b]:
+            positions = range(int(used[b]) - rows, int(used[b]))
+            first = [max(p - window + 1, 0) if window else 0 for p in positions]
+            want = dense_attention(q3[b], keys[b], values[b], positions, first, scale, sinks)
+            torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_default_attention_refuses_what_it_does_not_compute():

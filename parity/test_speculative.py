@@ -45,6 +45,8 @@ def config(kind: str, lm=ref_lm):
     if kind == "hybrid":
         kw.update(layer_types=("linear", "attention"), linear_num_k_heads=2, linear_num_v_heads=4,
                   linear_head_k_dim=8, linear_head_v_dim=8)
+    if kind == "windows":       # gpt-oss's layers: a window of 3 keys (fewer than a verification's K + 1 rows), sinks
+        kw.update(sliding_window=3, sliding_layers=(0,), attention_sinks=True, qkv_bias=True)
     return lm.ModelConfig(**kw)
 
 
@@ -163,13 +165,39 @@ def test_speculation_through_the_compiled_static_step(kind):
         assert_same(e, g, rtol=4 * LP_RTOL)                 # (the compiled step rounds its own way)
 
 
+@pytest.mark.parametrize("attention", ["in-file", "flash_decode"])
+def test_sliding_layers_verify_in_the_static_step(attention, monkeypatch):
+    """A sliding layer's verification rows each see their own window (3 keys, fewer than the K + 1 = 5 rows: the
+    last rows see new keys only) in the static step: through this repo's flash_decode (``window_size=(2, 0)``,
+    the interpreter) and through the in-file attention's per-row mask; the static step uncompiled (torch.compile
+    the identity: the same code without inductor's compile time).  Verifications alone run it, every
+    acceptance length occurs, and the completions are plain decoding's (an eager engine's, the same attention)."""
+    from fast.flash_decoding import flash_decode
+    reqs = requests(fast_ge)
+    knobs = dict(page_size=8, num_pages=14, max_prefill_tokens=12)
+    if attention == "flash_decode":
+        knobs["flash_decode"] = flash_decode
+    with fast_ge.Generator(model("windows", fast_lm), **knobs) as gen:
+        plain = flat(gen.generate(reqs))
+    drafter = PlantedDrafter(plain, reqs)
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    with fast_ge.Generator(model("windows", fast_lm), compile=True, capture_sizes=(8,), speculative=drafter,
+                           num_speculative_tokens=K, **knobs) as gen:
+        got = flat(gen.generate(reqs))
+        stats = gen.stats()
+    assert stats["static_verify_steps"] > 5, stats
+    assert {error for n, error in drafter.proposals if n == K} >= set(range(K + 1))
+    for e, g in zip(plain, got, strict=True):
+        assert_same(e, g, rtol=4 * LP_RTOL)
+
+
 @requires_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["attention", "hybrid"])
+@pytest.mark.parametrize("kind", ["attention", "hybrid", "windows"])
 def test_gpu_speculation_replays_cuda_graphs(kind):
     """On a GPU, fp32, this repo's flash_decode: a verification alone replays its own CUDA graph (k + 1 rows a
-    sample, captured per padded size), decode steps theirs; the completions are plain decoding's (an eager
-    engine's on the same GPU), every acceptance length occurs."""
+    sample, captured per padded size; a sliding layer's rows each within their window), decode steps theirs;
+    the completions are plain decoding's (an eager engine's on the same GPU), every acceptance length occurs."""
     from fast.flash_decoding import flash_decode
     reqs = requests(fast_ge)
     knobs = dict(page_size=8, num_pages=14, max_prefill_tokens=12, flash_decode=flash_decode)

@@ -25,6 +25,7 @@ The math, for sequence b with L = seqused_k[b] keys, S_q query rows, query head 
     s_ij  = scale * <q_i, k_j>                       scale defaults to D ** -0.5
     s_ij  = softcap * tanh(s_ij / softcap)           only when softcap > 0
     i sees j  iff  j <= L - S_q + i                  (row i is the key at position L - S_q + i)
+             and  j >= L - S_q + i - left            only with window_size = (left, 0), left >= 0
     lse_i = log( sum_{j seen} exp(s_ij) [+ exp(sink_h)] )
     o_i   = sum_{j seen} exp(s_ij - lse_i) v_j
     A row that sees no key gets o_i = 0 and lse_i = -inf (with a sink: lse_i = sink_h).  A sink
@@ -54,6 +55,8 @@ Tensors (B sequences, S_q query rows each, H_q / H_kv heads, D head dim, G = H_q
     block_table   [B, max_pages] int32              page ids of each sequence
     k_new, v_new  [B, S_q, H_kv, D]                 written in place at positions L - S_q .. L - 1
     cache_leftpad [B] int32                         keys before it are not the sequence's (default 0)
+    window_size   (left, right) ints                each row sees its last left + 1 keys (left = -1: all);
+                                                    right is -1 or 0 (decode is causal either way)
     cu_groups     [G + 1] int32                     cascade_decode: group g is rows cu_groups[g] .. [g+1]-1
     prefix_lens   [G] int32                         its first keys, in the same pages for all its rows
     sinks         [H_q] float                       one sink logit per query head
@@ -64,9 +67,13 @@ Supported, and what raises
     Any page size, GQA ratio and head dim, S_q >= 1, any ``num_splits`` (the result does not
     depend on it beyond rounding; ``None`` means one chunk here), CPU and CUDA.  An empty
     sequence (seqused_k[b] == 0, a padding slot of a captured batch) is legal: its rows see no
-    key and its k_new rows are not written.  Bad input raises ValueError / TypeError naming the
-    argument.  Inference only.  ``upcast=False`` (reference only) computes in the input dtype,
-    the "plain PyTorch in low precision" baseline of the parity tests.
+    key and its k_new rows are not written.  A sliding window (``window_size``, flash-attn's name)
+    bounds each row on its own, so verification rows of a sliding layer (S_q > 1) each see their
+    own last left + 1 keys; with ``cache_leftpad`` too, a key must pass both.  Bad input raises
+    ValueError / TypeError naming the argument; a window with ``batch_invariant=True`` raises
+    NotImplementedError (the invariant kernel counts its segments from one start per sequence).
+    Inference only.  ``upcast=False`` (reference only) computes in the input dtype, the "plain
+    PyTorch in low precision" baseline of the parity tests.
 
 Batch invariance (``batch_invariant``, default False)
     The fast kernel's contract with ``batch_invariant=True``: each row's out and lse are bitwise
@@ -123,11 +130,12 @@ def _merge(o_a, lse_a, o_b, lse_b):
     return o, lse
 
 
-def _attend_chunk(q, k, v, key_pos, last_seen, *, scale, softcap):
+def _attend_chunk(q, k, v, key_pos, last_seen, *, scale, softcap, first_seen=None):
     """Attention of R query rows to one chunk of keys, without the sink.
 
     q [R, H_q, D]; k, v [n, H_kv, D] are the keys at positions ``key_pos`` [n]; row r sees the keys at
-    positions <= ``last_seen[r]``.  Returns the partial state (o [R, H_q, D], lse [H_q, R]).
+    positions <= ``last_seen[r]`` (and >= ``first_seen[r]``, a sliding window, when given).  Returns the
+    partial state (o [R, H_q, D], lse [H_q, R]).
     """
     r, h_q, _ = q.shape
     h_kv = k.shape[1]
@@ -135,7 +143,10 @@ def _attend_chunk(q, k, v, key_pos, last_seen, *, scale, softcap):
     s = torch.einsum("skgd,nkd->kgsn", q, k) * scale                # [H_kv, G, R, n]
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(key_pos[None, :] > last_seen[:, None], float("-inf"))
+    hidden = key_pos[None, :] > last_seen[:, None]                   # [R, n]
+    if first_seen is not None:
+        hidden = hidden | (key_pos[None, :] < first_seen[:, None])
+    s = s.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)                                # [H_kv, G, R], -inf for a row that sees nothing
     p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)[..., None])
     o = torch.einsum("kgsn,nkd->skgd", p, v)                        # [R, H_kv, G, D]
@@ -153,19 +164,22 @@ def _with_sink(o, lse, sinks, dtype):
 
 def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None, v_new=None, scale=None,
                  num_splits=None, softcap=0.0, sinks=None, return_lse=False, out=None, batch_invariant=False,
-                 cache_leftpad=None, upcast=True):
+                 cache_leftpad=None, window_size=(-1, -1), upcast=True):
     """Decode attention of q against the KV cache; see the module docstring for shapes.
 
     With ``k_new``/``v_new`` the cache is written in place first.  ``cache_leftpad [B] int32`` (as in
     flash-attn's ``flash_attn_with_kvcache``): sequence b's keys start at that position, the ones
-    before it are not attended (0 <= cache_leftpad[b] <= seqused_k[b]).  ``batch_invariant=True``
+    before it are not attended (0 <= cache_leftpad[b] <= seqused_k[b]).  ``window_size=(left, 0)``:
+    row i (the key at position L - S_q + i) sees the keys from L - S_q + i - left on (a sliding
+    window of left + 1 keys; -1: no bound).  ``batch_invariant=True``
     names the fast kernel's bitwise contract (module docstring), at any ``num_splits``.
     Returns ``out [B, S_q, H_q, D]``, or ``(out, lse [B, H_q, S_q])`` when ``return_lse``; with
     ``out=`` the result is written there.
     """
-    lengths, starts = _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new,
-                                    v_new=v_new, scale=scale, num_splits=num_splits, softcap=softcap,
-                                    sinks=sinks, out=out, batch_invariant=batch_invariant, cache_leftpad=cache_leftpad)
+    lengths, starts, left = _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new,
+                                          v_new=v_new, scale=scale, num_splits=num_splits, softcap=softcap,
+                                          sinks=sinks, out=out, batch_invariant=batch_invariant,
+                                          cache_leftpad=cache_leftpad, window_size=window_size)
     batch, s_q, h_q, d = q.shape
     scale = d ** -0.5 if scale is None else float(scale)
     softcap = float(softcap)
@@ -180,13 +194,15 @@ def flash_decode(q, k_cache, v_cache, seqused_k, *, block_table=None, k_new=None
             k, v = _gather_sequence(k_cache, v_cache, b, length, block_table)
             qb, k, v = q[b].to(dtype), k.to(dtype), v.to(dtype)
             last_seen = length - s_q + torch.arange(s_q, device=q.device)     # row i is the key at L - S_q + i
+            first_seen = last_seen - left if left >= 0 else None               # its window's first key
             # Start from the empty state (o = 0, lse = -inf), the identity of the merge.
             o = torch.zeros(s_q, h_q, d, dtype=dtype, device=q.device)
             lse = torch.full((h_q, s_q), float("-inf"), dtype=dtype, device=q.device)
             chunk = max(1, -(-(length - first_key) // splits))
             for first in range(first_key, length, chunk):           # the splits, one after another
                 pos = torch.arange(first, min(first + chunk, length), device=q.device)
-                o_c, lse_c = _attend_chunk(qb, k[pos], v[pos], pos, last_seen, scale=scale, softcap=softcap)
+                o_c, lse_c = _attend_chunk(qb, k[pos], v[pos], pos, last_seen, scale=scale, softcap=softcap,
+                                           first_seen=first_seen)
                 o, lse = _merge(o, lse, o_c, lse_c)
             o, lse = _with_sink(o, lse, sinks, dtype)
             outs.append(o.to(q.dtype))
@@ -212,8 +228,8 @@ def cascade_decode(q, k_cache, v_cache, seqused_k, *, block_table, cu_groups, pr
     after it; then the sink.  The result equals ``flash_decode``'s for every row; the other keywords
     are flash_decode's.  Returns ``out [B, S_q, H_q, D]``, or ``(out, lse [B, H_q, S_q])``.
     """
-    lengths, _ = _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new, v_new=v_new,
-                               scale=scale, num_splits=None, softcap=softcap, sinks=sinks, out=out,
+    lengths, _, _ = _check_inputs(q, k_cache, v_cache, seqused_k, block_table=block_table, k_new=k_new,
+                                  v_new=v_new, scale=scale, num_splits=None, softcap=softcap, sinks=sinks, out=out,
                                batch_invariant=False, cache_leftpad=None, paged_only="cascade_decode")
     groups, prefixes = _check_groups(cu_groups, prefix_lens, block_table, lengths, s_q=q.shape[1],
                                      page_size=k_cache.shape[1])
@@ -372,9 +388,10 @@ _SIZES = {"B": "batch size", "S_q": "query row count", "H_q": "query head count"
 
 
 def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, scale, num_splits,
-                  softcap, sinks, out, batch_invariant, cache_leftpad, paged_only=None):
+                  softcap, sinks, out, batch_invariant, cache_leftpad, window_size=(-1, -1), paged_only=None):
     """Validate shapes, dtypes and devices, then the values of the index tensors; returns the
-    sequence lengths and the first key of each (cache_leftpad, else 0) as host lists."""
+    sequence lengths and the first key of each (cache_leftpad, else 0) as host lists, and the window's
+    left (-1: none)."""
     if paged_only and block_table is None:
         raise ValueError(f"{paged_only} needs a paged cache (block_table): a group's rows share the pages "
                          f"that hold its prefix")
@@ -401,7 +418,8 @@ def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, 
         raise ValueError("k_new and v_new must be given together")
     if out is not None and out.dtype != q.dtype:
         raise ValueError(f"out must be {q.dtype} like q, got {out.dtype}")
-    _check_scalars(scale=scale, softcap=softcap, num_splits=num_splits, batch_invariant=batch_invariant)
+    left = _check_scalars(scale=scale, softcap=softcap, num_splits=num_splits, batch_invariant=batch_invariant,
+                          window_size=window_size)
     lengths = _check_values(seqused_k, block_table, s_q=size["S_q"], page_size=k_cache.shape[1],
                             capacity=block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1],
                             num_pages=k_cache.shape[0])
@@ -409,7 +427,7 @@ def _check_inputs(q, k_cache, v_cache, seqused_k, *, block_table, k_new, v_new, 
     for b, (first, length) in enumerate(zip(starts, lengths)):
         if not 0 <= first <= length:
             raise ValueError(f"cache_leftpad[{b}] = {first} must be in [0, seqused_k[{b}] = {length}]")
-    return lengths, starts
+    return lengths, starts, left
 
 
 def _check_groups(cu_groups, prefix_lens, block_table, lengths, *, s_q, page_size):
@@ -474,8 +492,8 @@ def _check_tensors(*rows):
     return size
 
 
-def _check_scalars(*, scale, softcap, num_splits, batch_invariant):
-    """The non-tensor arguments."""
+def _check_scalars(*, scale, softcap, num_splits, batch_invariant, window_size=(-1, -1)):
+    """The non-tensor arguments; returns the window's left (-1: none)."""
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not isinstance(softcap, (int, float)) or softcap < 0:
@@ -484,6 +502,15 @@ def _check_scalars(*, scale, softcap, num_splits, batch_invariant):
         _integer("num_splits", num_splits, 1)
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__} {batch_invariant!r}")
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        raise ValueError(f"window_size must be (left, right) integers >= -1, got {window_size!r}")
+    left, right = (_integer("window_size", w, -1) for w in window_size)
+    if right > 0:
+        raise ValueError(f"window_size = {tuple(window_size)}: decode attention is causal, right must be -1 or 0")
+    if left >= 0 and batch_invariant:
+        raise NotImplementedError("flash_decode(batch_invariant=True) takes no window_size: its kernel counts a "
+                                  "row's segments from one first key per sequence (cache_leftpad, S_q = 1)")
+    return left
 
 
 def _check_values(seqused_k, block_table, *, s_q, page_size, capacity, num_pages):

@@ -40,13 +40,14 @@ def _example_strides(d, h_q, h_kv, s_q, paged, split, parts, kv_align, seq, page
 
 
 def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16, batch=4, seq=8192, page=16,
-                 num_splits=7, invariant_family=None, leftpad=False, fused=None):
+                 num_splits=7, invariant_family=None, leftpad=False, fused=None, window=None):
     """The decode kernel's build for one example launch: q [B, S_q, H_q, D], a paged pool of ``page``-key
     pages (or a contiguous cache of ``seq`` slots), ``num_splits`` partials or the output directly.
     ``kv_align`` < 16 pads the cache rows to a multiple of it (head dims like 100 or 63).
     ``invariant_family`` (80 or 90): the batch-invariant launch on that family (its tile, one split).
     ``leftpad``: keys from cache_leftpad on (the mode's second segment).
-    ``fused``: the split launch merges its partials itself (flash_decode's); default: split."""
+    ``fused``: the split launch merges its partials itself (flash_decode's); default: split.
+    ``window``: a sliding window's left (window_size=(window, 0): each row's first keys masked)."""
     if fused is None:
         fused = split
     if invariant_family is None:
@@ -59,15 +60,16 @@ def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16,
     names = ("stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
              "stride_vt", "stride_vh", "stride_ob", "stride_os", "stride_oh", "stride_osplit", "stride_lb",
              "stride_ls", "stride_lh", "stride_lsplit", "stride_btb", "H_kv", "GROUP", "S_q", "PAGE_SIZE",
-             "NUM_SPLITS", "stride_fb", "stride_fs", "stride_fh")
+             "NUM_SPLITS", "stride_fb", "stride_fs", "stride_fh", "window_left")
     values = (*q_strides, *k_strides, *k_strides, *o_strides, *l_strides, pages_per_seq, h_kv, h_q // h_kv, s_q,
-              page if paged else 1, num_splits if split else 1, *(q_strides if fused else (0, 0, 0)))
+              page if paged else 1, num_splits if split else 1, *(q_strides if fused else (0, 0, 0)),
+              window if window is not None else 0)
     signature, constants = _int_types(dict(zip(names, values)))
     t = _TYPES[dtype]
     signature.update(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}", o_ptr=f"*{t}",
                      seqused_ptr="*i32", bt_ptr="*i32", sinks_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32",
                      softcap="fp32", leftpad_ptr="*i32", out_ptr=f"*{t}", out_lse_ptr="*fp32", count_ptr="*i32")
-    layout = ("paged" if paged else "dense") + (",leftpad" if leftpad else "")
+    layout = ("paged" if paged else "dense") + (",leftpad" if leftpad else "") + (",window" if window else "")
     mode = "" if invariant_family is None else f"invariant sm{invariant_family},"
     return dict(
         kernel=m._decode_fwd_kernel, archs=[80, 90] if invariant_family is None else [invariant_family],
@@ -80,8 +82,8 @@ def _decode_case(m, dtype, d, h_q, h_kv, s_q, paged, split, extras, kv_align=16,
                         BLOCK_N=cfg["BLOCK_N"], IS_PAGED=paged, IS_SPLIT=split, HAS_SINKS=extras,
                         HAS_SOFTCAP=extras, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
                         KV_ALIGN=cfg["KV_ALIGN"], BATCH_INVARIANT=invariant_family is not None,
-                        BLOCK_IN_PAGE=paged and page % cfg["BLOCK_N"] == 0 and not leftpad, HAS_LEFTPAD=leftpad,
-                        FUSED_MERGE=fused),
+                        BLOCK_IN_PAGE=paged and page % cfg["BLOCK_N"] == 0 and not leftpad and window is None,
+                        HAS_LEFTPAD=leftpad, FUSED_MERGE=fused, HAS_WINDOW=window is not None),
         num_warps=warps, num_stages=cfg["num_stages"],
         # fp32 dots are IEEE (FMA units); wgmma needs a 64-row tile, smaller tiles use mma.sync.
         tensor_cores=dtype != torch.float32, wgmma=cfg["BLOCK_M"] >= 64)
@@ -231,6 +233,8 @@ def cases(m) -> list[dict]:
         cases.append(_cascade_case(m, dtype, d, h_q, h_kv, s_q, n, extras, page=page, kv_align=align))
     # flash_decode with cache_leftpad, split: its fused merge.
     cases.append(_decode_case(m, bf16, 128, 8, 2, 1, True, True, True, leftpad=True, fused=True))
+    # A sliding layer's verification (window_size=(127, 0)): gpt-oss's shape, D = 64, GQA 64/8, 4 rows, sinks.
+    cases.append(_decode_case(m, bf16, 64, 64, 8, 4, True, True, True, window=127))
     # Rows aligned to 4 or 1 elements only (8 warps, narrower vectors).
     cases += [_decode_case(m, bf16, 100, 8, 2, 3, True, True, True, kv_align=4),
               _decode_case(m, fp32, 100, 8, 2, 1, True, False, False, kv_align=4),
