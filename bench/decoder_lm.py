@@ -578,10 +578,12 @@ def _engine_steps(rec, quick: bool, what: str = "decode") -> None:
 #                 kept inside a graph) + bytes / HBM bandwidth (H100: 3.35 TB/s)
 #   floor       = bytes / HBM bandwidth, bytes = the weights once (bf16, the embedding's B rows only) + every
 #                 request's K and V (CONTEXT keys, bf16)
-# The kernel count is this engine's static step with its in-file attention (a graph of it; a GPU's
-# flash_decode would replace the attention's ops by two launches), without inductor's fusions ("graph") and
-# with them ("graph of the compiled step": inductor's CPU kernels stand in for its GPU ones, the same fusion
-# decisions over the same graph, not the same code).
+# The kernel count is this engine's static step: with its in-file attention and plain torch ops, without
+# inductor's fusions ("graph") and with them ("graph of the compiled step": inductor's CPU kernels stand in for
+# its GPU ones, the same fusion decisions over the same graph, not the same code); and as a CUDA graph of the
+# uncompiled step replays it on a GPU with this repo's kernels ("graph, this repo's kernels": flash_decode as
+# the attention plug-in and fast/decoder_lm.py's fused elementwise kernels, run in the kernel observatory,
+# every Triton launch and every torch op between them a kernel; the value checks a capture skips left out).
 HOST_US_PER_CALL, CONTEXT = 5.0, 1024
 GPU_SHAPES = {   # Qwen3 0.6B and 8B (their config.json): hidden, FFN, layers, q / kv heads, head dim, vocab, tied
     "Qwen3-0.6B": dict(hidden=1024, ffn=3072, layers=28, heads=16, kv_heads=8, head_dim=128, vocab=151936, tied=True),
@@ -629,6 +631,46 @@ def _step_counts(layers: int, batch: int, compiled: bool = True) -> dict:
                 compiled_kernels=_compiled_kernels(static, args) if compiled else 0)
 
 
+def repo_kernels_child(layers: int, batch: int) -> dict:
+    """The kernels a CUDA graph of the uncompiled static decode step replays on a GPU with this repo's kernels
+    (flash_decode as the attention plug-in, fast/decoder_lm.py's fused elementwise kernels forced on a CPU), in
+    the kernel observatory: its Triton launches and the torch ops between them, ENGINE_MODEL at this depth.
+    flash_decode's value checks are skipped, as they are under capture (a graph holds no host check)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, str(ROOT / "parity"))
+    import fast.decoder_lm as lm
+    import fast.flash_decoding as fd
+    import fast.generator_engine as ge
+    from observatory import observe
+    lm.FUSED_KERNELS = "always"
+    fd._check_values = fd._check_leftpad = lambda *args, **kwargs: None
+    torch.set_num_threads(1)
+    model = lm.DecoderLM(lm.ModelConfig(**dict(ENGINE_MODEL, num_layers=layers)), seed=0)
+    gen = ge.Generator(model, page_size=16, num_pages=16 * batch + 8, max_batch_size=batch,
+                       flash_decode=fd.flash_decode)
+    gen.generate([ge.Request(list(range(1, 17)), ge.SamplingParams(max_new_tokens=2)) for _ in range(batch)])
+    gen.close()
+    static = ge.StaticDecode(gen.runner, (batch,), batch)
+    args = (model, static.ids[:batch], static.positions[:batch], static.used[:batch], static.rows[:batch],
+            static.prompts[:batch], static.table[:batch, :2])
+    with torch.no_grad(), observe(torch_ops=True) as obs:
+        static._forward(*args)
+    triton_launches = sum(1 for launch in obs.launches if launch.module != "torch")
+    return dict(kernels=len(obs.launches), triton=triton_launches, torch_ops=len(obs.launches) - triton_launches)
+
+
+def _repo_kernels_by_depth(batch: int) -> tuple[dict, dict]:
+    """(fixed, per layer) of ``repo_kernels_child``, each depth in a fresh process."""
+    counts = []
+    for layers in (2, 4):
+        proc = subprocess.run([sys.executable, __file__, "--repo-kernels-child", str(layers), str(batch)],
+                              capture_output=True, text=True, timeout=1800, cwd=ROOT)
+        counts.append(child_facts(proc, f"repo kernels L{layers} B={batch}"))
+    low, high = counts
+    per_layer = {k: (high[k] - low[k]) / 2 for k in low}
+    return {k: low[k] - 2 * per_layer[k] for k in low}, per_layer
+
+
 def _compiled_kernels(static, args) -> int:
     """The kernels of the static step compiled by inductor (its fusions; on a CPU, C++ kernels plus the BLAS
     calls), counted by the profiler in one call (the Python wrapper, so that each kernel is an event)."""
@@ -660,6 +702,7 @@ def bench_modeled_step(rec, quick: bool) -> None:
     from observatory import H100
     for batch in (1, 16, 64):
         fixed, per_layer = _counts_by_depth(batch)
+        repo_fixed, repo_per_layer = _repo_kernels_by_depth(batch)
         for name, s in GPU_SHAPES.items():
             h, d = s["hidden"], s["head_dim"]
             layer_params = _layer_params(s)
@@ -685,6 +728,12 @@ def bench_modeled_step(rec, quick: bool) -> None:
             rec.add(case, "graph of the compiled step", "over_floor", fused_us / floor_us, "x")
             rec.add(case, "graph of the compiled step", "kernels", fused, "kernels")
             rec.add(case, "graph of the compiled step", "kernels_per_layer", per_layer["compiled_kernels"], "kernels")
+            repo = repo_fixed["kernels"] + repo_per_layer["kernels"] * s["layers"]
+            repo_us = repo * H100.launch_us + floor_us
+            rec.add(case, "graph, this repo's kernels", "step_us", repo_us, "us")
+            rec.add(case, "graph, this repo's kernels", "over_floor", repo_us / floor_us, "x")
+            rec.add(case, "graph, this repo's kernels", "kernels", repo, "kernels")
+            rec.add(case, "graph, this repo's kernels", "kernels_per_layer", repo_per_layer["kernels"], "kernels")
 
 
 # ----------------------------------------------------------------------------- the decode layer, fused
@@ -1034,6 +1083,9 @@ def main(argv=None) -> int:
         return 0
     if argv[:1] == ["--engine-gpu-child"]:
         print("FACTS " + json.dumps(engine_gpu_child(int(argv[1]))), flush=True)
+        return 0
+    if argv[:1] == ["--repo-kernels-child"]:
+        print("FACTS " + json.dumps(repo_kernels_child(int(argv[1]), int(argv[2]))), flush=True)
         return 0
     if argv[:1] == ["--fused-layer-child"]:
         print("FACTS " + json.dumps(fused_layer_child(int(argv[1]), int(argv[2]))), flush=True)
