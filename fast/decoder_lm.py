@@ -616,6 +616,36 @@ def _norm_rotate(x: torch.Tensor, norm, cos: torch.Tensor, sin: torch.Tensor, in
     return _rotate(x if norm is None else norm(x, invariant), cos, sin)
 
 
+def _side_by_side(q: torch.Tensor, k: torch.Tensor, attention) -> bool:
+    """Whether q [T, H_q, D] and k [T, H_kv, D] are views of one tensor with k's heads right after q's (the qkv
+    product without an attention gate), so that one kernel can take both; with head norms (``attention``'s
+    q_norm and k_norm), only if they share eps and centring (the kernel takes one of each)."""
+    if attention is not None and (attention.q_norm.eps != attention.k_norm.eps
+                                  or attention.q_norm.zero_centered != attention.k_norm.zero_centered):
+        return False
+    t, d = q.shape[0], q.shape[2]
+
+    def stride(x, dim, wanted):             # (a dimension of size 1 may carry any stride)
+        return x.shape[dim] == 1 or x.stride(dim) == wanted
+
+    return (q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() and k.shape[0] == t
+            and k.shape[2] == d and all(stride(x, 2, 1) and stride(x, 1, d) for x in (q, k))
+            and (t == 1 or q.stride(0) == k.stride(0)) and k.storage_offset() == q.storage_offset() + q.shape[1] * d)
+
+
+def _norm_rotate_qk(q: torch.Tensor, k: torch.Tensor, attention, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_norm_rotate`` of q and k side by side (``_side_by_side``) in one kernel (``fused_qk_norm_rope``);
+    ``attention`` holds q_norm and k_norm (None: no head norms)."""
+    t, h_q, d = q.shape
+    heads = h_q + k.shape[1]
+    qk = q.as_strided((t, heads, d), (q.stride(0) if t > 1 else heads * d, d, 1))   # q's heads, then k's
+    if attention is None:
+        return fused_qk_norm_rope(qk, h_q, None, None, 0.0, cos, sin)
+    qn, kn = attention.q_norm, attention.k_norm
+    return fused_qk_norm_rope(qk, h_q, qn.weight, kn.weight, qn.eps, cos, sin, qn.zero_centered)
+
+
 # ----------------------------------------------------------------------------- the model, fused
 
 class _RMSNorm(nn.Module):
@@ -869,8 +899,12 @@ class DecoderLM(nn.Module):
             q = q.view(t, c.num_heads, -1)                                  # [T, H_q, D] or [T, H_q, 2 D]
             q, gate = q.chunk(2, dim=-1) if c.attn_output_gate else (q, None)
             k = k.view(t, c.num_kv_heads, c.head_dim)
-            q = _norm_rotate(q, a.q_norm if c.qk_norm else None, cos, sin, inv)
-            k = _norm_rotate(k, a.k_norm if c.qk_norm else None, cos, sin, inv)
+            norms = a if c.qk_norm else None
+            if gate is None and _fused(k, inv) and _side_by_side(q, k, norms):     # one kernel for both
+                q, k = _norm_rotate_qk(q, k, norms, cos, sin)
+            else:
+                q = _norm_rotate(q, a.q_norm if c.qk_norm else None, cos, sin, inv)
+                k = _norm_rotate(k, a.k_norm if c.qk_norm else None, cos, sin, inv)
             o = self._attend(attend, i, q, k, v.view(t, c.num_kv_heads, c.head_dim)).reshape(t, -1)
             if gate is not None:
                 o = o * _sigmoid(gate.reshape(t, -1), inv)
@@ -1984,7 +2018,8 @@ class _no_context:
 #   _norm_kernel      the residual add and the RMSNorm after it (rows of [M, N]): one kernel for x + delta
 #                     and norm(x + delta), each element read once
 #   _norm_rope_kernel a q or k head's RMSNorm (q_norm / k_norm) and the rotary embedding: one program per
-#                     (token, head) row, each element and its rotary partner read once
+#                     (token, head) row, each element and its rotary partner read once; q's and k's heads in
+#                     one launch where they sit side by side in the qkv product (no attention gate)
 #   _swiglu_kernel    silu(gate) * up from the fused gate_up product
 # Each rounds where the torch expression it replaces rounds (the add and the norm's output to the model's
 # dtype, the rotary in fp32); only the sum of squares is summed in another order (the default mode's
@@ -2035,10 +2070,31 @@ def fused_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, co
     if t * heads:
         rows, _, stride_t, stride_h = _rows(x)
         cos, sin = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
-        _norm_rope_kernel[(rows,)](x, weight if weight is not None else x, cos, sin, out, heads, stride_t, stride_h,
-                                   d, cos.shape[1], eps, HAS_NORM=weight is not None, ZERO_CENTERED=zero_centered,
+        w = weight if weight is not None else x
+        _norm_rope_kernel[(rows,)](x, w, w, cos, sin, out, out, heads, heads, stride_t, stride_h, d, cos.shape[1], eps,
+                                   HAS_NORM=weight is not None, ZERO_CENTERED=zero_centered,
                                    BLOCK_D=triton.next_power_of_2(d))
     return out
+
+
+def fused_qk_norm_rope(qk: torch.Tensor, q_heads: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                       eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                       zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fused_norm_rope`` of q and of k in one launch: qk [T, H_q + H_kv, D] (the qkv product's first columns,
+    q's heads then k's: a view, unit stride in D), the first ``q_heads`` heads with q_weight, the rest with
+    k_weight (None: no norm) -> (q [T, H_q, D], k [T, H_kv, D]), each contiguous and equal, bit for bit, to its
+    own ``fused_norm_rope``."""
+    t, heads, d = qk.shape
+    q = torch.empty(t, q_heads, d, dtype=qk.dtype, device=qk.device)
+    k = torch.empty(t, heads - q_heads, d, dtype=qk.dtype, device=qk.device)
+    if t * heads:
+        rows, _, stride_t, stride_h = _rows(qk)
+        cos, sin = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
+        _norm_rope_kernel[(rows,)](qk, q_weight if q_weight is not None else qk,
+                                   k_weight if k_weight is not None else qk, cos, sin, q, k, heads, q_heads, stride_t,
+                                   stride_h, d, cos.shape[1], eps, HAS_NORM=q_weight is not None,
+                                   ZERO_CENTERED=zero_centered, BLOCK_D=triton.next_power_of_2(d))
+    return q, k
 
 
 def fused_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -2073,11 +2129,17 @@ if triton is not None:
         tl.store(y + row * N + o, b_y.to(y.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _norm_rope_kernel(x, w, cos, sin, out, H, stride_t, stride_h, D, HALF, eps, HAS_NORM: tl.constexpr,
-                          ZERO_CENTERED: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _norm_rope_kernel(x, w, w2, cos, sin, out, out2, H, H1, stride_t, stride_h, D, HALF, eps,
+                          HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)                                 # (token, head) = (row // H, row % H)
         t = row // H
-        src = x + t * stride_t + (row % H) * stride_h
+        head = row % H
+        src = x + t * stride_t + head * stride_h
+        if head < H1:                       # heads 0 .. H1 - 1: weight w, into out [T, H1, D] (q, or all)
+            dst = out + (t * H1 + head) * D
+        else:                               # the rest: weight w2, into out2 [T, H - H1, D] (k)
+            dst = out2 + (t * (H - H1) + head - H1) * D
+            w = w2
         o = tl.arange(0, BLOCK_D)
         m = o < D
         rotary = o < 2 * HALF
@@ -2100,7 +2162,7 @@ if triton is not None:
         b_s = tl.load(sin + t * HALF + j, mask=m & rotary, other=0.0)
         b_s = tl.where(o < HALF, -b_s, b_s)          # x1 cos - x2 sin, x2 cos + x1 sin; the rest as it is
         b_y = tl.where(rotary, b_f * b_c + b_pf * b_s, b_f)
-        tl.store(out + row * D + o, b_y.to(out.dtype.element_ty), mask=m)
+        tl.store(dst + o, b_y.to(out.dtype.element_ty), mask=m)
 
     @triton.jit
     def _swiglu_kernel(gate, up, out, N, stride_g, stride_u, BLOCK: tl.constexpr):

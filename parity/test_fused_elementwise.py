@@ -7,6 +7,8 @@ runs them on CPU tensors).
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -56,6 +58,42 @@ def test_norm_rope(dtype, d, rotary, norm, zero):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("norm,zero", [(True, False), (True, True), (False, False)])
+def test_qk_norm_rope_is_two_launches_in_one(dtype, norm, zero):
+    """q's and k's heads side by side in a qkv product, each with its own norm weight: one launch gives each the
+    bits of its own ``fused_norm_rope`` (partial rotary, a view with a token stride past the heads)."""
+    gen = torch.Generator().manual_seed(7)
+    t, h_q, h_kv, d, rotary = 5, 4, 2, 16, 8
+    qkv = torch.randn(t, (h_q + 2 * h_kv) * d, generator=gen).to(DEV, dtype)
+    q, k, _ = qkv.split([h_q * d, h_kv * d, h_kv * d], dim=-1)
+    q, k = q.view(t, h_q, d), k.view(t, h_kv, d)
+    angles = torch.arange(t, dtype=torch.float32)[:, None] * torch.rand(rotary // 2, generator=gen)[None]
+    cos, sin = angles.cos()[:, None].to(DEV), angles.sin()[:, None].to(DEV)
+    wq, wk = ((torch.randn(d, generator=gen) * 0.1 + (0 if zero else 1)).to(DEV, dtype) for _ in range(2))
+    norms = None
+    if norm:
+        norms = SimpleNamespace(q_norm=SimpleNamespace(weight=wq, eps=1e-6, zero_centered=zero),
+                                k_norm=SimpleNamespace(weight=wk, eps=1e-6, zero_centered=zero))
+    assert lm._side_by_side(q, k, norms) and not lm._side_by_side(k, q, norms)
+    got_q, got_k = lm._norm_rotate_qk(q, k, norms, cos, sin)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    assert torch.equal(got_q, lm.fused_norm_rope(q, wq if norm else None, 1e-6 if norm else 0.0, cos, sin, zero))
+    assert torch.equal(got_k, lm.fused_norm_rope(k, wk if norm else None, 1e-6 if norm else 0.0, cos, sin, zero))
+    # one token, one KV head (a decode step of a model with H_kv = 1): views of size-1 dims carry any stride
+    q1, k1, _ = qkv[:1, :(h_q + 2) * d].split([h_q * d, d, d], dim=-1)
+    q1, k1 = q1.view(1, h_q, d), k1.view(1, 1, d)
+    assert lm._side_by_side(q1, k1, norms)
+    got_q, got_k = lm._norm_rotate_qk(q1, k1, norms, cos[:1], sin[:1])
+    assert torch.equal(got_q, lm.fused_norm_rope(q1, wq if norm else None, 1e-6 if norm else 0.0, cos[:1], sin[:1],
+                                                 zero))
+    assert torch.equal(got_k, lm.fused_norm_rope(k1, wk if norm else None, 1e-6 if norm else 0.0, cos[:1], sin[:1],
+                                                 zero))
+    if norm:                                              # norms that differ in eps: not one kernel
+        norms.k_norm.eps = 1e-5
+        assert not lm._side_by_side(q, k, norms)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_swiglu(dtype):
     gen = torch.Generator().manual_seed(3)
     gate_up = (torch.randn(6, 2 * 1500, generator=gen) * 3).to(DEV, dtype)      # more columns than a block
@@ -65,15 +103,21 @@ def test_swiglu(dtype):
 
 
 def test_the_model_and_engine_are_the_same_fused(monkeypatch):
-    """A Qwen3.5-style model (q/k norms, zero-centred norms, partial rotary, the attention gate, o_proj bias off)
-    and a Qwen2-style one (q/k/v biases): the packed forward's logits to fp32 rounding, an engine's greedy
-    tokens equal, with the kernels (on CPU tensors) and without; the batch-invariant mode never takes them."""
-    configs = [lm.ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
-                              num_kv_heads=2, head_dim=16, qk_norm=True, zero_centered_norm=True,
-                              partial_rotary_factor=0.5, attn_output_gate=True, max_seq_len=64),
-               lm.ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
-                              num_kv_heads=2, head_dim=12, qkv_bias=True, max_seq_len=64)]
-    for config in configs:
+    """A Qwen3.5-style model (q/k norms, zero-centred norms, partial rotary, the attention gate, o_proj bias off:
+    q's and k's norms and rotary in a launch each), a Qwen2-style one (q/k/v biases, no head norms) and a
+    Qwen3-style one (head norms, no gate: q's and k's heads in one launch): the packed forward's logits to fp32
+    rounding, an engine's greedy tokens equal, with the kernels (on CPU tensors) and without; the
+    batch-invariant mode never takes them."""
+    both = {"fused_add_rms_norm", "fused_qk_norm_rope", "fused_swiglu"}
+    configs = [(lm.ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
+                               num_kv_heads=2, head_dim=16, qk_norm=True, zero_centered_norm=True,
+                               partial_rotary_factor=0.5, attn_output_gate=True, max_seq_len=64),
+                {"fused_add_rms_norm", "fused_norm_rope", "fused_swiglu"}),
+               (lm.ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
+                               num_kv_heads=2, head_dim=12, qkv_bias=True, max_seq_len=64), both),
+               (lm.ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6,
+                               num_kv_heads=2, head_dim=8, qk_norm=True, max_seq_len=64), both)]
+    for config, kernels in configs:
         model = lm.DecoderLM(config, seed=4, device=DEV)
         with torch.no_grad():
             gen = torch.Generator().manual_seed(1)
@@ -86,7 +130,7 @@ def test_the_model_and_engine_are_the_same_fused(monkeypatch):
         for fused in (False, "always"):
             monkeypatch.setattr(lm, "FUSED_KERNELS", fused)
             calls = []
-            for name in ("fused_add_rms_norm", "fused_norm_rope", "fused_swiglu"):
+            for name in ("fused_add_rms_norm", "fused_norm_rope", "fused_qk_norm_rope", "fused_swiglu"):
                 original = getattr(lm, name)
                 monkeypatch.setattr(lm, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
             with torch.no_grad():
@@ -94,7 +138,7 @@ def test_the_model_and_engine_are_the_same_fused(monkeypatch):
             with ge.Generator(model, page_size=4) as engine:
                 tokens = [c.token_ids for c in engine.generate(reqs)]
             runs[fused] = (logits, tokens, set(calls))
-        assert runs[False][2] == set() and len(runs["always"][2]) == 3, runs["always"][2]
+        assert runs[False][2] == set() and runs["always"][2] == kernels, runs["always"][2]
         torch.testing.assert_close(runs["always"][0], runs[False][0], rtol=1e-5, atol=1e-5)
         assert runs["always"][1] == runs[False][1]
     monkeypatch.setattr(lm, "FUSED_KERNELS", "always")
