@@ -882,17 +882,23 @@ class DecoderLM(nn.Module):
         """The blocks on packed tokens, ids / positions [T] -> final-normed hidden [T, hidden];
         ``attend(layer, q, k, v)`` and ``mix(layer, module, h)`` as in the reference (this rank's heads)."""
         rotary = self._rotary_at(positions)                                # cos, sin [T, 1, R/2]
-        x = self.body.embed_tokens(ids)                                     # [T, hidden], every rank
+        x, out = self.body.embed_tokens(ids), None                          # [T, hidden], every rank
         for i, block in enumerate(self.layers):
-            x = self._block(i, block, x, rotary, attend, mix)
-        return self.body.norm(x, self.batch_invariant)
+            x, out = self._block(i, block, x, rotary, attend, mix, out)
+        return _add_norm(x, out, None, self.body.norm, self.batch_invariant)[1]
 
-    def _block(self, i: int, block: _Block, x: torch.Tensor, rotary, attend, mix) -> torch.Tensor:
-        """Decoder block ``i`` on the residual stream x [T, hidden] (``layers_forward``'s callbacks; rotary:
-        cos, sin at the rows' positions)."""
+    def _block(self, i: int, block: _Block, x: torch.Tensor, rotary, attend, mix,
+               before: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder block ``i`` on the residual stream x + before [T, hidden] (``before``: the previous block's
+        output, or None; ``layers_forward``'s callbacks; rotary: cos, sin at the rows' positions) -> (the stream
+        before this block's MLP output, that output).  Each block adds the one before it where its input norm
+        reads the sum (the final norm adds the last): the same adds in the same order as adding it at the
+        block's end, and on a GPU the add joins the norm's kernel (``fused_add_rms_norm``) instead of a
+        launch of its own."""
         c, inv, t = self.local_config, self.batch_invariant, x.shape[0]
         cos, sin = rotary
-        h = self._to_ranks(_add_norm(x, None, None, block.input_layernorm, inv)[1])
+        x, h = _add_norm(x, before, None, block.input_layernorm, inv)
+        h = self._to_ranks(h)
         if hasattr(block, "self_attn"):
             a = block.self_attn
             q, k, v = _linear(h, a.qkv_proj.weight, a.qkv_proj.bias, inv).split(a.sizes, dim=-1)
@@ -914,10 +920,10 @@ class DecoderLM(nn.Module):
         x, hm = _add_norm(x, delta, bias, block.post_attention_layernorm, inv)
         m, hm = block.mlp, self._to_ranks(hm)
         if not isinstance(m, _MLP):                                         # a Mixture-of-Experts block
-            return x + m(hm)
+            return x, m(hm)
         gate_up, up = _linear(hm, m.gate_up_proj.weight, None, inv).split(m.sizes, dim=-1)
         act = fused_swiglu(gate_up, up) if _fused(gate_up, inv) else _silu(gate_up, inv) * up
-        return x + self._row_parallel(act, m.down_proj.weight, "down_proj")
+        return x, self._row_parallel(act, m.down_proj.weight, "down_proj")
 
     def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, which: str) -> torch.Tensor:
         """x [T, K_rank] @ weight [N, K_rank]^T summed over the ranks: an all-reduce; batch-invariant: the
@@ -1181,8 +1187,8 @@ class DecoderLM(nn.Module):
         e = m.pre_fc_norm_embedding(self.body.embed_tokens(next_ids), inv)
         x = _linear(torch.cat([e, m.pre_fc_norm_hidden(hidden, inv)], dim=-1), m.fc.weight, None, inv)
         layer = depth % len(m.layers)
-        x = self._block(len(self.layers) + layer, m.layers[layer], x, self._rotary_at(positions), attend, None)
-        return m.norm(x, inv)
+        x, out = self._block(len(self.layers) + layer, m.layers[layer], x, self._rotary_at(positions), attend, None)
+        return _add_norm(x, out, None, m.norm, inv)[1]
 
     def mtp_loss(self, input_ids: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Qwen3.5's multi-token-prediction objective (ref/decoder_lm.py's ``mtp_loss``): the mean over every
@@ -2016,7 +2022,8 @@ class _no_context:
 # without gradients (the kernels have no backward) and outside torch.compile (whose inductor fuses them
 # itself), three Triton kernels do that work instead:
 #   _norm_kernel      the residual add and the RMSNorm after it (rows of [M, N]): one kernel for x + delta
-#                     and norm(x + delta), each element read once
+#                     and norm(x + delta), each element read once (a block's MLP output is added where the
+#                     next block's input norm, or the final norm, reads the sum: ``_block``'s ``before``)
 #   _norm_rope_kernel a q or k head's RMSNorm (q_norm / k_norm) and the rotary embedding: one program per
 #                     (token, head) row, each element and its rotary partner read once; q's and k's heads in
 #                     one launch where they sit side by side in the qkv product (no attention gate)
