@@ -622,13 +622,20 @@ def _step_counts(layers: int, batch: int, compiled: bool = True) -> dict:
     gen._step = counted_step
     gen.generate([ge.Request(list(range(1, 17)), ge.SamplingParams(max_new_tokens=4)) for _ in range(batch)])
     gen.close()                                             # (the last iteration was a decode step)
-    static = ge.StaticDecode(gen.runner, (batch,), batch)   # its forward, eagerly: the ops a graph would hold
-    args = (model, static.ids[:batch], static.positions[:batch], static.used[:batch], static.rows[:batch],
-            static.prompts[:batch], static.table[:batch, :2])
+    static, args = _static_step(gen, batch)                 # its forward, eagerly: the ops a graph would hold
     with torch.no_grad(), Kernels():
         static._forward(*args)
     return dict(calls=calls[-1], kernels=Kernels.count,
                 compiled_kernels=_compiled_kernels(static, args) if compiled else 0)
+
+
+def _static_step(gen, batch: int) -> tuple:
+    """A StaticDecode over a closed engine's runner and its forward's arguments at ``batch`` rows (the buffers
+    as built: padding rows, two pages of the block table): the step a graph would hold, to run eagerly."""
+    import fast.generator_engine as ge
+    static = ge.StaticDecode(gen.runner, (batch,), batch)
+    return static, (gen.model, static.ids[:batch], static.positions[:batch], static.used[:batch],
+                    static.rows[:batch], static.prompts[:batch], static.table[:batch, :2])
 
 
 def repo_kernels_child(layers: int, batch: int) -> dict:
@@ -650,9 +657,7 @@ def repo_kernels_child(layers: int, batch: int) -> dict:
                        flash_decode=fd.flash_decode)
     gen.generate([ge.Request(list(range(1, 17)), ge.SamplingParams(max_new_tokens=2)) for _ in range(batch)])
     gen.close()
-    static = ge.StaticDecode(gen.runner, (batch,), batch)
-    args = (model, static.ids[:batch], static.positions[:batch], static.used[:batch], static.rows[:batch],
-            static.prompts[:batch], static.table[:batch, :2])
+    static, args = _static_step(gen, batch)
     with torch.no_grad(), observe(torch_ops=True) as obs:
         static._forward(*args)
     triton_launches = sum(1 for launch in obs.launches if launch.module != "torch")
