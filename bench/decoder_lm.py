@@ -766,9 +766,12 @@ def fused_layer_child(batch: int, context: int) -> dict:
     before = 0.5 * torch.randn(batch, c.hidden_size, dtype=torch.float16)     # the block before's output
     rotary = model._rotary_at(torch.full((batch,), context - 1))
 
-    def attend(i, q, k, v):
-        return flash_decode(q[:, None], kc, vc, used, block_table=table, k_new=k[:, None], v_new=v[:, None],
-                            scale=c.head_dim ** -0.5)[:, 0]
+    def attend(i, q, k, v):                 # (k = v = None: the fused q + k launch wrote them: kv_slots)
+        new = {} if k is None else dict(k_new=k[:, None], v_new=v[:, None])
+        return flash_decode(q[:, None], kc, vc, used, block_table=table, scale=c.head_dim ** -0.5, **new)[:, 0]
+
+    slots = table[:, (context - 1) // ps].long() * ps + (context - 1) % ps      # the new token's, as an engine's
+    attend.kv_slots = lambda i: (kc.flatten(0, 1), vc.flatten(0, 1), slots)
 
     facts, outputs = {}, {}
     for fused in (False, "always"):

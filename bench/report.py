@@ -173,10 +173,10 @@ FAMILIES: dict[str, list[Family]] = {
                "a paged cache of 1,024 keys a request) run by the kernel observatory: Triton kernels interpreted "
                "and counted, every PyTorch op between them a launch of its own (on a GPU each is a kernel, or a "
                "host-side check a CUDA graph would not replay), priced by the H100 latency model (2 us a launch "
-               "plus bytes); unfused: the four RMSNorms, the rotary and SwiGLU as PyTorch ops; fused: "
-               "fast/decoder_lm.py's three kernels (residual add + RMSNorm, q/k norm + rotary: q's and k's heads in "
-               "one launch, SwiGLU).  Not a "
-               "GPU measurement."),
+               "plus bytes); unfused: the four RMSNorms, the rotary and SwiGLU as PyTorch ops, flash_decode "
+               "appending the new K and V; fused: fast/decoder_lm.py's three kernels (residual add + RMSNorm, q/k "
+               "norm + rotary: q's and k's heads in one launch, which also writes the new K and V into the paged "
+               "cache, as an engine's step does; SwiGLU).  Not a GPU measurement."),
         Family("modeled GPU speculative step", "The speculative decode step on an H100, modeled", "Not a "
                "measurement: the verification of B samples' k drafts (B (k + 1) rows, the weights read once) priced "
                "as the modeled decode step below plus a compute bound (FLOPs over 989 TFLOPS bf16), drafts accepted "

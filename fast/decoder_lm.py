@@ -633,17 +633,30 @@ def _side_by_side(q: torch.Tensor, k: torch.Tensor, attention) -> bool:
             and (t == 1 or q.stride(0) == k.stride(0)) and k.storage_offset() == q.storage_offset() + q.shape[1] * d)
 
 
-def _norm_rotate_qk(q: torch.Tensor, k: torch.Tensor, attention, cos: torch.Tensor,
-                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _norm_rotate_qk(q: torch.Tensor, k: torch.Tensor, attention, cos: torch.Tensor, sin: torch.Tensor,
+                    v: torch.Tensor | None = None,
+                    cache: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``_norm_rotate`` of q and k side by side (``_side_by_side``) in one kernel (``fused_qk_norm_rope``);
-    ``attention`` holds q_norm and k_norm (None: no head norms)."""
+    ``attention`` holds q_norm and k_norm (None: no head norms).  With ``cache`` (``_kv_destination``'s
+    (K rows, V rows, slots)) k's rows and v's go there instead, in the same launch, and k comes back None."""
     t, h_q, d = q.shape
     heads = h_q + k.shape[1]
     qk = q.as_strided((t, heads, d), (q.stride(0) if t > 1 else heads * d, d, 1))   # q's heads, then k's
+    into = {} if cache is None else dict(v=v, k_cache=cache[0], v_cache=cache[1], slots=cache[2])
     if attention is None:
-        return fused_qk_norm_rope(qk, h_q, None, None, 0.0, cos, sin)
+        return fused_qk_norm_rope(qk, h_q, None, None, 0.0, cos, sin, **into)
     qn, kn = attention.q_norm, attention.k_norm
-    return fused_qk_norm_rope(qk, h_q, qn.weight, kn.weight, qn.eps, cos, sin, qn.zero_centered)
+    return fused_qk_norm_rope(qk, h_q, qn.weight, kn.weight, qn.eps, cos, sin, qn.zero_centered, **into)
+
+
+def _kv_destination(attend, i: int, k: torch.Tensor) -> tuple | None:
+    """Where layer i's new K and V rows go when ``attend`` (an engine's) takes them written already: its
+    ``kv_slots(i)`` -> (K rows [S, H_kv, D], V rows, slots [T] int64), or None (no such attribute, it declines
+    the layer, or its pool holds another dtype than k: the append would round there; attend then gets k
+    and v)."""
+    kv_slots = getattr(attend, "kv_slots", None)
+    cache = kv_slots(i) if kv_slots is not None else None
+    return cache if cache is not None and cache[0].dtype == k.dtype else None
 
 
 # ----------------------------------------------------------------------------- the model, fused
@@ -880,7 +893,11 @@ class DecoderLM(nn.Module):
 
     def layers_forward(self, ids: torch.Tensor, positions: torch.Tensor, attend, mix) -> torch.Tensor:
         """The blocks on packed tokens, ids / positions [T] -> final-normed hidden [T, hidden];
-        ``attend(layer, q, k, v)`` and ``mix(layer, module, h)`` as in the reference (this rank's heads)."""
+        ``attend(layer, q, k, v)`` and ``mix(layer, module, h)`` as in the reference (this rank's heads).
+        An engine's attend may carry ``kv_slots(layer)`` -> (K rows [S, H_kv, D], V rows, slots [T] int64: its
+        KV pool's slots, the new tokens' slots) or None: where the fused q + k kernel runs, it then writes
+        the new K and V rows there itself (the KV append without a launch of its own) and calls attend with
+        k = v = None (the new keys are in the cache: a plug-in reads them there)."""
         rotary = self._rotary_at(positions)                                # cos, sin [T, 1, R/2]
         x, out = self.body.embed_tokens(ids), None                          # [T, hidden], every rank
         for i, block in enumerate(self.layers):
@@ -904,14 +921,16 @@ class DecoderLM(nn.Module):
             q, k, v = _linear(h, a.qkv_proj.weight, a.qkv_proj.bias, inv).split(a.sizes, dim=-1)
             q = q.view(t, c.num_heads, -1)                                  # [T, H_q, D] or [T, H_q, 2 D]
             q, gate = q.chunk(2, dim=-1) if c.attn_output_gate else (q, None)
-            k = k.view(t, c.num_kv_heads, c.head_dim)
+            k, v = k.view(t, c.num_kv_heads, c.head_dim), v.view(t, c.num_kv_heads, c.head_dim)
             norms = a if c.qk_norm else None
             if gate is None and _fused(k, inv) and _side_by_side(q, k, norms):     # one kernel for both
-                q, k = _norm_rotate_qk(q, k, norms, cos, sin)
+                cache = _kv_destination(attend, i, k)              # (and the KV append, in an engine's step)
+                q, k = _norm_rotate_qk(q, k, norms, cos, sin, v, cache)
+                v = v if cache is None else None
             else:
                 q = _norm_rotate(q, a.q_norm if c.qk_norm else None, cos, sin, inv)
                 k = _norm_rotate(k, a.k_norm if c.qk_norm else None, cos, sin, inv)
-            o = self._attend(attend, i, q, k, v.view(t, c.num_kv_heads, c.head_dim)).reshape(t, -1)
+            o = self._attend(attend, i, q, k, v).reshape(t, -1)
             if gate is not None:
                 o = o * _sigmoid(gate.reshape(t, -1), inv)
             delta, bias = self._row_parallel(o, a.o_proj.weight, "o_proj"), a.o_proj.bias
@@ -2026,7 +2045,9 @@ class _no_context:
 #                     next block's input norm, or the final norm, reads the sum: ``_block``'s ``before``)
 #   _norm_rope_kernel a q or k head's RMSNorm (q_norm / k_norm) and the rotary embedding: one program per
 #                     (token, head) row, each element and its rotary partner read once; q's and k's heads in
-#                     one launch where they sit side by side in the qkv product (no attention gate)
+#                     one launch where they sit side by side in the qkv product (no attention gate); in an
+#                     engine's step, k's rows written straight into the KV pool and v's copied there beside
+#                     them (the KV append, no launch of its own: ``layers_forward``'s ``kv_slots``)
 #   _swiglu_kernel    silu(gate) * up from the fused gate_up product
 # Each rounds where the torch expression it replaces rounds (the add and the norm's output to the model's
 # dtype, the rotary in fp32); only the sum of squares is summed in another order (the default mode's
@@ -2078,30 +2099,64 @@ def fused_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, co
         rows, _, stride_t, stride_h = _rows(x)
         cos, sin = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
         w = weight if weight is not None else x
-        _norm_rope_kernel[(rows,)](x, w, w, cos, sin, out, out, heads, heads, stride_t, stride_h, d, cos.shape[1], eps,
-                                   HAS_NORM=weight is not None, ZERO_CENTERED=zero_centered,
-                                   BLOCK_D=triton.next_power_of_2(d))
+        _norm_rope_kernel[(rows,)](x, w, w, cos, sin, out, out, x, x, cos, heads, heads, stride_t, stride_h, 0, 0, d,
+                                   cos.shape[1], eps, HAS_NORM=weight is not None, ZERO_CENTERED=zero_centered,
+                                   TO_CACHE=False, BLOCK_D=triton.next_power_of_2(d))
     return out
 
 
 def fused_qk_norm_rope(qk: torch.Tensor, q_heads: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                       eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, cos: torch.Tensor, sin: torch.Tensor, zero_centered: bool = False, *,
+                       v: torch.Tensor | None = None, k_cache: torch.Tensor | None = None,
+                       v_cache: torch.Tensor | None = None,
+                       slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``fused_norm_rope`` of q and of k in one launch: qk [T, H_q + H_kv, D] (the qkv product's first columns,
     q's heads then k's: a view, unit stride in D), the first ``q_heads`` heads with q_weight, the rest with
     k_weight (None: no norm) -> (q [T, H_q, D], k [T, H_kv, D]), each contiguous and equal, bit for bit, to its
-    own ``fused_norm_rope``."""
+    own ``fused_norm_rope``.
+
+    With ``k_cache`` / ``v_cache`` [S, H_kv, D] (a KV pool's slots: a paged cache's [pages, page_size, H_kv,
+    D] flattened; qk's dtype, contiguous), ``slots`` [T] int64 and ``v`` [T, H_kv, D] (unit stride in D), the
+    same launch is a decode step's KV append: token t's k rows go to k_cache[slots[t]] (the values k would
+    hold) and its v rows are copied to v_cache[slots[t]]; returns (q, None)."""
     t, heads, d = qk.shape
+    h_kv = heads - q_heads
     q = torch.empty(t, q_heads, d, dtype=qk.dtype, device=qk.device)
-    k = torch.empty(t, heads - q_heads, d, dtype=qk.dtype, device=qk.device)
+    to_cache = k_cache is not None
+    if to_cache:
+        _check_kv_destination(qk, v, k_cache, v_cache, slots, h_kv)
+        k = None
+    else:
+        k = torch.empty(t, h_kv, d, dtype=qk.dtype, device=qk.device)
     if t * heads:
         rows, _, stride_t, stride_h = _rows(qk)
         cos, sin = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
+        v_in, v_out, k_out = (v, v_cache, k_cache) if to_cache else (qk, qk, k)
         _norm_rope_kernel[(rows,)](qk, q_weight if q_weight is not None else qk,
-                                   k_weight if k_weight is not None else qk, cos, sin, q, k, heads, q_heads, stride_t,
-                                   stride_h, d, cos.shape[1], eps, HAS_NORM=q_weight is not None,
-                                   ZERO_CENTERED=zero_centered, BLOCK_D=triton.next_power_of_2(d))
+                                   k_weight if k_weight is not None else qk, cos, sin, q, k_out, v_in, v_out,
+                                   slots if to_cache else cos, heads, q_heads, stride_t, stride_h,
+                                   v_in.stride(0), v_in.stride(1), d, cos.shape[1], eps,
+                                   HAS_NORM=q_weight is not None, ZERO_CENTERED=zero_centered, TO_CACHE=to_cache,
+                                   BLOCK_D=triton.next_power_of_2(d))
     return q, k
+
+
+def _check_kv_destination(qk: torch.Tensor, v, k_cache: torch.Tensor, v_cache, slots, h_kv: int) -> None:
+    """``fused_qk_norm_rope``'s KV-append arguments: their presence, shapes, dtypes and layouts (the slots'
+    values are the caller's: a slot out of range is an out-of-bounds write, as in any KV append)."""
+    t, _, d = qk.shape
+    if v is None or v_cache is None or slots is None:
+        raise ValueError("fused_qk_norm_rope writes the KV cache with k_cache, v_cache, slots and v together")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 3 or tuple(cache.shape[1:]) != (h_kv, d) or cache.dtype != qk.dtype:
+            raise ValueError(f"{name} must be [S, {h_kv}, {d}] {qk.dtype}, got {tuple(cache.shape)} {cache.dtype}")
+        if not cache.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if tuple(v.shape) != (t, h_kv, d) or v.dtype != qk.dtype or v.stride(-1) != 1:
+        raise ValueError(f"v must be [{t}, {h_kv}, {d}] {qk.dtype} with unit stride in D, got {tuple(v.shape)} "
+                         f"{v.dtype}")
+    if tuple(slots.shape) != (t,) or slots.dtype != torch.int64:
+        raise ValueError(f"slots must be [{t}] int64, got {tuple(slots.shape)} {slots.dtype}")
 
 
 def fused_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -2136,19 +2191,26 @@ if triton is not None:
         tl.store(y + row * N + o, b_y.to(y.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _norm_rope_kernel(x, w, w2, cos, sin, out, out2, H, H1, stride_t, stride_h, D, HALF, eps,
-                          HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _norm_rope_kernel(x, w, w2, cos, sin, out, out2, v, v_out, slots, H, H1, stride_t, stride_h, stride_vt,
+                          stride_vh, D, HALF, eps, HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                          TO_CACHE: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)                                 # (token, head) = (row // H, row % H)
         t = row // H
         head = row % H
         src = x + t * stride_t + head * stride_h
+        o = tl.arange(0, BLOCK_D)
+        m = o < D
         if head < H1:                       # heads 0 .. H1 - 1: weight w, into out [T, H1, D] (q, or all)
             dst = out + (t * H1 + head) * D
+        elif TO_CACHE:                      # k's heads into the KV pool's slot of token t; v's row copied beside
+            slot = tl.load(slots + t)
+            dst = out2 + (slot * (H - H1) + head - H1) * D
+            w = w2
+            b_v = tl.load(v + t * stride_vt + (head - H1) * stride_vh + o, mask=m)
+            tl.store(v_out + (slot * (H - H1) + head - H1) * D + o, b_v, mask=m)
         else:                               # the rest: weight w2, into out2 [T, H - H1, D] (k)
             dst = out2 + (t * (H - H1) + head - H1) * D
             w = w2
-        o = tl.arange(0, BLOCK_D)
-        m = o < D
         rotary = o < 2 * HALF
         partner = tl.where(o < HALF, o + HALF, tl.where(rotary, o - HALF, o))   # the other half of its pair
         b_x = tl.load(src + o, mask=m, other=0)

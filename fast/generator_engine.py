@@ -1943,7 +1943,7 @@ class ModelRunner:
 
         def attend(i, q, k, v):
             kc, vc = self.pools.kv(i)
-            new = dict(k_new=k[:, None], v_new=v[:, None], scale=self.scale, **sinks[i])
+            new = dict(scale=self.scale, **sinks[i], **_new_kv(k, v, 1))
             if self.batch_invariant:
                 return self._two_segments(q[:, None], kc, vc, used, table, prompts, new, self.windows[i])[:, 0]
             if self.windows[i]:     # (no cascade: a group's shared prompt may lie outside the window)
@@ -1953,6 +1953,9 @@ class ModelRunner:
                 return at.cascade(q[:, None], kc, vc, used, block_table=table, cu_groups=groups[0],
                                   prefix_lens=groups[1], **new)[:, 0]
             return at.decode(q[:, None], kc, vc, used, block_table=table, **new)[:, 0]
+
+        if not self.batch_invariant:       # the fast model's q + k kernel may write the new K / V itself
+            attend.kv_slots = _kv_slots(self.pools, lambda: _slots_of(table, positions, self.page_size))
 
         def mix(i, module, h):
             cache = module.new_cache()
@@ -2037,12 +2040,14 @@ class ModelRunner:
 
         def attend(i, q, k, v):
             kc, vc = pools.kv(i)
-            kc.view(-1, *kc.shape[-2:]).index_copy_(0, slots, k)
-            vc.view(-1, *vc.shape[-2:]).index_copy_(0, slots, v)
+            if k is not None:                                   # (None: the model wrote them: kv_slots)
+                kc.view(-1, *kc.shape[-2:]).index_copy_(0, slots, k)
+                vc.view(-1, *vc.shape[-2:]).index_copy_(0, slots, v)
             extra = {} if sinks(i) is None else dict(sinks=sinks(i))
             return self.attention.decode(q[:, None], kc, vc, used, block_table=table, cache_leftpad=first,
                                          scale=self.scale, **extra, **self.attention.kw)[:, 0]
 
+        attend.kv_slots = _kv_slots(pools, lambda: slots)
         return model.mtp_forward(ids, positions, hidden, attend, depth)
 
     # ------------------------------------------------------------------ sampling
@@ -2425,8 +2430,7 @@ class StaticDecode:
         if n_pages is not None:
             cols = torch.arange(table.shape[1], device=table.device)
             table = torch.where(cols[None, :] < n_pages[:, None], table, pools.pad_page)
-        kv_index = (table.long().gather(1, (positions // ps).view(p_seqs, s_q)) * ps
-                    + (positions % ps).view(p_seqs, s_q)).flatten()             # [P S] the new rows' slots
+        kv_index = _slots_of(table, positions, ps)                           # [P S] the new rows' slots
         sinks = _sinks(model)
         dst, index, src, inputs = [], [], [], []
         new_kv = []                                      # (layer's pool index, k, v)
@@ -2437,8 +2441,9 @@ class StaticDecode:
             # a sliding layer: decoding, the sequence's keys from used - W on; verifying, each row its own W keys
             first = (used - w).clamp(min=0) if w and s_q == 1 else None
             window = dict(window_size=(w - 1, 0)) if w and s_q > 1 else dict(cache_leftpad=first)
-            q, k, v = (t.unflatten(0, (p_seqs, s_q)) for t in (q, k, v))         # [P, S, H, D]
-            new = dict(k_new=k, v_new=v, scale=runner.scale, **sinks[i])
+            q = q.unflatten(0, (p_seqs, s_q))                                  # [P, S, H, D]
+            new = dict(scale=runner.scale, **sinks[i], **_new_kv(k, v, s_q))
+            k, v = new.get("k_new"), new.get("v_new")
             if runner.batch_invariant:                                  # (measured, not used: Generator's note)
                 return runner._two_segments(q, kc, vc, used, table, prompts, new, w).flatten(0, 1)
             if cu_groups is not None and not w:    # a plug-in (writes the new K/V); its launch sized from shapes
@@ -2449,6 +2454,9 @@ class StaticDecode:
             new_kv.append((pools.pool_index[i], k.flatten(0, 1), v.flatten(0, 1)))
             return _paged_decode_attention(q, k, v, kc, vc, table.long(), used, first, runner.scale,
                                            sinks[i].get("sinks"), window=w if s_q > 1 else 0).flatten(0, 1)
+
+        if not runner.batch_invariant and runner.attention.decode is not _torch_flash_decode:    # a plug-in's
+            attend.kv_slots = _kv_slots(pools, lambda: kv_index)      # new K / V: the model's q + k kernel may write
 
         def mix(i, module, h):
             cache = module.new_cache()
@@ -2500,25 +2508,55 @@ class StaticDecode:
         runner, pools, ps = self.runner, self.pools, self.pools.page_size
         p_seqs, used, first = used.shape[0], used.int(), first.int()      # (flash_decode's dtypes)
         s_q = ids.shape[0] // p_seqs
-        slot = (positions + 1).view(p_seqs, s_q)
-        kv_index = (table.long().gather(1, slot // ps) * ps + slot % ps).flatten()
+        kv_index = _slots_of(table, positions + 1, ps)
         sinks, new_kv = getattr(model, "attention_sinks", lambda i: None), []
 
         def attend(i, q, k, v):
             kc, vc = pools.kv(i)
-            q, k, v = (t.unflatten(0, (p_seqs, s_q)) for t in (q, k, v))
+            q = q.unflatten(0, (p_seqs, s_q))
             extra = {} if sinks(i) is None else dict(sinks=sinks(i))
+            new = _new_kv(k, v, s_q)
             if runner.attention.decode is not _torch_flash_decode:     # a plug-in: it writes the new K/V itself
-                return runner.attention.decode(q, kc, vc, used, block_table=table, cache_leftpad=first, k_new=k,
-                                               v_new=v, scale=runner.scale, **extra).flatten(0, 1)
-            new_kv.append((pools.pool_index[i], k.flatten(0, 1), v.flatten(0, 1)))
-            return _paged_decode_attention(q, k, v, kc, vc, table.long(), used, first, runner.scale,
-                                           extra.get("sinks")).flatten(0, 1)
+                return runner.attention.decode(q, kc, vc, used, block_table=table, cache_leftpad=first,
+                                               scale=runner.scale, **new, **extra).flatten(0, 1)
+            new_kv.append((pools.pool_index[i], k, v))
+            return _paged_decode_attention(q, new["k_new"], new["v_new"], kc, vc, table.long(), used, first,
+                                           runner.scale, extra.get("sinks")).flatten(0, 1)
 
+        if runner.attention.decode is not _torch_flash_decode:        # (outside the mode: ``draft``)
+            attend.kv_slots = _kv_slots(pools, lambda: kv_index)
         y = model.mtp_forward(ids, positions, hidden, attend, depth)
         if new_kv:                      # (before the next depth reads them)
             _write_rows(*_kv_writes(pools, new_kv, kv_index))
         return y
+
+
+def _slots_of(table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The pool slots of P sequences' rows at ``positions`` [P S] (S a sequence, in order) through their
+    block table [P, W] -> [P S] int64."""
+    pos = positions.view(table.shape[0], -1)
+    return (table.long().gather(1, pos // page_size) * page_size + pos % page_size).flatten()
+
+
+def _new_kv(k, v, s_q: int) -> dict:
+    """A plug-in's keywords for the new rows' K and V, k / v [P S, H_kv, D] -> k_new / v_new [P, S, H_kv, D];
+    none when the model has written them into the pool already (k = v = None: ``_kv_slots``)."""
+    return {} if k is None else dict(k_new=k.unflatten(0, (-1, s_q)), v_new=v.unflatten(0, (-1, s_q)))
+
+
+def _kv_slots(pools, slots):
+    """An attend callback's ``kv_slots`` (``DecoderLM.layers_forward``): layer i's K and V pools as rows [S,
+    H_kv, D] and the new rows' slots (``slots()``, computed once a step, when a layer first asks).  The fast
+    model's fused q + k kernel then writes the new K and V there itself: the step's KV append without a
+    launch of its own (and on the host, without a call), the plug-in reading the keys from the cache."""
+    memo = []
+
+    def kv_slots(i):
+        if not memo:
+            memo.append(slots())
+        kc, vc = pools.kv(i)
+        return kc.view(-1, *kc.shape[-2:]), vc.view(-1, *vc.shape[-2:]), memo[0]
+    return kv_slots
 
 
 def _kv_writes(pools, new_kv: list, kv_index, dst=(), index=(), src=()) -> tuple[list, list, list]:

@@ -7,6 +7,7 @@ runs them on CPU tensors).
 """
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -147,3 +148,101 @@ def test_the_model_and_engine_are_the_same_fused(monkeypatch):
     with torch.no_grad():
         assert lm._fused(x, invariant=False)
     assert not lm._fused(x, invariant=False)                  # training: torch's ops (they have a backward)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("norm", [True, False])
+def test_the_kv_append_rides_the_qk_launch(dtype, norm):
+    """``fused_qk_norm_rope`` with a KV pool (a decode step's append in the same launch): q as without it, token
+    t's k rows at k_cache[slots[t]] equal to the k it would return, its v rows copied to v_cache[slots[t]], every
+    other slot untouched (NaN-poisoned pools: a stray write or read shows); the arguments checked."""
+    gen = torch.Generator().manual_seed(11)
+    t, h_q, h_kv, d, rotary, n_slots = 5, 6, 2, 16, 8, 13
+    qkv = torch.randn(t, (h_q + 2 * h_kv) * d, generator=gen).to(DEV, dtype)
+    q, k, v = qkv.split([h_q * d, h_kv * d, h_kv * d], dim=-1)
+    q, k, v = q.view(t, h_q, d), k.view(t, h_kv, d), v.view(t, h_kv, d)
+    angles = torch.arange(3, 3 + t, dtype=torch.float32)[:, None] * torch.rand(rotary // 2, generator=gen)[None]
+    cos, sin = angles.cos()[:, None].to(DEV), angles.sin()[:, None].to(DEV)
+    wq, wk = ((torch.randn(d, generator=gen) * 0.1 + 1).to(DEV, dtype) for _ in range(2))
+    norms = None if not norm else SimpleNamespace(q_norm=SimpleNamespace(weight=wq, eps=1e-6, zero_centered=False),
+                                                  k_norm=SimpleNamespace(weight=wk, eps=1e-6, zero_centered=False))
+    want_q, want_k = lm._norm_rotate_qk(q, k, norms, cos, sin)
+    k_cache = torch.full((n_slots, h_kv, d), float("nan"), dtype=dtype, device=DEV)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    slots = torch.tensor([9, 0, 12, 4, 7], device=DEV)               # out of order, the first and last slot
+    got_q, got_k = lm._norm_rotate_qk(q, k, norms, cos, sin, v, (k_cache, v_cache, slots))
+    assert got_k is None and torch.equal(got_q, want_q)
+    assert torch.equal(k_cache[slots], want_k) and torch.equal(v_cache[slots], v)
+    rest = torch.ones(n_slots, dtype=torch.bool)
+    rest[slots.cpu()] = False
+    assert k_cache[rest.to(DEV)].isnan().all() and v_cache[rest.to(DEV)].isnan().all()
+    qk = q.as_strided((t, h_q + h_kv, d), (qkv.stride(0), d, 1))
+    call = dict(v=v, k_cache=k_cache, v_cache=v_cache, slots=slots)
+    bad = [dict(call, v=None), dict(call, slots=None), dict(call, k_cache=k_cache.to(torch.float64)),
+           dict(call, v_cache=v_cache[:, :1]), dict(call, k_cache=k_cache.transpose(0, 1).contiguous().transpose(0, 1)),
+           dict(call, slots=slots.int()), dict(call, slots=slots[:4]), dict(call, v=v[:, :, :8])]
+    for kwargs in bad:
+        with pytest.raises(ValueError):
+            lm.fused_qk_norm_rope(qk, h_q, None, None, 0.0, cos, sin, **kwargs)
+
+
+def recording(fn, calls: list, name: str):
+    """``fn`` (an attention plug-in), recording (name, whether it was given k_new) per call; the signature kept
+    (the engine reads it: ``window_size``, ``capturable``)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        calls.append((name, kwargs.get("k_new") is not None))
+        return fn(*args, **kwargs)
+    return call
+
+
+def test_engine_steps_append_kv_in_the_qk_launch(monkeypatch):
+    """An engine over this repo's flash_decode and cascade_decode (the interpreter), a Qwen3-style model with an
+    MTP head (head norms, no gate: q's and k's heads in one launch): with the fused kernels the model writes
+    each step's new K / V into the pool itself (``kv_slots``), for every layer and the head's, and no decode,
+    cascade or draft call appends; without them the decode steps' calls append.  Eagerly and through the static
+    step (uncompiled: the code a CUDA graph captures), greedy and sampled, a group (cascade), MTP drafts
+    verified: the same tokens, logprobs to the fused norms' rounding, and the KV pools the same at the end
+    (every slot, the head's and the padding's too)."""
+    from fast.flash_decoding import cascade_decode, flash_decode
+    config = lm.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                            num_kv_heads=2, head_dim=8, qk_norm=True, max_seq_len=64, mtp_layers=1,
+                            tie_embeddings=False)
+    model = lm.DecoderLM(config, seed=2, device=DEV, mtp=True)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(5)
+        for p in model.parameters():
+            p.add_((0.05 * torch.randn(p.shape, generator=gen)).to(p.device))
+    sp = ge.SamplingParams
+    reqs = [ge.Request([3, 1, 4, 1, 5, 9, 2], sp(max_new_tokens=8)),           # (alone after the group's end)
+            ge.Request([2, 7, 1, 8], sp(max_new_tokens=4, temperature=1.0, seed=4, n=2))]
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    destination = lm._kv_destination
+    runs = {}
+    for fused in (False, "always"):
+        monkeypatch.setattr(lm, "FUSED_KERNELS", fused)
+        static = dict(compile=True, capture_sizes=(4,))
+        for knobs in ({}, static, dict(static, speculative="mtp", num_speculative_tokens=2)):
+            calls, written = [], set()
+            monkeypatch.setattr(lm, "_kv_destination", lambda attend, i, k: written.add(i) or destination(attend, i, k))
+            plug = dict(flash_decode=recording(flash_decode, calls, "decode"),
+                        cascade_decode=recording(cascade_decode, calls, "cascade"))
+            with ge.Generator(model, page_size=4, **plug, **knobs) as engine:
+                done = [c for d in engine.generate(reqs) for c in (d if isinstance(d, list) else [d])]
+                stats, pools = engine.stats(), (engine.runner.pools.k.clone(), engine.runner.pools.v.clone())
+            if knobs.get("compile"):
+                assert stats["static_decode_steps"] > 0 and stats["static_cascade_steps"] > 0, stats
+            if "speculative" in knobs:
+                assert stats["draft_tokens"] > 0 and stats["static_draft_steps" if "compile" in knobs else
+                                                          "draft_tokens"] > 0, stats
+            assert {name for name, _ in calls} >= {"decode", "cascade"}, calls
+            assert any(appended for _, appended in calls) == (not fused), (fused, knobs, calls)
+            assert written == ({0, 1, 2} if fused and "speculative" in knobs else {0, 1} if fused else set())
+            runs[fused, tuple(knobs)] = done, pools
+    first = runs[False, ()][0]
+    for (_, knobs), (done, pools) in runs.items():
+        for a, b in zip(first, done, strict=True):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-5)
+        for got, want in zip(pools, runs[False, knobs][1]):
+            torch.testing.assert_close(got, want, equal_nan=True)

@@ -67,16 +67,20 @@ def _fused_cases(m) -> list[dict]:
                             signature=signature, num_warps=4 if n <= 2048 else 8, num_stages=1,
                             constexprs=dict(constants, HAS_RES=res, ZERO_CENTERED=zero,
                                             BLOCK_N=1 << (n - 1).bit_length())))
-        # one head kind (q or k: H1 = H), and q's 16 and k's 8 heads of Qwen3-0.6B in one launch (H1 = 16)
-        for d, half, heads, first, zero in ((128, 64, 16, 16, False), (256, 32, 8, 8, True), (128, 64, 24, 16, False)):
-            signature, constants = _int_types(dict(H=heads, H1=first, stride_t=heads * d * 3, stride_h=d, D=d,
-                                                   HALF=half))
+        # one head kind (q or k: H1 = H), and q's 16 and k's 8 heads of Qwen3-0.6B in one launch (H1 = 16), also
+        # writing k's rows and v's into the KV pool (an engine's step: TO_CACHE)
+        for d, half, heads, first, zero, to_cache in ((128, 64, 16, 16, False, False), (256, 32, 8, 8, True, False),
+                                                      (128, 64, 24, 16, False, False), (128, 64, 24, 16, False, True)):
+            signature, constants = _int_types(dict(H=heads, H1=first, stride_t=heads * d * 3, stride_h=d,
+                                                   stride_vt=heads * d * 3, stride_vh=d, D=d, HALF=half))
             signature.update(x=f"*{t}", w=f"*{t}", w2=f"*{t}", cos="*fp32", sin="*fp32", out=f"*{t}",
-                             out2=f"*{t}", eps="fp32")
+                             out2=f"*{t}", v=f"*{t}", v_out=f"*{t}", slots="*i64", eps="fp32")
             both = f",q+k={first}+{heads - first}" if first < heads else ""
+            both += ",to_cache" if to_cache else ""
             out.append(dict(kernel=m._norm_rope_kernel, name=f"norm_rope[{t},D={d},R={2 * half},zero={zero}{both}]",
                             signature=signature, num_warps=4, num_stages=1,
-                            constexprs=dict(constants, HAS_NORM=True, ZERO_CENTERED=zero, BLOCK_D=d)))
+                            constexprs=dict(constants, HAS_NORM=True, ZERO_CENTERED=zero, TO_CACHE=to_cache,
+                                            BLOCK_D=d)))
         for n in (3072, 12288):
             signature, constants = _int_types(dict(N=n, stride_g=2 * n, stride_u=2 * n))
             signature.update(gate=f"*{t}", up=f"*{t}", out=f"*{t}")
