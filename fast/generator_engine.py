@@ -1943,7 +1943,9 @@ class ModelRunner:
 
         def attend(i, q, k, v):
             kc, vc = self.pools.kv(i)
-            new = dict(scale=self.scale, **sinks[i], **_new_kv(k, v, 1))
+            new = dict(scale=self.scale, **sinks[i])
+            if k is not None:         # (else the model wrote them: kv_slots; k[:, None]: one torch call, eagerly)
+                new.update(k_new=k[:, None], v_new=v[:, None])
             if self.batch_invariant:
                 return self._two_segments(q[:, None], kc, vc, used, table, prompts, new, self.windows[i])[:, 0]
             if self.windows[i]:     # (no cascade: a group's shared prompt may lie outside the window)
@@ -2143,23 +2145,39 @@ def _replay(graph: tuple):
     return graph[1]
 
 
-def _paged_decode_attention(q, k, v, k_pages, v_pages, table, used, first, scale, sinks, window: int = 0):
+def _paged_decode_attention(q, k, v, k_pages, v_pages, table, used, first, scale, sinks, window: int = 0,
+                            hidden=None):
     """S new rows per sequence over its cached keys and its new keys: q [P, S, H_q, D], k / v [P, S, H_kv, D]
     (the new tokens', at positions used - S .. used - 1, not yet in the pool), k_pages / v_pages [pages,
     page_size, H_kv, D], table [P, W] int32, used [P] (keys after this step), first [P] (the first visible
     cached key: a sliding window at S = 1, the MTP head's first row) or None, ``window`` (a sliding layer's
     keys: row r, at position t = used - S + r, sees t - window + 1 .. t; 0 = all).  Row r sees the cached
     keys 0 .. used - S - 1 and the new keys 0 .. r (causal); sinks as ``_masked_attention``.  Static
-    shapes: W page_size + S keys a row, the rest masked.  Written as products and sums, not matmuls, so
-    the compiler fuses the page gather into them (no [P, keys, H_kv, D] copy; with D small, a matmul per
-    row and head would not pay)."""
+    shapes: W page_size + S keys a row, the rest masked (``hidden``: ``_hidden_keys``' mask of those, when
+    the caller holds it already: one serves every layer of a step with the same window).  Written as
+    products and sums, not matmuls, so the compiler fuses the page gather into them (no [P, keys, H_kv, D]
+    copy; with D small, a matmul per row and head would not pay)."""
     b, s_q, h_q, d = q.shape
     h_kv = k.shape[2]
     keys = torch.cat([k_pages[table].flatten(1, 2), k], 1).float()[:, None, :, :, None]   # [P, 1, L, H_kv, 1, D]
     values = torch.cat([v_pages[table].flatten(1, 2), v], 1).float()[:, None, :, :, None]
     n_keys = keys.shape[2]
-    n_cached = n_keys - s_q
-    j, r = torch.arange(n_keys, device=q.device), torch.arange(s_q, device=q.device)
+    if hidden is None:
+        hidden = _hidden_keys(used, first, s_q, n_keys - s_q, window)
+    s = (q.float().view(b, s_q, 1, h_kv, h_q // h_kv, d) * keys).sum(-1) * scale      # [P, S, L, H_kv, G]
+    s = s.masked_fill(hidden[..., None, None], float("-inf"))
+    if sinks is not None:                                                   # one more key per head, value 0
+        s = torch.cat([s, sinks.float().view(1, 1, 1, h_kv, -1).expand(b, s_q, 1, -1, -1)], dim=2)
+    p = torch.softmax(s, dim=2)[:, :, :n_keys]
+    values = values.masked_fill(hidden[..., None, None, None], 0.0)       # (0 * a stale NaN would be NaN)
+    return (p[..., None] * values).sum(2).reshape(b, s_q, h_q, d).to(q.dtype)
+
+
+def _hidden_keys(used, first, s_q: int, n_cached: int, window: int = 0) -> torch.Tensor:
+    """``_paged_decode_attention``'s mask: [P, S, L] bool, True where row r of sequence p does not see key j of
+    its L = n_cached + S (the cached keys' slots, then the S new keys); used [P], first [P] or None, window as
+    there."""
+    j, r = torch.arange(n_cached + s_q, device=used.device), torch.arange(s_q, device=used.device)
     visible = j < (used[:, None].long() - s_q)                                       # [P, L]: cached keys
     if first is not None:
         visible = visible & (j >= first[:, None])
@@ -2167,13 +2185,7 @@ def _paged_decode_attention(q, k, v, k_pages, v_pages, table, used, first, scale
     if window:                  # key j's position: j (cached) or used - S + j - n_cached (new); row r's: used - S + r
         pos = torch.where(j >= n_cached, used[:, None].long() - s_q + j - n_cached, j)              # [P, L]
         visible = visible & (pos[:, None, :] > (used[:, None, None].long() - s_q + r[:, None] - window))
-    s = (q.float().view(b, s_q, 1, h_kv, h_q // h_kv, d) * keys).sum(-1) * scale      # [P, S, L, H_kv, G]
-    s = s.masked_fill(~visible[..., None, None], float("-inf"))
-    if sinks is not None:                                                   # one more key per head, value 0
-        s = torch.cat([s, sinks.float().view(1, 1, 1, h_kv, -1).expand(b, s_q, 1, -1, -1)], dim=2)
-    p = torch.softmax(s, dim=2)[:, :, :n_keys]
-    values = values.masked_fill(~visible[..., None, None, None], 0.0)     # (0 * a stale NaN would be NaN)
-    return (p[..., None] * values).sum(2).reshape(b, s_q, h_q, d).to(q.dtype)
+    return ~visible
 
 
 COMPILE_THE_MODE = False   # the batch-invariant mode's step compiled: measured not bitwise (Generator's note)
@@ -2433,7 +2445,7 @@ class StaticDecode:
         kv_index = _slots_of(table, positions, ps)                           # [P S] the new rows' slots
         sinks = _sinks(model)
         dst, index, src, inputs = [], [], [], []
-        new_kv = []                                      # (layer's pool index, k, v)
+        new_kv, hidden = [], {}                          # (layer's pool index, k, v); window -> _hidden_keys
 
         def attend(i, q, k, v):
             kc, vc = pools.kv(i)
@@ -2452,8 +2464,10 @@ class StaticDecode:
             if runner.attention.decode is not _torch_flash_decode:     # a plug-in: it writes the new K/V itself
                 return runner.attention.decode(q, kc, vc, used, block_table=table, **window, **new).flatten(0, 1)
             new_kv.append((pools.pool_index[i], k.flatten(0, 1), v.flatten(0, 1)))
+            if w not in hidden:             # (one mask for every layer with this window: ~15 ops a layer fewer)
+                hidden[w] = _hidden_keys(used, first, s_q, table.shape[1] * ps, w if s_q > 1 else 0)
             return _paged_decode_attention(q, k, v, kc, vc, table.long(), used, first, runner.scale,
-                                           sinks[i].get("sinks"), window=w if s_q > 1 else 0).flatten(0, 1)
+                                           sinks[i].get("sinks"), hidden=hidden[w]).flatten(0, 1)
 
         if not runner.batch_invariant and runner.attention.decode is not _torch_flash_decode:    # a plug-in's
             attend.kv_slots = _kv_slots(pools, lambda: kv_index)      # new K / V: the model's q + k kernel may write
