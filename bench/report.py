@@ -197,10 +197,12 @@ FAMILIES: dict[str, list[Family]] = {
                "of host time per call and the observatory's 2 us per kernel, plus bytes (bf16 weights once, K "
                "and V of 1,024 keys a request) over 3.35 TB/s; eager = max(host, device), graph = device, floor "
                "= bytes only; over_floor = step / floor (the target at Qwen3-8B, B = 16: <= 1.3x).  'graph' "
-               "counts the static step's torch ops (its in-file attention, no fusion); 'graph of the compiled "
+               "counts the static step's torch ops (its in-file attention, its visibility mask built once a "
+               "step, no fusion); 'graph of the compiled "
                "step' inductor's kernels; 'graph, this repo's kernels' what a CUDA graph of the uncompiled step "
                "replays on a GPU with flash_decode as the attention plug-in and fast/decoder_lm.py's fused "
-               "elementwise kernels (counted in the kernel observatory: each Triton launch and each torch op "
+               "elementwise kernels, the KV append in the q + k launch (counted in the kernel observatory: each "
+               "Triton launch and each torch op "
                "between them, the value checks a capture skips left out)."),
     ],
     "moe": [
