@@ -2202,15 +2202,14 @@ if triton is not None:
         m = o < D
         if head < H1:                       # heads 0 .. H1 - 1: weight w, into out [T, H1, D] (q, or all)
             dst = out + (t * H1 + head) * D
-        elif TO_CACHE:                      # k's heads into the KV pool's slot of token t; v's row copied beside
-            slot = tl.load(slots + t)
-            dst = out2 + (slot * (H - H1) + head - H1) * D
-            w = w2
-            b_v = tl.load(v + t * stride_vt + (head - H1) * stride_vh + o, mask=m)
-            tl.store(v_out + (slot * (H - H1) + head - H1) * D + o, b_v, mask=m)
-        else:                               # the rest: weight w2, into out2 [T, H - H1, D] (k)
-            dst = out2 + (t * (H - H1) + head - H1) * D
-            w = w2
+        else:                               # the rest: weight w2, into out2 [T, H - H1, D] (k) at row t, or
+            w = w2                          # into the KV pool [S, H - H1, D] at token t's slot, v's row beside
+            at = t
+            if TO_CACHE:
+                at = tl.load(slots + t)
+                b_v = tl.load(v + t * stride_vt + (head - H1) * stride_vh + o, mask=m)
+                tl.store(v_out + (at * (H - H1) + head - H1) * D + o, b_v, mask=m)
+            dst = out2 + (at * (H - H1) + head - H1) * D
         rotary = o < 2 * HALF
         partner = tl.where(o < HALF, o + HALF, tl.where(rotary, o - HALF, o))   # the other half of its pair
         b_x = tl.load(src + o, mask=m, other=0)
