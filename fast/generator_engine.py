@@ -3329,6 +3329,7 @@ class _TensorParallel(_Ranks):
         self.opts, self.timeout_s, self.address = opts, float(opts.tp_timeout_s), opts.tp_address
         self.procs, self.control, self.weights = [], [], []
         self._stop = threading.Event()
+        self._watchdog = None
 
     def start(self, model) -> nn.Module:
         """Start the workers; returns rank 0's shard (the caller's model is only read)."""
@@ -3424,7 +3425,8 @@ class _TensorParallel(_Ranks):
                     if not self._stop.is_set():
                         code = self.procs[rank - 1].exitcode
                         on_death(RuntimeError(f"tensor-parallel worker {rank} died (exit code {code})"))
-        threading.Thread(target=run, name="tp-watchdog", daemon=True).start()
+        self._watchdog = threading.Thread(target=run, name="tp-watchdog", daemon=True)
+        self._watchdog.start()
 
     def with_seed(self, request):
         """The request with a seed drawn here when it has none, so that every rank's samples draw alike."""
@@ -3475,7 +3477,11 @@ class _TensorParallel(_Ranks):
         return errors
 
     def close(self) -> None:
-        """Tell every worker to stop, wait up to tp_timeout_s, then end what is left."""
+        """Tell every worker to stop, wait up to tp_timeout_s, then end what is left; and wait for the
+        watchdog thread to end.  (Its closure holds the generator, so the model and rank 0's process group:
+        left running, it could drop the last reference to them during the interpreter's shutdown, and the
+        group's destructor, which releases the GIL to join its threads, would then end that thread inside a
+        C++ destructor: "terminate called without an active exception".)"""
         self._stop.set()
         for pipe in self.control + self.weights:
             try:
@@ -3485,6 +3491,8 @@ class _TensorParallel(_Ranks):
         for proc in self.procs:
             proc.join(self.timeout_s)
         self.kill()
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join()                  # (it polls _stop every 0.5 s)
 
     def kill(self) -> None:
         self._stop.set()

@@ -296,6 +296,7 @@ def test_a_dead_or_hung_worker_fails_its_generator():
         assert f["later_submit"].startswith("RuntimeError") and "failed" in f["later_submit"] or \
             "closed" in f["later_submit"], (how, f)
         assert f["close_s"] <= f["timeout_s"] + 10 and not f["worker_alive_after_close"], (how, f)
+        assert f["threads_after_close"] == [], (how, f)
     assert facts["kill"]["failed_after_s"] < facts["kill"]["timeout_s"], facts["kill"]   # death: no timeout waited
 
 
@@ -310,4 +311,5 @@ def test_sharded_loading_from_a_checkpoint(tmp_path, family):
     facts = _probe("checkpoint", tmp_path, 2)
     prompts = [[5, 17, 3, 44, 2, 9], list(range(20, 41))]
     assert facts["2"]["tokens"] == facts["1"]["tokens"] == [hf_greedy(hf, p, 8) for p in prompts]
+    assert facts["1"]["threads_after_close"] == facts["2"]["threads_after_close"] == []   # (close() joins them)
     assert max(abs(a - b) for x, y in zip(facts["2"]["logprobs"], facts["1"]["logprobs"]) for a, b in zip(x, y)) < 1e-5

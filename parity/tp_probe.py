@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -264,9 +265,16 @@ def faults() -> dict:
         if how == "hang" and worker.is_alive():     # (close() ends a hung worker itself)
             os.kill(worker.pid, signal.SIGKILL)
         facts[how] = dict(timeout_s=timeout, in_flight=in_flight, failed_after_s=round(failed_after, 2), errors=errors,
-                          later_submit=later,
-                          close_s=round(close_s, 2), worker_alive_after_close=worker.is_alive())
+                          later_submit=later, close_s=round(close_s, 2), worker_alive_after_close=worker.is_alive(),
+                          threads_after_close=engine_threads())
     return facts
+
+
+def engine_threads() -> list:
+    """The generator's threads still alive (its engine loop, the workers' watchdog): none after close().  (A
+    watchdog left running held the generator, and with it rank 0's process group: dropping that last
+    reference during the interpreter's shutdown crashed the process now and then.)"""
+    return [t.name for t in threading.enumerate() if t.name.endswith("-engine") or t.name == "tp-watchdog"]
 
 
 # ----------------------------------------------------------------------------- a checkpoint
@@ -280,6 +288,7 @@ def checkpoint(path: str, tp: int) -> dict:
                                           moe_layer=fast_moe.MoE, tensor_parallel_size=size, page_size=8) as g:
             done = g.generate([ge.Request(p, ge.SamplingParams(max_new_tokens=8)) for p in prompts])
             out[size] = dict(tokens=[c.token_ids for c in done], logprobs=[c.logprobs for c in done])
+        out[size]["threads_after_close"] = engine_threads()
     return out
 
 
@@ -295,9 +304,5 @@ if __name__ == "__main__":
     else:
         result = checkpoint(args[0], int(args[1]))
     print("FACTS " + json.dumps(result, default=str), flush=True)
-    # The facts are out; leave without the interpreter's teardown.  Rank 0's gloo group and TCPStore are then
-    # destroyed during finalization, and after expert-parallel checkpoint runs that teardown crashed twice in
-    # about forty runs ("terminate called without an active exception", SIGSEGV), every fact already printed
-    # and correct.  Not understood yet: stated in the README's limits, kept out of the tests' verdicts here.
-    sys.stderr.flush()
-    os._exit(0)
+    # (and the interpreter's own teardown: rank 0's process group and store are destroyed there, so a crash in
+    # it fails the test; a generator's close() joins its threads first, ``engine_threads``)
