@@ -359,7 +359,9 @@ def tables(feature: str, run: list[dict]) -> str:
     for fam, rows in groups.items():
         body = _pivot(rows, fam) if fam.compare else _listing(rows)
         older = rows[0]
-        when = "" if older["run_id"] == head["run_id"] else f" *(recorded {older['date']}, commit {older['commit']})*"
+        where = "" if older["device"] == head["device"] else f", {older['device']}"   # (one CPU class, many CPUs)
+        when = ("" if older["run_id"] == head["run_id"]
+                else f" *(recorded {older['date']}, commit {older['commit']}{where})*")
         parts.append(f"**{fam.title}.**{when} {fam.caption}\n\n" + "\n".join(body))
     return "\n\n".join(parts)
 
