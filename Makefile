@@ -54,9 +54,10 @@ install:
 		"transformers>=5.24,<6"
 
 # make parity leaves out the tests marked slow (longer sweeps of what it checks on fewer cases): on a 2-core
-# CPU machine 22 minutes on a fresh clone (a Zen 4 EPYC; 40 on a Zen 1); make parity-all runs everything.  On a machine without a GPU
-# the test files are spread over PARITY_JOBS pytest-xdist workers (default: the core count; the interpreter
-# tests run mostly on one core each); PARITY_JOBS=1 runs them in one process, as a GPU machine does.
+# CPU machine 22 minutes on a fresh clone (a Zen 4 EPYC; 40 on a Zen 1); make parity-all runs everything.
+# On a machine without a GPU the test files are spread over PARITY_JOBS pytest-xdist workers (default: the
+# core count; the interpreter tests run mostly on one core each); PARITY_JOBS=1 runs them in one process, as a
+# GPU machine does.
 PARITY_JOBS ?= $(shell nproc 2>/dev/null || echo 1)
 XDIST = $(shell $(PYTHON) -c "import sys, xdist, torch; sys.exit(torch.cuda.is_available() or $(PARITY_JOBS) < 2)" \
 	2>/dev/null && echo "-n $(PARITY_JOBS) --dist loadfile")
