@@ -96,6 +96,31 @@ def _only(obs):
     return obs.launches[0]
 
 
+def test_the_cached_builtin_lookup_patches_what_the_interpreters_does():
+    """conftest.py installs observatory.cache_builtin_lookup: each launch must patch the same attributes of the
+    same objects as the interpreter's own lookup, with already-patched ones skipped as it skips them."""
+    from triton.runtime import interpreter as interp
+    from observatory import cache_builtin_lookup
+    assert cache_builtin_lookup()
+    cached, uncached = interp._patch_builtin, interp._patch_builtin.uncached
+    pkgs = [tl, tl.tensor, tl.math, tl.core.tensor_descriptor_base]
+
+    def patched(patch):
+        scope = interp._LangPatchScope()
+        try:
+            for pkg in pkgs + pkgs:          # twice: the second pass finds every member already patched
+                patch(pkg, interp.interpreter_builder, scope)
+            return [(id(obj), name) for obj, name, _ in scope._changes]
+        finally:
+            scope.restore()
+    want = patched(uncached)
+    assert len(want) > 100 and patched(cached) == want and patched(cached) == want
+    x = torch.arange(10, dtype=torch.float32)
+    y = torch.full_like(x, float("nan"))
+    _copy_kernel[(3,)](x, y, 10, BLOCK=4)       # and a launch through it computes
+    assert torch.equal(x, y)
+
+
 def test_copy_counts_every_byte_once():
     n, block = 1000, 128                         # 8 programs, the last one masked past 1000
     x = torch.randn(n)
