@@ -114,7 +114,9 @@ def test_the_cached_builtin_lookup_patches_what_the_interpreters_does():
         finally:
             scope.restore()
     want = patched(uncached)
-    assert len(want) > 100 and patched(cached) == want and patched(cached) == want
+    assert len(want) > 100
+    assert patched(cached) == want       # its first use: the names looked up and kept
+    assert patched(cached) == want       # then the kept names
     x = torch.arange(10, dtype=torch.float32)
     y = torch.full_like(x, float("nan"))
     _copy_kernel[(3,)](x, y, 10, BLOCK=4)       # and a launch through it computes
