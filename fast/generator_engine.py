@@ -459,16 +459,17 @@ class Generator:
                                         ones run eagerly; a step with a group's cascade takes it through
                                         ``cascade_decode(..., capturable=True)``, eagerly with a plug-in
                                         that has no such keyword), compiled by
-                                        ``torch.compile`` (one compile per padded size and weight set:
-                                        seconds to minutes on a CPU) and / or, on CUDA, replayed from a
-                                        graph captured per padded size and weight set (its inputs copied
-                                        into the graph's buffers; sampling stays outside: it reads the
-                                        logits a replay leaves).  Tokens equal the eager step's, logprobs
-                                        to rounding.  Measured on the 2-core CPU (bench/decoder_lm.py
-                                        --part engine-compiled): the README's table.  The batch-invariant
-                                        mode keeps the eager step under compile (graphs replay its
-                                        kernels, hybrid models' too); tensor-parallel engines compile
-                                        each rank's step but replay no graphs; a warning says which.
+                                        ``torch.compile`` (one compile per padded size and kind of step,
+                                        whatever the weights: seconds to minutes on a CPU) and / or, on
+                                        CUDA, replayed from a graph captured per padded size and weight
+                                        set (its inputs copied into the graph's buffers; sampling stays
+                                        outside: it reads the logits a replay leaves).  Tokens equal the
+                                        eager step's, logprobs to rounding.  Measured on the 2-core CPU
+                                        (bench/decoder_lm.py --part engine-compiled): the README's table.
+                                        The batch-invariant mode keeps the eager step under compile
+                                        (graphs replay its kernels, hybrid models' too); tensor-parallel
+                                        engines compile each rank's step but replay no graphs; a warning
+                                        says which.
                                         ``cuda_graphs`` is off by default until a GPU run has tested it.
     ``speculative``,                    None, ``"ngram"`` (prompt lookup), ``"mtp"`` (Qwen3.5's MTP head:
     ``num_speculative_tokens``          the model built with ``mtp=True``) or a drafter function ``(tokens,
@@ -2088,12 +2089,14 @@ class ModelRunner:
 
 # ----------------------------------------------------------------------------- the static decode step
 # A decode step whose shapes are fixed, so a compiler can trace it once and replay it: the batch padded to
-# the next of ``capture_sizes`` (B -> P), the block table cut to a power-of-two number of pages (W), every
+# the next of ``capture_sizes`` (B -> P), the block table cut to a power-of-two number of pages (W, at least
+# two: Dynamo specializes a dimension of size one, so one-page tables would compile a second graph), every
 # input in a buffer allocated once.  Padding rows decode token 0 at position 0 into the pools' spare page
 # and state row (``StatePools(padding=True)``); their logits are dropped.  Nothing in the step reads a value
 # back to the host.  ``Generator(compile=True)`` runs it through ``torch.compile`` (inductor), one graph per
-# P (W is dynamic) and per weight set (a hot swap alternates two modules); ``cuda_graphs=True`` captures it
-# (compiled or not) per P and weight set at the table's full width, and replays it.
+# P (W is dynamic; a hot swap's other module, of the same structure, goes through the same graph: its
+# parameters are the graph's inputs); ``cuda_graphs=True`` captures it (compiled or not) per P and weight set
+# at the table's full width (a capture holds the addresses it read), and replays it.
 #
 # A step with a group's cascade (``cascade_decode``, a GRPO group's samples side by side) takes it too, when
 # the plug-in has a ``capturable`` keyword (fast/flash_decoding.py's: its launch sized from shapes, nothing
@@ -2370,7 +2373,7 @@ class StaticDecode:
         (None, ...) when its graph failed to capture."""
         size = next(n for n in self.sizes if n >= b)
         width = (self.pools.pages_per_seq if self.cuda_graphs
-                 else min(1 << (pages - 1).bit_length(), self.pools.pages_per_seq))
+                 else min(max(2, 1 << (pages - 1).bit_length()), self.pools.pages_per_seq))
         graph = self._graph(model, size, kind) if self.cuda_graphs else None
         return (None if self.cuda_graphs and graph is None else size), width, graph
 

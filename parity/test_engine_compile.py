@@ -2,9 +2,9 @@
 as its eager step.
 
 The static step (fast/generator_engine.py, "the static decode step") pads the batch to the next of
-``capture_sizes``, cuts the block table to a power-of-two width, reads every input from buffers allocated
-once, attends over the cached keys and the step's new key, and writes the pools at its end in one op;
-``torch.compile`` (inductor, its C++ wrapper) traces it once per padded size and weight set.  In fp32 on a
+``capture_sizes``, cuts the block table to a power-of-two width of at least two pages, reads every input
+from buffers allocated once, attends over the cached keys and the step's new key, and writes the pools at its
+end in one op; ``torch.compile`` (inductor, its C++ wrapper) traces it once per padded size.  In fp32 on a
 CPU its logprobs differ from the eager step's by rounding only (other kernels, other summation orders): the
 bound is test_generator_engine's, 32 fp32 epsilons relative, tokens equal up to a genuine greedy near-tie.
 Each case compiles one padded size (``capture_sizes=(8,)``) to keep the compile time of ``make parity`` low.
@@ -114,11 +114,14 @@ def test_batches_past_the_largest_size_step_eagerly():
 @torch.no_grad()
 def test_hot_swap_lands_between_compiled_steps():
     """A weight load while a request decodes through the compiled step (held at decode step 5's sampling, outside
-    the graph, until the shadow copy is staged): the swap brings another module, so a second graph; decode
-    steps 1..5 ran on model A, the rest on B, exactly as the reference's loop switched there gives."""
+    the graph, until the shadow copy is staged): the swap brings another module, of the same structure, read
+    through the same graph (its parameters are the graph's inputs), and the sequence grows from one page to
+    three through it too: one graph in all; decode steps 1..5 ran on model A, the rest on B, exactly as the
+    reference's loop switched there gives."""
     cfg = small_config(fast_ge, qk_norm=True)
     prompt, n_tokens, switch_after = [9, 8, 7, 6, 5], 14, 5
-    with fast_ge.Generator(fast_lm.DecoderLM(cfg, seed=0), page_size=4, num_pages=16, max_batch_size=2,
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with fast_ge.Generator(fast_lm.DecoderLM(cfg, seed=0), page_size=8, num_pages=8, max_batch_size=2,
                            compile=True, capture_sizes=(1,)) as gen:
         sample, calls = gen.runner.sample, []
         reached, release = threading.Event(), threading.Event()
@@ -142,6 +145,8 @@ def test_hot_swap_lands_between_compiled_steps():
         stats = gen.stats()
     assert (got.min_policy_version, got.max_policy_version) == (0, 1)
     assert stats["static_decode_steps"] == stats["decode_steps"] == n_tokens - 1
+    assert stats["static_decode_shapes"] == [(1, 2), (1, 4)]        # 1 page (a table of 2: see _shape), 2, 3
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1
     ref_cfg = ref_lm.ModelConfig(**{f: getattr(cfg, f) for f in ("vocab_size", "hidden_size", "intermediate_size",
                                                                  "num_layers", "num_heads", "num_kv_heads", "head_dim",
                                                                  "max_seq_len", "tie_embeddings", "qk_norm")})
