@@ -510,18 +510,31 @@ def _uninstall():
 
 
 def cache_builtin_lookup() -> bool:
-    """Speed only: the Triton interpreter, at every launch, swaps each builtin of triton.language (``tl.load``,
-    ``tl.dot``, ...: about 200 attributes) for its interpreted version and swaps them back after.  To find them
-    it runs ``inspect.getmembers`` over four modules and classes each launch, about a quarter of a small
-    launch's host time; the engine tests launch tens of thousands of kernels.  The names found the first time
-    are kept (each is still patched only if it is a builtin at that moment, as the interpreter checks), so a
-    launch patches exactly what it did.  Measured on a 2-core Zen 1: test_prefix_cache.py and
-    test_cascade_decode.py 149 -> 124 s.  A Triton without these internals runs unchanged (returns False)."""
+    """Speed only: the Triton interpreter's host work per launch, cut where it repeats itself, each change
+    leaving what a launch patches and computes as it was.  A Triton without these internals runs unchanged
+    (returns False).
+
+    - Before every launch it swaps each builtin of triton.language (``tl.load``, ``tl.dot``, ...: about 200
+      attributes) for its interpreted version and swaps them back after.  To find them it runs
+      ``inspect.getmembers`` over four modules and classes each launch, about a quarter of a small launch's
+      host time.  The names found the first time are kept (each is still patched only if it is a builtin at
+      that moment, as the interpreter checks).  Measured on a 2-core Zen 1: test_prefix_cache.py and
+      test_cascade_decode.py 149 -> 124 s.
+    - It runs that whole patch again at every call of a ``@triton.jit`` helper from inside a kernel (a helper
+      called per key block: thousands of times a launch), where it can change nothing: the launch's patch is
+      in place and skips what is already patched, and the rest (``tl.range``, the reductions, the tensor's
+      dunders) is the same functions again.  A helper whose module sees a triton.language module the launch
+      did not patch still gets the full patch.
+    - Its dtype lookup (``_get_np_dtype``, run per operand of every op) builds a table of 15 Triton dtypes,
+      hashing each in Python, per call: its answers are kept per dtype."""
     if hasattr(_interp._patch_builtin, "uncached"):
         return True
     try:
         patch_builtin, patch_attr, is_builtin = _interp._patch_builtin, _interp._patch_attr, tl.core.is_builtin
-        if list(inspect.signature(patch_builtin).parameters) != ["pkg", "builder", "scope"]:
+        patch_lang, np_dtype, scope_class = _interp._patch_lang, _interp._get_np_dtype, _interp._LangPatchScope
+        if (list(inspect.signature(patch_builtin).parameters) != ["pkg", "builder", "scope"]
+                or list(inspect.signature(patch_lang).parameters) != ["fn"]
+                or not hasattr(scope_class(), "restore")):
             return False
     except (AttributeError, TypeError, ValueError):
         return False
@@ -536,8 +549,41 @@ def cache_builtin_lookup() -> bool:
             if is_builtin(member):
                 patch_attr(pkg, name, member, builder, scope)
 
+    launch = threading.local()      # .langs: the triton.language modules the running launch patched
+
+    def patch_lang_once_per_launch(fn):
+        langs = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        patched = getattr(launch, "langs", None)
+        if patched is not None and langs <= patched:
+            return scope_class()                 # a helper inside the launch: nothing left to patch
+        scope = patch_lang(fn)
+        if patched is None:                      # the launch's own patch, in place until it restores it
+            launch.langs = langs
+            restore = scope.restore
+
+            def restore_and_forget():
+                launch.langs = None
+                restore()
+            scope.restore = restore_and_forget
+        return scope
+
+    dtypes: dict = {}
+
+    def cached_np_dtype(tt_dtype):
+        try:
+            return dtypes[tt_dtype]
+        except KeyError:
+            found = dtypes[tt_dtype] = np_dtype(tt_dtype)
+            return found
+        except TypeError:                        # unhashable: not cached
+            return np_dtype(tt_dtype)
+
     cached_patch_builtin.uncached = patch_builtin       # (parity/test_observatory.py compares the two)
+    patch_lang_once_per_launch.uncached = patch_lang
+    cached_np_dtype.uncached = np_dtype
     _interp._patch_builtin = cached_patch_builtin
+    _interp._patch_lang = patch_lang_once_per_launch
+    _interp._get_np_dtype = cached_np_dtype
     return True
 
 

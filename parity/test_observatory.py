@@ -123,6 +123,69 @@ def test_the_cached_builtin_lookup_patches_what_the_interpreters_does():
     assert torch.equal(x, y)
 
 
+@triton.jit
+def _twice_plus_one(x):
+    return x * 2.0 + 1.0
+
+
+@triton.jit
+def _helper_loop_kernel(x, y, ITERS: tl.constexpr, BLOCK: tl.constexpr, RAISE: tl.constexpr = False):
+    if RAISE:
+        tl.arange(0, 3)             # not a power of two: raises inside the launch
+    o = tl.arange(0, BLOCK)
+    acc = tl.load(x + o)
+    for _ in range(ITERS):
+        acc = _twice_plus_one(acc)
+    tl.store(y + o, acc)
+
+
+def test_a_helper_inside_a_launch_is_not_patched_again():
+    """cache_builtin_lookup skips the interpreter's full patch at a helper's call inside a launch (the
+    launch's is in place): every call of the helper then gets an empty patch, the builtins are the plain
+    ones again once the launch is over, even one that raised, and the results are the helper's."""
+    from triton.runtime import interpreter as interp
+    from observatory import cache_builtin_lookup
+    assert cache_builtin_lookup()
+    scopes = []
+    patch_lang = interp._patch_lang
+
+    def recording(fn):                     # (the helper's name, the attributes its patch changed)
+        scope = patch_lang(fn)
+        scopes.append((fn.__name__, len(scope._changes)))
+        return scope
+    interp._patch_lang = recording
+    try:
+        x = torch.arange(8, dtype=torch.float32)
+        y = torch.empty_like(x)
+        _helper_loop_kernel[(1,)](x, y, ITERS=3, BLOCK=8)
+        assert torch.equal(y, ((x * 2 + 1) * 2 + 1) * 2 + 1)
+        names = [name for name, _ in scopes]
+        assert names == ["_helper_loop_kernel"] + ["_twice_plus_one"] * 3, names
+        assert scopes[0][1] > 100                                          # the launch's own patch
+        assert all(changed == 0 for _, changed in scopes[1:])              # nothing more at the helper's calls
+        assert tl.core.is_builtin(tl.load) and tl.core.is_builtin(tl.tensor.__add__)   # restored
+        with pytest.raises(Exception, match="power of 2"):
+            _helper_loop_kernel[(1,)](x, y, ITERS=1, BLOCK=8, RAISE=True)
+        scopes.clear()
+        _helper_loop_kernel[(1,)](x, y, ITERS=1, BLOCK=8)                  # the next launch patches afresh
+        assert [changed > 100 for _, changed in scopes] == [True, False]
+        assert tl.core.is_builtin(tl.load)
+    finally:
+        interp._patch_lang = patch_lang
+
+
+def test_the_cached_dtype_lookup_answers_as_the_interpreters():
+    from triton.runtime import interpreter as interp
+    from observatory import cache_builtin_lookup
+    assert cache_builtin_lookup()
+    cached, uncached = interp._get_np_dtype, interp._get_np_dtype.uncached
+    types = [tl.int1, tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16,
+             tl.int32, tl.uint32, tl.int64, tl.uint64, tl.float8e5, tl.float8e4nv, tl.pointer_type(tl.float32),
+             tl.pointer_type(tl.int8), tl.block_type(tl.float16, [4, 8]), tl.block_type(tl.pointer_type(tl.int32), [4])]
+    for _ in range(2):                     # the first pass fills the cache, the second reads it
+        assert [cached(t) for t in types] == [uncached(t) for t in types]
+
+
 def test_copy_counts_every_byte_once():
     n, block = 1000, 128                         # 8 programs, the last one masked past 1000
     x = torch.randn(n)
