@@ -261,15 +261,26 @@ def test_gpu_bf16_token_logprobs_within_the_tolerance_rule(checkpoints, family):
 
 # ----------------------------------------------------------------------------- bitwise on real architectures
 
+@pytest.fixture(scope="module")
+def gpt_oss_two_layers(tmp_path_factory):
+    """gpt-oss at two layers, one sliding and one full: what the four of ``checkpoints`` hold, at half the
+    interpreted kernel launches (its bitwise test below launched about 1,000 at four layers, the most of this file)."""
+    model = hf_model("gpt_oss", seed=7, layers=2)
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    path = tmp_path_factory.mktemp("gpt_oss_two_layers")
+    model.save_pretrained(path)
+    return model, path
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5_text", "qwen3_moe", "qwen3_5_moe_text", "gpt_oss"])
-def test_batch_invariant_engine_equals_trainer_bitwise(checkpoints, family):
+def test_batch_invariant_engine_equals_trainer_bitwise(checkpoints, gpt_oss_two_layers, family):
     """batch_invariant=True on a checkpoint with q/k norms (and Qwen3.5's gate, partial rotary, zero-centred
     norms, Gated DeltaNet; MoE layers on fast/moe.py's kernels; gpt-oss's sinks, 5-key sliding windows, biases
-    and clamped experts): every engine logprob equals token_logprobs bit for bit, with groups, prefix-cache
-    hits, chunked prefill and preemption (a pool too small for the batch) in the run, and is within TOL of
-    transformers' forward (the mode computes the model, not only the same bits on both sides).  With MoE: the
-    engine's tokens go to the trainer's experts, by construction."""
-    hf, path = checkpoints[family]
+    and clamped experts, at two layers: one of each kind): every engine logprob equals token_logprobs bit for
+    bit, with groups, prefix-cache hits, chunked prefill and preemption (a pool too small for the batch) in the
+    run, and is within TOL of transformers' forward (the mode computes the model, not only the same bits on both
+    sides).  With MoE: the engine's tokens go to the trainer's experts, by construction."""
+    hf, path = gpt_oss_two_layers if family == "gpt_oss" else checkpoints[family]
     # (ref's chunk form as the linear layer's kernel: the fast Gated DeltaNet kernels' bits in the mode, slow
     # in the interpreter, are test_batch_invariant_engine.py's; this test is about the attention and MoE blocks.)
     kw = dict(linear_layer=ref_gdn.GatedDeltaNet, moe_layer=fast_moe.MoE, batch_invariant=True,
