@@ -399,7 +399,7 @@ def test_a_ray_fleet_of_tensor_parallel_generators_syncs_through_the_collective(
     router re-syncs it; an actor SIGKILLed comes back (Ray restarts it, its ranks connect again) and is re-synced
     over new channels before it serves."""
     pytest.importorskip("ray")
-    f = _probe("ray", timeout=420)
+    f = _probe("ray", timeout=540)
     assert f["paths"] == ["collective", "collective", "object_store"], f
     assert "could not be reached within timeout_s=2" in f["solo_error"], f["solo_error"]
     everyone = ["ray-gen0", "ray-gen1", "solo0"]
