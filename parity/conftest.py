@@ -52,9 +52,9 @@ if INTERPRET and os.environ.get("TWOFOLD_EMULATE_OPENBLAS"):
     from openblas_emulation import install as _emulate_openblas
     _emulate_openblas(os.environ["TWOFOLD_EMULATE_OPENBLAS"])
 
-if INTERPRET:   # (speed only: the interpreter's per-launch lookup of triton.language's builtins, cached)
-    from observatory import cache_builtin_lookup
-    cache_builtin_lookup()
+if INTERPRET:   # (speed only: the interpreter's repeated host work per launch, skipped)
+    from observatory import skip_interpreter_repeats
+    skip_interpreter_repeats()
 
 requires_gpu = pytest.mark.skipif(not ON_GPU, reason="GPU tier: needs CUDA")
 needs_bf16_compute = pytest.mark.skipif(

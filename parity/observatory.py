@@ -509,7 +509,7 @@ def _uninstall():
         setattr(cls, attr, _ORIGINAL.pop(key))
 
 
-def cache_builtin_lookup() -> bool:
+def skip_interpreter_repeats() -> bool:
     """Speed only: the Triton interpreter's host work per launch, cut where it repeats itself, each change
     leaving what a launch patches and computes as it was.  A Triton without these internals runs unchanged
     (returns False).
@@ -579,7 +579,6 @@ def cache_builtin_lookup() -> bool:
             return np_dtype(tt_dtype)
 
     cached_patch_builtin.uncached = patch_builtin       # (parity/test_observatory.py compares the two)
-    patch_lang_once_per_launch.uncached = patch_lang
     cached_np_dtype.uncached = np_dtype
     _interp._patch_builtin = cached_patch_builtin
     _interp._patch_lang = patch_lang_once_per_launch

@@ -97,11 +97,11 @@ def _only(obs):
 
 
 def test_the_cached_builtin_lookup_patches_what_the_interpreters_does():
-    """conftest.py installs observatory.cache_builtin_lookup: each launch must patch the same attributes of the
+    """conftest.py installs observatory.skip_interpreter_repeats: each launch must patch the same attributes of the
     same objects as the interpreter's own lookup, with already-patched ones skipped as it skips them."""
     from triton.runtime import interpreter as interp
-    from observatory import cache_builtin_lookup
-    assert cache_builtin_lookup()
+    from observatory import skip_interpreter_repeats
+    assert skip_interpreter_repeats()
     cached, uncached = interp._patch_builtin, interp._patch_builtin.uncached
     pkgs = [tl, tl.tensor, tl.math, tl.core.tensor_descriptor_base]
 
@@ -140,12 +140,12 @@ def _helper_loop_kernel(x, y, ITERS: tl.constexpr, BLOCK: tl.constexpr, RAISE: t
 
 
 def test_a_helper_inside_a_launch_is_not_patched_again():
-    """cache_builtin_lookup skips the interpreter's full patch at a helper's call inside a launch (the
+    """skip_interpreter_repeats skips the interpreter's full patch at a helper's call inside a launch (the
     launch's is in place): every call of the helper then gets an empty patch, the builtins are the plain
     ones again once the launch is over, even one that raised, and the results are the helper's."""
     from triton.runtime import interpreter as interp
-    from observatory import cache_builtin_lookup
-    assert cache_builtin_lookup()
+    from observatory import skip_interpreter_repeats
+    assert skip_interpreter_repeats()
     scopes = []
     patch_lang = interp._patch_lang
 
@@ -176,8 +176,8 @@ def test_a_helper_inside_a_launch_is_not_patched_again():
 
 def test_the_cached_dtype_lookup_answers_as_the_interpreters():
     from triton.runtime import interpreter as interp
-    from observatory import cache_builtin_lookup
-    assert cache_builtin_lookup()
+    from observatory import skip_interpreter_repeats
+    assert skip_interpreter_repeats()
     cached, uncached = interp._get_np_dtype, interp._get_np_dtype.uncached
     types = [tl.int1, tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16,
              tl.int32, tl.uint32, tl.int64, tl.uint64, tl.float8e5, tl.float8e4nv, tl.pointer_type(tl.float32),

@@ -42,9 +42,9 @@ import ref.gated_deltanet as gdn  # noqa: E402
 import ref.moe as ref_moe  # noqa: E402
 import tp_models  # noqa: E402
 
-if os.environ["TRITON_INTERPRET"] == "1":      # (speed only: see observatory.cache_builtin_lookup)
-    from observatory import cache_builtin_lookup
-    cache_builtin_lookup()
+if os.environ["TRITON_INTERPRET"] == "1":      # (speed only: see observatory.skip_interpreter_repeats)
+    from observatory import skip_interpreter_repeats
+    skip_interpreter_repeats()
 
 
 def config(kind: str) -> lm.ModelConfig:
