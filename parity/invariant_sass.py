@@ -8,7 +8,8 @@ row sums are a ones dot) and maxima only, so spreading the same rows over other 
 SUB row groups, a warp each, against a decode program's one group over all its warps) changes no bits; the
 code must still be the same.  This script builds, for sm_80 and sm_90, in bf16 (D = 64) and fp16 (D = 128),
 the mode's launches through parity/aot_compile.py, disassembles each cubin with cuobjdump and counts its
-floating-point instructions, in groups whose launches must agree count for count:
+floating-point instructions (``--arch 90``: sm_90's builds only), in groups whose launches must agree count
+for count:
   * one row group a program: the varlen kernel's trainer (packed), prefill (paged) and one-sequence
     launches and the decode kernel's one-split launches (paged, contiguous): the same code, the same layout;
   * SUB row groups a program: the varlen kernel's trainer, prefill and one-sequence launches;
@@ -23,6 +24,7 @@ compared on its MMA opcodes only (parity/test_batch_invariant_attention.py asser
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import multiprocessing
@@ -56,7 +58,11 @@ def sass_counts(case: dict, arch: int, cubins: list) -> dict:
     return dict(collections.Counter(op for op in ops if ARITHMETIC.match(op)))
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, choices=(80, 90), action="append",
+                        help="build for this arch only (repeatable; default 80 and 90)")
+    archs = parser.parse_args(argv).arch or [80, 90]
     varlen = A._import(ROOT / "fast" / "paged_varlen_attention.py", "sass_varlen")
     decoding = A._import(ROOT / "fast" / "flash_decoding.py", "sass_decoding")
     model = A._import(ROOT / "fast" / "decoder_lm.py", "sass_decoder_lm")
@@ -69,7 +75,7 @@ def main() -> None:
     moe_cases = A._import(PARITY / "aot_cases" / "moe.py", "sass_moe_cases")
     A._resource_usage = lambda cubin, usage=A._resource_usage: _CUBINS.append(cubin) or usage(cubin)
     jobs = []
-    for arch in (80, 90):
+    for arch in archs:
         for dtype, d in ((torch.bfloat16, 64), (torch.float16, 128)):
             t = A.POINTER_TYPES[dtype]
             flags = dict(GROUP=4, HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_SINKS=False)

@@ -439,28 +439,30 @@ def test_edge_cases_in_the_mode():
 
 # ----------------------------------------------------------------------------- the GPU build, without a GPU
 
-def test_gpu_builds_run_the_same_arithmetic():
-    """What the interpreter cannot show: on a GPU, the trainer's, a prefill's and a decode's launches of
-    the mode (different compiled kernels, and different spreads of the same rows over warps) must round
-    alike.  parity/invariant_sass.py builds them for sm_80 and sm_90 (bf16 D = 64, fp16 D = 128: a packed
-    forward, paged prefill chunks and a one-sequence prefill that Triton specializes, with one row group a
-    program and with SUB of them; flash_decode over pages and over a contiguous cache in one split, and
+@pytest.mark.parametrize("arch", [80, 90], ids=lambda a: f"sm{a}")
+def test_gpu_builds_run_the_same_arithmetic(arch):
+    """What the interpreter cannot show: on a GPU, the trainer's, a prefill's and a decode's launches of the mode
+    (different compiled kernels, and different spreads of the same rows over warps) must round alike.
+    parity/invariant_sass.py builds them for ``arch`` (sm_80 or sm_90: a case each) in bf16 D = 64 and fp16
+    D = 128 (a packed forward, paged prefill chunks and a one-sequence prefill that Triton specializes, with one row
+    group a program and with SUB of them; flash_decode over pages and over a contiguous cache in one split, and
     split with the fused merge), the invariant matmul at M = 1, 37 and 64 rows and fast/moe.py's expert GEMMs
     for calls of 1, 37 and 2048 tokens, and Gated DeltaNet's five chunk-forward kernels in the mode, varlen (a
-    trainer, a prefill) against dense (the engine's decode step, capturable: no cu_seqlens), and counts each SASS's
-    floating-point instructions.  Launches of the same shape agree count for count (the one-group launches
+    trainer, a prefill) against dense (the engine's decode step, capturable: no cu_seqlens), and counts each
+    SASS's floating-point instructions. Launches of the same shape agree count for count (the one-group launches
     of both kernels: the same code); every attention launch of an arch and dtype runs the same MMA, mma.sync
-    m16n8k16 (HMMA.16816) on sm_80 and on sm_90 (the mode's 16-row groups: no wgmma), so a row's sums, all
-    MMAs or maxima, do not depend on the warps.  The matmul and the expert GEMMs: HMMA.16816 on sm_80, one
-    wgmma shape set (HGMMA.64xNx16) on sm_90, FFMA only in fp32.  (The default kernels would not: their
-    unmasked loop fuses scale and max-subtraction into FFMAs the masked loop does not have, and the autotuner
-    picks tiles by row count.)"""
+    m16n8k16 (HMMA.16816) on sm_80 and on sm_90 (the mode's 16-row groups: no wgmma), so a row's sums, all MMAs
+    or maxima, do not depend on the warps. The matmul and the expert GEMMs: HMMA.16816 on sm_80, one wgmma shape
+    set (HGMMA.64xNx16) on sm_90, FFMA only in fp32. (The default kernels would not: their unmasked loop fuses
+    scale and max-subtraction into FFMAs the masked loop does not have, and the autotuner picks tiles by row
+    count.)"""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     probe = Path(__file__).resolve().parent / "invariant_sass.py"
-    proc = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, str(probe), "--arch", str(arch)], env=env, capture_output=True,
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     groups = json.loads(proc.stdout.splitlines()[-1])
-    assert len(groups) == 34, sorted(groups)
+    assert len(groups) == 17 and all(f"sm_{arch}" in group for group in groups), sorted(groups)
     for group, launches in groups.items():
         mma = {label: {op: n for op, n in ops.items() if "MMA" in op} for label, ops in launches.items()}
         print(f"{group}: MMA {sorted(set().union(*mma.values()))}")

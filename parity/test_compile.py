@@ -28,8 +28,10 @@ FAST_FILES = sorted(ROOT / "fast" / p.name for p in (ROOT / "parity" / "aot_case
 # Each file's builds are split over SHARDS processes, all run side by side on the machine's cores:
 # compiling is CPU-bound and single-threaded, and one large file alone would otherwise keep a
 # single core busy long after the others finished.  conftest.py starts them when the session is
-# collected and moves these tests last, so the builds overlap the interpreter tests.
-SHARDS = 4
+# collected and moves these tests last, so the builds overlap the interpreter tests.  Each process costs ~3 CPU s
+# before its first build (Python, torch and triton imported, the cases loaded): two shards a file where two cores
+# run them (the 20 processes of four were ~60 CPU s of a 2-core make parity's), four on larger machines.
+SHARDS = 4 if (os.cpu_count() or 1) > 2 else 2
 # Every config of every case with TWOFOLD_COMPILE_ALL=1 (`make compile-check`); otherwise (CI's
 # `make parity`) every case, i.e. every kernel, code path, dtype, head-dim class and arch, with its
 # first config, which keeps CI within its time budget.

@@ -97,6 +97,9 @@ def test_the_head_loads_from_a_qwen35_checkpoint(tmp_path, family):
     fast_model = fast_lm.DecoderLM.from_pretrained(tmp_path, linear_layer=GDN, mtp=True, **fast_moe)
     for name, t in loaded.items():                            # fast/decoder_lm.py's head: the same tensors
         assert torch.equal(fast_model.state_dict()[name], t), name
+    if config.num_experts:   # the engines below run the experts through ref/moe.py (fast/moe.py's kernels take
+        fast_moe = dict(moe_layer=ref_moe.MoE)                # 30 s in the interpreter: test_moe.py's to test)
+        fast_model = fast_lm.DecoderLM.from_pretrained(tmp_path, linear_layer=GDN, mtp=True, **fast_moe)
     reqs = [fast_ge.Request([5, 17, 3, 44, 2, 9] * 2, fast_ge.SamplingParams(max_new_tokens=10)),
             fast_ge.Request([1, 2, 3], fast_ge.SamplingParams(max_new_tokens=10, temperature=1.0, seed=4, n=2))]
     done = {}
@@ -106,7 +109,7 @@ def test_the_head_loads_from_a_qwen35_checkpoint(tmp_path, family):
             drafts = gen.stats()["draft_tokens"]
     assert drafts > 0 and [c.token_ids for c in done["mtp"]] == [c.token_ids for c in done[None]]
     for ge in (ref_ge, fast_ge):                              # speculative="mtp" loads the head with the model
-        model_kw = dict(moe_layer=ref_moe.MoE if ge is ref_ge else fast_moe["moe_layer"]) if config.num_experts else {}
+        model_kw = dict(moe_layer=ref_moe.MoE) if config.num_experts else {}
         with ge.Generator.from_pretrained(tmp_path, model_class=LM[ge].DecoderLM, linear_layer=GDN, page_size=4,
                                           speculative="mtp", **model_kw) as gen:
             assert gen.model.mtp is not None
