@@ -294,7 +294,7 @@ def ceil_div(a: int, b: int) -> int:
 # tests read it from whichever process runs them.  One process starts the jobs: a plain run, or xdist's first
 # worker, which then waits for them before it exits (its share of the tests may end first).
 BACKGROUND_NICE = 19
-_BACKGROUND: dict = {"jobs": [], "queued": [], "procs": set(), "pool": None, "own_dir": False}
+_BACKGROUND: dict = {"jobs": [], "procs": set(), "pool": None, "own_dir": False}
 
 
 def starts_background() -> bool:
@@ -306,11 +306,12 @@ def background_dir() -> Path:
     return Path(os.environ["TWOFOLD_BACKGROUND_DIR"])
 
 
-def start_job(name: str, fn, cost: float = 0.0) -> None:
-    """Queue ``fn()`` (-> a JSON-able dict) for a background thread; its result lands in <dir>/<name>.json.
-    ``cost``: its CPU seconds, roughly (only the order of the queued jobs' costs matters).  The queue starts
-    when the session is collected (start_queued_jobs), the costliest job first."""
+def start_job(name: str, fn) -> None:
+    """Run ``fn()`` (-> a JSON-able dict) in a background thread; its result lands in <dir>/<name>.json."""
     import json
+    from concurrent.futures import ThreadPoolExecutor
+    if _BACKGROUND["pool"] is None:
+        _BACKGROUND["pool"] = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
     path = background_dir() / f"{name}.json"
 
     def run():
@@ -321,22 +322,7 @@ def start_job(name: str, fn, cost: float = 0.0) -> None:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(result))
         tmp.rename(path)
-    _BACKGROUND["queued"].append((cost, run))
-
-
-def start_queued_jobs() -> None:
-    """Start the queued jobs, the costliest first, as many at once as the machine has cores (at least two).
-    Costliest first, because the last minutes of a run are these jobs alone (the tests that read them wait):
-    started in the order they were queued, the single-process BLAS probe (~4 CPU-minutes on a Zen 1) came after
-    twenty short builds and ran alone at the end of make parity, one core idle beside it."""
-    from concurrent.futures import ThreadPoolExecutor
-    if not _BACKGROUND["queued"]:
-        return
-    if _BACKGROUND["pool"] is None:
-        _BACKGROUND["pool"] = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
-    queued = sorted(_BACKGROUND["queued"], key=lambda job: -job[0])     # (stable: equal costs keep their order)
-    _BACKGROUND["queued"].clear()
-    _BACKGROUND["jobs"] += [_BACKGROUND["pool"].submit(run) for _, run in queued]
+    _BACKGROUND["jobs"].append(_BACKGROUND["pool"].submit(run))
 
 
 def job_result(name: str, timeout: float) -> dict:
@@ -542,8 +528,7 @@ def pytest_collection_finish(session):
                         ("test_numerics_blas.py", "start_runs")):
         items = [item for item in session.items if item.path.name == name]
         if items and not session.config.option.collectonly and starts_background():
-            getattr(items[0].module, start)(items)   # what the selected tests read, queued
-    start_queued_jobs()
+            getattr(items[0].module, start)(items)   # what the selected tests read, in the background
     _start_progress(session)
 
 

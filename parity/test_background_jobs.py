@@ -1,5 +1,5 @@
 """conftest.py's background jobs (what test_compile.py, test_bitwise_blas.py and test_numerics_blas.py start at
-collection and read later) start under any test's memory use, the costliest first."""
+collection and read later) start under any test's memory use."""
 from __future__ import annotations
 
 import os
@@ -32,36 +32,3 @@ def test_a_background_job_starts_beside_a_large_address_space():
     finally:
         del held
     assert result["returncode"] == 0 and f"started at nice {BACKGROUND_NICE}" in result["log"], result
-
-
-def test_queued_jobs_start_costliest_first(tmp_path, monkeypatch):
-    """start_job queues; start_queued_jobs starts the queue by decreasing cost (equal costs in the order queued),
-    each job's result in <dir>/<name>.json, a job that raised reported, not lost."""
-    import json
-    from concurrent.futures import ThreadPoolExecutor
-
-    import conftest
-    monkeypatch.setenv("TWOFOLD_BACKGROUND_DIR", str(tmp_path))
-    pool = ThreadPoolExecutor(max_workers=1)                 # one at a time: the start order is the run order
-    monkeypatch.setitem(conftest._BACKGROUND, "pool", pool)
-    monkeypatch.setitem(conftest._BACKGROUND, "jobs", [])
-    monkeypatch.setitem(conftest._BACKGROUND, "queued", [])
-    started = []
-
-    def job(name):
-        started.append(name)
-        if name == "raises":
-            raise ValueError("no result")
-        return dict(returncode=0, log=name)
-    for name, cost in (("short", 1), ("raises", 50), ("long", 100), ("also-short", 1), ("free", 0)):
-        conftest.start_job(name, lambda name=name: job(name), cost=cost)
-    assert started == [] and not any(tmp_path.iterdir())     # queued only
-    conftest.start_queued_jobs()
-    for future in conftest._BACKGROUND["jobs"]:
-        future.result(timeout=60)
-    pool.shutdown()
-    assert started == ["long", "raises", "short", "also-short", "free"]
-    assert conftest.job_result("long", timeout=1) == dict(returncode=0, log="long")
-    failed = json.loads((tmp_path / "raises.json").read_text())
-    assert failed["returncode"] == -1 and "ValueError: no result" in failed["log"]
-    assert conftest._BACKGROUND["queued"] == []

@@ -66,45 +66,19 @@ def make_parity_family() -> str:
 _STARTED: list = []
 
 
-# Each family's probe in two processes (its checks split by what they run), so that the two fill two cores:
-# (name, the probe's --only arguments, CPU seconds under the generic scalar kernels on a 2-core Zen 1)
-PROBE_PARTS = [("engines", ["--only", "engine"], 171),
-               ("kernels", ["--only", "matmul", "--only", "attention", "--only", "gdn"], 90)]
-
-
 def start_probes(items=None) -> None:
-    """Every selected kernel family's probe, queued as background jobs at the lowest CPU priority as soon as
-    the session's tests are collected (conftest.py), like the ahead-of-time builds: each part runs mostly on
-    one core (the interpreter), so together they use what the interpreter tests leave idle, and the tests
-    below only read their reports."""
+    """Every selected kernel family's probe, started at once as background jobs at the lowest CPU priority as
+    soon as the session's tests are collected (conftest.py), like the ahead-of-time builds: each probe runs
+    mostly on one core (the interpreter), so together they use what the interpreter tests leave idle, and
+    the tests below only read their reports."""
     if _STARTED or ON_GPU:
         return
     _STARTED.append(True)
     selected = None if items is None else {item.callspec.params["name"] for item in items}
     for name, env, _, needs in KERNELS:
         if needs <= cpu_flags() and (selected is None or name in selected):
-            for part, only, cost in PROBE_PARTS:
-                start_job(f"blas-probe-{name}-{part}", functools.partial(
-                    background_process, [sys.executable, str(PROBE), *only], timeout=900,
-                    env={**os.environ, **env}), cost=cost)
-
-
-def probe_report(name: str) -> tuple[dict, int, str]:
-    """Family ``name``'s probe report, its parts' checks merged: (report, the worst exit code, the logs)."""
-    report, returncode, logs = None, 0, ""
-    for part, _, _ in PROBE_PARTS:
-        run = job_result(f"blas-probe-{name}-{part}", timeout=1800)
-        returncode, logs = max(returncode, run["returncode"], key=abs), logs + run["log"]
-        lines = [ln for ln in run["log"].splitlines() if ln.startswith("{")]
-        assert lines, f"the probe's {part} printed no report (exit {run['returncode']}): {run['log'][-3000:]}"
-        part_report = json.loads(lines[-1])
-        if report is None:
-            report = part_report
-        else:
-            assert (part_report["corename"], part_report["aten"]) == (report["corename"], report["aten"]), \
-                (part_report, report)
-            report["checks"].update(part_report["checks"])
-    return report, returncode, logs
+            start_job(f"blas-probe-{name}", functools.partial(
+                background_process, [sys.executable, str(PROBE)], timeout=900, env={**os.environ, **env}))
 
 
 # make parity probes one family other than this machine's own (a probe costs about 3 CPU-minutes); make
@@ -120,7 +94,12 @@ def test_bitwise_under_every_cpu_kernel_family(name, env, corenames, needs):
     missing = needs - cpu_flags()
     if missing:
         pytest.skip(f"this CPU lacks {sorted(missing)}")
-    report, returncode, err = probe_report(name)
+    run = job_result(f"blas-probe-{name}", timeout=1800)
+    returncode, out = run["returncode"], run["log"]
+    err = out
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    assert lines, f"the probe printed no report (exit {returncode}): {err[-3000:]}"
+    report = json.loads(lines[-1])
     print(f"\n{env}: OpenBLAS {report['corename']}, ATen {report['aten']}: {report['checks']}")
     assert report["corename"].lower() in corenames, f"{env} ran OpenBLAS's {report['corename']} kernels"
     failed = {check: c for check, c in report["checks"].items() if c["error"] or c["bitwise"] != c["total"]}

@@ -68,20 +68,13 @@ def _job(path: Path, arch: int, shard: int) -> str:
     return f"aot-{path.stem}-sm{arch}-{shard}"
 
 
-# The CPU seconds of each file's builds for one arch, first configs (a 2-core Zen 1, cold caches): the background
-# queue starts the costliest jobs first (conftest.start_queued_jobs; only the order matters).
-BUILD_CPU_S = {"paged_varlen_attention.py": 224, "gated_deltanet.py": 222, "flash_decoding.py": 88, "moe.py": 69,
-               "decoder_lm.py": 36}
-
-
 def start_builds(items=None):
-    """Queue the selected tests' builds as background jobs (conftest.start_job; once per run)."""
+    """Launch the selected tests' builds as background jobs (conftest.start_job; once per run)."""
     if not _STARTED:
         _STARTED.append(True)
         for path, arch in _selected(items):
             for shard in range(SHARDS):
-                start_job(_job(path, arch, shard), functools.partial(_aot, path, arch, shard),
-                          cost=BUILD_CPU_S.get(path.name, 60) / SHARDS)
+                start_job(_job(path, arch, shard), functools.partial(_aot, path, arch, shard))
 
 
 def aot_result(path: Path, arch: int) -> dict:

@@ -94,7 +94,7 @@ def start_runs(items=None) -> None:
     for name in chosen_families():
         cmd = [sys.executable, "-m", "pytest", *TIGHTEST, "-v", "-s", "-p", "no:cacheprovider"]
         start_job(f"numerics-{name}", functools.partial(background_process, cmd, timeout=900, cwd=ROOT,
-                                                        env={**os.environ, **family_env(name)}), cost=30)
+                                                        env={**os.environ, **family_env(name)}))
 
 
 CHECK = re.compile(r": max\|fast-ref64\| ([0-9.e+-]+) .*?\| bound ([0-9.e+-]+?)(?:\.\.[0-9.e+-]+)?(?: |$)")
