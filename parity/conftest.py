@@ -395,7 +395,7 @@ LATE = ("test_bitwise_blas.py", "test_numerics_blas.py", "test_gpu_builds_run_th
 
 
 # What `make parity` leaves out on a CPU (`-m "not slow"`; `make parity-all` runs everything): the longer cases of
-# properties it checks on fewer cases, so that it stays under 20 minutes on a 2-core CPU machine.  Each line
+# properties it checks on fewer cases, so that it keeps near its 20 minutes on a 2-core CPU machine.  Each line
 # is a node id, ``*`` matching any text; the comment says which case in make parity holds the property.
 # A line that matches nothing in a collected file fails the collection (a renamed test must not slip in).
 SLOW = (
