@@ -35,6 +35,7 @@ import glob
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -133,9 +134,10 @@ def check_engine(kind: str, *, requests: int, seed: int, page_size: int, specula
                                  varlen_attn=varlen_attn)
 
     reqs = t.requests(seed=seed, n=requests)
-    # (make parity runs this probe at nice 19 beside its busy test workers: a request may wait minutes for a core.
-    # Started at the beginning of a run, two of the engine checks once passed the tests' 120 s wait.)
-    t.TIMEOUT = max(t.TIMEOUT, 600.0)
+    # make parity runs this probe at nice 19 beside its busy test workers, where it gets ~1.5% of a core: a request
+    # may wait many minutes (two engine checks once passed the tests' 120 s wait).  A hung engine is caught by the
+    # probe's own time limit in make parity (conftest.BACKGROUND_TIMEOUT); run by hand, by this hour.
+    t.TIMEOUT = max(t.TIMEOUT, 3600.0)
     torch.set_num_threads(1)
     knobs = dict(page_size=page_size, num_pages=-(-56 // page_size), max_batch_size=8, flash_decode=flash_decode)
     with fast_ge.Generator(make_model(), **knobs) as gen:
@@ -191,12 +193,16 @@ def main(argv=None) -> int:
     for name, run in checks.items():
         if args.only and name.split()[0] not in args.only:
             continue
+        wall, cpu = time.monotonic(), time.process_time()
         try:
             good, total = run()
             report["checks"][name] = {"bitwise": good, "total": total, "error": None}
         except Exception as e:  # reported, and the test fails on it
             report["checks"][name] = {"bitwise": 0, "total": 0, "error": "".join(
                 traceback.format_exception_only(type(e), e)).strip()[-2000:]}
+        # progress on stderr, so that a probe killed midway (its report comes last) shows how far it got
+        print(f"probe: {name}: {report['checks'][name]} in {time.monotonic() - wall:.0f} s "
+              f"({time.process_time() - cpu:.0f} CPU s)", file=sys.stderr, flush=True)
     print(json.dumps(report))
     return 0 if all(c["error"] is None and c["bitwise"] == c["total"] for c in report["checks"].values()) else 1
 

@@ -294,6 +294,11 @@ def ceil_div(a: int, b: int) -> int:
 # tests read it from whichever process runs them.  One process starts the jobs: a plain run, or xdist's first
 # worker, which then waits for them before it exits (its share of the tests may end first).
 BACKGROUND_NICE = 19
+# A job's time limit (background_process's ``timeout``) guards against a hung child only: it counts wall time from
+# the job's start, and at nice 19 beside two busy test workers a job gets ~1.5% of a core (CFS weights 15 against
+# 1024), so it runs mostly when the tests wait or once they are done.  A CI run killed the BLAS probe at a
+# 900 s limit this way (exit -9, no report) while the tests still held both cores; it needed a few minutes alone.
+BACKGROUND_TIMEOUT = 2400.0
 _BACKGROUND: dict = {"jobs": [], "procs": set(), "pool": None, "own_dir": False}
 
 
@@ -337,9 +342,10 @@ def job_result(name: str, timeout: float) -> dict:
     return json.loads(path.read_text())
 
 
-def background_process(cmd: list, *, timeout: float, **popen_kw) -> dict:
+def background_process(cmd: list, *, timeout: float = BACKGROUND_TIMEOUT, **popen_kw) -> dict:
     """For a job: run ``cmd`` at the lowest priority (output to a file: a full pipe would stall it), killed at
-    ``timeout`` or when the session is interrupted.  -> {returncode, log}.
+    ``timeout`` (wall seconds; see BACKGROUND_TIMEOUT) or when the session is interrupted.  -> {returncode, log};
+    a child killed by a signal ends its log with a line that says which, and whether the limit sent it.
 
     The priority comes from nice(1), not a preexec_fn: a preexec_fn makes Python fork() the test process,
     and the kernel charges the child a copy of every private writable mapping of a parent that may hold
@@ -347,20 +353,28 @@ def background_process(cmd: list, *, timeout: float, **popen_kw) -> dict:
     make parity on a 24 GiB machine).  Without one, Python starts the child with vfork(), which copies nothing."""
     import subprocess
     import tempfile
+    import time
     if shutil.which("nice"):
         cmd = ["nice", "-n", str(BACKGROUND_NICE), *cmd]
     with tempfile.TemporaryFile("w+") as out:
+        start, timed_out = time.monotonic(), False
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, **popen_kw)
         _BACKGROUND["procs"].add(proc)
         try:
             returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            timed_out = True
             proc.kill()
             returncode = proc.wait()
         finally:
             _BACKGROUND["procs"].discard(proc)
         out.seek(0)
-        return dict(returncode=returncode, log=out.read())
+        log = out.read()
+    if returncode < 0:
+        why = (f"its time limit ({timeout:.0f} s of wall time)" if timed_out else
+               "not this run's time limit (the kernel's OOM killer, or the session ending)")
+        log += f"\n[killed by signal {-returncode} after {time.monotonic() - start:.0f} s: {why}]\n"
+    return dict(returncode=returncode, log=log)
 
 
 def pytest_configure(config):

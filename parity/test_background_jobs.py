@@ -32,3 +32,15 @@ def test_a_background_job_starts_beside_a_large_address_space():
     finally:
         del held
     assert result["returncode"] == 0 and f"started at nice {BACKGROUND_NICE}" in result["log"], result
+
+
+def test_a_job_past_its_time_limit_says_so():
+    """A job killed at its limit leaves a log that says it was (a CI run's BLAS probe ended as "exit -9" and an
+    empty log: its limit, counted in wall time while the tests held both cores, had passed)."""
+    result = background_process([sys.executable, "-c", "import time; print('begun', flush=True); time.sleep(60)"],
+                                timeout=3)
+    assert result["returncode"] == -9, result
+    assert "begun" in result["log"] and "[killed by signal 9 after" in result["log"], result
+    assert "its time limit (3 s of wall time)" in result["log"], result
+    done = background_process([sys.executable, "-c", "print('done')"], timeout=60)
+    assert done == dict(returncode=0, log="done\n"), done

@@ -52,7 +52,7 @@ def _aot(path: Path, arch: int, shard: int) -> dict:
         cmd = [sys.executable, str(ROOT / "parity" / "aot_compile.py"), str(path), "--json", str(out),
                "--arch", str(arch), "--shard", f"{shard}/{SHARDS}", "--nice", str(BACKGROUND_NICE)]
         cmd += [] if COMPILE_ALL else ["--first-config"]
-        run = background_process(cmd, timeout=1500, env=env)
+        run = background_process(cmd, env=env)
         results = json.loads(out.read_text()) if out.exists() else []
     return dict(returncode=run["returncode"], log=run["log"], results=results)
 

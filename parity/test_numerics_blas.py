@@ -93,7 +93,7 @@ def start_runs(items=None) -> None:
     _STARTED.append(True)
     for name in chosen_families():
         cmd = [sys.executable, "-m", "pytest", *TIGHTEST, "-v", "-s", "-p", "no:cacheprovider"]
-        start_job(f"numerics-{name}", functools.partial(background_process, cmd, timeout=900, cwd=ROOT,
+        start_job(f"numerics-{name}", functools.partial(background_process, cmd, cwd=ROOT,
                                                         env={**os.environ, **family_env(name)}))
 
 
