@@ -15,11 +15,11 @@ DRY_RUN ?= 0
 help:
 	@echo "Targets (durations measured on a 2-core CPU machine without a GPU; parity/make_durations.py):"
 	@echo "  make install        dependencies into the active Python (keeps an installed torch)        ~1 min"
-	@echo "  make parity         the parity tests: every case on CUDA, else the Triton interpreter on  ~30 min"
+	@echo "  make parity         the parity tests: every case on CUDA, else the Triton interpreter on  ~35 min"
 	@echo "                      small shapes less the cases marked slow, plus the sm_90 build check,"
 	@echo "                      over one pytest-xdist worker per core (PARITY_JOBS=1: one process;"
-	@echo "                      measured on a 2-core Zen 1 with AVX2 only; a Zen 4 took ~22 before"
-	@echo "                      that week's cuts)"
+	@echo "                      measured on a 2-core Zen 1 with AVX2 only, 30-35 min from run to run;"
+	@echo "                      CI's 2-core AVX2 machine took 24)"
 	@echo "  make parity-all     make parity with the slow cases too (CPU; one process: ~50 min)"
 	@echo "  make compile-check  ahead-of-time build of every kernel and every config (no GPU needed) ~10 min"
 	@echo "  make bench          every benchmark (FEATURE=name for one); prints its tables and writes ~35 min"
@@ -55,8 +55,8 @@ install:
 		"transformers>=5.24,<6"
 
 # make parity leaves out the tests marked slow (longer sweeps of what it checks on fewer cases): on a 2-core
-# CPU machine 30 minutes on a fresh clone (a Zen 1 EPYC, AVX2 only, 2026-12-07; a Zen 4 EPYC took 22 before
-# that week's cuts, not measured since); make parity-all runs everything.
+# CPU machine 30-35 minutes on a fresh clone (a Zen 1 EPYC, AVX2 only, 2026-12-07: 1,778 to 2,103 s, the same
+# tests; CI's 2-core AVX2 machine: 1,427 s); make parity-all runs everything.
 # On a machine without a GPU the test files are spread over PARITY_JOBS pytest-xdist workers (default: the
 # core count; the interpreter tests run mostly on one core each); PARITY_JOBS=1 runs them in one process, as a
 # GPU machine does.
