@@ -83,7 +83,8 @@ def start_probes(items=None) -> None:
     if _STARTED or ON_GPU:
         return
     _STARTED.append(True)
-    selected = None if items is None else {item.callspec.params["name"] for item in items}
+    selected = None if items is None else {item.callspec.params["name"] for item in items
+                                           if item.originalname == "test_bitwise_under_every_cpu_kernel_family"}
     for name, env, _, needs in KERNELS:
         if needs <= cpu_flags() and (selected is None or name in selected):
             for part, only in PROBE_PARTS:
@@ -129,3 +130,17 @@ def test_bitwise_under_every_cpu_kernel_family(name, env, corenames, needs):
     assert not failed, f"not bitwise under {env}: {failed}"
     assert len(report["checks"]) == 6 and all(c["total"] > 0 for c in report["checks"].values()), report
     assert returncode == 0, err[-3000:]
+
+
+@pytest.mark.parametrize("own,flags,family", [
+    ("skylakex", {"avx", "avx2", "fma", "avx512f"}, "avx2-haswell-zen"),   # an AVX-512 CPU: the AVX2 family
+    ("haswell", {"avx", "avx2", "fma"}, "generic-scalar"),                # runs the AVX2 family by itself
+    ("zen", {"avx", "avx2", "fma"}, "generic-scalar"),
+    ("sandybridge", {"avx"}, "generic-scalar"),                           # cannot run the AVX2 family
+])
+def test_make_parity_probes_a_family_the_machine_does_not_run(own, flags, family, monkeypatch):
+    """make parity's one family: Haswell / Zen's AVX2 sgemm where the CPU can run it and does not by itself,
+    else the generic scalar one (the first entry of KERNELS used to be taken on every machine)."""
+    monkeypatch.setattr(sys.modules[__name__], "own_corename", lambda: own)
+    monkeypatch.setattr(sys.modules[__name__], "cpu_flags", lambda: flags)
+    assert make_parity_family() == family
