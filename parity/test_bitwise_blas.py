@@ -56,12 +56,8 @@ def own_corename() -> str:
 def make_parity_family() -> str:
     """The one family make parity probes (the others run in make parity-all): Haswell / Zen's AVX2 sgemm, whose
     tile rounding broke the mode once, unless this machine runs it by itself, then the generic scalar one."""
-    own, families = own_corename(), {k[0]: k for k in KERNELS}
-    for name in ("avx2-haswell-zen", "generic-scalar"):
-        _, _, corenames, needs = families[name]
-        if own not in corenames and needs <= cpu_flags():
-            return name
-    return KERNELS[0][0]
+    name, _, corenames, needs = next(k for k in KERNELS if k[0] == "avx2-haswell-zen")
+    return name if own_corename() not in corenames and needs <= cpu_flags() else "generic-scalar"
 
 
 _STARTED: list = []
@@ -94,20 +90,15 @@ def start_probes(items=None) -> None:
 
 def probe_report(name: str) -> tuple[dict, int, str]:
     """Family ``name``'s probe report, its parts' checks merged: (report, the worst exit code, the logs)."""
-    report, returncode, logs = None, 0, ""
+    reports, returncode, logs = [], 0, ""
     for part, _ in PROBE_PARTS:
         run = job_result(f"blas-probe-{name}-{part}", timeout=1800)
         returncode, logs = max(returncode, run["returncode"], key=abs), logs + run["log"]
         lines = [ln for ln in run["log"].splitlines() if ln.startswith("{")]
         assert lines, f"the probe's {part} printed no report (exit {run['returncode']}): {run['log'][-3000:]}"
-        part_report = json.loads(lines[-1])
-        if report is None:
-            report = part_report
-        else:
-            assert (part_report["corename"], part_report["aten"]) == (report["corename"], report["aten"]), \
-                (part_report, report)
-            report["checks"].update(part_report["checks"])
-    return report, returncode, logs
+        reports.append(json.loads(lines[-1]))
+    assert len({(r["corename"], r["aten"]) for r in reports}) == 1, reports     # the parts ran the same kernels
+    return {**reports[0], "checks": {k: c for r in reports for k, c in r["checks"].items()}}, returncode, logs
 
 
 # make parity probes one family other than this machine's own (a probe costs about 3 CPU-minutes); make
